@@ -1,0 +1,500 @@
+"""Text, tokens, batches and files on disk: the one data module shared by every script.
+
+Read top to bottom:
+  1. errors          one exception type whose message names the file, the line and what is wrong
+  2. tokenizer       BERT's uncased WordPiece (bundled data/vocab.txt) or a new one trained on your corpus
+  3. readers         pre-training text (plain / JSONL, .gz), BEIR, MS MARCO, TREC qrels and run files
+  4. windows         documents -> [CLS] ... [SEP] windows of at most max_len tokens, with word starts
+  5. batches         BERT masking, padding, and which examples each rank gets at each step
+  6. checkpoints     Hugging Face BERT folders and training state, written atomically
+"""
+import functools
+import gzip
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+VOCAB = HERE / "data" / "vocab.txt"          # BERT's uncased WordPiece vocabulary (30,522 entries)
+WIKI = HERE / "data" / "wiki.jsonl.gz"       # default pre-training corpus (Wikipedia slice)
+SCIFACT = HERE / "data" / "scifact"          # default retrieval benchmark (BEIR layout)
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Errors
+# ----------------------------------------------------------------------------------------------
+class DataError(ValueError):
+    """Bad input. The message is one line: 'file:line: what is wrong'. Scripts print it and exit."""
+
+
+def _where(path, line=None):
+    return f"{path}:{line}" if line is not None else f"{path}"
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Tokenizer
+# ----------------------------------------------------------------------------------------------
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def _bert_pipeline(tokenizer):
+    """BERT's uncased text pipeline: clean, lowercase, strip accents, split on whitespace and punctuation."""
+    from tokenizers import decoders, normalizers, pre_tokenizers
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
+    return tokenizer
+
+
+def load_tokenizer(vocab=VOCAB):
+    """WordPiece tokenizer from a vocab.txt. `encode` adds no special tokens: windows add [CLS]/[SEP]."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordPiece
+    vocab = Path(vocab)
+    if not vocab.is_file():
+        raise DataError(f"{vocab}: vocabulary file not found")
+    tokenizer = _bert_pipeline(Tokenizer(WordPiece.from_file(str(vocab), unk_token="[UNK]")))
+    missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
+    if missing:
+        raise DataError(f"{vocab}: vocabulary lacks the special tokens {missing}")
+    return tokenizer
+
+
+def special_ids(tokenizer):
+    """{'pad': 0, 'unk': 100, 'cls': 101, 'sep': 102, 'mask': 103} for BERT's vocabulary."""
+    return {t.strip("[]").lower(): tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+
+
+def train_wordpiece(texts, out_path, vocab_size=30522, min_frequency=2):
+    """Train a new uncased WordPiece vocabulary on an iterable of texts; write it as vocab.txt."""
+    from tokenizers import Tokenizer, trainers
+    from tokenizers.models import WordPiece
+    tokenizer = _bert_pipeline(Tokenizer(WordPiece(unk_token="[UNK]")))
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                        special_tokens=SPECIAL_TOKENS)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    atomic_write_text(out_path, "".join(token + "\n" for token, _ in vocab))
+    return load_tokenizer(out_path)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Readers
+# ----------------------------------------------------------------------------------------------
+def open_text(path):
+    """Open a text file for reading, gunzipping '.gz' transparently; a clear error if it is missing."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _find(folder, name):
+    """folder/name or folder/name.gz, whichever exists."""
+    for candidate in (Path(folder) / name, Path(folder) / (name + ".gz")):
+        if candidate.is_file():
+            return candidate
+    raise DataError(f"{Path(folder) / name}: file not found (nor {name}.gz)")
+
+
+def iter_jsonl(path):
+    """Yield (line_number, object) for each non-blank line of a JSONL file."""
+    with open_text(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{_where(path, number)}: malformed JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{_where(path, number)}: expected a JSON object, got {type(obj).__name__}")
+            yield number, obj
+
+
+def iter_tsv(path, n_columns, header=None):
+    """Yield (line_number, fields) of a tab-separated file with exactly n_columns per line.
+
+    header: the first field of a header line to skip (e.g. 'query-id' in BEIR qrels), or None.
+    """
+    with open_text(path) as f:
+        for number, line in enumerate(f, start=1):
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                continue
+            fields = line.split("\t")
+            if number == 1 and header is not None and fields[0] == header:
+                continue
+            if len(fields) != n_columns:
+                raise DataError(f"{_where(path, number)}: expected {n_columns} tab-separated fields, "
+                                f"found {len(fields)}")
+            yield number, fields
+
+
+def read_pretraining_texts(path):
+    """Documents for pre-training from a file or a folder of files ('.gz' read transparently).
+
+    - '.jsonl': one document per line with a "text" field (WikiExtractor, BEIR corpus); a "title"
+      field, when present, is put in front of the text.
+    - anything else: plain text, documents separated by blank lines (BERT's pre-training format).
+    """
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+        texts = [t for f in files for t in read_pretraining_texts(f)]
+    elif ".jsonl" in path.suffixes:
+        texts = []
+        for number, obj in iter_jsonl(path):
+            if not isinstance(obj.get("text"), str):
+                raise DataError(f"{_where(path, number)}: no string field \"text\"")
+            title = obj.get("title") or ""
+            texts.append(f"{title}. {obj['text']}" if title else obj["text"])
+    else:
+        with open_text(path) as f:
+            texts = [doc.strip() for doc in f.read().split("\n\n")]
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise DataError(f"{path}: empty corpus (no non-blank document)")
+    return texts
+
+
+def read_corpus(path):
+    """Retrieval corpus {docid: {"title", "text"}} from BEIR corpus.jsonl or MS MARCO collection.tsv."""
+    corpus = {}
+    if ".jsonl" in Path(path).suffixes:
+        for number, obj in iter_jsonl(path):
+            if "_id" not in obj or not isinstance(obj.get("text"), str):
+                raise DataError(f"{_where(path, number)}: a corpus line needs \"_id\" and a string \"text\"")
+            corpus[str(obj["_id"])] = {"title": obj.get("title") or "", "text": obj["text"]}
+    else:
+        for _, (docid, text) in iter_tsv(path, 2):
+            corpus[docid] = {"title": "", "text": text}
+    if not corpus:
+        raise DataError(f"{path}: empty corpus")
+    return corpus
+
+
+def read_queries(path):
+    """Queries {qid: text} from BEIR queries.jsonl or MS MARCO queries.tsv."""
+    queries = {}
+    if ".jsonl" in Path(path).suffixes:
+        for number, obj in iter_jsonl(path):
+            if "_id" not in obj or not isinstance(obj.get("text"), str):
+                raise DataError(f"{_where(path, number)}: a query line needs \"_id\" and a string \"text\"")
+            queries[str(obj["_id"])] = obj["text"]
+    else:
+        for _, (qid, text) in iter_tsv(path, 2):
+            queries[qid] = text
+    if not queries:
+        raise DataError(f"{path}: no queries")
+    return queries
+
+
+def read_qrels(path):
+    """Relevance judgments {qid: {docid: grade}} from BEIR qrels/*.tsv (header, 3 columns) or
+    TREC qrels (whitespace separated 'qid iteration docid grade')."""
+    qrels = {}
+    with open_text(path) as f:
+        for number, line in enumerate(f, start=1):
+            fields = line.split()
+            if not fields or (number == 1 and fields[0] == "query-id"):
+                continue
+            if len(fields) == 3:
+                qid, docid, grade = fields
+            elif len(fields) == 4:
+                qid, _, docid, grade = fields
+            else:
+                raise DataError(f"{_where(path, number)}: expected 'qid docid grade' or "
+                                f"'qid 0 docid grade', found {len(fields)} fields")
+            try:
+                qrels.setdefault(qid, {})[docid] = int(float(grade))
+            except ValueError:
+                raise DataError(f"{_where(path, number)}: relevance grade {grade!r} is not a number") from None
+    if not qrels:
+        raise DataError(f"{path}: no judgments")
+    return qrels
+
+
+def check_qrels(qrels, queries, corpus, path):
+    """Every judged query and document must exist: otherwise a metric would silently be wrong."""
+    for qid, docs in qrels.items():
+        if qid not in queries:
+            raise DataError(f"{path}: query id {qid!r} is not in the queries file")
+        for docid in docs:
+            if docid not in corpus:
+                raise DataError(f"{path}: document id {docid!r} (query {qid!r}) is not in the corpus")
+
+
+def load_beir(folder, split="test"):
+    """A BEIR-layout folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' allowed).
+
+    Returns (corpus {docid: {"title", "text"}}, queries {qid: text} restricted to the split's judged
+    queries, qrels {qid: {docid: grade}}).
+    """
+    qrels_path = _find(Path(folder) / "qrels", f"{split}.tsv")
+    corpus = read_corpus(_find(folder, "corpus.jsonl"))
+    queries = read_queries(_find(folder, "queries.jsonl"))
+    qrels = read_qrels(qrels_path)
+    check_qrels(qrels, queries, corpus, qrels_path)
+    return corpus, {qid: queries[qid] for qid in qrels}, qrels
+
+
+def read_run(path):
+    """TREC run file 'qid Q0 docid rank score tag' -> {qid: {docid: score}}."""
+    run = {}
+    with open_text(path) as f:
+        for number, line in enumerate(f, start=1):
+            fields = line.split()
+            if not fields:
+                continue
+            if len(fields) != 6:
+                raise DataError(f"{_where(path, number)}: expected 6 fields 'qid Q0 docid rank score tag', "
+                                f"found {len(fields)}")
+            try:
+                run.setdefault(fields[0], {})[fields[2]] = float(fields[4])
+            except ValueError:
+                raise DataError(f"{_where(path, number)}: score {fields[4]!r} is not a number") from None
+    return run
+
+
+def write_run(path, run, tag="dense"):
+    """Write {qid: {docid: score}} as a TREC run file, each query ranked by score (atomic)."""
+    lines = []
+    for qid, scores in run.items():
+        ranked = sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))
+        lines += [f"{qid} Q0 {docid} {rank} {score:.6f} {tag}\n"
+                  for rank, (docid, score) in enumerate(ranked, start=1)]
+    atomic_write_text(path, "".join(lines))
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Pre-training windows
+# ----------------------------------------------------------------------------------------------
+class Window(NamedTuple):
+    input_ids: list    # [CLS] tokens... [SEP]
+    word_starts: list  # True where a whole word starts; False at [CLS], [SEP] and '##' pieces
+
+
+def _cut_points(word_start, body):
+    """Chunk boundaries for a token sequence: at most `body` tokens each, moved back to the start of
+    the word they would split (a word longer than a whole chunk is cut where it must be)."""
+    cuts, start, n = [0], 0, len(word_start)
+    while start + body < n:
+        end = start + body
+        while end > start and not word_start[end]:
+            end -= 1
+        if end == start:
+            end = start + body
+        cuts.append(end)
+        start = end
+    return cuts + [n]
+
+
+def make_windows(tokenizer, texts, max_len, min_tokens=8):
+    """Tokenize documents and cut each into windows '[CLS] ... [SEP]' of at most max_len tokens.
+
+    Windows end on word boundaries where possible. A document's last window shorter than min_tokens
+    is dropped unless it is the whole document (it would cost a padded row and teach little).
+    """
+    ids = special_ids(tokenizer)
+    body = max_len - 2
+    windows = []
+    for encoding in tokenizer.encode_batch(texts, add_special_tokens=False):
+        word_ids = encoding.word_ids
+        tokens = encoding.ids
+        word_start = [i == 0 or word_ids[i] != word_ids[i - 1] for i in range(len(tokens))]
+        cuts = _cut_points(word_start, body)
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            if b - a < min_tokens and len(cuts) > 2:
+                continue
+            windows.append(Window([ids["cls"]] + tokens[a:b] + [ids["sep"]],
+                                  [False] + word_start[a:b] + [False]))
+    if not windows:
+        raise DataError("no windows: every document tokenized to nothing")
+    return windows
+
+
+def encode_texts(tokenizer, texts, max_len):
+    """Queries or passages -> padded ('[CLS] text [SEP]', truncated to max_len) ids and mask."""
+    ids = special_ids(tokenizer)
+    encodings = tokenizer.encode_batch(list(texts), add_special_tokens=False)
+    seqs = [[ids["cls"]] + e.ids[:max_len - 2] + [ids["sep"]] for e in encodings]
+    return pad_batch(seqs, ids["pad"])
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Batches
+# ----------------------------------------------------------------------------------------------
+def pad_batch(seqs, pad_id=0):
+    """List of token-id lists -> (ids (B, L) long, attention_mask (B, L) long), padded on the right."""
+    length = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, :len(s)] = 1
+    return ids, mask
+
+
+def mask_tokens(input_ids, maskable, vocab_size, mask_id, generator, mask_prob=0.15):
+    """BERT's masking: choose mask_prob of the maskable tokens; of those 80% -> [MASK],
+    10% -> a random token, 10% unchanged. Returns (masked_ids, labels), labels -100 where not chosen.
+
+    maskable: (B, L) bool, False at [CLS], [SEP] and padding so they are never chosen.
+    The random replacement is drawn from the whole vocabulary, as BERT's and Hugging Face's code do.
+    """
+    probs = torch.full(input_ids.shape, mask_prob) * maskable                         # (B, L)
+    chosen = torch.bernoulli(probs, generator=generator).bool()                       # (B, L)
+    labels = torch.where(chosen, input_ids, torch.full_like(input_ids, -100))         # (B, L)
+    roll = torch.rand(input_ids.shape, generator=generator)                           # (B, L)
+    to_mask = chosen & (roll < 0.8)
+    to_random = chosen & (roll >= 0.8) & (roll < 0.9)
+    random_ids = torch.randint(vocab_size, input_ids.shape, generator=generator)      # (B, L)
+    masked = torch.where(to_mask, torch.full_like(input_ids, mask_id), input_ids)
+    masked = torch.where(to_random, random_ids, masked)
+    return masked, labels
+
+
+def batch_generator(seed, rank, micro_step):
+    """A torch.Generator that depends only on (seed, rank, micro_step): batches are reproducible and a
+    resumed run draws exactly the masks an uninterrupted run would have drawn."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + micro_step * 1009 + rank)
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order(n_examples, seed, epoch):
+    return np.random.default_rng([seed, epoch]).permutation(n_examples)
+
+
+def batches_per_epoch(n_examples, batch_size, world):
+    """Global batches per epoch. Each epoch's leftover n % (batch_size * world) examples sit out that
+    epoch only (a fresh shuffle every epoch), so every rank holds the same batch size."""
+    count = n_examples // (batch_size * world)
+    if count == 0:
+        raise DataError(f"only {n_examples} examples: fewer than one global batch "
+                        f"({batch_size} per rank x {world} ranks); lower --batch_size")
+    return count
+
+
+def batch_indices(n_examples, batch_size, rank, world, seed, micro_step):
+    """Example indices of this rank's batch at a micro-step. Stateless: a function of the step alone,
+    so resuming needs no data-loader state. Ranks take disjoint slices of one shuffled global batch."""
+    per_epoch = batches_per_epoch(n_examples, batch_size, world)
+    epoch, index = divmod(micro_step, per_epoch)
+    order = _epoch_order(n_examples, seed, epoch)
+    start = (index * world + rank) * batch_size
+    return order[start:start + batch_size].tolist()
+
+
+def shard(n_items, rank, world):
+    """Contiguous shard of range(n_items) for a rank (sizes differ by at most one; no item twice or
+    lost). For encoding a corpus across ranks."""
+    bounds = np.linspace(0, n_items, world + 1).round().astype(int)
+    return range(bounds[rank], bounds[rank + 1])
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. Checkpoints
+# ----------------------------------------------------------------------------------------------
+def _atomic(path, write):
+    """Write through a temporary file in the same folder, then rename: a crash never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def atomic_write_text(path, text):
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+    _atomic(path, write)
+
+
+def atomic_write_json(path, obj):
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def atomic_torch_save(path, obj):
+    _atomic(path, lambda tmp: torch.save(obj, tmp))
+
+
+def save_tensors(path, tensors):
+    """A dict of tensors as safetensors (atomic). Tied tensors are stored once each (cloned)."""
+    from safetensors.torch import save_file
+    tensors = {k: v.detach().contiguous().cpu().clone() for k, v in tensors.items()}
+    _atomic(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+
+
+def load_tensors(path):
+    from safetensors.torch import load_file
+    return load_file(str(path))
+
+
+def vocab_size_of(vocab_path):
+    with open(vocab_path, encoding="utf-8") as f:
+        return sum(1 for _ in f)
+
+
+def save_encoder_folder(folder, hf_state_dict, hf_config, vocab=VOCAB):
+    """A Hugging Face BERT folder: config.json, model.safetensors, vocab.txt, tokenizer_config.json.
+    transformers.AutoModel.from_pretrained(folder) and AutoTokenizer load it."""
+    folder = Path(folder)
+    if vocab_size_of(vocab) != hf_config["vocab_size"]:
+        raise DataError(f"{vocab}: {vocab_size_of(vocab)} entries, but the model has "
+                        f"vocab_size {hf_config['vocab_size']}")
+    save_tensors(folder / "model.safetensors", hf_state_dict)
+    atomic_write_json(folder / "config.json", hf_config)
+    _atomic(folder / "vocab.txt", lambda tmp: shutil.copyfile(vocab, tmp))
+    atomic_write_json(folder / "tokenizer_config.json",
+                      {"tokenizer_class": "BertTokenizer", "do_lower_case": True,
+                       "model_max_length": hf_config["max_position_embeddings"]})
+
+
+def load_encoder_folder(folder):
+    """(hf_config, hf_state_dict) from a Hugging Face BERT folder: model.safetensors, or
+    pytorch_model.bin read with weights_only=True (no pickled code runs)."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise DataError(f"{folder / 'config.json'}: not found ({folder} is not a Hugging Face model folder)")
+    with open(folder / "config.json", encoding="utf-8") as f:
+        try:
+            hf_config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{folder / 'config.json'}:{e.lineno}: malformed JSON ({e.msg})") from None
+    if (folder / "model.safetensors").is_file():
+        state = load_tensors(folder / "model.safetensors")
+    elif (folder / "pytorch_model.bin").is_file():
+        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise DataError(f"{folder}: neither model.safetensors nor pytorch_model.bin found")
+    vocab = folder / "vocab.txt"
+    if vocab.is_file() and vocab_size_of(vocab) != hf_config.get("vocab_size"):
+        raise DataError(f"{vocab}: {vocab_size_of(vocab)} entries, but config.json says "
+                        f"vocab_size {hf_config.get('vocab_size')}")
+    return hf_config, state
+
+
+def save_training_state(path, state):
+    """Everything needed to resume (model, optimizer, scheduler, step, RNG) in one file (atomic)."""
+    atomic_torch_save(path, state)
+
+
+def load_training_state(path):
+    if not Path(path).is_file():
+        raise DataError(f"{path}: no training state to resume from")
+    return torch.load(path, map_location="cpu", weights_only=True)
