@@ -7,6 +7,8 @@ distributed setup, training loop, checkpoint. With --gwc_weight 0 it is the pape
     python costa.py --steps 1000 --lr 3e-4           # any Config field can be overridden by name
     torchrun --nproc_per_node=4 costa.py --preset paper --init bert-base-uncased/
     python costa.py --resume                         # continue from out_dir/state.pt exactly
+    python costa.py --gwc_weight 0                   # MLM only (the BERT baseline)
+    python costa.py --granularities word,phrase,sentence --span_T 4   # Table 4: 12 spans, no paragraphs
 
 The encoder is written to {out_dir}/encoder as a Hugging Face BERT folder for finetune.py.
 """
@@ -21,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
@@ -69,6 +72,14 @@ class Config:
     resume: bool = False          # continue from out_dir/state.pt
     halt_at: int = 0              # stop after this step as if killed (0 = never); to test --resume
     preset: str = ""              # "paper": BERT-base sizes and the paper's hyper-parameters
+    # --- COSTA (section 3.2 and 4.5.1; ablations in Tables 4-7)
+    gwc_weight: float = 0.1       # lambda in L = lambda L_GWC + L_MLM (eq. 10); 0 = MLM-only baseline
+    tau: float = 0.1              # temperature of eq. 8 (Table 7 tries 10, 1, 0.1, 0.01)
+    span_T: int = 5               # spans per granularity per text, T (Table 5 tries 3, 5, 10, 20)
+    granularities: str = "word,phrase,sentence,paragraph"  # which span levels; drop one for Table 4
+    span_alpha: float = 4.0       # span length p ~ Beta(alpha, beta) (eq. 1): 4, 2 favours long spans
+    span_beta: float = 2.0        # see span_alpha
+    projector: str = "nonlinear"  # text vector head (eq. 5): nonlinear = Tanh(Linear), linear, none (Table 6)
 
 
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=5e-5)
@@ -279,34 +290,182 @@ class Encoder(nn.Module):
 # --- shared: end encoder ---
 
 
+PROJECTORS = ("nonlinear", "linear", "none")
+
+
+class Projector(nn.Module):
+    """Text vector z_0 = projector(h_0) (eq. 5-6). kind "nonlinear" = Tanh(Linear(H, H)), the paper's;
+    "linear" = Linear(H, H); "none" = identity (the Table 6 ablations). Pre-training only: it is saved
+    in the training state, not in the encoder folder."""
+
+    def __init__(self, hidden_size, kind="nonlinear"):
+        super().__init__()
+        if kind not in PROJECTORS:
+            raise data.DataError(f"--projector must be one of {', '.join(PROJECTORS)}, got {kind!r}")
+        self.net = {"nonlinear": lambda: nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.Tanh()),
+                    "linear": lambda: nn.Linear(hidden_size, hidden_size),
+                    "none": nn.Identity}[kind]()
+
+    def forward(self, h0):                                                       # (B, H)
+        return self.net(h0)                                                      # (B, H)
+
+
+def span_vectors(hidden, spans):
+    """Span vector = mean of the output token vectors over [start, end) (eq. 7), all spans at once:
+    a (B, S, L) averaging matrix times the hidden states. hidden (B, L, H); spans (B, S, 2) long."""
+    positions = torch.arange(hidden.shape[1], device=hidden.device)            # (L,)
+    start, end = spans[..., :1], spans[..., 1:]                                 # (B, S, 1) each
+    weights = ((positions >= start) & (positions < end)) / (end - start)        # (B, S, L) rows sum to 1
+    return torch.bmm(weights.to(hidden.dtype), hidden)                          # (B, S, H)
+
+
 class PretrainModel(nn.Module):
-    """The encoder plus what pre-training adds on top of it. Returns the loss and what to log."""
+    """The encoder plus what pre-training adds on top of it. Returns the loss and what to log.
+    One forward pass over the masked text gives the MLM logits, h_0 and the span vectors."""
 
     def __init__(self, c, encoder):
         super().__init__()
         self.config, self.encoder = c, encoder
+        # no projector in the MLM-only baseline: DDP rejects parameters that get no gradient
+        self.projector = Projector(c.hidden_size, c.projector) if c.gwc_weight else None
 
     def forward(self, batch):
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])       # (B, L, H)
         mlm, n_correct, n_masked = self.encoder.mlm_loss(hidden, batch["labels"])
-        return mlm, {"mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1)}
+        metrics = {"mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1)}
+        if not self.config.gwc_weight:
+            return mlm, metrics
+        text_vecs = self.projector(hidden[:, 0])                                 # (B, H) z_0, eq. 6
+        span_vecs = span_vectors(hidden, batch["spans"])                         # (B, S, H) eq. 7
+        gwc, accuracy = gwc_loss_distributed(text_vecs, span_vecs, self.config.tau)
+        total = self.config.gwc_weight * gwc + mlm                               # eq. 10
+        return total, {**metrics, "gwc": gwc.detach(), "gwc_acc": accuracy}
 
 
 # ==============================================================================================
 # Loss
 # ==============================================================================================
-# The MLM loss is Encoder.mlm_loss above.
+# The MLM loss (eq. 9) is Encoder.mlm_loss above.
+def gwc_loss_and_accuracy(anchors, all_text_vecs, all_span_vecs, first, tau):
+    """Group-wise contrastive loss (eq. 8) of local anchors against every vector of the batch.
+
+    anchors (n, H): text vectors z_i, rows first .. first+n-1 of all_text_vecs (N, H); all_span_vecs
+    (N, S, H). For anchor i the S spans of text i are positives; the denominator runs over all N (S + 1)
+    vectors except z_i itself (other texts, every span, its own spans). sim = dot product / tau.
+    Eq. 8 sums over texts; we take the mean (over the S positives, as eq. 8, then over texts).
+    Logits in fp32 with autocast off (under autocast a matmul runs in bf16 even on fp32 inputs).
+    accuracy: fraction of anchors whose best candidate (itself excluded) is one of its own spans.
+    """
+    n, N, S = anchors.shape[0], all_text_vecs.shape[0], all_span_vecs.shape[1]
+    dtype = torch.promote_types(anchors.dtype, torch.float32)                  # fp32 (fp64 stays, for tests)
+    with torch.autocast(anchors.device.type, enabled=False):
+        candidates = torch.cat([all_text_vecs, all_span_vecs.reshape(N * S, -1)]).to(dtype)  # (N(S+1), H)
+        logits = anchors.to(dtype) @ candidates.T / tau                          # (n, N(S+1))
+    rows = torch.arange(n, device=anchors.device)                               # (n,)
+    logits[rows, first + rows] = float("-inf")                                   # 1[i != j]: drop z_i itself
+    positives = N + (first + rows)[:, None] * S + torch.arange(S, device=anchors.device)  # (n, S) columns
+    log_prob = logits.gather(1, positives) - logits.logsumexp(dim=1, keepdim=True)  # (n, S)
+    best = logits.argmax(dim=1)                                                  # (n,)
+    accuracy = ((best >= positives[:, 0]) & (best <= positives[:, -1])).float().mean()
+    return -log_prob.mean(), accuracy
+
+
+def gwc_loss(text_vecs, span_vecs, tau):
+    """Eq. 8 in one process: text_vecs (N, H), span_vecs (N, S, H) -> scalar loss."""
+    return gwc_loss_and_accuracy(text_vecs, text_vecs, span_vecs, 0, tau)[0]
+
+
+def gwc_loss_distributed(text_vecs, span_vecs, tau):
+    """Eq. 8 with the negatives of every rank: local anchors, candidates all-gathered (differentiable),
+    own rows offset by rank * local batch. (loss, accuracy) over the local anchors; in one process
+    exactly gwc_loss. Gradient accumulation adds no negatives."""
+    rank, _ = rank_and_world()
+    all_text = gather_across_ranks(text_vecs)                                    # (N, H)
+    all_spans = gather_across_ranks(span_vecs)                                   # (N, S, H)
+    return gwc_loss_and_accuracy(text_vecs, all_text, all_spans, rank * text_vecs.shape[0], tau)
 
 
 # ==============================================================================================
 # Data
 # ==============================================================================================
+SPAN_LENGTHS = {"phrase": (4, 16), "sentence": (16, 64), "paragraph": (64, 128)}  # (l_min, l_max), 4.5.1
+GRANULARITIES = ("word", *SPAN_LENGTHS)
+
+
+def parse_granularities(text):
+    """"word,phrase,sentence,paragraph" -> a list of distinct known names (Table 4 drops one)."""
+    names = [g.strip() for g in text.split(",") if g.strip()]
+    if not names or len(set(names)) != len(names) or not set(names) <= set(GRANULARITIES):
+        raise data.DataError(f"--granularities must be distinct names from {','.join(GRANULARITIES)}, "
+                             f"got {text!r}")
+    return names
+
+
+def skip_word_mask(input_ids, word_starts, vocab_tokens):
+    """True at the start of each word that must not be a word-level span: an English stopword
+    (scikit-learn's list, checked on the whole word, pieces joined) or a word with no letter or digit.
+    The paper filters stopwords only; punctuation ("," ".") makes an equally empty positive."""
+    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS  # here: sklearn takes seconds to import
+    mask = [False] * len(input_ids)
+    starts = [i for i, start in enumerate(word_starts) if start] + [len(input_ids)]
+    for start, end in zip(starts, starts[1:]):
+        pieces = [vocab_tokens[t] for t in input_ids[start:end]]
+        word = pieces[0] + "".join(p[2:] for p in pieces[1:] if p.startswith("##"))  # not [SEP]
+        mask[start] = word in ENGLISH_STOP_WORDS or not any(ch.isalnum() for ch in word)
+    return mask
+
+
+def word_spans(word_starts, n_tokens, stopword_mask=None):
+    """Candidate word-level spans [start, end): the whole words between [CLS] and [SEP]."""
+    sep = n_tokens - 1
+    starts = [i for i in range(1, sep) if word_starts[i]]
+    words = list(zip(starts, starts[1:] + [sep]))   # a leading "##" run (before starts[0]) is left out
+    content = [w for w in words if stopword_mask is None or not stopword_mask[w[0]]]
+    return content or words or [(1, sep)]           # all stopwords: any word; no word start: the fragment
+
+
+def sample_spans(word_starts, n_tokens, config, rng, stopword_mask=None):
+    """Multi-granularity span sampling for one window [CLS] x_1 .. x_m [SEP] (eq. 1-3).
+
+    Returns exactly config.span_T spans (start, end), end exclusive, per granularity in
+    config.granularities, in that order (S = T x granularities, so batches stack). Every span lies in
+    1 .. n_tokens - 2: never [CLS], [SEP] or padding. rng: numpy Generator; draws are independent.
+    - phrase / sentence / paragraph: l = l_min + p (l_max - l_min), p ~ Beta(span_alpha, span_beta)
+      (eq. 1), rounded to the nearest integer; start ~ U(1, n_tokens - 1 - l) inclusive (eq. 2, the
+      paper's n being m + 1); span [start, start + l) (eq. 3). Short text: l is clipped to m, so a body
+      shorter than l gives the whole body.
+    - word: one whole word (first piece and its "##" pieces), uniform over the words whose
+      stopword_mask is False (mask[i] is for the word starting at token i; None = keep all). All
+      stopwords: any whole word. A window cut inside a word may start with "##" pieces: that fragment
+      is not a whole word (its start is in the previous window) and is skipped, unless the window has no
+      word start at all, then the fragment is the word. (A last word cut by the window's end ends at [SEP].)
+    Raises DataError if the body is empty (n_tokens < 3).
+    """
+    body = n_tokens - 2                                                          # m
+    if body < 1:
+        raise data.DataError("span sampling needs a window with a token between [CLS] and [SEP]")
+    T, spans = config.span_T, []
+    for name in parse_granularities(config.granularities):
+        if name == "word":
+            words = word_spans(word_starts, n_tokens, stopword_mask)
+            spans += [words[k] for k in rng.integers(len(words), size=T)]
+            continue
+        l_min, l_max = SPAN_LENGTHS[name]
+        p = rng.beta(config.span_alpha, config.span_beta, size=T)              # eq. 1
+        lengths = np.minimum(np.rint(l_min + p * (l_max - l_min)).astype(int), body)
+        starts = rng.integers(1, n_tokens - lengths)                             # eq. 2: 1 .. n_tokens-1-l
+        spans += list(zip(starts, starts + lengths))                             # eq. 3
+    return [(int(start), int(end)) for start, end in spans]
+
+
 class Batches(torch.utils.data.Dataset):
     """Item m is this rank's batch at micro-step m: a pure function of (seed, rank, m), so data-loader
-    workers can build batches ahead on the CPU and a resumed run sees exactly the same batches."""
+    workers can build batches ahead on the CPU and a resumed run sees exactly the same batches.
+    With gwc_weight > 0 a batch also holds "spans" (B, S, 2): COSTA's sampled spans of each window."""
 
-    def __init__(self, c, windows, special, rank, world):
+    def __init__(self, c, windows, special, rank, world, vocab_tokens):
         self.c, self.windows, self.special, self.rank, self.world = c, windows, special, rank, world
+        self.vocab_tokens = vocab_tokens   # id -> WordPiece string, to find stopwords
 
     def __len__(self):
         return self.c.steps * self.c.grad_accum
@@ -319,7 +478,14 @@ class Batches(torch.utils.data.Dataset):
         maskable = attention_mask.bool() & (ids != self.special["cls"]) & (ids != self.special["sep"])
         masked, labels = data.mask_tokens(ids, maskable, c.vocab_size, self.special["mask"],
                                           generator, c.mask_prob)
-        return {"input_ids": masked, "attention_mask": attention_mask, "labels": labels}
+        batch = {"input_ids": masked, "attention_mask": attention_mask, "labels": labels}
+        if c.gwc_weight:  # spans on the unmasked windows' words; the model sees the masked text
+            rng = np.random.default_rng([c.seed, self.rank, micro_step])
+            windows = [self.windows[i] for i in rows]
+            batch["spans"] = torch.tensor([                                      # (B, S, 2)
+                sample_spans(w.word_starts, len(w.input_ids), c, rng,
+                             skip_word_mask(w.input_ids, w.word_starts, self.vocab_tokens)) for w in windows])
+        return batch
 
 
 def load_windows(c, main):
@@ -331,7 +497,8 @@ def load_windows(c, main):
     if main:
         n_tokens = sum(len(w.input_ids) for w in windows)
         print(f"data: {c.corpus}: {len(windows):,} windows, {n_tokens:,} tokens ({time.time() - t0:.1f}s)")
-    return windows, data.special_ids(tokenizer)
+    vocab_tokens = [tokenizer.id_to_token(i) for i in range(tokenizer.get_vocab_size())]
+    return windows, data.special_ids(tokenizer), vocab_tokens
 
 
 # ==============================================================================================
@@ -446,7 +613,8 @@ def train(c):
     rank, world, device = setup_distributed()
     main = rank == 0
     torch.manual_seed(c.seed)
-    windows, special = load_windows(c, main)
+    windows, special, vocab_tokens = load_windows(c, main)
+    parse_granularities(c.granularities)            # bad flags fail here, not in a data-loader worker
     encoder = Encoder.from_pretrained(c.init, c) if c.init else Encoder(c)
     c = encoder.config                              # --init brings the checkpoint's model sizes
     model = PretrainModel(c, encoder).to(device)
@@ -461,7 +629,7 @@ def train(c):
               f"global batch {c.batch_size * world * c.grad_accum} | {left_out} windows sit out each epoch")
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     loader = torch.utils.data.DataLoader(
-        Batches(c, windows, special, rank, world), batch_size=None, num_workers=c.workers,
+        Batches(c, windows, special, rank, world, vocab_tokens), batch_size=None, num_workers=c.workers,
         sampler=range(start_step * c.grad_accum, c.steps * c.grad_accum),
         generator=torch.Generator())  # its own generator: the global RNG (dropout) resumes exactly
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=c.bf16 and device.type == "cuda")
@@ -498,7 +666,8 @@ def train(c):
 # ==============================================================================================
 def save_checkpoint(c, model, optimizer, scheduler, step, main):
     """Rank 0 writes the encoder (Hugging Face folder, for fine-tuning) and the full training state
-    (every module, optimizer, scheduler, RNG) for --resume. Each file is written atomically."""
+    (every module, the projector included, optimizer, scheduler, RNG) for --resume. Each file is
+    written atomically."""
     if main:
         model.encoder.save_pretrained(Path(c.out_dir) / "encoder", c.vocab)
         data.save_training_state(Path(c.out_dir) / "state.pt", {

@@ -1,14 +1,97 @@
-"""Evaluate a dense retriever or BM25: metrics as trec_eval computes them, TREC run files,
-paired t-tests, and the papers' figures (COSTA Figure 3 t-SNE, CPDAE Table 4 word distributions).
+"""Evaluate a dense retriever or BM25 the way the papers report it: metrics as trec_eval computes
+them, TREC run files, paired two-tailed t-tests, and the papers' figures (COSTA Figure 3 t-SNE,
+CPDAE Table 4 word distributions). One file, top to bottom: config, metrics, significance, retrieval
+runs, figures, command line.
 
-PHASE 1: pure parts (metrics, t-test, run files, figures). Encoding and the command line follow.
+    python evaluate.py --bm25 --data data/scifact --split test          # BM25 baseline row
+    python evaluate.py --model runs/finetune/encoder --split test       # any saved encoder (HF BERT folder)
+    torchrun --nproc_per_node=4 evaluate.py --model DIR                 # corpus encoding sharded across ranks
+    python evaluate.py --compare runs/a/run.trec,runs/b/run.trec        # paired t-tests per metric
+    python evaluate.py --model DIR --tsne auto                          # + COSTA Figure 3 for one query
+    python evaluate.py --model runs/cpdae/encoder --words "Some text"   # CPDAE Table 4 figure
+    python evaluate.py --corpus collection.tsv --queries queries.dev.small.tsv --qrels qrels.dev.small.tsv --bm25
+
+Outputs in out_dir: run.trec (qid Q0 docid rank score tag), metrics.json (means, per-query values,
+timings), and the figures as PNG. The encoder comes from finetune.py (the shared BERT block, the same
+bytes as costa.py's), so any Hugging Face BERT folder loads.
 """
+import dataclasses
+import json
 import math
 import os
-import tempfile
+import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+
+import data
+from finetune import (BM25, encode, load_encoder, load_split, passage_text, rank_and_world,
+                      retrieve, setup_distributed)
+
+
+# ==============================================================================================
+# Config
+# ==============================================================================================
+SCIFACT, VOCAB = str(data.SCIFACT), str(data.VOCAB)  # (inside Config, `data` is the field, not the module)
+
+
+@dataclass
+class Config:
+    model: str = ""               # Hugging Face BERT folder to evaluate (ours, or any BERT checkpoint)
+    bm25: bool = False            # evaluate BM25 instead of a model
+    data: str = SCIFACT           # BEIR folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' ok)
+    split: str = "test"           # qrels/{split}.tsv
+    corpus: str = ""              # explicit corpus (BEIR .jsonl or MS MARCO collection.tsv); overrides data
+    queries: str = ""             # explicit queries file (with corpus)
+    qrels: str = ""               # explicit qrels file (with corpus; also the qrels for --compare)
+    pooling: str = ""             # "cls" or "mean"; "" = the folder's retriever.json, else "cls"
+    vocab: str = ""               # WordPiece vocab; "" = the model folder's vocab.txt, else the bundled one
+    query_len: int = 0            # query tokens incl. [CLS]/[SEP]; 0 = the folder's retriever.json, else 32
+    passage_len: int = 0          # passage tokens incl. [CLS]/[SEP]; 0 = retriever.json, else 128 (documents: 512)
+    depth: int = 1000             # documents retrieved per query (Recall@1000 needs 1000)
+    encode_batch: int = 128       # texts per forward pass
+    k1: float = 1.2               # BM25 term-frequency saturation (Elasticsearch / BEIR)
+    b: float = 0.75               # BM25 document-length normalisation
+    bf16: bool = True             # bf16 autocast on GPU (ignored on CPU)
+    out_dir: str = ""             # "" = next to the model ({model}/../eval-{split}) or runs/bm25-{split}
+    tag: str = ""                 # run tag in the TREC file; "" = the model folder or "bm25"
+    compare: str = ""             # "A.trec,B.trec": paired two-tailed t-test of A vs B per metric (needs qrels)
+    tsne: str = ""                # query id for the COSTA Figure 3 t-SNE, or "auto" (first query with a hit)
+    words: str = ""               # text for the CPDAE Table 4 figure (needs the CPDAE decoder)
+    decoder: str = ""             # folder with cpdae.py's decoder.safetensors; "" = the model folder
+    preset: str = ""              # unused here; the shared config parser knows this field
+
+
+PAPER_PRESET = {}
+
+
+# --- shared: begin config parsing ---
+def parse_config(argv):
+    """Config from the command line: '--field value' for any field, '--flag' alone for a bool."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    overrides, i = {}, 0
+    while i < len(argv):
+        name = argv[i].removeprefix("--").replace("-", "_")
+        if not argv[i].startswith("--") or name not in fields:
+            sys.exit(f"error: unknown argument {argv[i]!r}; fields are: {', '.join(fields)}")
+        kind = type(fields[name].default)
+        if kind is bool and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+            overrides[name], i = True, i + 1
+            continue
+        if i + 1 == len(argv):
+            sys.exit(f"error: --{name} needs a value")
+        value = argv[i + 1]
+        try:
+            overrides[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+        except ValueError:
+            sys.exit(f"error: --{name} expects {kind.__name__}, got {value!r}")
+        i += 2
+    preset = PAPER_PRESET if overrides.get("preset") == "paper" else {}
+    return Config(**{**preset, **overrides})
+# --- shared: end config parsing ---
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,52 +211,99 @@ def compare_per_query(per_query_a, per_query_b, metrics=METRICS):
 
 
 # ---------------------------------------------------------------------------------------------
-# TREC run files (local versions; data.py's read_run / write_run replace them when ready)
+# Runs: BM25 and dense retrieval, saved and scored
 # ---------------------------------------------------------------------------------------------
-def atomic_write_text(path, text):
-    """Write text to path via a temporary file in the same folder and os.replace."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+def save_and_score(run, qrels, out_dir, tag, info=None):
+    """Write run.trec, then score the run AS READ BACK from that file (so the numbers are exactly
+    what trec_eval would report on it, rounding of the written scores included), and write
+    metrics.json with the means, the per-query values and `info`. Returns (means, per_query)."""
+    out_dir = Path(out_dir)
+    data.write_run(out_dir / "run.trec", run, tag)
+    means, per_query = compute_metrics(data.read_run(out_dir / "run.trec"), qrels)
+    data.atomic_write_json(out_dir / "metrics.json", {"tag": tag, "n_queries": len(per_query), "metrics": means,
+                                                      "info": info or {}, "per_query": per_query})
+    return means, per_query
 
 
-def write_run(path, run, tag="run"):
-    """TREC run file `qid Q0 docid rank score tag`, trec_eval order; scores written with repr so
-    reading the file back gives the same floats (and so the same tie order)."""
-    lines = []
-    for qid in sorted(run):
-        for rank, (docid, score) in enumerate(trec_order(run[qid]), start=1):
-            lines.append(f"{qid} Q0 {docid} {rank} {float(score)!r} {tag}\n")
-    atomic_write_text(path, "".join(lines))
+def evaluate_bm25(corpus, queries, qrels, out_dir, k1=1.2, b=0.75, depth=1000, verbose=True):
+    """The papers' BM25 row: finetune.BM25 over the corpus, top `depth` per judged query.
+    Documents sharing no term with the query (score 0) are not retrieved, as in Lucene."""
+    doc_ids = list(corpus)
+    qids = sorted(qrels)
+    t0 = time.time()
+    bm25 = BM25([passage_text(corpus[d]) for d in doc_ids], k1, b)
+    t1 = time.time()
+    scores, ids = bm25.search([queries[q] for q in qids], depth)
+    t2 = time.time()
+    run = {q: {doc_ids[j]: float(s) for s, j in zip(scores[r], ids[r]) if s > 0} for r, q in enumerate(qids)}
+    info = {"k1": k1, "b": b, "depth": depth, "index_s": t1 - t0, "search_s": t2 - t1}
+    result = save_and_score(run, qrels, out_dir, "bm25", info)
+    if verbose:
+        print(f"BM25 (k1={k1}, b={b}): indexed {len(doc_ids):,} documents in {t1 - t0:.1f}s, "
+              f"searched {len(qids)} queries in {t2 - t1:.1f}s -> {Path(out_dir) / 'run.trec'}")
+    return result
 
 
-def read_run(path):
-    """{qid: {docid: score}} from a TREC run file; a bad line raises ValueError naming file:line."""
-    run = {}
-    with open(path) as f:
-        for n, line in enumerate(f, start=1):
-            parts = line.split()
-            if not parts:
-                continue
-            if len(parts) != 6:
-                raise ValueError(f"{path}:{n}: expected 'qid Q0 docid rank score tag', got {line.strip()!r}")
-            qid, _, docid, _, score, _ = parts
-            try:
-                value = float(score)
-            except ValueError:
-                raise ValueError(f"{path}:{n}: score {score!r} is not a number") from None
-            if docid in run.setdefault(qid, {}):
-                raise ValueError(f"{path}:{n}: document {docid} appears twice for query {qid}")
-            run[qid][docid] = value
-    return run
+def evaluate_encoder(encoder, pooling, tokenizer, corpus, queries, qrels, out_dir, c, device, tag="dense",
+                     tsne="", depth=1000):
+    """Dense retrieval with finetune.retrieve (corpus sharded across ranks, exact faiss search), then
+    rank 0 saves and scores the run, prints the metrics and returns (means, per_query); other ranks
+    return None. tsne: a query id or "auto" for the COSTA Figure 3 plot. Every rank must call this."""
+    rank, world = rank_and_world()
+    doc_ids = list(corpus)
+    doc_texts = [passage_text(corpus[d]) for d in doc_ids]
+    qids = sorted(qrels)
+    timings = {}
+    t0 = time.time()
+    scores, ids = retrieve(encoder, pooling, tokenizer, doc_texts, [queries[q] for q in qids], depth, c,
+                           device, timings)
+    timings["total_s"] = time.time() - t0
+    if rank != 0:
+        return None
+    run = {q: {doc_ids[j]: float(s) for s, j in zip(scores[r], ids[r])} for r, q in enumerate(qids)}
+    info = {"pooling": pooling, "world": world, "device": device.type, "n_docs": len(doc_ids), **timings}
+    means, per_query = save_and_score(run, qrels, out_dir, tag, info)
+    print(f"{tag}: encoded {len(doc_ids):,} passages in {timings['encode_docs_s']:.1f}s "
+          f"({timings['docs_per_s_per_rank'] * world:,.0f} docs/s over {world} process(es)), "
+          f"{len(qids)} queries in {timings['encode_queries_s']:.1f}s, exact search {timings['search_s']:.2f}s "
+          f"-> {Path(out_dir) / 'run.trec'}")
+    print(format_table({tag: (means, per_query)}))
+    if tsne:
+        qid = pick_tsne_query(run, qrels) if tsne == "auto" else tsne
+        if qid not in run:
+            raise data.DataError(f"--tsne {qid}: no such query id in the qrels of this split")
+        top = [d for d, _ in trec_order(run[qid])[:100]]
+        vecs = encode(encoder, pooling, tokenizer, [passage_text(corpus[d]) for d in top], c.passage_len,
+                      c.encode_batch, device, c.bf16)
+        qvec = encode(encoder, pooling, tokenizer, [queries[qid]], c.query_len, 1, device, c.bf16)[0]
+        relevant = [qrels[qid].get(d, 0) > 0 for d in top]
+        path = Path(out_dir) / f"tsne-{qid}.png"
+        plot_tsne(qvec, vecs, relevant, path, title=f"{tag}: query {qid}, top {len(top)} ({sum(relevant)} relevant)")
+        print(f"t-SNE of query {qid} and its top {len(top)}: {path}")
+    return means, per_query
+
+
+def pick_tsne_query(run, qrels):
+    """The first query (by id) with a relevant document in its top 100 and at least 10 candidates."""
+    for qid in sorted(qrels):
+        top = [d for d, _ in trec_order(run.get(qid, {}))[:100]]
+        if len(top) >= 10 and any(qrels[qid].get(d, 0) > 0 for d in top):
+            return qid
+    raise data.DataError("--tsne auto: no query has a relevant document in its top 100")
+
+
+def format_table(rows, title="", baseline=None, metrics=METRICS):
+    """Metrics table, one row per system: rows = {name: (means, per_query)}. With a baseline row,
+    '*' marks a significant difference from it (paired two-tailed t-test, p <= 0.05)."""
+    width = max([len(n) for n in rows] + [len(title), 6])
+    lines = [f"{title:<{width}}  " + "  ".join(f"{m:>11}" for m in metrics)]
+    for name, (means, per_query) in rows.items():
+        tests = compare_per_query(per_query, rows[baseline][1], metrics) if baseline and name != baseline else {}
+        cells = [f"{means[m]:.4f}{'*' if m in tests and tests[m]['p'] <= 0.05 else ' '}" for m in metrics]
+        lines.append(f"{name:<{width}}  " + "  ".join(f"{c:>11}" for c in cells))
+    if baseline and len(rows) > 1:
+        lines.append(f"* p <= 0.05 against {baseline}, paired two-tailed t-test over the queries")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,3 +413,124 @@ def _save_figure(fig, path):
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPDAE decoder (cpdae.py) for the word-distribution figure
+# ---------------------------------------------------------------------------------------------
+def word_distribution(encoder, decoder, tokenizer, text, max_len, device):
+    """CPDAE eq. 2-3 and 3.2.2: z~ = sigmoid(decoder(h_cls)) / sum, the (V,) word distribution of `text`."""
+    ids, mask = data.encode_texts(tokenizer, [text], max_len)                          # (1, L)
+    encoder.eval()
+    decoder.eval()
+    with torch.no_grad():
+        h_cls = encoder(ids.to(device), mask.to(device))[:, 0]                         # (1, H)
+        z_hat = torch.sigmoid(decoder(h_cls).float())[0]                                # (V,)
+    return (z_hat / z_hat.sum()).cpu().numpy()
+
+
+def load_cpdae_decoder(folder):
+    """cpdae.py's MLP decoder from {folder}/decoder.safetensors (cpdae.py saves it beside the encoder)."""
+    if not (Path(folder) / "decoder.safetensors").is_file():
+        raise data.DataError(f"{Path(folder) / 'decoder.safetensors'}: not found; the word-distribution figure "
+                             f"needs an encoder folder written by cpdae.py (or --decoder FOLDER)")
+    import cpdae
+
+    return cpdae.Decoder.from_pretrained(folder)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+def resolve_retriever(c):
+    """Pooling and lengths: the command line, else what finetune.py recorded in the folder's
+    retriever.json, else the papers' defaults (cls, 32, 128)."""
+    meta = Path(c.model) / "retriever.json"
+    saved = json.loads(meta.read_text()) if c.model and meta.is_file() else {}
+    return dataclasses.replace(c, pooling=c.pooling or saved.get("pooling", "cls"),
+                               query_len=c.query_len or saved.get("query_len", 32),
+                               passage_len=c.passage_len or saved.get("passage_len", 128))
+
+
+def resolve_vocab(c):
+    if c.vocab:
+        return c.vocab
+    own = Path(c.model) / "vocab.txt"
+    return str(own) if c.model and own.is_file() else str(data.VOCAB)
+
+
+def default_out_dir(c):
+    if c.out_dir:
+        return Path(c.out_dir)
+    if c.bm25:
+        name = Path(c.corpus).parent.name if c.corpus else Path(c.data).name
+        return Path("runs") / f"bm25-{name}-{c.split}"
+    return Path(c.model).resolve().parent / f"eval-{c.split}"
+
+
+def load_qrels_only(c):
+    """--qrels, else {data}/qrels/{split}.tsv (or .tsv.gz)."""
+    if c.qrels:
+        return data.read_qrels(c.qrels)
+    path = Path(c.data) / "qrels" / f"{c.split}.tsv"
+    return data.read_qrels(path if path.is_file() or not path.with_suffix(".tsv.gz").is_file()
+                           else path.with_suffix(".tsv.gz"))
+
+
+def compare_command(c):
+    """--compare A,B: per-metric means and paired two-tailed t-tests of run A against run B."""
+    paths = [p for p in c.compare.split(",") if p]
+    if len(paths) != 2:
+        raise data.DataError(f"--compare expects two run files 'A.trec,B.trec', got {c.compare!r}")
+    qrels = load_qrels_only(c)
+    (_, a), (_, b) = (compute_metrics(data.read_run(p), qrels) for p in paths)
+    tests = compare_per_query(a, b)
+    print(f"A = {paths[0]}\nB = {paths[1]}\n{len(a)} queries, paired two-tailed t-test")
+    print(f"{'metric':<12} {'A':>8} {'B':>8} {'t':>8} {'p':>8}")
+    for m, r in tests.items():
+        print(f"{m:<12} {r['mean_a']:>8.4f} {r['mean_b']:>8.4f} {r['t']:>8.3f} {r['p']:>8.4f}")
+    return tests
+
+
+def main(c):
+    if c.compare:
+        return compare_command(c)
+    if not c.bm25 and not c.model:
+        raise data.DataError("give --model FOLDER (a saved encoder) or --bm25")
+    rank, world, device = setup_distributed()
+    out_dir = default_out_dir(c)
+    c = resolve_retriever(c)
+    try:
+        if c.words:
+            if rank == 0:
+                encoder = load_encoder(c.model).to(device)
+                tokenizer = data.load_tokenizer(resolve_vocab(c))
+                decoder = load_cpdae_decoder(c.decoder or c.model).to(device)
+                probs = word_distribution(encoder, decoder, tokenizer, c.words, c.passage_len, device)
+                path = out_dir / "words.png"
+                words = plot_word_distribution(probs, c.words, tokenizer, path)
+                print(" ".join(f"{w}:{v:.3g}" for w, v, _ in words))
+                print(f"word distribution: {path}")
+            return None
+        corpus, queries, qrels = load_split(c, c.split, c.queries, c.qrels)
+        if c.bm25:
+            if rank != 0:
+                return None
+            result = evaluate_bm25(corpus, queries, qrels, out_dir, c.k1, c.b, c.depth)
+            print(format_table({f"BM25 (k1={c.k1}, b={c.b})": result}, title=f"{c.split}: {len(result[1])} queries"))
+            return result
+        encoder = load_encoder(c.model).to(device)
+        tokenizer = data.load_tokenizer(resolve_vocab(c))
+        tag = c.tag or Path(c.model).resolve().parent.name
+        return evaluate_encoder(encoder, c.pooling, tokenizer, corpus, queries, qrels, out_dir, c,
+                                device, tag, c.tsne, c.depth)
+    finally:
+        if world > 1:
+            torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_config(sys.argv[1:]))
+    except data.DataError as e:
+        sys.exit(f"error: {e}")

@@ -1,15 +1,519 @@
-"""Fine-tune a pre-trained encoder into a dense retriever (bi-encoder, [CLS] vectors, dot product).
+"""Fine-tune a pre-trained encoder into a dense retriever, as the papers do (COSTA 4.5.2, CPDAE 4.1.3,
+SEED-Encoder 4.2): a bi-encoder with ONE shared BERT, [CLS] vectors, dot product, softmax over the
+positive, 7 negatives and every other passage of the global batch. One file, top to bottom: config,
+model, loss, data (BM25, negatives), retrieval (encode, search, mine), distributed setup, training loop,
+checkpoint, pipeline.
 
-PHASE 1 SKELETON: only BM25 and exact search so far; the training loop arrives with the foundation.
+    python finetune.py --init runs/costa/encoder          # stage 1 (BM25 negatives), stage 2 (hard negatives), test metrics
+    python finetune.py --pretrain costa                   # whole pipeline: pre-train, fine-tune, evaluate, table vs BM25
+    python finetune.py --init X --rounds 0                # stage 1 only (BM25 negatives)
+    python finetune.py --init X --rounds 2                # the document-ranking recipe: mine twice
+    python finetune.py --init X --n_queries 100 --seed 1  # low-resource setting: 100 random training queries
+    torchrun --nproc_per_node=4 finetune.py --preset paper --init bert-base-uncased/
+    python finetune.py --init X --resume                  # continue where a killed run stopped
+
+Stage 1: each epoch, every query's negatives are sampled from BM25's top `bm25_depth` minus its positives.
+Stage 2 (`rounds` times): static hard negatives are mined ONCE per round with faiss from the current
+model (top `hard_depth`, first `hard_skip` ranks skipped, positives removed); training continues from the
+previous stage's encoder with a fresh optimizer and warm-up, as Tevatron's two-stage recipe does.
+Outputs in out_dir: stage1/, stage2/, ... (encoder/, state.pt, log.jsonl, config.json each), the negatives
+files, the final encoder in encoder/ and the test evaluation in eval-{split}/ (see evaluate.py).
 """
+import contextlib
+import dataclasses
+import importlib
+import json
 import math
+import os
+import resource
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
-from sklearn.feature_extraction.text import CountVectorizer
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+import torch.nn as nn
+import torch.nn.functional as F
+
+import data
+
+
+# ==============================================================================================
+# Config
+# ==============================================================================================
+SCIFACT, VOCAB = str(data.SCIFACT), str(data.VOCAB)  # (inside Config, `data` is the field, not the module)
+
+
+@dataclass
+class Config:
+    # --- data
+    data: str = SCIFACT           # BEIR folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' ok)
+    corpus: str = ""              # explicit corpus (BEIR .jsonl or MS MARCO collection.tsv); overrides data
+    queries: str = ""             # explicit training queries (.jsonl or .tsv); overrides data
+    qrels: str = ""               # explicit training qrels (BEIR .tsv or TREC qrels); overrides data
+    eval_queries: str = ""        # explicit evaluation queries (with corpus/queries/qrels)
+    eval_qrels: str = ""          # explicit evaluation qrels; "" with explicit files = no evaluation
+    train_split: str = "train"    # qrels/{train_split}.tsv: training queries and their positives
+    eval_split: str = "test"      # evaluated at the end with evaluate.py's metrics ("" = skip)
+    vocab: str = VOCAB            # WordPiece vocab.txt, used when the init folder has none
+    query_len: int = 32           # query tokens incl. [CLS]/[SEP] (papers: 32)
+    passage_len: int = 128        # passage tokens incl. [CLS]/[SEP] (papers: 128; documents 512)
+    n_queries: int = 0            # low-resource setting: train on this many random training queries (0 = all)
+    # --- model (sizes come from the init folder; these are for --init "")
+    init: str = "runs/costa/encoder"  # pre-trained Hugging Face BERT folder; "" = random init (a floor)
+    pooling: str = "cls"          # text vector: "cls" (the papers) or "mean" (sentence-transformers models)
+    vocab_size: int = 30522       # rows of the token embedding; must match the vocab file
+    hidden_size: int = 256        # H (paper: 768)
+    num_layers: int = 4           # Transformer blocks (paper: 12)
+    num_heads: int = 4            # attention heads (paper: 12)
+    ffn_size: int = 1024          # feed-forward inner size (paper: 3072)
+    max_position: int = 512       # learned absolute positions
+    type_vocab_size: int = 2      # token types (all 0 here; kept for BERT checkpoint compatibility)
+    dropout: float = 0.1          # hidden and attention dropout
+    layer_norm_eps: float = 1e-12  # BERT's LayerNorm epsilon
+    # --- pipeline
+    pretrain: str = ""            # "costa", "seed" or "cpdae": pre-train, fine-tune, evaluate, table vs BM25 ("" = use init)
+    pretrain_steps: int = 0       # pre-training optimizer steps (0 = the method's default)
+    pretrain_args: str = ""       # more options for the pre-training script, e.g. "--batch_size 16 --lr 3e-4"
+    # --- loss
+    loss: str = "softmax"         # "softmax" (CE over positive + negatives + in-batch) or "hinge" (SEED's relu(1 - (s+ - s-)))
+    n_negatives: int = 7          # negatives per query in the batch (papers: 7)
+    # --- negatives
+    bm25_depth: int = 100         # stage 1 samples negatives from BM25's top-k minus the positives
+    bm25_negatives: str = ""      # TSV 'qid<TAB>docid,docid,...' to use instead of computing BM25 (e.g. MS MARCO's)
+    k1: float = 1.2               # BM25 term-frequency saturation (Elasticsearch / BEIR)
+    b: float = 0.75               # BM25 document-length normalisation
+    rounds: int = 1               # hard-negative rounds after stage 1 (passages: 1; documents: 2; 0 = BM25 only)
+    hard_depth: int = 200         # hard negatives come from the model's top-k minus the positives
+    hard_skip: int = 0            # skip the first ranks of that list (likely unlabelled positives)
+    # --- optimisation
+    epochs: float = 1.0           # stage-1 epochs over the training queries (papers: 3; 1 keeps the CPU run short)
+    hard_epochs: float = 1.0      # epochs of each hard-negative round (papers: 2-3 passages, 1 documents)
+    steps: int = 0                # optimizer steps per stage; 0 = from epochs (set per stage, then saved)
+    batch_size: int = 16          # queries per rank per micro-step, each with 1 + n_negatives passages (papers: 64)
+    grad_accum: int = 1           # micro-steps per optimizer step (adds NO in-batch negatives: those come from one micro-step)
+    lr: float = 1e-4              # peak learning rate (papers: 5e-6 from BERT-base; the small CPU model needs more)
+    weight_decay: float = 0.01    # AdamW weight decay (not on biases and LayerNorm)
+    warmup: float = 0.1           # fraction of steps of linear warm-up, then linear decay to 0 (papers: 10%)
+    clip: float = 1.0             # max gradient norm
+    seed: int = 0                 # query sample, data order, negative sampling, random init
+    bf16: bool = True             # bf16 autocast on GPU (ignored on CPU); scores and losses in fp32
+    workers: int = 0              # data-loader worker processes building batches
+    encode_batch: int = 128       # texts per forward pass when encoding a corpus
+    # --- bookkeeping
+    out_dir: str = "runs/finetune"  # stages, negatives, final encoder/ and eval-{split}/ go here
+    log_every: int = 10           # steps between progress lines
+    save_every: int = 100         # steps between checkpoints (and one at the end of each stage)
+    resume: bool = False          # continue from the last finished stage / the current stage's state.pt
+    halt_at: int = 0              # stop after this optimizer step (counted across stages) as if killed; 0 = never
+    preset: str = ""              # "paper": the papers' fine-tuning hyper-parameters
+
+
+PAPER_PRESET = dict(lr=5e-6, batch_size=64, epochs=3.0, hard_epochs=2.0, n_negatives=7)
+
+
+# --- shared: begin config parsing ---
+def parse_config(argv):
+    """Config from the command line: '--field value' for any field, '--flag' alone for a bool."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    overrides, i = {}, 0
+    while i < len(argv):
+        name = argv[i].removeprefix("--").replace("-", "_")
+        if not argv[i].startswith("--") or name not in fields:
+            sys.exit(f"error: unknown argument {argv[i]!r}; fields are: {', '.join(fields)}")
+        kind = type(fields[name].default)
+        if kind is bool and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+            overrides[name], i = True, i + 1
+            continue
+        if i + 1 == len(argv):
+            sys.exit(f"error: --{name} needs a value")
+        value = argv[i + 1]
+        try:
+            overrides[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+        except ValueError:
+            sys.exit(f"error: --{name} expects {kind.__name__}, got {value!r}")
+        i += 2
+    preset = PAPER_PRESET if overrides.get("preset") == "paper" else {}
+    return Config(**{**preset, **overrides})
+# --- shared: end config parsing ---
+
+
+# ==============================================================================================
+# Model
+# ==============================================================================================
+# --- shared: begin encoder ---
+class Embeddings(nn.Module):
+    """Token + learned absolute position + token-type embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.word = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.position = nn.Embedding(c.max_position, c.hidden_size)
+        self.token_type = nn.Embedding(c.type_vocab_size, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, input_ids):                                               # (B, L)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
+        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]  # (B, L, H)
+        return self.dropout(self.norm(x))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention through scaled_dot_product_attention (fused kernels on GPU)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.heads, self.dropout = c.num_heads, c.dropout
+        self.query = nn.Linear(c.hidden_size, c.hidden_size)
+        self.key = nn.Linear(c.hidden_size, c.hidden_size)
+        self.value = nn.Linear(c.hidden_size, c.hidden_size)
+        self.out = nn.Linear(c.hidden_size, c.hidden_size)
+
+    def forward(self, x, attend):                       # x (B, L, H); attend (B, 1, 1, L) True = key visible
+        B, L, H = x.shape
+        split = lambda t: t.view(B, L, self.heads, H // self.heads).transpose(1, 2)  # (B, heads, L, H/heads)
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(B, L, H))                      # (B, L, H)
+
+
+class Block(nn.Module):
+    """Post-LN Transformer block, as in BERT: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.attn = SelfAttention(c)
+        self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
+        self.ffn_out = nn.Linear(c.ffn_size, c.hidden_size)
+        self.ffn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, x, attend):                                                    # (B, L, H)
+        x = self.attn_norm(x + self.dropout(self.attn(x, attend)))
+        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))  # (B, L, H)
+
+
+class MLMHead(nn.Module):
+    """BERT's MLM head: dense, GELU, LayerNorm, then the token embedding matrix (tied) plus a bias."""
+
+    def __init__(self, c, word_embedding):
+        super().__init__()
+        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(c.vocab_size))
+        self.word_embedding = [word_embedding]  # a list, so the tied matrix is not registered twice
+
+    def forward(self, h):                                                        # (M, H)
+        h = self.norm(F.gelu(self.dense(h)))                                     # (M, H)
+        return h @ self.word_embedding[0].weight.T + self.bias                   # (M, V)
+
+
+# Our parameter names -> Hugging Face BertForMaskedLM names (both directions use this table).
+HF_NAMES = [("embeddings.word.", "bert.embeddings.word_embeddings."),
+            ("embeddings.position.", "bert.embeddings.position_embeddings."),
+            ("embeddings.token_type.", "bert.embeddings.token_type_embeddings."),
+            ("embeddings.norm.", "bert.embeddings.LayerNorm."),
+            ("attn.query.", "attention.self.query."), ("attn.key.", "attention.self.key."),
+            ("attn.value.", "attention.self.value."), ("attn.out.", "attention.output.dense."),
+            ("attn_norm.", "attention.output.LayerNorm."), ("ffn_in.", "intermediate.dense."),
+            ("ffn_out.", "output.dense."), ("ffn_norm.", "output.LayerNorm."),
+            ("blocks.", "bert.encoder.layer."),
+            ("mlm_head.dense.", "cls.predictions.transform.dense."),
+            ("mlm_head.norm.", "cls.predictions.transform.LayerNorm."),
+            ("mlm_head.bias", "cls.predictions.bias")]
+HF_CONFIG_KEYS = dict(vocab_size="vocab_size", hidden_size="hidden_size", num_layers="num_hidden_layers",
+                      num_heads="num_attention_heads", ffn_size="intermediate_size",
+                      max_position="max_position_embeddings", type_vocab_size="type_vocab_size",
+                      dropout="hidden_dropout_prob", layer_norm_eps="layer_norm_eps")
+
+
+def to_hf_name(name):
+    for ours, theirs in HF_NAMES:
+        name = name.replace(ours, theirs)
+    return name
+
+
+def from_hf_name(name):
+    """Accepts 'bert.'-prefixed or bare names and the old LayerNorm gamma/beta spelling."""
+    name = name.removeprefix("bert.").replace("LayerNorm.gamma", "LayerNorm.weight")
+    name = name.replace("LayerNorm.beta", "LayerNorm.bias")
+    name = name if name.startswith("cls.") else "bert." + name
+    for ours, theirs in HF_NAMES:           # this order: "attention.output.dense" before "output.dense"
+        name = name.replace(theirs, ours)
+    return name
+
+
+class Encoder(nn.Module):
+    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
+    forward returns the last hidden states; the text vector is position 0 ([CLS])."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.config = c
+        self.embeddings = Embeddings(c)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.num_layers))
+        self.mlm_head = MLMHead(c, self.embeddings.word)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m):
+        """BERT's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm."""
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, input_ids, attention_mask):                  # (B, L), (B, L) 1 = token, 0 = pad
+        attend = attention_mask.bool()[:, None, None, :]            # (B, 1, 1, L)
+        x = self.embeddings(input_ids)                              # (B, L, H)
+        for block in self.blocks:
+            x = block(x, attend)
+        return x                                                    # (B, L, H)
+
+    def mlm_loss(self, hidden, labels):
+        """Eq. 9 of COSTA / BERT's MLM: mean cross-entropy over the masked positions only (the
+        vocabulary projection is most of the cost). Returns (loss, n_correct, n_masked)."""
+        chosen = labels != -100                                     # (B, L)
+        logits = self.mlm_head(hidden[chosen]).float()              # (M, V)
+        if logits.shape[0] == 0:                                    # nothing masked in this batch
+            return hidden.sum() * 0.0, 0, 0
+        targets = labels[chosen]                                    # (M,)
+        n_correct = (logits.argmax(-1) == targets).sum()            # a tensor: no GPU sync here
+        return F.cross_entropy(logits, targets), n_correct, targets.numel()
+
+    def hf_config(self):
+        c = {theirs: getattr(self.config, ours) for ours, theirs in HF_CONFIG_KEYS.items()}
+        return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
+                "attention_probs_dropout_prob": self.config.dropout, "initializer_range": 0.02,
+                "pad_token_id": 0, "position_embedding_type": "absolute", **c}
+
+    def save_pretrained(self, folder, vocab=data.VOCAB):
+        """Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
+        state = {to_hf_name(k): v for k, v in self.state_dict().items()}
+        data.save_encoder_folder(folder, state, self.hf_config(), vocab)
+
+    @classmethod
+    def from_pretrained(cls, folder, config=None):
+        """Load a Hugging Face BERT folder (ours, or e.g. bert-base-uncased downloaded by the user).
+        config: a Config whose model fields are replaced by the folder's config.json."""
+        hf_config, hf_state = data.load_encoder_folder(folder)
+        sizes = {ours: hf_config[theirs] for ours, theirs in HF_CONFIG_KEYS.items() if theirs in hf_config}
+        model = cls(dataclasses.replace(config or Config(), **sizes))
+        state = {from_hf_name(k): v for k, v in hf_state.items()}
+        ours = model.state_dict()
+        for name, tensor in state.items():
+            if name in ours and ours[name].shape != tensor.shape:
+                raise data.DataError(f"{folder}: {to_hf_name(name)} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(ours[name].shape)}")
+        state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
+        missing = [k for k in ours if k not in state]
+        if [k for k in missing if not k.startswith("mlm_head.")]:
+            raise data.DataError(f"{folder}: missing encoder weights, e.g. {to_hf_name(missing[0])}")
+        model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
+        return model
+# --- shared: end encoder ---
+
+
+def pool(hidden, attention_mask, pooling):
+    """Text vectors from last hidden states (B, L, H): [CLS] (position 0) or the mean over real tokens."""
+    if pooling == "cls":
+        return hidden[:, 0]                                                        # (B, H)
+    if pooling == "mean":
+        m = attention_mask.unsqueeze(-1).to(hidden.dtype)                          # (B, L, 1)
+        return (hidden * m).sum(1) / m.sum(1).clamp(min=1)                         # (B, H)
+    raise ValueError(f"pooling must be 'cls' or 'mean', got {pooling!r}")
+
+
+def load_encoder(folder, c=None):
+    """Encoder from a Hugging Face BERT folder, without the MLM head: fine-tuning never uses it, and
+    unused parameters would make DistributedDataParallel fail. Saved folders then have no MLM head;
+    transformers.AutoModel still loads them."""
+    encoder = Encoder.from_pretrained(folder, c)
+    encoder.mlm_head = None
+    return encoder
+
+
+class BiEncoder(nn.Module):
+    """One shared encoder for queries and passages; relevance = dot product of the pooled vectors."""
+
+    def __init__(self, encoder, pooling="cls", loss="softmax"):
+        super().__init__()
+        self.encoder, self.pooling, self.loss = encoder, pooling, loss
+        if loss not in ("softmax", "hinge"):
+            raise ValueError(f"loss must be 'softmax' or 'hinge', got {loss!r}")
+
+    def encode(self, ids, mask):                                                   # (B, L)
+        return pool(self.encoder(ids, mask), mask, self.pooling)                   # (B, H)
+
+    def forward(self, batch):
+        """batch: q_ids/q_mask (B, Lq); p_ids/p_mask (B*(1+n), Lp), query i's passages at rows
+        i*(1+n) .. i*(1+n)+n, positive first; p_doc (B*(1+n),) corpus index of each passage;
+        q_pos (B, P) corpus indices of each query's positives (-1 = padding)."""
+        q = self.encode(batch["q_ids"], batch["q_mask"])                           # (B, H)
+        p = self.encode(batch["p_ids"], batch["p_mask"])                           # (B*(1+n), H)
+        rank, _ = rank_and_world()
+        p_all = gather_across_ranks(p)                                             # (N, H) global candidates
+        doc_all = gather_across_ranks(batch["p_doc"])                              # (N,)
+        per_query = p.shape[0] // q.shape[0]                                       # 1 + n
+        labels = rank * p.shape[0] + torch.arange(q.shape[0], device=q.device) * per_query  # (B,)
+        exclude = other_positives(doc_all, batch["q_pos"], labels)                 # (B, N)
+        loss_fn = softmax_loss if self.loss == "softmax" else hinge_loss
+        loss, scores = loss_fn(q, p_all, labels, exclude)
+        accuracy = (scores.argmax(1) == labels).float().mean()
+        return loss, {"loss": loss.detach(), "acc": accuracy.detach()}
+
+
+# ==============================================================================================
+# Loss
+# ==============================================================================================
+def other_positives(candidate_docs, query_positives, labels):
+    """(B, N) True where candidate j is a known positive of query i other than its target: another
+    query in the batch can share a positive (SciFact does), and it must not count as a negative.
+    candidate_docs (N,) corpus indices; query_positives (B, P) padded with -1; labels (B,)."""
+    same = (candidate_docs[None, :, None] == query_positives[:, None, :]).any(-1)  # (B, N)
+    target = F.one_hot(labels, candidate_docs.shape[0]).bool()                     # (B, N)
+    return same & ~target
+
+
+def softmax_loss(q, p, labels, exclude=None):
+    """Contrastive cross-entropy of dense retrieval (DPR; Tevatron's loss, used by COSTA 4.5.2 and
+    CPDAE 4.1.3, which give no equation):
+        L = -1/B sum_i log( exp(q_i . p_i+) / sum_j exp(q_i . p_j) ),
+    j over the global batch's passages: the query's positive, its own negatives and every other
+    query's passages. Dot product, no temperature. Returns (loss, fp32 scores (B, N)).
+    q (B, H) local anchors; p (N, H) candidates from every rank; labels (B,) global index of the
+    positive; exclude (B, N) True = drop the candidate from the denominator (other known positives)."""
+    scores = q.float() @ p.float().T                                               # (B, N)
+    if exclude is not None:
+        scores = scores.masked_fill(exclude, float("-inf"))                        # (B, N)
+    return F.cross_entropy(scores, labels), scores
+
+
+def hinge_loss(q, p, labels, exclude=None, margin=1.0):
+    """SEED-Encoder 4.2 (unnumbered equation): L = sum relu(1 - (s(q, d+) - s(q, d-))) over triples.
+    Here: mean over each query's negatives (its own and the batch's, as softmax_loss sees them), then
+    over queries (the paper sums; a mean keeps the learning rate independent of the batch size).
+    Same arguments and returns as softmax_loss."""
+    scores = q.float() @ p.float().T                                               # (B, N)
+    positive = scores.gather(1, labels[:, None])                                   # (B, 1)
+    negative = ~F.one_hot(labels, p.shape[0]).bool()                               # (B, N)
+    if exclude is not None:
+        negative = negative & ~exclude                                             # (B, N)
+    hinge = F.relu(margin - (positive - scores)) * negative                        # (B, N)
+    loss = (hinge.sum(1) / negative.sum(1).clamp(min=1)).mean()                    # ()
+    return loss, scores.masked_fill(exclude, float("-inf")) if exclude is not None else scores
+
+
+# ==============================================================================================
+# Data: corpus and queries, BM25, negatives, batches
+# ==============================================================================================
+def passage_text(doc):
+    """A BEIR document as one string: title then text (BEIR's and Tevatron's convention)."""
+    return f"{doc['title']} {doc['text']}".strip() if doc.get("title") else doc["text"]
+
+
+def load_split(c, split, explicit_queries="", explicit_qrels=""):
+    """(corpus, queries, qrels) from the BEIR folder c.data, or from explicit files when c.corpus is set."""
+    if c.corpus:
+        if not (explicit_queries and explicit_qrels):
+            raise data.DataError(f"{c.corpus}: with an explicit corpus give the queries and qrels files too")
+        corpus, queries = data.read_corpus(c.corpus), data.read_queries(explicit_queries)
+        qrels = data.read_qrels(explicit_qrels)
+        data.check_qrels(qrels, queries, corpus, explicit_qrels)
+        return corpus, {q: queries[q] for q in qrels}, qrels
+    return data.load_beir(c.data, split)
+
+
+class Example(NamedTuple):
+    qid: str
+    query: str
+    positives: list   # corpus indices, grade > 0
+    negatives: list   # corpus indices to sample negatives from (never a positive)
+
+
+def make_examples(queries, qrels, doc_index, n_queries=0, seed=0):
+    """Training examples, one per query with a relevant document. n_queries > 0: a random sample of that
+    many queries (the low-resource setting; the same seed gives the same sample)."""
+    examples = [Example(q, queries[q], [doc_index[d] for d, g in qrels[q].items() if g > 0], [])
+                for q in sorted(qrels) if any(g > 0 for g in qrels[q].values())]
+    if n_queries:
+        if n_queries > len(examples):
+            raise data.DataError(f"--n_queries {n_queries}: only {len(examples)} training queries have a positive")
+        keep = np.sort(np.random.default_rng(seed).choice(len(examples), n_queries, replace=False))
+        examples = [examples[i] for i in keep]
+    return examples
+
+
+def negatives_from_ranking(ranked, positives, skip=0):
+    """Candidate negatives of one query: its ranking (best first) after the first `skip` ranks,
+    positives removed, duplicates removed, order kept."""
+    positives = set(positives)
+    seen, out = set(), []
+    for d in ranked[skip:]:
+        d = int(d)
+        if d >= 0 and d not in positives and d not in seen:
+            seen.add(d)
+            out.append(d)
+    return out
+
+
+def sample_negatives(pool, positives, n, n_docs, rng):
+    """n negatives for one query from its pool: without replacement when the pool is large enough,
+    else the whole pool topped up with random corpus documents that are not positives."""
+    if len(pool) >= n:
+        return [int(pool[i]) for i in rng.choice(len(pool), n, replace=False)]
+    out, positives = list(pool), set(positives)
+    while len(out) < n:
+        d = int(rng.integers(n_docs))
+        if d not in positives or len(positives) >= n_docs:
+            out.append(d)
+    return out
+
+
+class TrainBatches(torch.utils.data.Dataset):
+    """Item m is this rank's batch at micro-step m, a pure function of (seed, rank, m): each epoch draws
+    a fresh positive (when a query has several) and fresh negatives per query, and a resumed run sees
+    exactly the batches an uninterrupted run would have seen."""
+
+    def __init__(self, c, examples, doc_texts, tokenizer, rank, world):
+        self.c, self.examples, self.doc_texts, self.tokenizer = c, examples, doc_texts, tokenizer
+        self.rank, self.world = rank, world
+        self.per_epoch = data.batches_per_epoch(len(examples), c.batch_size, world)
+
+    def __len__(self):
+        return self.c.steps * self.c.grad_accum
+
+    def __getitem__(self, micro_step):
+        c = self.c
+        rows = data.batch_indices(len(self.examples), c.batch_size, self.rank, self.world, c.seed, micro_step)
+        epoch = micro_step // self.per_epoch
+        docs, queries = [], []
+        for i in rows:
+            ex = self.examples[i]
+            rng = np.random.default_rng([c.seed, epoch, i])
+            positive = int(ex.positives[rng.integers(len(ex.positives))])
+            docs += [positive] + sample_negatives(ex.negatives, ex.positives, c.n_negatives, len(self.doc_texts), rng)
+            queries.append(ex.query)
+        q_ids, q_mask = data.encode_texts(self.tokenizer, queries, c.query_len)          # (B, Lq)
+        p_ids, p_mask = data.encode_texts(self.tokenizer, [self.doc_texts[d] for d in docs], c.passage_len)
+        width = max(len(self.examples[i].positives) for i in rows)
+        q_pos = torch.full((len(rows), width), -1, dtype=torch.long)                    # (B, P)
+        for r, i in enumerate(rows):
+            q_pos[r, :len(self.examples[i].positives)] = torch.tensor(self.examples[i].positives)
+        return {"q_ids": q_ids, "q_mask": q_mask, "p_ids": p_ids, "p_mask": p_mask,
+                "p_doc": torch.tensor(docs, dtype=torch.long), "q_pos": q_pos}
 
 
 # ---------------------------------------------------------------------------------------------
-# BM25 (stage-1 negatives, and the papers' first baseline row)
+# BM25 (stage-1 negatives, and the papers' first baseline row in evaluate.py)
 # ---------------------------------------------------------------------------------------------
 class BM25:
     """Okapi BM25 over a fixed corpus, scored the way Lucene (Elasticsearch, Anserini, BEIR) does:
@@ -19,14 +523,16 @@ class BM25:
 
     Tokenizer: lowercase, tokens of 2+ word characters (scikit-learn's default pattern), scikit-learn's
     English stopword list removed, NO stemming. |d| counts the tokens left after stopword removal.
-    Departures from Lucene, none of which changes a ranking except the last: no (k1 + 1) factor in the
-    numerator (Lucene 8+ dropped it too); a repeated query term counts once per occurrence (as a Lucene
-    BooleanQuery of its terms); exact document lengths instead of Lucene's lossy one-byte length norm.
+    A repeated query term counts once per occurrence, as in a Lucene BooleanQuery of the terms.
+    Departures from Lucene: no (k1 + 1) factor in the numerator (it changes no ranking; Lucene 8+ dropped
+    it too); exact document lengths instead of Lucene's lossy one-byte length norm (can swap near-ties).
     Defaults k1 = 1.2, b = 0.75 are Elasticsearch's (the BEIR paper's BM25 row); Anserini / Pyserini
     use k1 = 0.9, b = 0.4.
     """
 
     def __init__(self, doc_texts, k1=1.2, b=0.75):
+        from sklearn.feature_extraction.text import CountVectorizer
+
         if k1 < 0 or not 0 <= b <= 1:
             raise ValueError(f"BM25 needs k1 >= 0 and 0 <= b <= 1, got k1={k1}, b={b}")
         self.k1, self.b = k1, b
@@ -54,22 +560,37 @@ class BM25:
         Documents with score 0 (no query term) fill the tail when fewer than k match."""
         k = min(k, self.n_docs)
         chunk = max(1, int(2e7 // max(self.n_docs, 1)))  # bound the dense block to ~80 MB
-        all_scores, all_ids = [], []
+        all_scores, all_ids = [np.zeros((0, k), np.float32)], [np.zeros((0, k), np.int64)]
         for start in range(0, len(query_texts), chunk):
             s = self.score(query_texts[start:start + chunk])  # (m, N)
-            top = np.argpartition(-s, k - 1, axis=1)[:, :k] if k < s.shape[1] else np.tile(np.arange(s.shape[1]), (len(s), 1))
+            top = np.argpartition(-s, k - 1, axis=1)[:, :k] if k < self.n_docs else np.tile(np.arange(k), (len(s), 1))
             top_s = np.take_along_axis(s, top, axis=1)  # (m, k)
             order = np.argsort(-top_s, axis=1, kind="stable")  # (m, k)
-            all_ids.append(np.take_along_axis(top, order, axis=1))
+            all_ids.append(np.take_along_axis(top, order, axis=1).astype(np.int64))
             all_scores.append(np.take_along_axis(top_s, order, axis=1))
-        if not all_ids:
-            return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
-        return np.concatenate(all_scores), np.concatenate(all_ids).astype(np.int64)
+        return np.concatenate(all_scores), np.concatenate(all_ids)
 
 
-# ---------------------------------------------------------------------------------------------
-# Exact inner-product search (faiss)
-# ---------------------------------------------------------------------------------------------
+def read_negatives(path, doc_index):
+    """{qid: [corpus index]} from a TSV 'qid<TAB>docid,docid,...' (what this script writes)."""
+    out = {}
+    for number, (qid, docids) in data.iter_tsv(path, 2):
+        try:
+            out[qid] = [doc_index[d] for d in docids.split(",") if d]
+        except KeyError as e:
+            raise data.DataError(f"{path}:{number}: document id {e.args[0]!r} is not in the corpus") from None
+    return out
+
+
+def write_negatives(path, negatives, doc_ids):
+    """Atomic TSV 'qid<TAB>docid,docid,...' of {qid: [corpus index]}."""
+    data.atomic_write_text(path, "".join(f"{q}\t{','.join(doc_ids[d] for d in negs)}\n"
+                                         for q, negs in negatives.items()))
+
+
+# ==============================================================================================
+# Retrieval: encode (sharded across ranks), exact search, mining
+# ==============================================================================================
 def exact_search(query_vecs, doc_vecs, k, batch=1024):
     """Exact maximum inner product search with faiss.IndexFlatIP.
     query_vecs (M, H), doc_vecs (N, H) float32 -> (scores (M, k), indices (M, k) int64), best first."""
@@ -80,11 +601,502 @@ def exact_search(query_vecs, doc_vecs, k, batch=1024):
     k = min(k, len(doc_vecs))
     index = faiss.IndexFlatIP(doc_vecs.shape[1])
     index.add(doc_vecs)
-    scores, ids = [], []
+    scores, ids = [np.zeros((0, k), np.float32)], [np.zeros((0, k), np.int64)]
     for start in range(0, len(query_vecs), batch):
         s, i = index.search(query_vecs[start:start + batch], k)  # (m, k) each
         scores.append(s)
-        ids.append(i)
-    if not ids:
-        return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
-    return np.concatenate(scores), np.concatenate(ids).astype(np.int64)
+        ids.append(i.astype(np.int64))
+    return np.concatenate(scores), np.concatenate(ids)
+
+
+@torch.no_grad()
+def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16=True):
+    """(len(texts), H) float32 numpy vectors. Texts are encoded sorted by length (less padding)."""
+    was_training = encoder.training
+    encoder.eval()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16 and device.type == "cuda")
+    order = np.argsort([len(t) for t in texts], kind="stable")
+    out = np.zeros((len(texts), encoder.config.hidden_size), dtype=np.float32)
+    for start in range(0, len(texts), batch_size):
+        rows = order[start:start + batch_size]
+        ids, mask = data.encode_texts(tokenizer, [texts[i] for i in rows], max_len)          # (b, L)
+        ids, mask = ids.to(device), mask.to(device)
+        with autocast:
+            vecs = pool(encoder(ids, mask), mask, pooling)                                    # (b, H)
+        out[rows] = vecs.float().cpu().numpy()
+    encoder.train(was_training)
+    return out
+
+
+def _all_gather(t, device):
+    """Non-differentiable all-gather of equal-shaped tensors along a new first dimension -> (W, ...)."""
+    parts = [torch.empty_like(t.to(device)) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.to(device).contiguous())
+    return torch.stack(parts).cpu()
+
+
+def merge_topk_across_ranks(scores, ids, k, device, chunk=16384):
+    """Every rank holds the top-k of its own corpus shard for the same queries; all-gather them and keep
+    the global top-k. scores (Q, k') float32, ids (Q, k') global corpus indices, k' <= k."""
+    pad = k - scores.shape[1]  # a shard smaller than k
+    scores = np.pad(scores, ((0, 0), (0, pad)), constant_values=-np.inf)
+    ids = np.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
+    out_s, out_i = [], []
+    for start in range(0, max(len(scores), 1), chunk):  # bounded all-gather messages
+        s = _all_gather(torch.from_numpy(scores[start:start + chunk]), device)             # (W, q, k)
+        i = _all_gather(torch.from_numpy(ids[start:start + chunk]), device)                # (W, q, k)
+        s, i = s.permute(1, 0, 2).flatten(1), i.permute(1, 0, 2).flatten(1)               # (q, W*k)
+        top_s, top = s.topk(k, dim=1)                                                      # (q, k)
+        out_s.append(top_s.numpy())
+        out_i.append(i.gather(1, top).numpy())
+    return np.concatenate(out_s)[:len(scores)], np.concatenate(out_i)[:len(scores)]
+
+
+def retrieve(encoder, pooling, tokenizer, doc_texts, query_texts, k, c, device, timings=None):
+    """Dense retrieval, exact: (scores (Q, k), corpus indices (Q, k)) best first, on EVERY rank.
+
+    Under torchrun rank r encodes only its contiguous shard of the corpus (data.shard: no document
+    twice, none dropped), searches it exactly with faiss, and the per-shard top-k lists are all-gathered
+    and merged. So every rank does the same amount of work and no rank waits in a collective while
+    another searches alone (NCCL's timeout), and no rank ever holds the whole corpus' vectors.
+    Every rank encodes all the queries: they are few and short."""
+    rank, world = rank_and_world()
+    k = min(k, len(doc_texts))
+    shard = data.shard(len(doc_texts), rank, world)
+    t0 = time.time()
+    doc_vecs = encode(encoder, pooling, tokenizer, [doc_texts[i] for i in shard], c.passage_len,
+                      c.encode_batch, device, c.bf16)                                      # (n, H)
+    t1 = time.time()
+    query_vecs = encode(encoder, pooling, tokenizer, list(query_texts), c.query_len,
+                        c.encode_batch, device, c.bf16)                                    # (Q, H)
+    t2 = time.time()
+    if len(shard):
+        scores, ids = exact_search(query_vecs, doc_vecs, k)
+        ids = ids + shard.start
+    else:
+        scores, ids = np.zeros((len(query_texts), 0), np.float32), np.zeros((len(query_texts), 0), np.int64)
+    t3 = time.time()
+    if world > 1:
+        scores, ids = merge_topk_across_ranks(scores, ids, k, device)
+    if timings is not None:
+        timings.update(encode_docs_s=t1 - t0, docs_per_s_per_rank=len(shard) / max(t1 - t0, 1e-9),
+                       encode_queries_s=t2 - t1, search_s=t3 - t2, merge_s=time.time() - t3)
+    return scores, ids
+
+
+def shared_decision(flag, device):
+    """Rank 0's boolean, on every rank (so that all ranks take the same branch around collectives)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    t = torch.tensor([int(flag)], device=device)
+    dist.broadcast(t, 0)
+    return bool(t.item())
+
+
+def bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, path, device, main):
+    """Stage-1 pools: BM25's top bm25_depth for each training query minus its positives. Every rank
+    builds the index and searches its own share of the queries; the pools are all-gathered (nobody
+    idles in a collective) and rank 0 caches them in `path` for --resume."""
+    if c.bm25_negatives:
+        ranked = read_negatives(c.bm25_negatives, doc_index)
+    elif shared_decision(c.resume and path.is_file(), device):
+        ranked = read_negatives(path, doc_index)
+    else:
+        rank, world = rank_and_world()
+        mine = [examples[i] for i in data.shard(len(examples), rank, world)]
+        _, ids = BM25(doc_texts, c.k1, c.b).search([ex.query for ex in mine], c.bm25_depth)
+        ranked = {ex.qid: row.tolist() for ex, row in zip(mine, ids)}
+        if world > 1:
+            parts = [None] * world
+            dist.all_gather_object(parts, ranked)
+            ranked = {q: r for part in parts for q, r in part.items()}
+        if main:
+            write_negatives(path, ranked, doc_ids)
+    return [ex._replace(negatives=negatives_from_ranking(ranked.get(ex.qid, [])[:c.bm25_depth], ex.positives))
+            for ex in examples]
+
+
+def hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc_index, path, device, main):
+    """Stage-2 pools, mined once from the current model: its top hard_depth for each training query,
+    the first hard_skip ranks skipped, positives removed. Sharded across ranks by retrieve();
+    rank 0 caches the result in `path` (TSV) for --resume."""
+    if shared_decision(c.resume and path.is_file(), device):
+        ranked = read_negatives(path, doc_index)
+    else:
+        t0 = time.time()
+        _, ids = retrieve(encoder, c.pooling, tokenizer, doc_texts, [ex.query for ex in examples],
+                          c.hard_depth, c, device)
+        ranked = {ex.qid: row.tolist() for ex, row in zip(examples, ids)}
+        if main:
+            write_negatives(path, ranked, doc_ids)
+            print(f"mined: top-{c.hard_depth} of {len(examples)} queries over {len(doc_texts):,} passages "
+                  f"in {format_seconds(time.time() - t0)} -> {path}", flush=True)
+    return [ex._replace(negatives=negatives_from_ranking(ranked.get(ex.qid, [])[:c.hard_depth], ex.positives,
+                                                         c.hard_skip))
+            for ex in examples]
+
+
+# ==============================================================================================
+# Distributed setup
+# ==============================================================================================
+# --- shared: begin distributed ---
+def setup_distributed():
+    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
+    CPU. Plain `python x.py` runs one process. Returns (rank, world, device)."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def rank_and_world():
+    """(global rank, world size); (0, 1) outside torchrun."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_across_ranks(t):
+    """Concatenate `t` from every rank along dim 0, keeping the autograd graph (candidates)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    return torch.cat(dist_nn.all_gather(t.contiguous()), dim=0)
+
+
+def average_across_ranks(values, device):
+    """Mean of a dict of floats over ranks, for logging (every rank must call it)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return dict(zip(values, (t / dist.get_world_size()).tolist()))
+# --- shared: end distributed ---
+
+
+# ==============================================================================================
+# Training loop
+# ==============================================================================================
+# --- shared: begin training helpers ---
+def make_optimizer(model, c):
+    """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=c.lr)
+    warmup = max(1, int(c.warmup * c.steps))
+    schedule = lambda step: min((step + 1) / warmup, max(0.0, (c.steps - step) / max(1, c.steps - warmup)))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def peak_memory_mb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10   # Linux reports KiB
+
+
+def format_seconds(s):
+    s = int(s)
+    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class Progress:
+    """One line per log interval on rank 0 (step, losses, lr, tokens/s, ETA) and a JSONL log."""
+
+    def __init__(self, c, start_step, main):
+        self.c, self.main, self.start_step = c, main, start_step
+        self.t0 = self.t_last = time.time()
+        self.tokens = self.tokens_total = 0
+        self.sums, self.count = {}, 0
+        self.log_path = Path(c.out_dir) / "log.jsonl"
+
+    def add(self, metrics, n_tokens):
+        for k, v in metrics.items():   # tensors stay on the device until report(): no sync per step
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.count += 1
+        self.tokens += n_tokens
+
+    def report(self, step, lr, device):
+        """Every rank calls this at log steps (the average is a collective); rank 0 prints."""
+        means = average_across_ranks({k: float(v) / self.count for k, v in self.sums.items()}, device)
+        now, (_, world) = time.time(), rank_and_world()
+        tok_per_s = self.tokens * world / (now - self.t_last)
+        self.tokens_total += self.tokens * world
+        done = step - self.start_step
+        eta = (now - self.t0) / done * (self.c.steps - step)
+        if self.main:
+            parts = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
+            print(f"step {step:>6}/{self.c.steps} | {parts} | lr {lr:.2e} | {tok_per_s:,.0f} tok/s | "
+                  f"elapsed {format_seconds(now - self.t0)} | eta {format_seconds(eta)}", flush=True)
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step, **means, "lr": lr, "tokens_per_s": tok_per_s,
+                                    "elapsed_s": now - self.t0}) + "\n")
+        self.sums, self.count, self.tokens, self.t_last = {}, 0, 0, now
+
+    def summary(self, device):
+        elapsed = time.time() - self.t0
+        return (f"{self.tokens_total / max(elapsed, 1e-9):,.0f} tokens/s over {format_seconds(elapsed)}, "
+                f"peak memory {peak_memory_mb(device):,.0f} MiB ({device.type})")
+# --- shared: end training helpers ---
+
+
+def stage_steps(c, n_examples, epochs, world):
+    """Optimizer steps of a stage: c.steps when set, else epochs over the training queries."""
+    if c.steps:
+        return c.steps
+    per_epoch = data.batches_per_epoch(n_examples, c.batch_size, world)
+    return max(1, round(epochs * per_epoch / c.grad_accum))
+
+
+def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epochs, main, step_offset=0):
+    """One fine-tuning stage on fixed negative pools; resumes from {out_dir}/{stage}/state.pt.
+    Returns the trained encoder (also saved in {out_dir}/{stage}/encoder), or None when halted
+    (--halt_at, counted from the first stage: step_offset = the steps of the stages before)."""
+    rank, world = rank_and_world()
+    sc = dataclasses.replace(c, out_dir=str(Path(c.out_dir) / stage),
+                             steps=stage_steps(c, len(examples), epochs, world))
+    if shared_decision(c.resume and (Path(sc.out_dir) / "done.json").is_file(), device):
+        if main:
+            print(f"{stage}: already finished, loading {Path(sc.out_dir) / 'encoder'}")
+        return load_encoder(Path(sc.out_dir) / "encoder", c).to(device)
+    model = BiEncoder(encoder, c.pooling, c.loss).to(device)
+    optimizer, scheduler = make_optimizer(model, sc)
+    start_step = load_checkpoint(sc, model, optimizer, scheduler, main) if c.resume else 0
+    global_batch = c.batch_size * world
+    if main:
+        Path(sc.out_dir).mkdir(parents=True, exist_ok=True)
+        data.atomic_write_json(Path(sc.out_dir) / "config.json", dataclasses.asdict(sc))
+        pools = [len(ex.negatives) for ex in examples]
+        print(f"{stage}: {len(examples)} queries | {sc.steps} steps ({sc.steps * global_batch * c.grad_accum / len(examples):.1f} "
+              f"epochs) | global batch {global_batch} queries x (1 + {c.n_negatives}) passages | "
+              f"negative pools: median {int(np.median(pools))}, min {min(pools)}", flush=True)
+        print(f"{stage}: each query sees {global_batch * (1 + c.n_negatives) - 1} negatives: its {c.n_negatives} "
+              f"sampled + {(global_batch - 1) * (1 + c.n_negatives)} in-batch (known positives of the query "
+              f"are left out of the softmax)", flush=True)
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    loader = torch.utils.data.DataLoader(
+        TrainBatches(sc, examples, doc_texts, tokenizer, rank, world), batch_size=None, num_workers=c.workers,
+        sampler=range(start_step * c.grad_accum, sc.steps * c.grad_accum), generator=torch.Generator())
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=c.bf16 and device.type == "cuda")
+    progress = Progress(sc, start_step, main)
+    batches = iter(loader)
+    model.train()
+    for step in range(start_step + 1, sc.steps + 1):
+        for micro in range(c.grad_accum):
+            batch = next(batches)
+            n_tokens = int(batch["q_mask"].sum() + batch["p_mask"].sum())
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            last = micro == c.grad_accum - 1               # DDP all-reduces gradients only then
+            with autocast, (contextlib.nullcontext() if last or world == 1 else ddp.no_sync()):
+                loss, metrics = ddp(batch)
+                (loss / c.grad_accum).backward()
+            progress.add(metrics, n_tokens)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % c.log_every == 0 or step == sc.steps:
+            progress.report(step, scheduler.get_last_lr()[0], device)
+        halt = c.halt_at == step_offset + step
+        if step % c.save_every == 0 or step == sc.steps or halt:
+            save_checkpoint(sc, model, optimizer, scheduler, step, main, tokenizer_vocab(c))
+        if halt:
+            if main:
+                print(f"{stage}: halted at step {step} (--halt_at {c.halt_at})")
+            return None
+    if main:
+        data.atomic_write_json(Path(sc.out_dir) / "done.json", {"steps": sc.steps})
+        print(f"{stage}: done: {progress.summary(device)}", flush=True)
+    barrier()
+    return model.encoder
+
+
+def barrier():
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def tokenizer_vocab(c):
+    """The init folder's vocab.txt when it has one (it matches the embedding), else c.vocab."""
+    own = Path(c.init) / "vocab.txt" if c.init else None
+    return str(own) if own and own.is_file() else c.vocab
+
+
+def train(c):
+    """Stage 1 (BM25 negatives), then c.rounds stages of mined hard negatives, then the evaluation."""
+    rank, world, device = setup_distributed()
+    main = rank == 0
+    torch.manual_seed(c.seed)
+    out = Path(c.out_dir)
+    if c.loss not in ("softmax", "hinge") or c.pooling not in ("cls", "mean"):
+        raise data.DataError(f"--loss must be softmax or hinge and --pooling cls or mean, got {c.loss!r}, {c.pooling!r}")
+    tokenizer = data.load_tokenizer(tokenizer_vocab(c))
+    corpus, queries, qrels = load_split(c, c.train_split, c.queries, c.qrels)
+    doc_ids = list(corpus)
+    doc_index = {d: i for i, d in enumerate(doc_ids)}
+    doc_texts = [passage_text(corpus[d]) for d in doc_ids]
+    examples = make_examples(queries, qrels, doc_index, c.n_queries, c.seed)
+    encoder = load_encoder(c.init, c) if c.init else _random_encoder(c)
+    if encoder.config.vocab_size != tokenizer.get_vocab_size():
+        raise data.DataError(f"{tokenizer_vocab(c)}: {tokenizer.get_vocab_size()} entries but the encoder "
+                             f"has vocab_size {encoder.config.vocab_size}")
+    c = encoder.config                          # --init brings the checkpoint's model sizes
+    encoder = encoder.to(device)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        if not c.resume:
+            clear_stale_outputs(out)
+        data.atomic_write_json(out / "config.json", dataclasses.asdict(c))
+        n_params = sum(p.numel() for p in encoder.parameters())
+        print(f"model: {c.init or 'random init'} ({n_params / 1e6:.1f}M parameters, {c.pooling} pooling) | "
+              f"{world} process(es) on {device.type} | data: {len(doc_texts):,} passages, {len(examples)} "
+              f"training queries{f' (a sample, seed {c.seed})' if c.n_queries else ''}", flush=True)
+    examples = bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, out / "negatives_bm25.tsv", device, main)
+    encoder = train_stage(c, "stage1", encoder, examples, doc_texts, tokenizer, device, c.epochs, main)
+    offset = stage_steps(c, len(examples), c.epochs, world)
+    for r in range(1, c.rounds + 1):
+        if encoder is None:
+            break
+        examples = hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc_index,
+                                       out / f"negatives_round{r}.tsv", device, main)
+        encoder = train_stage(c, f"stage{r + 1}", encoder, examples, doc_texts, tokenizer, device, c.hard_epochs,
+                              main, offset)
+        offset += stage_steps(c, len(examples), c.hard_epochs, world)
+    if encoder is None:  # --halt_at
+        return None
+    if main:
+        save_encoder(encoder, out / "encoder", c, tokenizer_vocab(c))
+        print(f"fine-tuned encoder: {out / 'encoder'}", flush=True)
+    barrier()
+    results = None
+    if c.eval_split and (not c.corpus or (c.eval_queries and c.eval_qrels)):
+        import evaluate  # here, not at the top: evaluate.py imports this file
+
+        corpus, queries, qrels = load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
+        results = evaluate.evaluate_encoder(encoder, c.pooling, tokenizer, corpus, queries, qrels,
+                                            out / f"eval-{c.eval_split}", c, device,
+                                            tag=f"finetune-{Path(c.init).parent.name if c.init else 'random'}")
+    return results
+
+
+def clear_stale_outputs(out):
+    """A fresh (not --resume) run must not mistake an older run's finished stages or mined negatives
+    for its own if it is resumed later: remove those markers and caches (rank 0, before any use)."""
+    for path in list(out.glob("stage*/done.json")) + list(out.glob("negatives_*.tsv")):
+        path.unlink()
+
+
+def _random_encoder(c):
+    encoder = Encoder(c)
+    encoder.mlm_head = None
+    return encoder
+
+
+# ==============================================================================================
+# Checkpoint
+# ==============================================================================================
+def save_encoder(encoder, folder, c, vocab):
+    """Hugging Face BERT folder plus retriever.json recording how to use it as a retriever (pooling,
+    lengths); evaluate.py reads it, so evaluating the folder repeats the fine-tuning's own evaluation."""
+    encoder.save_pretrained(folder, vocab)
+    data.atomic_write_json(Path(folder) / "retriever.json", {"pooling": c.pooling, "similarity": "dot",
+                                                             "query_len": c.query_len, "passage_len": c.passage_len})
+
+
+def save_checkpoint(c, model, optimizer, scheduler, step, main, vocab):
+    """Rank 0 writes the encoder (Hugging Face folder) and the full training state for --resume."""
+    if main:
+        save_encoder(model.encoder, Path(c.out_dir) / "encoder", c, vocab)
+        data.save_training_state(Path(c.out_dir) / "state.pt", {
+            "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
+            "config": dataclasses.asdict(c)})
+    barrier()  # short: nobody races ahead of a checkpoint being written
+
+
+def load_checkpoint(c, model, optimizer, scheduler, main):
+    path = Path(c.out_dir) / "state.pt"
+    if not path.is_file():
+        if main:
+            print(f"resume: no {path} yet, starting this stage from step 0")
+        return 0
+    state = data.load_training_state(path)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+    if main:
+        print(f"resume: {path} at step {state['step']}")
+    return state["step"]
+
+
+# ==============================================================================================
+# Pipeline: pre-train, fine-tune, evaluate, compare with BM25
+# ==============================================================================================
+def pretrain(c):
+    """Run {c.pretrain}.py's training (costa, seed or cpdae) into {out_dir}/pretrain; returns its encoder
+    folder. Skipped when a previous run finished it (done.json)."""
+    module = importlib.import_module(c.pretrain)
+    folder = Path(c.out_dir) / "pretrain"
+    pc = module.parse_config(shlex.split(c.pretrain_args) + ["--out_dir", str(folder), "--seed", str(c.seed)]
+                             + (["--steps", str(c.pretrain_steps)] if c.pretrain_steps else [])
+                             + (["--resume"] if c.resume else []))
+    if not (c.resume and (folder / "done.json").is_file()):
+        if (folder / "done.json").is_file() and os.environ.get("RANK", "0") == "0":
+            (folder / "done.json").unlink()  # a fresh run: an older run's marker must not survive a crash
+        module.train(pc)
+        if rank_and_world()[0] == 0 and (folder / "encoder").is_dir():
+            data.atomic_write_json(folder / "done.json", {"method": c.pretrain, "steps": pc.steps})
+    elif rank_and_world()[0] == 0:
+        print(f"pretrain: already finished, using {folder / 'encoder'}")
+    return str(folder / "encoder")
+
+
+def pipeline(c):
+    """--pretrain METHOD: pre-train, fine-tune (BM25 then hard negatives), evaluate on the test split,
+    then print the metrics table next to BM25's (with paired two-tailed t-tests)."""
+    import evaluate
+
+    t0 = time.time()
+    if c.pretrain not in ("costa", "seed", "cpdae"):
+        raise data.DataError(f"--pretrain must be costa, seed or cpdae, got {c.pretrain!r}")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # The pre-training script ends its process group; a second one in the same processes can meet
+        # the first one's stale rendezvous keys (gloo "connectFullMesh failed"), so refuse instead.
+        raise data.DataError(f"--pretrain runs the whole pipeline in one process; under torchrun run its steps: "
+                             f"torchrun ... {c.pretrain}.py --out_dir DIR, then torchrun ... finetune.py --init DIR/encoder")
+    c = dataclasses.replace(c, init=pretrain(c))
+    results = train(c)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    if results is None:  # halted, or no evaluation split
+        return
+    corpus, queries, qrels = load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
+    bm25 = evaluate.evaluate_bm25(corpus, queries, qrels, Path(c.out_dir) / f"eval-{c.eval_split}-bm25",
+                                  c.k1, c.b, verbose=False)
+    name = f"{c.pretrain} + fine-tune"
+    print()
+    print(evaluate.format_table({f"BM25 (k1={c.k1}, b={c.b})": bm25, name: results},
+                                title=f"{c.eval_split} split, {len(bm25[1])} queries", baseline=f"BM25 (k1={c.k1}, b={c.b})"))
+    print(f"pipeline: {format_seconds(time.time() - t0)} in all; outputs in {c.out_dir}")
+
+
+def main(argv):
+    c = parse_config(argv)
+    if c.pretrain:
+        pipeline(c)
+        return
+    train(c)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except data.DataError as e:
+        sys.exit(f"error: {e}")

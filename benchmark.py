@@ -1,0 +1,136 @@
+"""Throughput and peak memory of each pre-training method, and of transformers' BertForMaskedLM.
+
+Every variant trains on the same real batches (the bundled Wikipedia slice, the method's own
+masking), with the same model size and batch, for --steps optimizer steps after --warmup untimed
+ones, in a fresh process of its own so that peak memory is its own:
+
+    python benchmark.py                                   # all variants, the CPU default config
+    python benchmark.py --variants costa-mlm,hf-bert-mlm --steps 20
+    python benchmark.py --set batch_size=64 --set max_len=256
+
+tokens/s counts real (non-padding) tokens through forward, backward and the AdamW step.
+peak memory: max resident set size of the process on CPU (model, optimizer, activations and the
+few documents loaded), torch.cuda.max_memory_allocated on GPU.
+"""
+import argparse
+import importlib
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+import data
+
+# variant -> (module, Config overrides). "costa-mlm" is the papers' BERT/MLM baseline.
+VARIANTS = {
+    "costa-mlm": ("costa", {"gwc_weight": 0.0}),
+    "costa": ("costa", {}),
+    "cpdae": ("cpdae", {}),
+    "seed": ("seed", {}),
+    "hf-bert-mlm": ("costa", {"gwc_weight": 0.0}),   # same batches, transformers' model
+}
+
+
+def load_batches(module, c, n_batches):
+    """The first n_batches of the method's own data path, built from a few real articles."""
+    texts = data.read_pretraining_texts(c.corpus)[:40]
+    tokenizer = data.load_tokenizer(c.vocab)
+    windows = data.make_windows(tokenizer, texts, c.max_len)
+    dataset = module.Batches(c, windows, data.special_ids(tokenizer), 0, 1)
+    return [dataset[i] for i in range(n_batches)]
+
+
+def hf_model(c):
+    import transformers
+    config = transformers.BertConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                                     num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                                     intermediate_size=c.ffn_size, max_position_embeddings=c.max_position,
+                                     hidden_dropout_prob=c.dropout, attention_probs_dropout_prob=c.dropout)
+    model = transformers.BertForMaskedLM(config)
+    return lambda batch: model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                               labels=batch["labels"]).loss, model
+
+
+def run_one(variant, overrides, steps, warmup):
+    module_name, fixed = VARIANTS[variant]
+    module = importlib.import_module(module_name)
+    torch.manual_seed(0)
+    known = {f for f in module.Config.__dataclass_fields__}
+    c = module.Config(**{k: v for k, v in {**fixed, **overrides}.items() if k in known})
+    c.steps = steps + warmup
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    batches = load_batches(module, c, steps + warmup)
+    if variant == "hf-bert-mlm":
+        forward, model = hf_model(c)
+    else:
+        model = module.PretrainModel(c, module.Encoder(c))
+        forward = lambda batch: model(batch)[0]
+    model.to(device).train()
+    optimizer, _ = module.make_optimizer(model, c)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    tokens, t0 = 0, None
+    for i, batch in enumerate(batches):
+        if i == warmup:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            tokens, t0 = 0, time.perf_counter()
+        batch = {k: v.to(device) for k, v in batch.items()}
+        with autocast:
+            loss = forward(batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tokens += int(batch["attention_mask"].sum())
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**20
+    n_params = sum(p.numel() for p in model.parameters())
+    return {"variant": variant, "tokens_per_s": tokens / elapsed, "peak_mib": peak, "device": device.type,
+            "params_m": n_params / 1e6, "batch_size": c.batch_size, "max_len": c.max_len,
+            "hidden_size": c.hidden_size, "num_layers": c.num_layers, "threads": torch.get_num_threads()}
+
+
+def parse_value(text):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="Config override for every variant, e.g. batch_size=64")
+    parser.add_argument("--one", help=argparse.SUPPRESS)          # internal: run one variant, print JSON
+    args = parser.parse_args()
+    overrides = {k: parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}
+    if args.one:
+        print(json.dumps(run_one(args.one, overrides, args.steps, args.warmup)))
+        return
+    print(f"{'variant':<14}{'tokens/s':>10}{'peak MiB':>10}  setup")
+    for variant in args.variants.split(","):
+        if variant not in VARIANTS:
+            sys.exit(f"error: unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+        cmd = [sys.executable, __file__, "--one", variant, "--steps", str(args.steps),
+               "--warmup", str(args.warmup)] + [x for s in args.set for x in ("--set", s)]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            last = (result.stderr.strip().splitlines() or ["?"])[-1]
+            print(f"{variant:<14}{'failed':>10}  {last}")
+            continue
+        r = json.loads(result.stdout.strip().splitlines()[-1])
+        print(f"{variant:<14}{r['tokens_per_s']:>10,.0f}{r['peak_mib']:>10,.0f}  {r['params_m']:.1f}M params, "
+              f"{r['num_layers']}x{r['hidden_size']}, batch {r['batch_size']}x{r['max_len']}, "
+              f"{r['device']} ({r['threads']} threads)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,730 @@
+"""CPDAE: contrastive pre-training of a discriminative autoencoder with an MLP decoder.
+
+Ma et al., CIKM 2022 (papers/cpdae.md, section 3, eq. 1-6). One file, top to bottom: config, model, loss,
+data, distributed setup, training loop, checkpoint. It is costa.py's MLM skeleton plus: two masked views
+of every text, an MLP decoder from [CLS] to a word distribution, a bag-of-words reconstruction loss and a
+contrastive loss between the views' word distributions. `diff costa.py cpdae.py` shows exactly that.
+
+    python cpdae.py                                  # small model, bundled Wikipedia slice, CPU
+    python cpdae.py --cl_weight 0                    # Table 2 "w/o CL";  --idf_rec: Table 2 "IDF-REC"
+    python cpdae.py --cl_mode cls                    # CPDAE_R (Table 1): contrast the [CLS] vectors
+    torchrun --nproc_per_node=4 cpdae.py --preset paper --init bert-base-uncased/
+    python cpdae.py --resume                         # continue from out_dir/state.pt exactly
+
+The encoder is written to {out_dir}/encoder as a Hugging Face BERT folder for finetune.py, with the MLP
+decoder beside it in decoder.safetensors (Decoder.from_pretrained; the Table 4 figure needs it).
+"""
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import data
+
+
+# ==============================================================================================
+# Config
+# ==============================================================================================
+@dataclass
+class Config:
+    # --- data
+    corpus: str = str(data.WIKI)  # pre-training corpus: .txt / .jsonl file or folder ('.gz' ok)
+    vocab: str = str(data.VOCAB)  # WordPiece vocab.txt (BERT uncased, 30,522 entries)
+    max_len: int = 128            # tokens per window incl. [CLS] and [SEP] (paper: 512)
+    # --- model (CPU default is small; --preset paper gives BERT-base)
+    vocab_size: int = 30522       # rows of the token embedding; must match the vocab file
+    hidden_size: int = 256        # H (paper: 768)
+    num_layers: int = 4           # Transformer blocks (paper: 12)
+    num_heads: int = 4            # attention heads (paper: 12)
+    ffn_size: int = 1024          # feed-forward inner size (paper: 3072)
+    max_position: int = 512       # learned absolute positions
+    type_vocab_size: int = 2      # token types (all 0 here; kept for BERT checkpoint compatibility)
+    dropout: float = 0.1          # hidden and attention dropout
+    layer_norm_eps: float = 1e-12  # BERT's LayerNorm epsilon
+    init: str = ""                # Hugging Face BERT folder to start from; "" = random init
+    # --- optimisation
+    steps: int = 300              # optimizer steps (paper: 6 epochs of Wikipedia)
+    batch_size: int = 32          # texts per rank per micro-step
+    grad_accum: int = 1           # micro-steps per optimizer step (adds no negatives to the contrastive loss)
+    lr: float = 5e-4              # peak learning rate (paper: 5e-5 from BERT's checkpoint)
+    weight_decay: float = 0.01    # AdamW weight decay (not on biases and LayerNorm)
+    warmup: float = 0.1           # fraction of steps of linear warm-up, then linear decay to 0
+    clip: float = 1.0             # max gradient norm
+    mask_prob: float = 0.15       # MLM: fraction of tokens chosen
+    seed: int = 0                 # model init, data order and masks
+    bf16: bool = True             # bf16 autocast on GPU (ignored on CPU)
+    workers: int = 0              # data-loader worker processes building batches
+    # --- bookkeeping
+    out_dir: str = "runs/cpdae"   # checkpoints, config.json and log.jsonl go here
+    log_every: int = 10           # steps between progress lines
+    save_every: int = 100         # steps between checkpoints (and one at the end)
+    resume: bool = False          # continue from out_dir/state.pt
+    halt_at: int = 0              # stop after this step as if killed (0 = never); to test --resume
+    preset: str = ""              # "paper": BERT-base sizes and the paper's hyper-parameters
+    # --- CPDAE (section 3.2, eq. 6; variants of Tables 1-2). batch_size counts texts: 2 views each
+    cl_weight: float = 0.1        # lambda in L = L_REC + L_MLM + lambda * L_CL (eq. 6); 0 = Table 2 "w/o CL"
+    cl_mode: str = "js"           # "js": -JS between word distributions (eq. 5); "cls": CPDAE_R, [CLS] vectors
+    cls_temperature: float = 0.1  # CPDAE_R similarity = cosine / temperature (the paper gives none: our choice)
+    idf_rec: bool = False         # Table 2 "IDF-REC": weight eq. 4's word terms by IDF over the corpus windows
+    js_chunk: int = 8             # anchors per block of pairwise JS: peak ~5 x js_chunk x 2M x |V| fp32
+
+
+# 4.1.3: from BERT's checkpoint (--init), lr 5e-5, 10% warm-up, batch m = 64 texts (x 2 masked views);
+# batch_size is per rank: with N processes use --batch_size 64/N for the paper's m.
+PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=5e-5,
+                    batch_size=64)
+
+
+# --- shared: begin config parsing ---
+def parse_config(argv):
+    """Config from the command line: '--field value' for any field, '--flag' alone for a bool."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    overrides, i = {}, 0
+    while i < len(argv):
+        name = argv[i].removeprefix("--").replace("-", "_")
+        if not argv[i].startswith("--") or name not in fields:
+            sys.exit(f"error: unknown argument {argv[i]!r}; fields are: {', '.join(fields)}")
+        kind = type(fields[name].default)
+        if kind is bool and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+            overrides[name], i = True, i + 1
+            continue
+        if i + 1 == len(argv):
+            sys.exit(f"error: --{name} needs a value")
+        value = argv[i + 1]
+        try:
+            overrides[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+        except ValueError:
+            sys.exit(f"error: --{name} expects {kind.__name__}, got {value!r}")
+        i += 2
+    preset = PAPER_PRESET if overrides.get("preset") == "paper" else {}
+    return Config(**{**preset, **overrides})
+# --- shared: end config parsing ---
+
+
+# ==============================================================================================
+# Model
+# ==============================================================================================
+# --- shared: begin encoder ---
+class Embeddings(nn.Module):
+    """Token + learned absolute position + token-type embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.word = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.position = nn.Embedding(c.max_position, c.hidden_size)
+        self.token_type = nn.Embedding(c.type_vocab_size, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, input_ids):                                               # (B, L)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
+        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]  # (B, L, H)
+        return self.dropout(self.norm(x))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention through scaled_dot_product_attention (fused kernels on GPU)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.heads, self.dropout = c.num_heads, c.dropout
+        self.query = nn.Linear(c.hidden_size, c.hidden_size)
+        self.key = nn.Linear(c.hidden_size, c.hidden_size)
+        self.value = nn.Linear(c.hidden_size, c.hidden_size)
+        self.out = nn.Linear(c.hidden_size, c.hidden_size)
+
+    def forward(self, x, attend):                       # x (B, L, H); attend (B, 1, 1, L) True = key visible
+        B, L, H = x.shape
+        split = lambda t: t.view(B, L, self.heads, H // self.heads).transpose(1, 2)  # (B, heads, L, H/heads)
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(B, L, H))                      # (B, L, H)
+
+
+class Block(nn.Module):
+    """Post-LN Transformer block, as in BERT: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.attn = SelfAttention(c)
+        self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
+        self.ffn_out = nn.Linear(c.ffn_size, c.hidden_size)
+        self.ffn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, x, attend):                                                    # (B, L, H)
+        x = self.attn_norm(x + self.dropout(self.attn(x, attend)))
+        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))  # (B, L, H)
+
+
+class MLMHead(nn.Module):
+    """BERT's MLM head: dense, GELU, LayerNorm, then the token embedding matrix (tied) plus a bias."""
+
+    def __init__(self, c, word_embedding):
+        super().__init__()
+        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(c.vocab_size))
+        self.word_embedding = [word_embedding]  # a list, so the tied matrix is not registered twice
+
+    def forward(self, h):                                                        # (M, H)
+        h = self.norm(F.gelu(self.dense(h)))                                     # (M, H)
+        return h @ self.word_embedding[0].weight.T + self.bias                   # (M, V)
+
+
+# Our parameter names -> Hugging Face BertForMaskedLM names (both directions use this table).
+HF_NAMES = [("embeddings.word.", "bert.embeddings.word_embeddings."),
+            ("embeddings.position.", "bert.embeddings.position_embeddings."),
+            ("embeddings.token_type.", "bert.embeddings.token_type_embeddings."),
+            ("embeddings.norm.", "bert.embeddings.LayerNorm."),
+            ("attn.query.", "attention.self.query."), ("attn.key.", "attention.self.key."),
+            ("attn.value.", "attention.self.value."), ("attn.out.", "attention.output.dense."),
+            ("attn_norm.", "attention.output.LayerNorm."), ("ffn_in.", "intermediate.dense."),
+            ("ffn_out.", "output.dense."), ("ffn_norm.", "output.LayerNorm."),
+            ("blocks.", "bert.encoder.layer."),
+            ("mlm_head.dense.", "cls.predictions.transform.dense."),
+            ("mlm_head.norm.", "cls.predictions.transform.LayerNorm."),
+            ("mlm_head.bias", "cls.predictions.bias")]
+HF_CONFIG_KEYS = dict(vocab_size="vocab_size", hidden_size="hidden_size", num_layers="num_hidden_layers",
+                      num_heads="num_attention_heads", ffn_size="intermediate_size",
+                      max_position="max_position_embeddings", type_vocab_size="type_vocab_size",
+                      dropout="hidden_dropout_prob", layer_norm_eps="layer_norm_eps")
+
+
+def to_hf_name(name):
+    for ours, theirs in HF_NAMES:
+        name = name.replace(ours, theirs)
+    return name
+
+
+def from_hf_name(name):
+    """Accepts 'bert.'-prefixed or bare names and the old LayerNorm gamma/beta spelling."""
+    name = name.removeprefix("bert.").replace("LayerNorm.gamma", "LayerNorm.weight")
+    name = name.replace("LayerNorm.beta", "LayerNorm.bias")
+    name = name if name.startswith("cls.") else "bert." + name
+    for ours, theirs in HF_NAMES:           # this order: "attention.output.dense" before "output.dense"
+        name = name.replace(theirs, ours)
+    return name
+
+
+class Encoder(nn.Module):
+    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
+    forward returns the last hidden states; the text vector is position 0 ([CLS])."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.config = c
+        self.embeddings = Embeddings(c)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.num_layers))
+        self.mlm_head = MLMHead(c, self.embeddings.word)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m):
+        """BERT's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm."""
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, input_ids, attention_mask):                  # (B, L), (B, L) 1 = token, 0 = pad
+        attend = attention_mask.bool()[:, None, None, :]            # (B, 1, 1, L)
+        x = self.embeddings(input_ids)                              # (B, L, H)
+        for block in self.blocks:
+            x = block(x, attend)
+        return x                                                    # (B, L, H)
+
+    def mlm_loss(self, hidden, labels):
+        """Eq. 9 of COSTA / BERT's MLM: mean cross-entropy over the masked positions only (the
+        vocabulary projection is most of the cost). Returns (loss, n_correct, n_masked)."""
+        chosen = labels != -100                                     # (B, L)
+        logits = self.mlm_head(hidden[chosen]).float()              # (M, V)
+        if logits.shape[0] == 0:                                    # nothing masked in this batch
+            return hidden.sum() * 0.0, 0, 0
+        targets = labels[chosen]                                    # (M,)
+        n_correct = (logits.argmax(-1) == targets).sum()            # a tensor: no GPU sync here
+        return F.cross_entropy(logits, targets), n_correct, targets.numel()
+
+    def hf_config(self):
+        c = {theirs: getattr(self.config, ours) for ours, theirs in HF_CONFIG_KEYS.items()}
+        return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
+                "attention_probs_dropout_prob": self.config.dropout, "initializer_range": 0.02,
+                "pad_token_id": 0, "position_embedding_type": "absolute", **c}
+
+    def save_pretrained(self, folder, vocab=data.VOCAB):
+        """Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
+        state = {to_hf_name(k): v for k, v in self.state_dict().items()}
+        data.save_encoder_folder(folder, state, self.hf_config(), vocab)
+
+    @classmethod
+    def from_pretrained(cls, folder, config=None):
+        """Load a Hugging Face BERT folder (ours, or e.g. bert-base-uncased downloaded by the user).
+        config: a Config whose model fields are replaced by the folder's config.json."""
+        hf_config, hf_state = data.load_encoder_folder(folder)
+        sizes = {ours: hf_config[theirs] for ours, theirs in HF_CONFIG_KEYS.items() if theirs in hf_config}
+        model = cls(dataclasses.replace(config or Config(), **sizes))
+        state = {from_hf_name(k): v for k, v in hf_state.items()}
+        ours = model.state_dict()
+        for name, tensor in state.items():
+            if name in ours and ours[name].shape != tensor.shape:
+                raise data.DataError(f"{folder}: {to_hf_name(name)} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(ours[name].shape)}")
+        state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
+        missing = [k for k in ours if k not in state]
+        if [k for k in missing if not k.startswith("mlm_head.")]:
+            raise data.DataError(f"{folder}: missing encoder weights, e.g. {to_hf_name(missing[0])}")
+        model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
+        return model
+# --- shared: end encoder ---
+
+
+class Decoder(nn.Module):
+    """MLP decoder (3.1.2, eq. 2): z = Linear(H, |V|)(LayerNorm(GELU(Linear(H, H)(h_[CLS])))), one logit
+    per vocabulary entry. Dropped for fine-tuning, kept beside the encoder for the Table 4 figure."""
+
+    def __init__(self, hidden_size, vocab_size, layer_norm_eps=1e-12):
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.norm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
+        self.out = nn.Linear(hidden_size, vocab_size)
+        self.apply(Encoder._init_weights)
+
+    def forward(self, h_cls):                                                    # (N, H)
+        return self.out(self.norm(F.gelu(self.dense(h_cls))))                   # (N, V) logits z
+
+    @classmethod
+    def from_pretrained(cls, folder):
+        """The decoder that save_checkpoint wrote beside the encoder (folder/decoder.safetensors)."""
+        state = data.load_tensors(Path(folder) / "decoder.safetensors")
+        eps = json.loads((Path(folder) / "config.json").read_text()).get("layer_norm_eps", 1e-12)
+        decoder = cls(state["out.weight"].shape[1], state["out.weight"].shape[0], eps)
+        decoder.load_state_dict(state)
+        return decoder
+
+
+class PretrainModel(nn.Module):
+    """The encoder plus what pre-training adds on top of it. Returns the loss and what to log.
+    Both masked views of the B texts go through the encoder as one batch of 2B rows."""
+
+    def __init__(self, c, encoder, idf=None):
+        super().__init__()
+        self.config, self.encoder = c, encoder
+        self.decoder = Decoder(c.hidden_size, c.vocab_size, c.layer_norm_eps)
+        self.register_buffer("idf", idf)                                         # (V,) or None: IDF-REC
+
+    def forward(self, batch):
+        c = self.config
+        attention_mask = batch["attention_mask"].repeat(2, 1)                    # (2B, L) views share padding
+        hidden = self.encoder(batch["input_ids"], attention_mask)                # (2B, L, H) [d'; d'']
+        mlm, n_correct, n_masked = self.encoder.mlm_loss(hidden, batch["labels"])  # MLM on both views
+        h_cls = hidden[:, 0]                                                     # (2B, H) eq. 1
+        logits = self.decoder(h_cls)                                             # (2B, V) eq. 2
+        rec = reconstruction_loss(logits, batch["bag"].repeat(2, 1), self.idf)   # each view rebuilds its text
+        metrics = {"rec": rec.detach(), "mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1)}
+        if not c.cl_weight:                                                      # Table 2 "w/o CL"
+            return rec + mlm, metrics
+        if c.cl_mode == "js":                                                    # CPDAE, eq. 5
+            view1, view2 = word_distribution(logits).chunk(2)                    # (B, V) each, z_tilde
+            similarity = partial(js_similarity, chunk_size=c.js_chunk)
+        else:                                                                    # CPDAE_R
+            view1, view2 = h_cls.chunk(2)                                        # (B, H) each
+            similarity = partial(cosine_similarity, temperature=c.cls_temperature)
+        cl, accuracy = gathered_contrastive_loss(view1, view2, similarity)
+        total = rec + mlm + c.cl_weight * cl                                     # eq. 6
+        return total, {**metrics, "cl": cl.detach(), "cl_acc": accuracy}
+
+
+# ==============================================================================================
+# Loss
+# ==============================================================================================
+# The MLM loss is Encoder.mlm_loss above.
+def reconstruction_loss(logits, bag, idf=None):
+    """Non-autoregressive reconstruction, eq. 3-4 (multi-label binary cross-entropy):
+
+        z_hat^j = sigmoid(z^j)                                                   (eq. 3)
+        L_REC   = - sum_j w_j [ y^j log z_hat^j + (1 - y^j) log(1 - z_hat^j) ]   (eq. 4)
+
+    y^j = 1 iff word j occurs in the original text (bag_of_words). Departure: eq. 4 as printed has
+    log z_hat^j in its second term, a typo; we use log(1 - z_hat^j). Summed over the vocabulary as eq. 4
+    writes it, then averaged over the N texts. w_j = 1, or idf[j] for IDF-REC (Table 2).
+    BCE-with-logits (log-sigmoid) keeps it finite for any logit. fp32.
+    logits (N, V), bag (N, V) 0/1, idf (V,) or None -> scalar.
+    """
+    per_word = F.binary_cross_entropy_with_logits(
+        logits.float(), bag.float(), reduction="none")                 # (N, V) -[y log z + (1-y) log(1-z)]
+    if idf is not None:
+        per_word = per_word * idf.float()                                        # (N, V) word j's term x idf[j]
+    return per_word.sum(dim=1).mean()                                            # sum over V, mean over texts
+
+
+def word_distribution(logits):
+    """z_tilde = z_hat / sum_j z_hat^j, z_hat = sigmoid(z) (3.2.2): the sigmoid outputs normalised. fp32."""
+    z_hat = torch.sigmoid(logits.float())                                        # (N, V)
+    return z_hat / z_hat.sum(dim=-1, keepdim=True)                               # (N, V) rows sum to 1
+
+
+def _xlogx(x):
+    """x log x with 0 log 0 = 0 and a finite gradient at 0 (the log of a clamped x)."""
+    return x * torch.log(x.clamp_min(torch.finfo(x.dtype).tiny))
+
+
+def _mixture_xlogx(p, q):
+    """sum_x m(x) log m(x), M = (P + Q) / 2, for every row pair of p (c, V) and q (B, V) -> (c, B).
+    Builds a (c, B, V) tensor: the one memory-hungry step of JS."""
+    m = 0.5 * (p[:, None, :] + q[None, :, :])                                    # (c, B, V)
+    return _xlogx(m).sum(dim=-1)                                                 # (c, B)
+
+
+def js_divergence(p, q, chunk_size=8):
+    """Pairwise Jensen-Shannon divergence, natural log, rows of p (A, V) x rows of q (B, V) -> (A, B):
+
+        JS(P, Q) = 1/2 KL(P || M) + 1/2 KL(Q || M),  M = (P + Q) / 2
+                 = 1/2 sum p log p + 1/2 sum q log q - sum m log m
+
+    (the paper's eq. 7 is 2 (JS - log 2): it drops the 1/2 and the constant.)
+
+    Only the mixture term needs an (A, B, V) tensor (64 x 128 x 30,522 fp32 = 1 GB at the paper's batch).
+    We build it chunk_size rows of p at a time and checkpoint each chunk, so autograd keeps p and q,
+    not every chunk's intermediates; the backward recomputes them chunk by chunk. Same values.
+    """
+    half_p = 0.5 * _xlogx(p).sum(dim=-1)                                         # (A,)
+    half_q = 0.5 * _xlogx(q).sum(dim=-1)                                         # (B,)
+    chunks = p.split(chunk_size)                                                 # (c, V) each
+    if torch.is_grad_enabled() and (p.requires_grad or q.requires_grad):
+        cross = [checkpoint(_mixture_xlogx, chunk, q, use_reentrant=False) for chunk in chunks]
+    else:
+        cross = [_mixture_xlogx(chunk, q) for chunk in chunks]                   # (c, B) each
+    return half_p[:, None] + half_q[None, :] - torch.cat(cross)                  # (A, B)
+
+
+def js_similarity(anchors, candidates, chunk_size=8):
+    """CPDAE's similarity of two word distributions: -JS (eq. 5), no temperature. (a, V) x (b, V) -> (a, b)."""
+    return -js_divergence(anchors.float(), candidates.float(), chunk_size)
+
+
+def cosine_similarity(anchors, candidates, temperature=0.1):
+    """CPDAE_R's similarity of [CLS] vectors: cos / temperature (a, H) x (b, H) -> (a, b). The paper
+    names no similarity for CPDAE_R; cosine with temperature 0.1 (as in SimCLR-style losses) is ours.
+    fp32 with autocast off (under autocast a matmul runs in bf16 even on fp32 inputs)."""
+    with torch.autocast(anchors.device.type, enabled=False):
+        a = F.normalize(anchors.float(), dim=-1)                                 # (a, H)
+        b = F.normalize(candidates.float(), dim=-1)                              # (b, H)
+        return a @ b.T / temperature                                             # (a, b)
+
+
+def two_view_contrastive_loss(sim, offset=0):
+    """InfoNCE of eq. 5 from a similarity matrix, for anchors that are FIRST views:
+
+        L_CL = - 1/m sum_i log  exp(s(d'_i, d''_i)) / sum_{k != i, k over all 2M views} exp(s(d'_i, z_k))
+
+    sim (m, 2M): row i = local anchor d'_{offset+i}; columns = [d'_1..d'_M, d''_1..d''_M], every view
+    of the (global) batch of M texts. Positive: d''_{offset+i} (column M+offset+i); the anchor itself
+    (column offset+i) is left out (k != i); all other 2M-2 views are negatives.
+    Anchors: the m first views only, as eq. 5 writes it (not SimCLR's all-2m-anchors form).
+    Departure: mean over anchors instead of eq. 5's sum, so lambda does not depend on the batch size.
+    Returns (loss, accuracy = fraction of anchors whose positive scores highest). fp32.
+    """
+    m, two_M = sim.shape
+    rows = torch.arange(m, device=sim.device)                                    # (m,)
+    self_col, pos_col = offset + rows, two_M // 2 + offset + rows                # (m,) each
+    sim = sim.float().masked_fill(F.one_hot(self_col, two_M).bool(), float("-inf"))  # (m, 2M) k != i
+    accuracy = (sim.argmax(dim=1) == pos_col).float().mean()
+    return F.cross_entropy(sim, pos_col), accuracy                               # mean over anchors
+
+
+def js_contrastive_loss(dist1, dist2, chunk_size=8):
+    """Eq. 5 in one process: dist1, dist2 (m, V) word distributions z_tilde of the first and second
+    views -> scalar. Similarity -JS, no temperature; anchors = the m first views, denominators over
+    all 2m views except the anchor itself (see two_view_contrastive_loss)."""
+    sim = js_similarity(dist1, torch.cat([dist1, dist2]), chunk_size)           # (m, 2m)
+    return two_view_contrastive_loss(sim)[0]
+
+
+def gathered_contrastive_loss(view1, view2, similarity):
+    """Eq. 5 under torchrun: anchors = this rank's first views, candidates = both views of every rank,
+    all-gathered with gradients, ordered [all first views; all second views] as one process holding the
+    whole batch would order them, so labels shift by rank * m. view1, view2 (m, D); similarity(a, b)
+    -> (m, 2M). Returns (loss = mean over local anchors, accuracy); in one process exactly the
+    one-process loss. Gradient accumulation adds no negatives."""
+    rank, _ = rank_and_world()
+    candidates = torch.cat([gather_across_ranks(view1), gather_across_ranks(view2)])  # (2M, D)
+    return two_view_contrastive_loss(similarity(view1, candidates), offset=rank * view1.shape[0])
+
+
+# ==============================================================================================
+# Data
+# ==============================================================================================
+def bag_of_words(input_ids, vocab_size, special_ids):
+    """y of eq. 4: (B, V) float, 1 where vocabulary id j occurs in the ORIGINAL (unmasked) text.
+    Padding and special tokens ([PAD] [UNK] [CLS] [SEP] [MASK]) are never targets."""
+    bag = torch.zeros(input_ids.shape[0], vocab_size)                          # (B, V)
+    bag.scatter_(1, input_ids, 1.0)                                            # (B, V) padding too, for now
+    bag[:, list(special_ids)] = 0.0                                            # (B, V)
+    return bag
+
+
+def compute_idf(texts, vocab_size):
+    """IDF of every vocabulary id (Table 2, IDF-REC), once, over the pre-training windows (the texts
+    that are reconstructed). texts: token-id lists or Windows. idf(j) = log((N + 1) / (df(j) + 1)) + 1
+    (smoothed, as scikit-learn), N texts, df(j) texts containing j. Always >= 1: the unsmoothed
+    log(N / (1 + df)) turns negative for the commonest words and would reward predicting them wrong."""
+    df = torch.zeros(vocab_size, dtype=torch.float64)                          # (V,)
+    for text in texts:
+        ids = text[0] if isinstance(text, tuple) else text                     # Window = (input_ids, word_starts)
+        df[torch.unique(torch.as_tensor(ids, dtype=torch.long))] += 1.0        # a text counts once per id
+    return (torch.log((len(texts) + 1.0) / (df + 1.0)) + 1.0).float()         # (V,)
+
+
+class Batches(torch.utils.data.Dataset):
+    """Item m is this rank's batch at micro-step m: a pure function of (seed, rank, m), so data-loader
+    workers can build batches ahead on the CPU and a resumed run sees exactly the same batches.
+    CPDAE: every window is masked twice, independently: input_ids and labels are (2B, L) = [d'; d''];
+    attention_mask (B, L) is shared (so tokens/s counts text tokens once); bag (B, V) is eq. 4's y."""
+
+    def __init__(self, c, windows, special, rank, world):
+        self.c, self.windows, self.special, self.rank, self.world = c, windows, special, rank, world
+
+    def __len__(self):
+        return self.c.steps * self.c.grad_accum
+
+    def __getitem__(self, micro_step):
+        c = self.c
+        rows = data.batch_indices(len(self.windows), c.batch_size, self.rank, self.world, c.seed, micro_step)
+        generator = data.batch_generator(c.seed, self.rank, micro_step)
+        ids, attention_mask = data.pad_batch([self.windows[i].input_ids for i in rows])   # (B, L)
+        maskable = attention_mask.bool() & (ids != self.special["cls"]) & (ids != self.special["sep"])
+        views = [data.mask_tokens(ids, maskable, c.vocab_size, self.special["mask"], generator, c.mask_prob)
+                 for _ in range(2)]                                            # d', d'': two independent draws
+        return {"input_ids": torch.cat([v[0] for v in views]), "labels": torch.cat([v[1] for v in views]),
+                "attention_mask": attention_mask, "bag": bag_of_words(ids, c.vocab_size, self.special.values())}
+
+
+def load_windows(c, main):
+    tokenizer = data.load_tokenizer(c.vocab)
+    if tokenizer.get_vocab_size() != c.vocab_size:
+        raise data.DataError(f"{c.vocab}: {tokenizer.get_vocab_size()} entries but vocab_size is {c.vocab_size}")
+    t0 = time.time()
+    windows = data.make_windows(tokenizer, data.read_pretraining_texts(c.corpus), c.max_len)
+    if main:
+        n_tokens = sum(len(w.input_ids) for w in windows)
+        print(f"data: {c.corpus}: {len(windows):,} windows, {n_tokens:,} tokens ({time.time() - t0:.1f}s)")
+    return windows, data.special_ids(tokenizer)
+
+
+# ==============================================================================================
+# Distributed setup
+# ==============================================================================================
+# --- shared: begin distributed ---
+def setup_distributed():
+    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
+    CPU. Plain `python x.py` runs one process. Returns (rank, world, device)."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def rank_and_world():
+    """(global rank, world size); (0, 1) outside torchrun."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_across_ranks(t):
+    """Concatenate `t` from every rank along dim 0, keeping the autograd graph (candidates)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    return torch.cat(dist_nn.all_gather(t.contiguous()), dim=0)
+
+
+def average_across_ranks(values, device):
+    """Mean of a dict of floats over ranks, for logging (every rank must call it)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return dict(zip(values, (t / dist.get_world_size()).tolist()))
+# --- shared: end distributed ---
+
+
+# ==============================================================================================
+# Training loop
+# ==============================================================================================
+# --- shared: begin training helpers ---
+def make_optimizer(model, c):
+    """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=c.lr)
+    warmup = max(1, int(c.warmup * c.steps))
+    schedule = lambda step: min((step + 1) / warmup, max(0.0, (c.steps - step) / max(1, c.steps - warmup)))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def peak_memory_mb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10   # Linux reports KiB
+
+
+def format_seconds(s):
+    s = int(s)
+    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class Progress:
+    """One line per log interval on rank 0 (step, losses, lr, tokens/s, ETA) and a JSONL log."""
+
+    def __init__(self, c, start_step, main):
+        self.c, self.main, self.start_step = c, main, start_step
+        self.t0 = self.t_last = time.time()
+        self.tokens = self.tokens_total = 0
+        self.sums, self.count = {}, 0
+        self.log_path = Path(c.out_dir) / "log.jsonl"
+
+    def add(self, metrics, n_tokens):
+        for k, v in metrics.items():   # tensors stay on the device until report(): no sync per step
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.count += 1
+        self.tokens += n_tokens
+
+    def report(self, step, lr, device):
+        """Every rank calls this at log steps (the average is a collective); rank 0 prints."""
+        means = average_across_ranks({k: float(v) / self.count for k, v in self.sums.items()}, device)
+        now, (_, world) = time.time(), rank_and_world()
+        tok_per_s = self.tokens * world / (now - self.t_last)
+        self.tokens_total += self.tokens * world
+        done = step - self.start_step
+        eta = (now - self.t0) / done * (self.c.steps - step)
+        if self.main:
+            parts = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
+            print(f"step {step:>6}/{self.c.steps} | {parts} | lr {lr:.2e} | {tok_per_s:,.0f} tok/s | "
+                  f"elapsed {format_seconds(now - self.t0)} | eta {format_seconds(eta)}", flush=True)
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step, **means, "lr": lr, "tokens_per_s": tok_per_s,
+                                    "elapsed_s": now - self.t0}) + "\n")
+        self.sums, self.count, self.tokens, self.t_last = {}, 0, 0, now
+
+    def summary(self, device):
+        elapsed = time.time() - self.t0
+        return (f"{self.tokens_total / max(elapsed, 1e-9):,.0f} tokens/s over {format_seconds(elapsed)}, "
+                f"peak memory {peak_memory_mb(device):,.0f} MiB ({device.type})")
+# --- shared: end training helpers ---
+
+
+def train(c):
+    rank, world, device = setup_distributed()
+    main = rank == 0
+    torch.manual_seed(c.seed)
+    windows, special = load_windows(c, main)
+    encoder = Encoder.from_pretrained(c.init, c) if c.init else Encoder(c)
+    c = encoder.config                              # --init brings the checkpoint's model sizes
+    if c.cl_mode not in ("js", "cls"):
+        raise data.DataError(f"--cl_mode must be js or cls, got {c.cl_mode!r}")
+    idf = compute_idf(windows, c.vocab_size) if c.idf_rec else None            # once, on the corpus
+    model = PretrainModel(c, encoder, idf).to(device)
+    optimizer, scheduler = make_optimizer(model, c)
+    start_step = load_checkpoint(c, model, optimizer, scheduler, main) if c.resume else 0
+    if main:
+        Path(c.out_dir).mkdir(parents=True, exist_ok=True)
+        data.atomic_write_json(Path(c.out_dir) / "config.json", dataclasses.asdict(c))
+        n_params = sum(p.numel() for p in model.parameters())
+        left_out = len(windows) % (c.batch_size * world)
+        print(f"model: {n_params / 1e6:.1f}M parameters | {world} process(es) on {device.type} | "
+              f"global batch {c.batch_size * world * c.grad_accum} | {left_out} windows sit out each epoch")
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    loader = torch.utils.data.DataLoader(
+        Batches(c, windows, special, rank, world), batch_size=None, num_workers=c.workers,
+        sampler=range(start_step * c.grad_accum, c.steps * c.grad_accum),
+        generator=torch.Generator())  # its own generator: the global RNG (dropout) resumes exactly
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=c.bf16 and device.type == "cuda")
+    progress = Progress(c, start_step, main)
+    batches = iter(loader)
+    for step in range(start_step + 1, c.steps + 1):
+        for micro in range(c.grad_accum):
+            batch = next(batches)
+            progress_tokens = int(batch["attention_mask"].sum())
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            last = micro == c.grad_accum - 1               # DDP all-reduces gradients only then
+            with autocast, (contextlib.nullcontext() if last or world == 1 else ddp.no_sync()):
+                loss, metrics = ddp(batch)
+                (loss / c.grad_accum).backward()
+            progress.add(metrics, progress_tokens)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % c.log_every == 0 or step == c.steps:
+            progress.report(step, scheduler.get_last_lr()[0], device)
+        if step % c.save_every == 0 or step == c.steps or step == c.halt_at:
+            save_checkpoint(c, model, optimizer, scheduler, step, main)
+        if step == c.halt_at:
+            break
+    if main:
+        print(f"done: {progress.summary(device)}; encoder in {Path(c.out_dir) / 'encoder'}")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+# ==============================================================================================
+# Checkpoint
+# ==============================================================================================
+def save_checkpoint(c, model, optimizer, scheduler, step, main):
+    """Rank 0 writes the encoder (Hugging Face folder, for fine-tuning) with the MLP decoder beside it
+    (decoder.safetensors, for the Table 4 figure), and the full training state (every module, the
+    decoder included, optimizer, scheduler, RNG) for --resume. Each file is written atomically."""
+    if main:
+        model.encoder.save_pretrained(Path(c.out_dir) / "encoder", c.vocab)
+        data.save_tensors(Path(c.out_dir) / "encoder" / "decoder.safetensors", model.decoder.state_dict())
+        data.save_training_state(Path(c.out_dir) / "state.pt", {
+            "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
+            "config": dataclasses.asdict(c)})
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()   # short: nobody races ahead of a checkpoint being written
+
+
+def load_checkpoint(c, model, optimizer, scheduler, main):
+    path = Path(c.out_dir) / "state.pt"
+    if not path.is_file():
+        if main:
+            print(f"resume: no {path} yet, starting from step 0")
+        return 0
+    state = data.load_training_state(path)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+    if main:
+        print(f"resume: {path} at step {state['step']}")
+    return state["step"]
+
+
+if __name__ == "__main__":
+    try:
+        train(parse_config(sys.argv[1:]))
+    except data.DataError as e:
+        sys.exit(f"error: {e}")

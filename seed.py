@@ -1,0 +1,695 @@
+"""SEED-Encoder: pre-train a text encoder whose [CLS] vector must feed a weak decoder.
+
+Lu et al., EMNLP 2021 (papers/seed-encoder.md, section 3.4, eq. 9-10). One file, top to bottom: config,
+model, loss, data, distributed setup, training loop, checkpoint, and the Figure 5 diagnostic. It is
+costa.py's MLM skeleton plus a weak decoder: `diff costa.py seed.py` shows exactly what SEED adds.
+
+    python seed.py                                   # small model, bundled Wikipedia slice, CPU
+    python seed.py --dec_span 0 --dec_layers 5       # Figure 3's "strong decoder" ablation
+    torchrun --nproc_per_node=4 seed.py --preset paper
+    python seed.py --resume                          # continue from out_dir/state.pt exactly
+    python seed.py --diagnose runs/seed/encoder      # Figure 5: [CLS] cosine of random text pairs by length
+
+The encoder is written to {out_dir}/encoder as a Hugging Face BERT folder for finetune.py; the decoder
+lives only in {out_dir}/state.pt (the training state). To compare with an MLM-only encoder, train one with
+`python costa.py --gwc_weight 0` and run --diagnose on both folders (--max_len sets the longest length).
+"""
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+import torch.nn as nn
+import torch.nn.functional as F
+
+import data
+
+
+# ==============================================================================================
+# Config
+# ==============================================================================================
+@dataclass
+class Config:
+    # --- data
+    corpus: str = str(data.WIKI)  # pre-training corpus: .txt / .jsonl file or folder ('.gz' ok)
+    vocab: str = str(data.VOCAB)  # WordPiece vocab.txt (BERT uncased, 30,522 entries)
+    max_len: int = 128            # tokens per window incl. [CLS] and [SEP] (paper: 512)
+    # --- model (CPU default is small; --preset paper gives BERT-base)
+    vocab_size: int = 30522       # rows of the token embedding; must match the vocab file
+    hidden_size: int = 256        # H (paper: 768)
+    num_layers: int = 4           # Transformer blocks (paper: 12)
+    num_heads: int = 4            # attention heads (paper: 12)
+    ffn_size: int = 1024          # feed-forward inner size (paper: 3072)
+    max_position: int = 512       # learned absolute positions
+    type_vocab_size: int = 2      # token types (all 0 here; kept for BERT checkpoint compatibility)
+    dropout: float = 0.1          # hidden and attention dropout
+    layer_norm_eps: float = 1e-12  # BERT's LayerNorm epsilon
+    init: str = ""                # Hugging Face BERT folder to start from; "" = random init
+    # --- optimisation
+    steps: int = 300              # optimizer steps (paper: 6 epochs of Wikipedia)
+    batch_size: int = 32          # texts per rank per micro-step
+    grad_accum: int = 1           # micro-steps per optimizer step (adds no negatives to the contrastive loss)
+    lr: float = 5e-4              # peak learning rate (paper: 5e-5 from BERT's checkpoint)
+    weight_decay: float = 0.01    # AdamW weight decay (not on biases and LayerNorm)
+    warmup: float = 0.1           # fraction of steps of linear warm-up, then linear decay to 0
+    clip: float = 1.0             # max gradient norm
+    mask_prob: float = 0.15       # MLM: fraction of tokens chosen
+    # --- SEED-Encoder's weak decoder (section 3.4; Figure 3 ablations)
+    dec_layers: int = 3           # decoder Transformer blocks (paper: 3; Figure 3 also tries 1 and 5)
+    dec_span: int = 2             # self-attention span k of eq. 9 (paper: 2); 0 = full causal, the "strong decoder"
+    seed: int = 0                 # model init, data order and masks
+    bf16: bool = True             # bf16 autocast on GPU (ignored on CPU)
+    workers: int = 0              # data-loader worker processes building batches
+    # --- bookkeeping
+    out_dir: str = "runs/seed"    # checkpoints, config.json and log.jsonl go here
+    log_every: int = 10           # steps between progress lines
+    save_every: int = 100         # steps between checkpoints (and one at the end)
+    resume: bool = False          # continue from out_dir/state.pt
+    halt_at: int = 0              # stop after this step as if killed (0 = never); to test --resume
+    preset: str = ""              # "paper": BERT-base sizes and the paper's hyper-parameters
+    diagnose: str = ""            # encoder folder: print Figure 5's [CLS] cosine by length, then exit (no training)
+
+
+# Section 4.1: from scratch, peak lr 1e-4, 10k of 1M steps warm-up. 12 heads as in BERT-base (the text says 8).
+PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=1e-4, warmup=0.01)
+
+
+# --- shared: begin config parsing ---
+def parse_config(argv):
+    """Config from the command line: '--field value' for any field, '--flag' alone for a bool."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    overrides, i = {}, 0
+    while i < len(argv):
+        name = argv[i].removeprefix("--").replace("-", "_")
+        if not argv[i].startswith("--") or name not in fields:
+            sys.exit(f"error: unknown argument {argv[i]!r}; fields are: {', '.join(fields)}")
+        kind = type(fields[name].default)
+        if kind is bool and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+            overrides[name], i = True, i + 1
+            continue
+        if i + 1 == len(argv):
+            sys.exit(f"error: --{name} needs a value")
+        value = argv[i + 1]
+        try:
+            overrides[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+        except ValueError:
+            sys.exit(f"error: --{name} expects {kind.__name__}, got {value!r}")
+        i += 2
+    preset = PAPER_PRESET if overrides.get("preset") == "paper" else {}
+    return Config(**{**preset, **overrides})
+# --- shared: end config parsing ---
+
+
+# ==============================================================================================
+# Model
+# ==============================================================================================
+# --- shared: begin encoder ---
+class Embeddings(nn.Module):
+    """Token + learned absolute position + token-type embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.word = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.position = nn.Embedding(c.max_position, c.hidden_size)
+        self.token_type = nn.Embedding(c.type_vocab_size, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, input_ids):                                               # (B, L)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
+        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]  # (B, L, H)
+        return self.dropout(self.norm(x))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention through scaled_dot_product_attention (fused kernels on GPU)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.heads, self.dropout = c.num_heads, c.dropout
+        self.query = nn.Linear(c.hidden_size, c.hidden_size)
+        self.key = nn.Linear(c.hidden_size, c.hidden_size)
+        self.value = nn.Linear(c.hidden_size, c.hidden_size)
+        self.out = nn.Linear(c.hidden_size, c.hidden_size)
+
+    def forward(self, x, attend):                       # x (B, L, H); attend (B, 1, 1, L) True = key visible
+        B, L, H = x.shape
+        split = lambda t: t.view(B, L, self.heads, H // self.heads).transpose(1, 2)  # (B, heads, L, H/heads)
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(B, L, H))                      # (B, L, H)
+
+
+class Block(nn.Module):
+    """Post-LN Transformer block, as in BERT: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.attn = SelfAttention(c)
+        self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
+        self.ffn_out = nn.Linear(c.ffn_size, c.hidden_size)
+        self.ffn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, x, attend):                                                    # (B, L, H)
+        x = self.attn_norm(x + self.dropout(self.attn(x, attend)))
+        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))  # (B, L, H)
+
+
+class MLMHead(nn.Module):
+    """BERT's MLM head: dense, GELU, LayerNorm, then the token embedding matrix (tied) plus a bias."""
+
+    def __init__(self, c, word_embedding):
+        super().__init__()
+        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(c.vocab_size))
+        self.word_embedding = [word_embedding]  # a list, so the tied matrix is not registered twice
+
+    def forward(self, h):                                                        # (M, H)
+        h = self.norm(F.gelu(self.dense(h)))                                     # (M, H)
+        return h @ self.word_embedding[0].weight.T + self.bias                   # (M, V)
+
+
+# Our parameter names -> Hugging Face BertForMaskedLM names (both directions use this table).
+HF_NAMES = [("embeddings.word.", "bert.embeddings.word_embeddings."),
+            ("embeddings.position.", "bert.embeddings.position_embeddings."),
+            ("embeddings.token_type.", "bert.embeddings.token_type_embeddings."),
+            ("embeddings.norm.", "bert.embeddings.LayerNorm."),
+            ("attn.query.", "attention.self.query."), ("attn.key.", "attention.self.key."),
+            ("attn.value.", "attention.self.value."), ("attn.out.", "attention.output.dense."),
+            ("attn_norm.", "attention.output.LayerNorm."), ("ffn_in.", "intermediate.dense."),
+            ("ffn_out.", "output.dense."), ("ffn_norm.", "output.LayerNorm."),
+            ("blocks.", "bert.encoder.layer."),
+            ("mlm_head.dense.", "cls.predictions.transform.dense."),
+            ("mlm_head.norm.", "cls.predictions.transform.LayerNorm."),
+            ("mlm_head.bias", "cls.predictions.bias")]
+HF_CONFIG_KEYS = dict(vocab_size="vocab_size", hidden_size="hidden_size", num_layers="num_hidden_layers",
+                      num_heads="num_attention_heads", ffn_size="intermediate_size",
+                      max_position="max_position_embeddings", type_vocab_size="type_vocab_size",
+                      dropout="hidden_dropout_prob", layer_norm_eps="layer_norm_eps")
+
+
+def to_hf_name(name):
+    for ours, theirs in HF_NAMES:
+        name = name.replace(ours, theirs)
+    return name
+
+
+def from_hf_name(name):
+    """Accepts 'bert.'-prefixed or bare names and the old LayerNorm gamma/beta spelling."""
+    name = name.removeprefix("bert.").replace("LayerNorm.gamma", "LayerNorm.weight")
+    name = name.replace("LayerNorm.beta", "LayerNorm.bias")
+    name = name if name.startswith("cls.") else "bert." + name
+    for ours, theirs in HF_NAMES:           # this order: "attention.output.dense" before "output.dense"
+        name = name.replace(theirs, ours)
+    return name
+
+
+class Encoder(nn.Module):
+    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
+    forward returns the last hidden states; the text vector is position 0 ([CLS])."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.config = c
+        self.embeddings = Embeddings(c)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.num_layers))
+        self.mlm_head = MLMHead(c, self.embeddings.word)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m):
+        """BERT's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm."""
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, input_ids, attention_mask):                  # (B, L), (B, L) 1 = token, 0 = pad
+        attend = attention_mask.bool()[:, None, None, :]            # (B, 1, 1, L)
+        x = self.embeddings(input_ids)                              # (B, L, H)
+        for block in self.blocks:
+            x = block(x, attend)
+        return x                                                    # (B, L, H)
+
+    def mlm_loss(self, hidden, labels):
+        """Eq. 9 of COSTA / BERT's MLM: mean cross-entropy over the masked positions only (the
+        vocabulary projection is most of the cost). Returns (loss, n_correct, n_masked)."""
+        chosen = labels != -100                                     # (B, L)
+        logits = self.mlm_head(hidden[chosen]).float()              # (M, V)
+        if logits.shape[0] == 0:                                    # nothing masked in this batch
+            return hidden.sum() * 0.0, 0, 0
+        targets = labels[chosen]                                    # (M,)
+        n_correct = (logits.argmax(-1) == targets).sum()            # a tensor: no GPU sync here
+        return F.cross_entropy(logits, targets), n_correct, targets.numel()
+
+    def hf_config(self):
+        c = {theirs: getattr(self.config, ours) for ours, theirs in HF_CONFIG_KEYS.items()}
+        return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
+                "attention_probs_dropout_prob": self.config.dropout, "initializer_range": 0.02,
+                "pad_token_id": 0, "position_embedding_type": "absolute", **c}
+
+    def save_pretrained(self, folder, vocab=data.VOCAB):
+        """Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
+        state = {to_hf_name(k): v for k, v in self.state_dict().items()}
+        data.save_encoder_folder(folder, state, self.hf_config(), vocab)
+
+    @classmethod
+    def from_pretrained(cls, folder, config=None):
+        """Load a Hugging Face BERT folder (ours, or e.g. bert-base-uncased downloaded by the user).
+        config: a Config whose model fields are replaced by the folder's config.json."""
+        hf_config, hf_state = data.load_encoder_folder(folder)
+        sizes = {ours: hf_config[theirs] for ours, theirs in HF_CONFIG_KEYS.items() if theirs in hf_config}
+        model = cls(dataclasses.replace(config or Config(), **sizes))
+        state = {from_hf_name(k): v for k, v in hf_state.items()}
+        ours = model.state_dict()
+        for name, tensor in state.items():
+            if name in ours and ours[name].shape != tensor.shape:
+                raise data.DataError(f"{folder}: {to_hf_name(name)} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(ours[name].shape)}")
+        state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
+        missing = [k for k in ours if k not in state]
+        if [k for k in missing if not k.startswith("mlm_head.")]:
+            raise data.DataError(f"{folder}: missing encoder weights, e.g. {to_hf_name(missing[0])}")
+        model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
+        return model
+# --- shared: end encoder ---
+
+
+def window_mask(length, k=2, device=None):
+    """The weak decoder's self-attention mask (eq. 9), True = may attend: query i sees keys
+    {0} U {i-k+1, ..., i}, i.e. itself, the k-1 previous positions and the start symbol at 0 (as the
+    authors' code does). k = 0, None or "full" gives the plain causal mask: Figure 3's "strong decoder".
+    Applied in every layer, so the receptive field grows with depth (3 layers, k = 2: 0 and i-3..i)."""
+    query = torch.arange(length, device=device)[:, None]                        # (L, 1)
+    key = torch.arange(length, device=device)[None, :]                          # (1, L)
+    causal = key <= query                                                       # (L, L)
+    if k in (0, None, "full"):
+        return causal
+    if int(k) < 1:
+        raise ValueError(f"span k must be >= 1, or 0 / None / 'full' for causal; got {k!r}")
+    return causal & ((key > query - int(k)) | (key == 0))                       # (L, L)
+
+
+class DecoderBlock(nn.Module):
+    """Post-LN block: restricted self-attention, cross-attention to the encoder's [CLS], GELU FFN."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.attn = SelfAttention(c)                  # the encoder's attention, given the window mask
+        self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        # Cross-attention to a memory of ONE vector, [CLS]: softmax over a single key is exactly 1, so
+        # every position receives out(value(h0)) whatever the query and key projections (those would
+        # only ever get zero gradient). We compute that directly; test_seed.py checks the equality.
+        self.cross_value = nn.Linear(c.hidden_size, c.hidden_size)
+        self.cross_out = nn.Linear(c.hidden_size, c.hidden_size)
+        self.cross_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
+        self.ffn_out = nn.Linear(c.ffn_size, c.hidden_size)
+        self.ffn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, x, h0, attend):                    # x (B, L, H); h0 (B, H); attend (L, L) bool
+        x = self.attn_norm(x + self.dropout(self.attn(x, attend)))                       # (B, L, H)
+        cross = self.cross_out(self.cross_value(h0))[:, None, :].expand_as(x)            # (B, L, H)
+        x = self.cross_norm(x + self.dropout(cross))
+        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))     # (B, L, H)
+
+
+class WeakDecoder(nn.Module):
+    """SEED's weak decoder (section 3.4): `dec_layers` blocks with self-attention span `dec_span`;
+    its only view of the encoder is the last-layer [CLS] vector h0, in every block. It shares the
+    encoder's token embedding for its input and its output projection (as the authors do) and has
+    its own learned positions. Dropped after pre-training."""
+
+    def __init__(self, c, word_embedding):
+        super().__init__()
+        self.span = c.dec_span
+        self.position = nn.Embedding(c.max_position, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(DecoderBlock(c) for _ in range(c.dec_layers))
+        self.word_embedding = [word_embedding]  # a list, so the tied matrix is not registered twice
+        self.apply(Encoder._init_weights)
+
+    def embed(self, input_ids):                                                 # (B, L)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
+        x = self.word_embedding[0](input_ids) + self.position(positions)        # (B, L, H)
+        return self.dropout(self.norm(x))
+
+    def decode(self, x, h0):                                 # x (B, L, H) embedded input; h0 (B, H)
+        attend = window_mask(x.shape[1], self.span, x.device)                   # (L, L)
+        for block in self.blocks:
+            x = block(x, h0, attend)
+        return x                                                                # (B, L, H)
+
+    def forward(self, input_ids, encoder_hidden):     # (B, L) shifted-right text; (B, L_enc, H)
+        return self.decode(self.embed(input_ids), encoder_hidden[:, 0])  # [CLS] is the only bridge
+
+    def logits(self, hidden):                                                   # (N, H)
+        """Projection on the shared embedding, in fp32 even under autocast (it feeds the loss)."""
+        with torch.autocast(hidden.device.type, enabled=False):
+            return hidden.float() @ self.word_embedding[0].weight.float().T    # (N, V)
+
+
+class PretrainModel(nn.Module):
+    """The encoder plus what pre-training adds on top of it. Returns the loss and what to log."""
+
+    def __init__(self, c, encoder):
+        super().__init__()
+        self.config, self.encoder = c, encoder
+        self.decoder = WeakDecoder(c, encoder.embeddings.word)
+
+    def forward(self, batch):
+        hidden = self.encoder(batch["input_ids"], batch["attention_mask"])       # (B, L, H) masked text
+        mlm, n_correct, n_masked = self.encoder.mlm_loss(hidden, batch["labels"])
+        states = self.decoder(batch["decoder_input"], hidden)                    # (B, L-1, H)
+        kept = batch["decoder_targets"] != -100                                  # (B, L-1) every real token
+        logits = self.decoder.logits(states[kept])                               # (N, V) fp32
+        targets = batch["decoder_targets"][kept]                                 # (N,)
+        dec = decoder_loss(logits, targets)
+        dec_correct = (logits.argmax(-1) == targets).sum()
+        # Eq. 10, weights 1/1. The authors' 0.5/0.5 only halves the gradient: AdamW's update is
+        # unchanged by that (up to eps), the clip norm (1.0) just binds later.
+        return mlm + dec, {"mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
+                           "dec": dec.detach(), "dec_acc": dec_correct / max(targets.numel(), 1)}
+
+
+# ==============================================================================================
+# Loss
+# ==============================================================================================
+# The MLM loss is Encoder.mlm_loss above.
+def decoder_loss(logits, targets, ignore_index=-100):
+    """Weak-decoder reconstruction loss, eq. 9: -log P(x_t | x_{t-k..t-1}, h0), over every target
+    token. Eq. 9 sums over t; we take the mean over the batch's tokens (as the authors' code does),
+    so the loss does not grow with text length. fp32. logits (B, L, V) or (N, V); targets (B, L) or (N,)."""
+    logits = logits.float().reshape(-1, logits.shape[-1])                       # (B*L, V)
+    return F.cross_entropy(logits, targets.reshape(-1), ignore_index=ignore_index)  # (), mean over tokens
+
+
+# ==============================================================================================
+# Data
+# ==============================================================================================
+class Batches(torch.utils.data.Dataset):
+    """Item m is this rank's batch at micro-step m: a pure function of (seed, rank, m), so data-loader
+    workers can build batches ahead on the CPU and a resumed run sees exactly the same batches."""
+
+    def __init__(self, c, windows, special, rank, world):
+        self.c, self.windows, self.special, self.rank, self.world = c, windows, special, rank, world
+
+    def __len__(self):
+        return self.c.steps * self.c.grad_accum
+
+    def __getitem__(self, micro_step):
+        c = self.c
+        rows = data.batch_indices(len(self.windows), c.batch_size, self.rank, self.world, c.seed, micro_step)
+        generator = data.batch_generator(c.seed, self.rank, micro_step)
+        ids, attention_mask = data.pad_batch([self.windows[i].input_ids for i in rows])   # (B, L)
+        maskable = attention_mask.bool() & (ids != self.special["cls"]) & (ids != self.special["sep"])
+        masked, labels = data.mask_tokens(ids, maskable, c.vocab_size, self.special["mask"],
+                                          generator, c.mask_prob)
+        decoder_input, decoder_targets = decoder_inputs_and_targets(ids, attention_mask)  # unmasked text
+        return {"input_ids": masked, "attention_mask": attention_mask, "labels": labels,
+                "decoder_input": decoder_input, "decoder_targets": decoder_targets}
+
+
+def decoder_inputs_and_targets(input_ids, attention_mask, ignore_index=-100):
+    """`[CLS] x1..xn [SEP] [PAD]..` (unmasked) -> the decoder's input `[CLS] x1..xn`, the text shifted
+    right with [CLS] as start symbol, and its target `x1..xn [SEP]`; padding targets = ignore_index.
+    A shorter row's input keeps its [SEP]/[PAD] tail: the mask is causal, so no real position sees it."""
+    decoder_input = input_ids[:, :-1]                                                 # (B, L-1)
+    targets = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, ignore_index)  # (B, L-1)
+    return decoder_input, targets
+
+
+def load_windows(c, main):
+    tokenizer = data.load_tokenizer(c.vocab)
+    if tokenizer.get_vocab_size() != c.vocab_size:
+        raise data.DataError(f"{c.vocab}: {tokenizer.get_vocab_size()} entries but vocab_size is {c.vocab_size}")
+    t0 = time.time()
+    windows = data.make_windows(tokenizer, data.read_pretraining_texts(c.corpus), c.max_len)
+    if main:
+        n_tokens = sum(len(w.input_ids) for w in windows)
+        print(f"data: {c.corpus}: {len(windows):,} windows, {n_tokens:,} tokens ({time.time() - t0:.1f}s)")
+    return windows, data.special_ids(tokenizer)
+
+
+# ==============================================================================================
+# Distributed setup
+# ==============================================================================================
+# --- shared: begin distributed ---
+def setup_distributed():
+    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
+    CPU. Plain `python x.py` runs one process. Returns (rank, world, device)."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def rank_and_world():
+    """(global rank, world size); (0, 1) outside torchrun."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_across_ranks(t):
+    """Concatenate `t` from every rank along dim 0, keeping the autograd graph (candidates)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    return torch.cat(dist_nn.all_gather(t.contiguous()), dim=0)
+
+
+def average_across_ranks(values, device):
+    """Mean of a dict of floats over ranks, for logging (every rank must call it)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return dict(zip(values, (t / dist.get_world_size()).tolist()))
+# --- shared: end distributed ---
+
+
+# ==============================================================================================
+# Training loop
+# ==============================================================================================
+# --- shared: begin training helpers ---
+def make_optimizer(model, c):
+    """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=c.lr)
+    warmup = max(1, int(c.warmup * c.steps))
+    schedule = lambda step: min((step + 1) / warmup, max(0.0, (c.steps - step) / max(1, c.steps - warmup)))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def peak_memory_mb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10   # Linux reports KiB
+
+
+def format_seconds(s):
+    s = int(s)
+    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class Progress:
+    """One line per log interval on rank 0 (step, losses, lr, tokens/s, ETA) and a JSONL log."""
+
+    def __init__(self, c, start_step, main):
+        self.c, self.main, self.start_step = c, main, start_step
+        self.t0 = self.t_last = time.time()
+        self.tokens = self.tokens_total = 0
+        self.sums, self.count = {}, 0
+        self.log_path = Path(c.out_dir) / "log.jsonl"
+
+    def add(self, metrics, n_tokens):
+        for k, v in metrics.items():   # tensors stay on the device until report(): no sync per step
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.count += 1
+        self.tokens += n_tokens
+
+    def report(self, step, lr, device):
+        """Every rank calls this at log steps (the average is a collective); rank 0 prints."""
+        means = average_across_ranks({k: float(v) / self.count for k, v in self.sums.items()}, device)
+        now, (_, world) = time.time(), rank_and_world()
+        tok_per_s = self.tokens * world / (now - self.t_last)
+        self.tokens_total += self.tokens * world
+        done = step - self.start_step
+        eta = (now - self.t0) / done * (self.c.steps - step)
+        if self.main:
+            parts = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
+            print(f"step {step:>6}/{self.c.steps} | {parts} | lr {lr:.2e} | {tok_per_s:,.0f} tok/s | "
+                  f"elapsed {format_seconds(now - self.t0)} | eta {format_seconds(eta)}", flush=True)
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step, **means, "lr": lr, "tokens_per_s": tok_per_s,
+                                    "elapsed_s": now - self.t0}) + "\n")
+        self.sums, self.count, self.tokens, self.t_last = {}, 0, 0, now
+
+    def summary(self, device):
+        elapsed = time.time() - self.t0
+        return (f"{self.tokens_total / max(elapsed, 1e-9):,.0f} tokens/s over {format_seconds(elapsed)}, "
+                f"peak memory {peak_memory_mb(device):,.0f} MiB ({device.type})")
+# --- shared: end training helpers ---
+
+
+def train(c):
+    rank, world, device = setup_distributed()
+    main = rank == 0
+    torch.manual_seed(c.seed)
+    windows, special = load_windows(c, main)
+    encoder = Encoder.from_pretrained(c.init, c) if c.init else Encoder(c)
+    c = encoder.config                              # --init brings the checkpoint's model sizes
+    model = PretrainModel(c, encoder).to(device)
+    optimizer, scheduler = make_optimizer(model, c)
+    start_step = load_checkpoint(c, model, optimizer, scheduler, main) if c.resume else 0
+    if main:
+        Path(c.out_dir).mkdir(parents=True, exist_ok=True)
+        data.atomic_write_json(Path(c.out_dir) / "config.json", dataclasses.asdict(c))
+        n_params = sum(p.numel() for p in model.parameters())
+        left_out = len(windows) % (c.batch_size * world)
+        print(f"model: {n_params / 1e6:.1f}M parameters | {world} process(es) on {device.type} | "
+              f"global batch {c.batch_size * world * c.grad_accum} | {left_out} windows sit out each epoch")
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    loader = torch.utils.data.DataLoader(
+        Batches(c, windows, special, rank, world), batch_size=None, num_workers=c.workers,
+        sampler=range(start_step * c.grad_accum, c.steps * c.grad_accum),
+        generator=torch.Generator())  # its own generator: the global RNG (dropout) resumes exactly
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=c.bf16 and device.type == "cuda")
+    progress = Progress(c, start_step, main)
+    batches = iter(loader)
+    for step in range(start_step + 1, c.steps + 1):
+        for micro in range(c.grad_accum):
+            batch = next(batches)
+            progress_tokens = int(batch["attention_mask"].sum())
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            last = micro == c.grad_accum - 1               # DDP all-reduces gradients only then
+            with autocast, (contextlib.nullcontext() if last or world == 1 else ddp.no_sync()):
+                loss, metrics = ddp(batch)
+                (loss / c.grad_accum).backward()
+            progress.add(metrics, progress_tokens)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % c.log_every == 0 or step == c.steps:
+            progress.report(step, scheduler.get_last_lr()[0], device)
+        if step % c.save_every == 0 or step == c.steps or step == c.halt_at:
+            save_checkpoint(c, model, optimizer, scheduler, step, main)
+        if step == c.halt_at:
+            break
+    if main:
+        print(f"done: {progress.summary(device)}; encoder in {Path(c.out_dir) / 'encoder'}")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+# ==============================================================================================
+# Checkpoint
+# ==============================================================================================
+def save_checkpoint(c, model, optimizer, scheduler, step, main):
+    """Rank 0 writes the encoder (Hugging Face folder, for fine-tuning) and the full training state
+    (every module, the decoder included, optimizer, scheduler, RNG) for --resume. Each file is
+    written atomically."""
+    if main:
+        model.encoder.save_pretrained(Path(c.out_dir) / "encoder", c.vocab)
+        data.save_training_state(Path(c.out_dir) / "state.pt", {
+            "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
+            "config": dataclasses.asdict(c)})
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()   # short: nobody races ahead of a checkpoint being written
+
+
+def load_checkpoint(c, model, optimizer, scheduler, main):
+    path = Path(c.out_dir) / "state.pt"
+    if not path.is_file():
+        if main:
+            print(f"resume: no {path} yet, starting from step 0")
+        return 0
+    state = data.load_training_state(path)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+    if main:
+        print(f"resume: {path} at step {state['step']}")
+    return state["step"]
+
+
+# ==============================================================================================
+# Diagnostic: Figure 5
+# ==============================================================================================
+@torch.no_grad()
+def cls_similarity_by_length(encoder, tokenizer, texts, lengths=(32, 64, 128, 256, 512), n_pairs=200, seed=0,
+                             batch_size=16):
+    """Section 4.6.2 / Figure 5: mean cosine similarity of the [CLS] vectors of random pairs of
+    different texts, each cut to exactly `length` tokens ([CLS] + length-2 pieces + [SEP]). A
+    collapsed encoder (Optimus in Figure 1b) gives values near 1 for long texts. Returns {length: cos}.
+    Only texts with >= length-2 pieces take part at a length; a length with < 2 of them is left out."""
+    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    pieces = [e.ids for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+    device, was_training = next(encoder.parameters()).device, encoder.training
+    encoder.eval()
+    generator = torch.Generator().manual_seed(seed)
+    result = {}
+    for length in lengths:
+        eligible = [ids for ids in pieces if len(ids) >= length - 2]
+        if len(eligible) < 2:
+            continue
+        first = torch.randint(len(eligible), (n_pairs,), generator=generator)            # (P,)
+        second = (first + torch.randint(1, len(eligible), (n_pairs,), generator=generator)) % len(eligible)
+        used = torch.cat([first, second]).unique()                                       # (U,) sorted
+        rows = torch.tensor([[cls_id] + eligible[i][:length - 2] + [sep_id] for i in used.tolist()])  # (U, len)
+        vectors = torch.cat([encoder(chunk.to(device), torch.ones_like(chunk, device=device))[:, 0].float().cpu()
+                             for chunk in rows.split(batch_size)])                       # (U, H)
+        a, b = vectors[torch.searchsorted(used, first)], vectors[torch.searchsorted(used, second)]  # (P, H)
+        result[length] = F.cosine_similarity(a, b, dim=-1).mean().item()
+    encoder.train(was_training)
+    return result
+
+
+def diagnose(c):
+    """`python seed.py --diagnose FOLDER`: Figure 5 for an exported encoder on texts of c.corpus,
+    lengths 32, 64, ... up to --max_len (default 128, the small model's training length)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    encoder = Encoder.from_pretrained(c.diagnose, c).to(device)
+    lengths = [n for n in (32, 64, 128, 256, 512) if n <= min(c.max_len, encoder.config.max_position)]
+    texts = data.read_pretraining_texts(c.corpus)
+    n_pairs = 200
+    result = cls_similarity_by_length(encoder, data.load_tokenizer(c.vocab), texts, lengths, n_pairs, c.seed)
+    print(f"{c.diagnose}: mean cosine of [CLS] vectors of {n_pairs} random text pairs (seed {c.seed})")
+    for length, cosine in result.items():
+        print(f"  length {length:>4}: {cosine:.3f}")
+
+
+if __name__ == "__main__":
+    try:
+        c = parse_config(sys.argv[1:])
+        if c.diagnose:
+            diagnose(c)
+        else:
+            train(c)
+    except data.DataError as e:
+        sys.exit(f"error: {e}")

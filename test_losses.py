@@ -1,0 +1,901 @@
+"""Each loss against its paper's equation, written term by term; 2-process runs against one process.
+
+    pytest -q test_losses.py
+
+Sections: COSTA (papers/costa.md eq. 1-10), CPDAE (papers/cpdae.md eq. 3-6), SEED-Encoder
+(papers/seed-encoder.md 3.4, eq. 9-10). Naive references are plain Python loops over the equations'
+indices, in float64 where the comparison is numerical.
+"""
+import dataclasses
+import math
+import os
+import socket
+from functools import partial
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+import costa
+import cpdae
+import data
+import seed
+
+torch.set_num_threads(1)
+
+
+# ==============================================================================================
+# Running a function on two gloo processes
+# ==============================================================================================
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_and_run(rank, world, port, worker, tmp_path, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        worker(rank, world, tmp_path, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_two_ranks(worker, tmp_path, *args):
+    """Run worker(rank, world, tmp_path, *args) in 2 gloo processes; return the objects each rank
+    saved with torch.save(obj, tmp_path / f"rank{rank}.pt"), in rank order."""
+    mp.spawn(_init_and_run, args=(2, _free_port(), worker, tmp_path, args), nprocs=2, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+# ==============================================================================================
+# COSTA: span sampling (eq. 1-3), span vectors (eq. 7), group-wise contrastive loss (eq. 8)
+# ==============================================================================================
+def span_config(**changes):
+    fields = dict(span_T=5, granularities="word,phrase,sentence,paragraph", span_alpha=4.0, span_beta=2.0)
+    return SimpleNamespace(**{**fields, **changes})
+
+
+# ---------------------------------------------------------------- eq. 8, written term by term
+def naive_gwc(text, spans, tau):
+    """L = mean_i -1/S sum_{p in S(i)} log exp(z_i.z_p/tau) / sum_{j != i} exp(z_i.z_j/tau), j over all N(S+1)."""
+    N, S, _ = spans.shape
+    vectors = [text[j] for j in range(N)] + [spans[j, k] for j in range(N) for k in range(S)]
+    total = 0.0
+    for i in range(N):
+        denominator = 0.0
+        for j, z_j in enumerate(vectors):
+            if j != i:  # 1[i != j]: only z_i itself is left out
+                denominator = denominator + torch.exp(text[i] @ z_j / tau)
+        for p in range(S):
+            total = total - torch.log(torch.exp(text[i] @ spans[i, p] / tau) / denominator) / S
+    return total / N
+
+
+def random_group(N=4, S=3, H=5, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, H, generator=g, dtype=dtype), torch.randn(N, S, H, generator=g, dtype=dtype)
+
+
+def test_gwc_loss_matches_naive_loop_value_and_gradient():
+    text, spans = random_group()
+    text.requires_grad_(True)
+    spans.requires_grad_(True)
+    for tau in (0.1, 1.0):
+        fast, naive = costa.gwc_loss(text, spans, tau), naive_gwc(text, spans, tau)
+        assert fast.dtype == torch.float64
+        torch.testing.assert_close(fast, naive, rtol=1e-10, atol=1e-10)
+        for a, b in zip(torch.autograd.grad(fast, (text, spans)), torch.autograd.grad(naive, (text, spans))):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_gwc_loss_spans_equal_to_their_text_has_analytic_value():
+    # z_i = sqrt(c) e_i (orthogonal texts, |z_i|^2 = c) and each of the S spans of text i equals z_i. For anchor i:
+    # numerator e^{c/tau}; denominator (z_i left out): its own S spans S e^{c/tau}, plus, for each of the N-1
+    # other texts, the text and its S spans, all orthogonal to z_i: (N-1)(S+1) e^0. So every positive gives
+    # -log(e^{c/tau} / (S e^{c/tau} + (N-1)(S+1))) = log(S + (N-1)(S+1) e^{-c/tau}), and so does the mean.
+    N, S, c, tau = 4, 3, 0.5, 0.25
+    text = math.sqrt(c) * torch.eye(N, 6, dtype=torch.float64)
+    spans = text[:, None, :].expand(N, S, 6)
+    expected = math.log(S + (N - 1) * (S + 1) * math.exp(-c / tau))
+    assert costa.gwc_loss(text, spans, tau).item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_gwc_loss_ignores_batch_order():
+    text, spans = random_group(N=6)
+    order = torch.randperm(6, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(costa.gwc_loss(text[order], spans[order], 0.1), costa.gwc_loss(text, spans, 0.1))
+
+
+def test_gwc_loss_leaves_the_anchor_out_of_its_own_denominator():
+    # Scaling z_0 up makes z_0.z_0 huge; if it were in the denominator the loss would jump. Compare to the loop.
+    text, spans = random_group()
+    text[0] *= 30.0
+    torch.testing.assert_close(costa.gwc_loss(text, spans, 1.0), naive_gwc(text, spans, 1.0), rtol=1e-10, atol=1e-10)
+    assert torch.isfinite(costa.gwc_loss(text, spans, 1.0))
+
+
+def test_gwc_accuracy_counts_anchors_whose_best_candidate_is_an_own_span():
+    text = torch.eye(3, 4, dtype=torch.float64)  # text i = e_i; every text scores 0 against the other texts
+    spans = torch.zeros(3, 2, 4, dtype=torch.float64)
+    spans[0, 0, 0] = 2.0  # anchor 0: best is its own span (2.0) -> right
+    spans[2, 1, 1] = 0.5  # anchor 1: best is a span of text 2 (0.5), its own spans score 0 -> wrong
+    spans[1, 0, 2] = 2.0  # anchor 2: best is a span of text 1 (2.0) -> wrong
+    _, accuracy = costa.gwc_loss_and_accuracy(text, text, spans, 0, 1.0)
+    assert accuracy.item() == pytest.approx(1 / 3)
+
+
+def test_gwc_loss_distributed_is_gwc_loss_in_one_process():
+    text, spans = random_group(dtype=torch.float32)
+    loss, _ = costa.gwc_loss_distributed(text, spans, 0.1)
+    assert torch.equal(loss, costa.gwc_loss(text, spans, 0.1))
+
+
+def _gwc_worker(rank, world, tmp_path, text, spans, tau):
+    n = text.shape[0] // world
+    local_text = text[rank * n:(rank + 1) * n].clone().requires_grad_(True)  # different inputs on each rank
+    local_spans = spans[rank * n:(rank + 1) * n].clone().requires_grad_(True)
+    loss, accuracy = costa.gwc_loss_distributed(local_text, local_spans, tau)
+    loss.backward()
+    torch.save({"loss": loss.detach(), "accuracy": accuracy, "text_grad": local_text.grad,
+                "span_grad": local_spans.grad}, tmp_path / f"rank{rank}.pt")
+
+
+def test_gwc_loss_two_processes_equal_one_process_with_both_halves(tmp_path):
+    text, spans = random_group(N=6, S=4, H=8, dtype=torch.float64)
+    results = run_on_two_ranks(_gwc_worker, tmp_path, text, spans, 0.1)
+    text.requires_grad_(True)
+    spans.requires_grad_(True)
+    loss, accuracy = costa.gwc_loss_and_accuracy(text, text, spans, 0, 0.1)
+    text_grad, span_grad = torch.autograd.grad(loss, (text, spans))
+    torch.testing.assert_close((results[0]["loss"] + results[1]["loss"]) / 2, loss.detach())
+    torch.testing.assert_close((results[0]["accuracy"] + results[1]["accuracy"]) / 2, accuracy)
+    # all_gather's backward sums the gradient of every rank's loss: each rank sees 2 x the single-process grad.
+    torch.testing.assert_close(torch.cat([r["text_grad"] for r in results]), 2 * text_grad)
+    torch.testing.assert_close(torch.cat([r["span_grad"] for r in results]), 2 * span_grad)
+
+
+# ---------------------------------------------------------------- eq. 7 and the projector
+def test_span_vectors_are_means_over_the_span():
+    hidden = torch.randn(2, 7, 3, generator=torch.Generator().manual_seed(0))
+    spans = torch.tensor([[[1, 2], [1, 6], [3, 5]], [[2, 4], [5, 6], [1, 3]]])
+    out = costa.span_vectors(hidden, spans)
+    assert out.shape == (2, 3, 3)
+    for b in range(2):
+        for s in range(3):
+            start, end = spans[b, s].tolist()
+            torch.testing.assert_close(out[b, s], hidden[b, start:end].mean(dim=0))
+
+
+def test_projector_kinds():
+    h0 = torch.randn(4, 8)
+    nonlinear, linear, none = (costa.Projector(8, kind) for kind in ("nonlinear", "linear", "none"))
+    layer = nonlinear.net[0]
+    torch.testing.assert_close(nonlinear(h0), torch.tanh(h0 @ layer.weight.T + layer.bias))
+    torch.testing.assert_close(linear(h0), h0 @ linear.net.weight.T + linear.net.bias)
+    assert torch.equal(none(h0), h0) and not list(none.parameters())
+    with pytest.raises(ValueError):
+        costa.Projector(8, "mlp")
+
+
+# ---------------------------------------------------------------- span sampling (eq. 1-3)
+def body_of(n_tokens, n_pad=0):
+    """word_starts for [CLS] w ... w [SEP] [PAD]...: every body token a one-piece word."""
+    return [False] + [True] * (n_tokens - 2) + [False] * (1 + n_pad)
+
+
+def test_spans_have_fixed_count_lengths_in_range_and_stay_inside_the_body():
+    rng = np.random.default_rng(0)
+    n_tokens = 300  # longer than every l_max, so nothing is clipped
+    spans = costa.sample_spans(body_of(n_tokens, n_pad=20), n_tokens, span_config(), rng)
+    assert len(spans) == 20
+    limits = [(1, 1)] * 5 + [costa.SPAN_LENGTHS[g] for g in ("phrase", "sentence", "paragraph") for _ in range(5)]
+    for (start, end), (l_min, l_max) in zip(spans, limits):
+        assert 1 <= start < end <= n_tokens - 1  # never [CLS] (0), [SEP] (n-1) or padding (>= n)
+        assert l_min <= end - start <= l_max
+
+
+def test_dropping_a_granularity_and_changing_T():
+    spans = costa.sample_spans(body_of(200), 200, span_config(span_T=4, granularities="word,phrase,sentence"),
+                         np.random.default_rng(0))
+    assert len(spans) == 12 and max(e - s for s, e in spans) <= 64
+    with pytest.raises(ValueError):
+        costa.sample_spans(body_of(200), 200, span_config(granularities="word,clause"), np.random.default_rng(0))
+
+
+def test_span_lengths_follow_beta_4_2():
+    rng = np.random.default_rng(1)
+    config = span_config(span_T=1000, granularities="paragraph")
+    relative = []
+    for _ in range(5):  # 5,000 draws
+        relative += [(e - s - 64) / (128 - 64) for s, e in costa.sample_spans(body_of(400), 400, config, rng)]
+    mean = float(np.mean(relative))
+    assert abs(mean - 4 / 6) < 0.02 and mean > 0.6  # Beta(4, 2) mean 2/3: skewed towards long spans
+    starts = [s for s, e in costa.sample_spans(body_of(400), 400, config, rng)]
+    assert min(starts) == 1  # the first body token can start a span
+
+
+def test_short_text_clips_spans_to_the_body():
+    rng = np.random.default_rng(0)
+    for n_tokens in (3, 4, 10, 40, 100):
+        for start, end in costa.sample_spans(body_of(n_tokens), n_tokens, span_config(), rng):
+            assert 1 <= start < end <= n_tokens - 1
+    spans = costa.sample_spans(body_of(10), 10, span_config(granularities="sentence,paragraph"), rng)
+    assert spans == [(1, 9)] * 10  # 8 body tokens < 16: every span is the whole body
+    with pytest.raises(ValueError):
+        costa.sample_spans([False, False], 2, span_config(), rng)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return data.load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def vocab_tokens(tokenizer):
+    return [tokenizer.id_to_token(i) for i in range(tokenizer.get_vocab_size())]
+
+
+def tokenize(text, tokenizer, vocab_tokens):
+    """One window of real text through the project's data path; returns (ids, tokens, word_starts, skip mask)."""
+    (window,) = data.make_windows(tokenizer, [text], max_len=64)
+    mask = costa.skip_word_mask(window.input_ids, window.word_starts, vocab_tokens)
+    return window.input_ids, [vocab_tokens[i] for i in window.input_ids], window.word_starts, mask
+
+
+def test_word_spans_are_whole_non_stopwords_on_real_tokenization(tokenizer, vocab_tokens):
+    ids, tokens, word_starts, mask = tokenize("The hippopotamus is swimming in an unfathomably deep river, "
+                                              "and nobody noticed it.", tokenizer, vocab_tokens)
+    spans = costa.sample_spans(word_starts, len(ids), span_config(span_T=200, granularities="word"), np.random.default_rng(0),
+                         stopword_mask=mask)
+    words = set()
+    for start, end in spans:
+        assert word_starts[start] and (end == len(ids) - 1 or word_starts[end])  # whole word, from start to next
+        assert all(t.startswith("##") for t in tokens[start + 1:end])
+        words.add(tokens[start] + "".join(t[2:] for t in tokens[start + 1:end]))
+    assert words <= {"hippopotamus", "swimming", "unfathomably", "deep", "river", "noticed"}
+    assert {"hippopotamus", "unfathomably"} <= words  # multi-piece words are sampled whole
+    assert not words & {"the", "is", "in", "an", "and", "nobody", "it", ",", "."}
+
+
+def test_multi_piece_stopwords_are_masked(tokenizer, vocab_tokens):
+    ids, tokens, word_starts, mask = tokenize("hereafter cats", tokenizer, vocab_tokens)
+    assert len(tokens) > 4  # "hereafter" is more than one piece in BERT's vocabulary
+    assert mask[1] and not mask[tokens.index("cats")]
+
+
+def test_all_stopword_text_falls_back_to_any_whole_word(tokenizer, vocab_tokens):
+    ids, tokens, word_starts, mask = tokenize("it is what it is", tokenizer, vocab_tokens)
+    assert all(mask[i] for i in range(1, len(ids) - 1))
+    spans = costa.sample_spans(word_starts, len(ids), span_config(span_T=50, granularities="word"), np.random.default_rng(0),
+                         stopword_mask=mask)
+    assert len(spans) == 50 and set(spans) == {(i, i + 1) for i in range(1, len(ids) - 1)}
+
+
+def test_window_starting_inside_a_word_skips_the_leading_fragment():
+    # [CLS] ##ing ##ly cat ##s run [SEP]: the "##" run belongs to a word cut by the previous window.
+    word_starts = [False, False, False, True, False, True, False]
+    spans = costa.sample_spans(word_starts, 7, span_config(span_T=50, granularities="word"), np.random.default_rng(0))
+    assert set(spans) == {(3, 5), (5, 6)}
+    # the whole window is a fragment: it is the only "word" there is
+    spans = costa.sample_spans([False, False, False, False], 4, span_config(granularities="word"), np.random.default_rng(0))
+    assert spans == [(1, 3)] * 5
+
+
+# ---------------------------------------------------------------- the pieces together: batches and the model
+def tiny_costa_config(**changes):
+    fields = dict(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, max_len=64, batch_size=4, steps=3,
+                  dropout=0.0, span_T=2)
+    return costa.Config(**{**fields, **changes})
+
+
+@pytest.fixture(scope="module")
+def windows(tokenizer):
+    return data.make_windows(tokenizer, data.read_pretraining_texts(data.WIKI)[:2], max_len=64)
+
+
+def test_batches_carry_spans_inside_each_window(windows, tokenizer, vocab_tokens):
+    c = tiny_costa_config()
+    batches = costa.Batches(c, windows, data.special_ids(tokenizer), 0, 1, vocab_tokens)
+    batch = batches[1]
+    B, L = batch["input_ids"].shape
+    assert batch["spans"].shape == (B, 4 * c.span_T, 2) and batch["spans"].dtype == torch.long
+    lengths = batch["attention_mask"].sum(dim=1, keepdim=True)  # (B, 1) real tokens incl. [CLS]/[SEP]
+    start, end = batch["spans"][..., 0], batch["spans"][..., 1]
+    assert (start >= 1).all() and (start < end).all() and (end <= lengths - 1).all()
+    assert torch.equal(batches[1]["spans"], batch["spans"])  # a function of (seed, rank, step): resumable
+    assert not torch.equal(batches[2]["spans"], batch["spans"])
+    baseline = costa.Batches(tiny_costa_config(gwc_weight=0.0), windows, data.special_ids(tokenizer), 0, 1, vocab_tokens)
+    assert "spans" not in baseline[1]
+
+
+def test_model_total_loss_is_lambda_gwc_plus_mlm(windows, tokenizer, vocab_tokens):
+    torch.manual_seed(0)
+    c = tiny_costa_config(gwc_weight=0.5, tau=1.0)
+    batch = costa.Batches(c, windows, data.special_ids(tokenizer), 0, 1, vocab_tokens)[0]
+    model = costa.PretrainModel(c, costa.Encoder(c)).eval()
+    total, metrics = model(batch)
+    assert set(metrics) == {"mlm", "mlm_acc", "gwc", "gwc_acc"}
+    torch.testing.assert_close(total, 0.5 * metrics["gwc"] + metrics["mlm"])
+    hidden = model.encoder(batch["input_ids"], batch["attention_mask"])
+    text_vecs = torch.tanh(model.projector.net[0](hidden[:, 0]))  # eq. 5-6
+    spans = torch.stack([torch.stack([hidden[b, s:e].mean(dim=0) for s, e in row.tolist()])
+                         for b, row in enumerate(batch["spans"])])  # eq. 7, one span at a time
+    torch.testing.assert_close(metrics["gwc"], costa.gwc_loss(text_vecs, spans, 1.0))
+    baseline = costa.PretrainModel(tiny_costa_config(gwc_weight=0.0), model.encoder)
+    loss, metrics = baseline(batch)
+    assert baseline.projector is None and set(metrics) == {"mlm", "mlm_acc"}
+    torch.testing.assert_close(loss, metrics["mlm"])  # gwc_weight 0: the MLM-only baseline
+
+
+def test_gwc_logits_stay_fp32_under_bf16_autocast():
+    # autocast runs a matmul in bf16 even on .float() inputs; with tau = 0.1 that error is visible in the loss
+    text, spans = random_group(N=8, S=5, H=64, dtype=torch.float32)
+    text, spans = 3 * text, 3 * spans
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = costa.gwc_loss(text, spans, 0.1)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, costa.gwc_loss(text, spans, 0.1), rtol=1e-6, atol=1e-6)
+
+
+# ==============================================================================================
+# CPDAE: reconstruction (eq. 3-4), Jensen-Shannon contrastive loss (eq. 5), total (eq. 6)
+# ==============================================================================================
+
+
+# ----------------------------------------------------------------------------- plain references
+def js_loop(p, q):
+    """JS(P, Q) = 1/2 KL(P||M) + 1/2 KL(Q||M), M = (P+Q)/2, one word at a time, in float64."""
+    total = 0.0
+    for px, qx in zip(p.double().tolist(), q.double().tolist()):
+        mx = (px + qx) / 2
+        if px > 0:
+            total += 0.5 * px * math.log(px / mx)
+        if qx > 0:
+            total += 0.5 * qx * math.log(qx / mx)
+    return total
+
+
+def random_distributions(n, v, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(2 * torch.randn(n, v, generator=g), dim=-1)
+
+
+# ----------------------------------------------------------------------------- decoder, targets, IDF
+def test_decoder_is_linear_gelu_layernorm_linear():
+    dec = cpdae.Decoder(hidden_size=16, vocab_size=50)
+    assert [type(m) for m in dec.children()] == [nn.Linear, nn.LayerNorm, nn.Linear]
+    h = torch.randn(3, 16)
+    expected = dec.out(dec.norm(torch.nn.functional.gelu(dec.dense(h))))
+    assert dec(h).shape == (3, 50)
+    torch.testing.assert_close(dec(h), expected)
+
+
+def test_bag_of_words_marks_words_of_the_original_text_only():
+    ids = torch.tensor([[101, 2023, 2003, 2023, 102, 0], [101, 103, 100, 7592, 102, 0]])
+    bag = cpdae.bag_of_words(ids, 30522, special_ids=(0, 100, 101, 102, 103))
+    assert bag.shape == (2, 30522)
+    assert bag[0].nonzero().flatten().tolist() == [2003, 2023]  # duplicates once, [CLS]/[SEP]/[PAD] out
+    assert bag[1].nonzero().flatten().tolist() == [7592]  # [MASK] and [UNK] out
+
+
+def test_compute_idf_formula_on_windows_and_id_lists():
+    texts = [[5, 6, 6], [5, 7], [5, 8, 9], [9]]
+    idf = cpdae.compute_idf(texts, vocab_size=12)
+    n = len(texts)
+    for j in range(12):
+        df = sum(j in t for t in texts)
+        assert abs(idf[j].item() - (math.log((n + 1) / (df + 1)) + 1)) < 1e-6
+    windows = [(t, [True] * len(t)) for t in texts]  # Window = (input_ids, word_starts)
+    torch.testing.assert_close(cpdae.compute_idf(windows, 12), idf)
+    assert idf[5] < idf[9] < idf[7] < idf[0]  # rarer words weigh more
+
+
+# ----------------------------------------------------------------------------- Jensen-Shannon
+def test_js_is_symmetric_zero_on_identical_and_log2_on_disjoint():
+    p = random_distributions(5, 40, seed=0)
+    q = random_distributions(4, 40, seed=1)
+    torch.testing.assert_close(cpdae.js_divergence(p, q), cpdae.js_divergence(q, p).T)
+    assert cpdae.js_divergence(p, p).diagonal().abs().max() < 1e-6
+    disjoint_a = torch.tensor([[0.5, 0.5, 0.0, 0.0]])
+    disjoint_b = torch.tensor([[0.0, 0.0, 0.3, 0.7]])
+    assert abs(cpdae.js_divergence(disjoint_a, disjoint_b).item() - math.log(2)) < 1e-6
+
+
+def test_js_equals_float64_loop_on_random_distributions():
+    p = random_distributions(3, 30, seed=2)
+    q = random_distributions(4, 30, seed=3)
+    q[0, :10] = 0.0  # exact zeros: 0 log 0 = 0
+    q = q / q.sum(-1, keepdim=True)
+    got = cpdae.js_divergence(p, q, chunk_size=2)
+    for a in range(3):
+        for b in range(4):
+            assert abs(got[a, b].item() - js_loop(p[a], q[b])) < 1e-6
+
+
+def test_chunked_pairwise_js_equals_naive_values_and_gradients():
+    m, v = 6, 300
+    logits = torch.randn(2 * m, v, requires_grad=True)
+    weights = torch.randn(2 * m, 2 * m)
+
+    def naive(z):  # the whole (2m, 2m, V) tensor at once
+        pq = cpdae.word_distribution(z)
+        mix = 0.5 * (pq[:, None, :] + pq[None, :, :])
+        kl = lambda a, b: (torch.xlogy(a, a) - torch.xlogy(a, b)).sum(-1)  # noqa: E731
+        return 0.5 * kl(pq[:, None, :], mix) + 0.5 * kl(pq[None, :, :], mix)
+
+    ref = naive(logits)
+    (ref_grad,) = torch.autograd.grad((ref * weights).sum(), logits)
+    for chunk in (1, 5, 12, 64):
+        dist = cpdae.word_distribution(logits)
+        got = cpdae.js_divergence(dist, dist, chunk_size=chunk)
+        (grad,) = torch.autograd.grad((got * weights).sum(), logits)
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- reconstruction (eq. 3-4)
+def reconstruction_loop(logits, bag, idf=None):
+    """Eq. 4 with the typo fixed: -sum_j w_j [y log z_hat + (1 - y) log(1 - z_hat)], mean over texts."""
+    n, v = logits.shape
+    total = 0.0
+    for i in range(n):
+        for j in range(v):
+            z_hat = torch.sigmoid(logits[i, j].double())
+            y = bag[i, j].double()
+            w = 1.0 if idf is None else idf[j].double()
+            total = total - w * (y * torch.log(z_hat) + (1 - y) * torch.log(1 - z_hat))
+    return total / n
+
+
+def test_reconstruction_equals_eq4_loop_with_gradient():
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(3, 20, generator=g)).requires_grad_()
+    bag = (torch.rand(3, 20, generator=g) < 0.3).float()
+    for idf in (None, 1 + 4 * torch.rand(20, generator=g)):
+        got = cpdae.reconstruction_loss(logits, bag, idf)
+        (grad,) = torch.autograd.grad(got, logits)
+        ref = reconstruction_loop(logits, bag, idf)
+        (ref_grad,) = torch.autograd.grad(ref, logits)
+        assert abs(got.item() - ref.item()) < 1e-4
+        torch.testing.assert_close(grad, ref_grad.float(), atol=1e-6, rtol=1e-5)
+
+
+def test_idf_weighting_scales_each_word_term():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 10, generator=g, requires_grad=True)
+    bag = (torch.rand(4, 10, generator=g) < 0.5).float()
+    idf = torch.arange(1.0, 11.0)
+    (plain,) = torch.autograd.grad(cpdae.reconstruction_loss(logits, bag), logits)
+    (weighted,) = torch.autograd.grad(cpdae.reconstruction_loss(logits, bag, idf), logits)
+    torch.testing.assert_close(weighted, plain * idf)  # word j's term (and gradient) times idf[j]
+    one_hot_idf = torch.zeros(10)
+    one_hot_idf[3] = 1.0
+    only_word_3 = cpdae.reconstruction_loss(logits[:, 3:4], bag[:, 3:4])
+    torch.testing.assert_close(cpdae.reconstruction_loss(logits, bag, one_hot_idf), only_word_3)
+
+
+def test_reconstruction_is_finite_for_extreme_logits():
+    logits = torch.tensor([[200.0, -200.0, 200.0, -200.0]], requires_grad=True)
+    bag = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    loss = cpdae.reconstruction_loss(logits, bag)
+    loss.backward()
+    assert abs(loss.item() - 400.0) < 1e-3  # two confidently wrong words, 200 nats each
+    assert torch.isfinite(logits.grad).all()
+
+
+# ----------------------------------------------------------------------------- contrastive (eq. 5)
+def contrastive_loop(dist1, dist2):
+    """Eq. 5 term by term: anchors d'_i (i = 1..m), positive d''_i, denominator all k != i of 2m."""
+    m = dist1.shape[0]
+    views = list(dist1) + list(dist2)  # z_1..z_2m, z_i = d'_i, z_{m+i} = d''_i
+    total = 0.0
+    for i in range(m):
+        numerator = math.exp(-js_loop(views[i], views[m + i]))
+        denominator = sum(math.exp(-js_loop(views[i], views[k])) for k in range(2 * m) if k != i)
+        total += -math.log(numerator / denominator)
+    return total / m  # mean over anchors (eq. 5 sums; documented departure)
+
+
+def test_js_contrastive_equals_eq5_loop():
+    m, v = 4, 25
+    dist1 = random_distributions(m, v, seed=4)
+    dist2 = random_distributions(m, v, seed=5)
+    got = cpdae.js_contrastive_loss(dist1, dist2, chunk_size=3)
+    assert abs(got.item() - contrastive_loop(dist1, dist2)) < 1e-5
+
+
+def test_js_contrastive_gradient_matches_float64():
+    m, v = 3, 15
+    logits = torch.randn(2 * m, v, dtype=torch.float64, requires_grad=True)
+    dist = cpdae.word_distribution(logits).double()  # fp32 path as in training
+    got = cpdae.js_contrastive_loss(dist[:m], dist[m:], chunk_size=2)
+    (grad,) = torch.autograd.grad(got, logits)
+    p = torch.sigmoid(logits)
+    p = p / p.sum(-1, keepdim=True)  # float64 reference, same formula through autograd
+    js = lambda a, b: 0.5 * (a * (a / (0.5 * (a + b))).log()).sum() + 0.5 * (b * (b / (0.5 * (a + b))).log()).sum()  # noqa: E731,E501
+    ref = 0.0
+    for i in range(m):
+        logit_row = torch.stack([-js(p[i], p[k]) for k in range(2 * m) if k != i])
+        positive = -js(p[i], p[m + i])
+        ref = ref - (positive - torch.logsumexp(logit_row, 0))
+    ref = ref / m
+    (ref_grad,) = torch.autograd.grad(ref, logits)
+    assert abs(got.item() - ref.item()) < 1e-5
+    torch.testing.assert_close(grad, ref_grad, atol=1e-5, rtol=1e-3)
+
+
+def test_gathered_loss_with_one_process_equals_js_contrastive_loss():
+    dist1 = random_distributions(5, 30, seed=6)
+    dist2 = random_distributions(5, 30, seed=7)
+    loss, accuracy = cpdae.gathered_contrastive_loss(dist1, dist2, partial(cpdae.js_similarity, chunk_size=2))
+    torch.testing.assert_close(loss, cpdae.js_contrastive_loss(dist1, dist2))
+    assert 0.0 <= accuracy.item() <= 1.0
+
+
+def _contrastive_worker(rank, world, tmp_path, inputs):
+    result = {}
+    for mode, (full1, full2) in inputs.items():
+        m = full1.shape[0] // world
+        x1 = full1[rank * m:(rank + 1) * m].clone().requires_grad_()
+        x2 = full2[rank * m:(rank + 1) * m].clone().requires_grad_()
+        if mode == "js":
+            loss, _ = cpdae.gathered_contrastive_loss(cpdae.word_distribution(x1), cpdae.word_distribution(x2),
+                                                partial(cpdae.js_similarity, chunk_size=2))
+        else:
+            loss, _ = cpdae.gathered_contrastive_loss(x1, x2, partial(cpdae.cosine_similarity, temperature=0.1))
+        loss.backward()
+        result[mode] = {"loss": loss.detach(), "g1": x1.grad, "g2": x2.grad}
+    torch.save(result, tmp_path / f"rank{rank}.pt")
+
+
+def _one_process(mode, full1, full2):
+    x1, x2 = full1.clone().requires_grad_(), full2.clone().requires_grad_()
+    if mode == "js":
+        loss = cpdae.js_contrastive_loss(cpdae.word_distribution(x1), cpdae.word_distribution(x2))
+    else:
+        loss, _ = cpdae.gathered_contrastive_loss(x1, x2, partial(cpdae.cosine_similarity, temperature=0.1))
+    loss.backward()
+    return loss.detach(), x1.grad, x2.grad
+
+
+def test_two_processes_equal_one_process_with_both_halves(tmp_path):
+    """Word distributions (CPDAE) and [CLS] vectors (CPDAE_R), 2 gloo ranks x 3 texts."""
+    g = torch.Generator().manual_seed(8)
+    inputs = {}
+    for mode, dim in (("js", 40), ("cls", 16)):
+        full1 = torch.randn(6, dim, generator=g)  # logits (js) or [CLS] vectors (cls)
+        inputs[mode] = (full1, full1 + 0.5 * torch.randn(6, dim, generator=g))
+    results = run_on_two_ranks(_contrastive_worker, tmp_path, inputs)
+    for mode, (full1, full2) in inputs.items():
+        loss, g1, g2 = _one_process(mode, full1, full2)
+        ranks = [results[0][mode], results[1][mode]]
+        torch.testing.assert_close((ranks[0]["loss"] + ranks[1]["loss"]) / 2, loss)
+        for rank in range(2):  # all_gather's backward sums over ranks: W x the one-process gradient
+            torch.testing.assert_close(ranks[rank]["g1"], 2 * g1[rank * 3:(rank + 1) * 3])
+            torch.testing.assert_close(ranks[rank]["g2"], 2 * g2[rank * 3:(rank + 1) * 3])
+
+
+# ----------------------------------------------------------------------------- section 3.3 claim
+def test_contrastive_loss_suppresses_shared_words_and_highlights_unique_words():
+    """3.3: with words S shared by every text and words unique to one text, descending L_CL alone
+    lowers the probability of S and raises that of the unique words."""
+    m, n_shared, n_unique, n_other = 6, 5, 3, 20
+    v = n_shared + m * n_unique + n_other
+    shared = torch.arange(n_shared)
+    unique = [torch.arange(n_shared + i * n_unique, n_shared + (i + 1) * n_unique) for i in range(m)]
+    base = torch.full((m, v), -4.0)  # words absent from the text: low probability
+    base[:, shared] = 1.0  # common words: equally probable in every text
+    for i in range(m):
+        base[i, unique[i]] = 1.0  # representative words: as probable as the common ones at first
+    g = torch.Generator().manual_seed(9)
+    logits1 = (base + 0.1 * torch.randn(m, v, generator=g)).requires_grad_()  # view d'
+    logits2 = (base + 0.1 * torch.randn(m, v, generator=g)).requires_grad_()  # view d''
+    optimizer = torch.optim.SGD([logits1, logits2], lr=50.0)  # large: -JS lies in [-log 2, 0], no temperature
+
+    def probabilities():
+        z_hat = torch.sigmoid(torch.cat([logits1, logits2]).detach())  # (2m, V) eq. 3
+        z_tilde = z_hat / z_hat.sum(-1, keepdim=True)
+        own = torch.stack([z_hat[i % m, unique[i % m]].mean() for i in range(2 * m)]).mean()
+        own_tilde = torch.stack([z_tilde[i % m, unique[i % m]].sum() for i in range(2 * m)]).mean()
+        return z_hat[:, shared].mean(), own, z_tilde[:, shared].sum(-1).mean(), own_tilde
+
+    shared0, unique0, shared_mass0, unique_mass0 = probabilities()
+    losses = []
+    for _ in range(10):
+        loss = cpdae.js_contrastive_loss(cpdae.word_distribution(logits1), cpdae.word_distribution(logits2))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    shared1, unique1, shared_mass1, unique_mass1 = probabilities()
+    assert losses[-1] < losses[0]
+    assert shared1 < shared0 - 0.02 and unique1 > unique0 + 0.02  # sigmoid probabilities z_hat
+    assert shared_mass1 < shared_mass0 and unique_mass1 > unique_mass0  # normalised z_tilde
+
+
+# ----------------------------------------------------------------------------- the training pieces
+SPECIAL = {"pad": 0, "unk": 100, "cls": 101, "sep": 102, "mask": 103}
+
+
+def tiny_cpdae(**overrides):
+    fields = dict(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, max_len=64, batch_size=4,
+                  steps=2, dropout=0.0)
+    return cpdae.Config(**{**fields, **overrides})
+
+
+def tiny_windows():
+    return [data.Window([101] + list(range(2000 + 7 * i, 2030 + 7 * i)) + [102], [False] + [True] * 30 + [False])
+            for i in range(8)]
+
+
+def test_batches_hold_two_independent_masks_of_one_text_and_its_bag():
+    batch = cpdae.Batches(tiny_cpdae(), tiny_windows(), SPECIAL, 0, 1)[0]
+    assert batch["input_ids"].shape == batch["labels"].shape == (8, 32)      # [d'; d''] of 4 texts
+    assert batch["attention_mask"].shape == (4, 32) and batch["bag"].shape == (4, 30522)
+    original = torch.where(batch["labels"] != -100, batch["labels"], batch["input_ids"])  # unmask
+    first, second = original.chunk(2)
+    assert torch.equal(first, second)                                         # views of the same texts
+    assert not torch.equal(batch["labels"][:4] != -100, batch["labels"][4:] != -100)  # masked differently
+    for row, bag in zip(first.tolist(), batch["bag"]):
+        assert bag.nonzero().flatten().tolist() == sorted(set(row) - set(SPECIAL.values()))
+
+
+@pytest.mark.parametrize("mode", ["js", "cls"])
+def test_total_loss_is_rec_plus_mlm_plus_lambda_cl(mode):
+    torch.manual_seed(0)
+    c = tiny_cpdae(cl_mode=mode)
+    model = cpdae.PretrainModel(c, cpdae.Encoder(c)).eval()
+    batch = cpdae.Batches(c, tiny_windows(), SPECIAL, 0, 1)[0]
+    total, metrics = model(batch)
+    assert set(metrics) == {"rec", "mlm", "mlm_acc", "cl", "cl_acc"}
+    torch.testing.assert_close(total, metrics["rec"] + metrics["mlm"] + 0.1 * metrics["cl"])
+    with torch.no_grad():
+        h_cls = model.encoder(batch["input_ids"], batch["attention_mask"].repeat(2, 1))[:, 0]  # (8, H)
+        logits = model.decoder(h_cls)
+        rec = cpdae.reconstruction_loss(logits, batch["bag"].repeat(2, 1))
+        if mode == "js":
+            cl = cpdae.js_contrastive_loss(*cpdae.word_distribution(logits).chunk(2))
+        else:
+            cl, _ = cpdae.gathered_contrastive_loss(*h_cls.chunk(2), partial(cpdae.cosine_similarity, temperature=0.1))
+    torch.testing.assert_close(metrics["rec"], rec)
+    torch.testing.assert_close(metrics["cl"], cl)
+    model.config = tiny_cpdae(cl_weight=0.0)                                   # Table 2 "w/o CL"
+    total, metrics = model(batch)
+    assert "cl" not in metrics
+    torch.testing.assert_close(total, metrics["rec"] + metrics["mlm"])
+
+
+def test_idf_rec_uses_corpus_idf():
+    c = tiny_cpdae(idf_rec=True)
+    windows = tiny_windows()
+    idf = cpdae.compute_idf(windows, c.vocab_size)
+    model = cpdae.PretrainModel(c, cpdae.Encoder(c), idf).eval()
+    batch = cpdae.Batches(c, windows, SPECIAL, 0, 1)[0]
+    _, metrics = model(batch)
+    with torch.no_grad():
+        h_cls = model.encoder(batch["input_ids"], batch["attention_mask"].repeat(2, 1))[:, 0]
+        expected = cpdae.reconstruction_loss(model.decoder(h_cls), batch["bag"].repeat(2, 1), idf)
+    torch.testing.assert_close(metrics["rec"], expected)
+    assert "idf" in model.state_dict()                                         # travels with the training state
+
+
+def test_checkpoint_keeps_the_decoder_beside_the_encoder(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    c = tiny_cpdae(out_dir=str(tmp_path))
+    model = cpdae.PretrainModel(c, cpdae.Encoder(c))
+    optimizer, scheduler = cpdae.make_optimizer(model, c)
+    cpdae.save_checkpoint(c, model, optimizer, scheduler, 1, True)
+    decoder = cpdae.Decoder.from_pretrained(tmp_path / "encoder")
+    for name, tensor in model.decoder.state_dict().items():
+        assert torch.equal(decoder.state_dict()[name], tensor)
+    state = data.load_training_state(tmp_path / "state.pt")
+    assert torch.equal(state["model"]["decoder.out.weight"], model.decoder.out.weight)
+    assert transformers.AutoModel.from_pretrained(tmp_path / "encoder").config.hidden_size == 32
+
+
+# ==============================================================================================
+# SEED-Encoder: weak decoder window (3.4), decoder loss (eq. 9-10), [CLS] diagnostic (Figure 5)
+# ==============================================================================================
+SMALL_VOCAB = 128  # covers [CLS]=101, [SEP]=102
+
+
+def small_config(**changes):
+    sizes = dict(vocab_size=SMALL_VOCAB, hidden_size=32, num_layers=2, num_heads=4, ffn_size=64, max_position=64,
+                 dec_layers=3, dec_span=2)
+    return dataclasses.replace(seed.Config(), **{**sizes, **changes})
+
+
+def make_decoder(init_seed=0, **changes):
+    torch.manual_seed(init_seed)
+    config = small_config(**changes)
+    return seed.WeakDecoder(config, nn.Embedding(config.vocab_size, config.hidden_size)).eval()
+
+
+def test_window_mask_span_2_matches_design():
+    # DESIGN.md: query i sees {0} U {i-1, i}
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 0, 1, 1, 0, 0],
+        [1, 0, 0, 1, 1, 0],
+        [1, 0, 0, 0, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(seed.window_mask(6, 2), expected)
+
+
+def test_window_mask_full_is_causal():
+    causal = torch.ones(6, 6).tril().bool()
+    for k in (None, "full", 0):  # 0 is the config's spelling (--dec_span 0)
+        assert torch.equal(seed.window_mask(6, k), causal)
+    assert torch.equal(seed.window_mask(6, 6), causal)  # a span as long as the text is causal too
+
+
+def receptive_field(decoder, position, length=14):
+    """Input positions whose embeddings the output at `position` depends on (by autograd)."""
+    ids = torch.randint(SMALL_VOCAB, (1, length))
+    x = decoder.embed(ids).detach().requires_grad_(True)  # (1, L, H)
+    h0 = torch.randn(1, x.shape[-1])
+    out = decoder.decode(x, h0)  # (1, L, H)
+    # a random direction: the plain sum of a LayerNorm output has zero gradient
+    (out[0, position] * torch.randn(x.shape[-1])).sum().backward()
+    return set(torch.nonzero(x.grad[0].abs().sum(-1) > 0).flatten().tolist())
+
+
+def test_receptive_field_3_layers_span_2():
+    assert receptive_field(make_decoder(dec_layers=3, dec_span=2), 10) == {0, 7, 8, 9, 10}
+
+
+def test_receptive_field_full_span_is_causal():
+    assert receptive_field(make_decoder(dec_layers=3, dec_span=0), 10) == set(range(11))
+
+
+def test_only_bridge_to_encoder_is_cls():
+    decoder = make_decoder()
+    ids = torch.randint(SMALL_VOCAB, (2, 12))
+    encoder_out = torch.randn(2, 9, 32)  # fake encoder output (B, L_enc, H)
+    base = decoder(ids, encoder_out)
+    new_cls = encoder_out.clone()
+    new_cls[:, 0] += torch.randn(2, 32)
+    changed = (decoder(ids, new_cls) - base).abs().amax(-1)  # (B, L)
+    assert (changed > 1e-4).all(), "every output position must see [CLS]"
+    new_rest = encoder_out.clone()
+    new_rest[:, 1:] = torch.randn(2, 8, 32)
+    assert torch.equal(decoder(ids, new_rest), base), "no encoder output other than [CLS] may matter"
+
+
+def test_cross_attention_shortcut_equals_attention_over_one_key():
+    layer = make_decoder().blocks[0]
+    x, h0 = torch.randn(2, 5, 32), torch.randn(2, 32)
+    q = nn.Linear(32, 32)(x).view(2, 5, 4, 8).transpose(1, 2)  # (B, nh, L, dh) any query projection
+    k = nn.Linear(32, 32)(h0).view(2, 1, 4, 8).transpose(1, 2)  # (B, nh, 1, dh) one key
+    v = layer.cross_value(h0).view(2, 1, 4, 8).transpose(1, 2)  # (B, nh, 1, dh)
+    attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 5, 32)  # (B, L, H)
+    literal = layer.cross_out(attended)
+    shortcut = layer.cross_out(layer.cross_value(h0))[:, None, :].expand(2, 5, 32)
+    torch.testing.assert_close(literal, shortcut)
+
+
+def test_padding_does_not_change_real_positions():
+    decoder = make_decoder()
+    ids = torch.randint(1, SMALL_VOCAB, (1, 8))
+    padded = torch.cat([ids, torch.zeros(1, 5, dtype=torch.long)], dim=1)
+    encoder_out = torch.randn(1, 3, 32)
+    torch.testing.assert_close(decoder(padded, encoder_out)[:, :8], decoder(ids, encoder_out))
+
+
+def test_inputs_and_targets_shift_right():
+    cls, sep, pad = 101, 102, 0
+    ids = torch.tensor([[cls, 5, 6, 7, sep], [cls, 8, sep, pad, pad]])
+    mask = (ids != pad).long()
+    decoder_input, targets = seed.decoder_inputs_and_targets(ids, mask)
+    assert decoder_input.tolist() == [[cls, 5, 6, 7], [cls, 8, sep, pad]]
+    assert targets.tolist() == [[5, 6, 7, sep], [8, sep, -100, -100]]
+
+
+def test_decoder_loss_term_by_term_and_padding_ignored():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, SMALL_VOCAB)
+    targets = torch.tensor([[3, 9, 1, 7], [4, 2, -100, -100]])
+    total, count = 0.0, 0
+    for b in range(2):
+        for t in range(4):
+            if targets[b, t] == -100:
+                continue
+            row = logits[b, t].double()
+            total += -(row[targets[b, t]] - math.log(row.exp().sum()))
+            count += 1
+    assert count == 6
+    torch.testing.assert_close(seed.decoder_loss(logits, targets).double(), torch.tensor(float(total) / count, dtype=torch.double))
+    scrambled = logits.clone()
+    scrambled[1, 2:] = torch.randn(2, SMALL_VOCAB) * 100  # padded positions: must not matter
+    assert torch.equal(seed.decoder_loss(scrambled, targets), seed.decoder_loss(logits, targets))
+
+
+def test_logits_use_the_shared_embedding():
+    decoder = make_decoder()
+    hidden = torch.randn(3, 32)
+    torch.testing.assert_close(decoder.logits(hidden), hidden @ decoder.word_embedding[0].weight.t())
+    logits = decoder.logits(decoder(torch.tensor([[1, 2, 3]]), torch.randn(1, 1, 32)))  # (1, 3, V)
+    loss = seed.decoder_loss(logits, torch.tensor([[2, 3, 4]]))
+    loss.backward()
+    assert decoder.word_embedding[0].weight.grad.abs().sum() > 0
+
+
+class FakeTokenizer:
+    """Words are their own ids (integers in the text); [CLS] = 101, [SEP] = 102."""
+
+    def token_to_id(self, token):
+        return {"[CLS]": 101, "[SEP]": 102}[token]
+
+    def encode_batch(self, texts, add_special_tokens=True):
+        return [SimpleNamespace(ids=[int(w) for w in t.split()]) for t in texts]
+
+
+class MeanEmbeddingEncoder(nn.Module):
+    """Puts the mean token embedding at position 0, and records the input lengths it is given."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.word = nn.Embedding(200, 8)
+        self.lengths = set()
+
+    def forward(self, input_ids, attention_mask):
+        self.lengths.add(input_ids.shape[1])
+        return self.word(input_ids).mean(1, keepdim=True).expand(-1, input_ids.shape[1], -1)
+
+
+def test_cls_similarity_by_length():
+    texts = [" ".join(str(1 + (7 * i + j) % 90) for j in range(n)) for i, n in enumerate([40, 40, 40, 10, 10])]
+    encoder = MeanEmbeddingEncoder()
+    result = seed.cls_similarity_by_length(encoder, FakeTokenizer(), texts, lengths=(8, 32, 64), n_pairs=20, seed=1)
+    assert set(result) == {8, 32}  # no two texts have 62 pieces
+    assert encoder.lengths == {8, 32}  # every sequence truncated to exactly the length
+    assert all(-1.0 <= v <= 1.0 for v in result.values())
+    # three identical texts: every pair has cosine 1
+    same = seed.cls_similarity_by_length(encoder, FakeTokenizer(), [texts[0]] * 3, lengths=(16,), n_pairs=5)
+    assert abs(same[16] - 1.0) < 1e-6
+    assert result == seed.cls_similarity_by_length(encoder, FakeTokenizer(), texts, lengths=(8, 32, 64), n_pairs=20, seed=1)
+
+
+def test_pretrain_model_trains_decoder_with_encoder():
+    torch.manual_seed(0)
+    c = small_config()
+    model = seed.PretrainModel(c, seed.Encoder(c)).eval()
+    optimizer, _ = seed.make_optimizer(model, c)
+    in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
+    assert len(in_optimizer) == len({id(p) for p in in_optimizer})  # the shared embedding only once
+    assert {id(p) for p in model.decoder.parameters()} <= {id(p) for p in in_optimizer}
+    assert any(k.startswith("decoder.blocks.") for k in model.state_dict())  # resume restores it
+    assert model.decoder.word_embedding[0] is model.encoder.embeddings.word
+    ids, mask = data.pad_batch([[101, 5, 6, 7, 8, 102], [101, 9, 10, 102]])
+    labels = torch.full_like(ids, -100)
+    labels[0, 2] = 6
+    decoder_input, decoder_targets = seed.decoder_inputs_and_targets(ids, mask)
+    batch = dict(input_ids=ids, attention_mask=mask, labels=labels, decoder_input=decoder_input,
+                 decoder_targets=decoder_targets)
+    loss, metrics = model(batch)
+    torch.testing.assert_close(loss, metrics["mlm"] + metrics["dec"])  # eq. 10
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.decoder.parameters())
+
+
+def test_batches_give_the_decoder_the_unmasked_text():
+    c = dataclasses.replace(seed.Config(), batch_size=4, mask_prob=0.5, steps=1)
+    windows = [data.Window([101] + list(range(1000 + 10 * i, 1010 + 10 * i)) + [102], [False] * 12) for i in range(4)]
+    special = {"pad": 0, "unk": 100, "cls": 101, "sep": 102, "mask": 103}
+    batch = seed.Batches(c, windows, special, rank=0, world=1)[0]
+    chosen = batch["labels"] != -100  # (B, L) masked positions, never [CLS] or [SEP]
+    assert (batch["input_ids"][chosen] == 103).any()
+    # decoder_input[:, j] is token j and decoder_targets[:, j] token j + 1 of the ORIGINAL text
+    assert torch.equal(batch["decoder_input"][chosen[:, :-1]], batch["labels"][:, :-1][chosen[:, :-1]])
+    assert torch.equal(batch["decoder_targets"][chosen[:, 1:]], batch["labels"][:, 1:][chosen[:, 1:]])
