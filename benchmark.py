@@ -18,7 +18,9 @@ import json
 import resource
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,11 +37,13 @@ VARIANTS = {
 
 
 def load_batches(module, c, n_batches):
-    """The first n_batches of the method's own data path, built from a few real articles."""
+    """The first n_batches of the method's own data path, built from 40 real articles."""
     texts = data.read_pretraining_texts(c.corpus)[:40]
-    tokenizer = data.load_tokenizer(c.vocab)
-    windows = data.make_windows(tokenizer, texts, c.max_len)
-    dataset = module.Batches(c, windows, data.special_ids(tokenizer), 0, 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        c.corpus = str(Path(tmp) / "corpus.jsonl")
+        Path(c.corpus).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        windows, special, *extra = module.load_windows(c, False)
+    dataset = module.Batches(c, windows, special, 0, 1, *extra)
     return [dataset[i] for i in range(n_batches)]
 
 

@@ -14,6 +14,7 @@ The encoder is written to {out_dir}/encoder as a Hugging Face BERT folder for fi
 """
 import contextlib
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -26,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -88,6 +88,9 @@ PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072,
 # --- shared: begin config parsing ---
 def parse_config(argv):
     """Config from the command line: '--field value' for any field, '--flag' alone for a bool."""
+    if argv[:1] in (["-h"], ["--help"]):               # the docstring, then every field with its comment
+        print(__doc__, inspect.getsource(Config), sep="\n")
+        sys.exit(0)
     fields = {f.name: f for f in dataclasses.fields(Config)}
     overrides, i = {}, 0
     while i < len(argv):
@@ -248,11 +251,12 @@ class Encoder(nn.Module):
 
     def mlm_loss(self, hidden, labels):
         """Eq. 9 of COSTA / BERT's MLM: mean cross-entropy over the masked positions only (the
-        vocabulary projection is most of the cost). Returns (loss, n_correct, n_masked)."""
+        vocabulary projection is most of the cost). Returns (loss, n_correct, n_masked). Under torchrun
+        the mean is over this rank's masked tokens and DDP averages the ranks, as BERT's code does."""
         chosen = labels != -100                                     # (B, L)
+        if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
+            return self.mlm_head(hidden[:1, 0]).sum() * 0.0, 0, 0
         logits = self.mlm_head(hidden[chosen]).float()              # (M, V)
-        if logits.shape[0] == 0:                                    # nothing masked in this batch
-            return hidden.sum() * 0.0, 0, 0
         targets = labels[chosen]                                    # (M,)
         n_correct = (logits.argmax(-1) == targets).sum()            # a tensor: no GPU sync here
         return F.cross_entropy(logits, targets), n_correct, targets.numel()
@@ -335,8 +339,9 @@ class PretrainModel(nn.Module):
         metrics = {"mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1)}
         if not self.config.gwc_weight:
             return mlm, metrics
-        text_vecs = self.projector(hidden[:, 0])                                 # (B, H) z_0, eq. 6
-        span_vecs = span_vectors(hidden, batch["spans"])                         # (B, S, H) eq. 7
+        with torch.autocast(hidden.device.type, enabled=False):  # the vectors feeding eq. 8 in fp32
+            text_vecs = self.projector(hidden[:, 0].float())                     # (B, H) z_0, eq. 6
+            span_vecs = span_vectors(hidden.float(), batch["spans"])             # (B, S, H) eq. 7
         gwc, accuracy = gwc_loss_distributed(text_vecs, span_vecs, self.config.tau)
         total = self.config.gwc_weight * gwc + mlm                               # eq. 10
         return total, {**metrics, "gwc": gwc.detach(), "gwc_acc": accuracy}
@@ -526,11 +531,29 @@ def rank_and_world():
     return 0, 1
 
 
+class GatherWithGrad(torch.autograd.Function):
+    """all_gather that keeps gradients: every rank's loss used this rank's vectors as candidates, so
+    backward hands each rank the sum over ranks of the gradient of its own slice. (The same as the
+    deprecated torch.distributed.nn.functional.all_gather; equal sizes on every rank.)"""
+
+    @staticmethod
+    def forward(ctx, t):                                                  # (n, ...)
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t)
+        return torch.cat(parts, dim=0)                                    # (world * n, ...)
+
+    @staticmethod
+    def backward(ctx, grad):                                              # (world * n, ...)
+        grad = grad.contiguous()
+        dist.all_reduce(grad)                                             # sum over every rank's loss
+        return grad.chunk(dist.get_world_size(), dim=0)[dist.get_rank()]  # (n, ...)
+
+
 def gather_across_ranks(t):
     """Concatenate `t` from every rank along dim 0, keeping the autograd graph (candidates)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return t
-    return torch.cat(dist_nn.all_gather(t.contiguous()), dim=0)
+    return GatherWithGrad.apply(t.contiguous())
 
 
 def average_across_ranks(values, device):
@@ -637,12 +660,15 @@ def train(c):
     batches = iter(loader)
     for step in range(start_step + 1, c.steps + 1):
         for micro in range(c.grad_accum):
+            micro_step = (step - 1) * c.grad_accum + micro
             batch = next(batches)
             progress_tokens = int(batch["attention_mask"].sum())
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            last = micro == c.grad_accum - 1               # DDP all-reduces gradients only then
-            with autocast, (contextlib.nullcontext() if last or world == 1 else ddp.no_sync()):
-                loss, metrics = ddp(batch)
+            torch.manual_seed(data.step_seed(c.seed, rank, micro_step))  # dropout, like the batch, is a
+            last = micro == c.grad_accum - 1               # function of the step: resume is exact
+            with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
+                with autocast:
+                    loss, metrics = ddp(batch)
                 (loss / c.grad_accum).backward()
             progress.add(metrics, progress_tokens)
         torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip)
@@ -672,13 +698,16 @@ def save_checkpoint(c, model, optimizer, scheduler, step, main):
         model.encoder.save_pretrained(Path(c.out_dir) / "encoder", c.vocab)
         data.save_training_state(Path(c.out_dir) / "state.pt", {
             "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
+            "scheduler": scheduler.state_dict(),
             "config": dataclasses.asdict(c)})
     if dist.is_available() and dist.is_initialized():
         dist.barrier()   # short: nobody races ahead of a checkpoint being written
 
 
+# --- shared: begin resume ---
 def load_checkpoint(c, model, optimizer, scheduler, main):
+    """Restore out_dir/state.pt; returns the step to continue from (0 if there is none yet). Batches,
+    masks and dropout are functions of the step, so nothing else needs restoring."""
     path = Path(c.out_dir) / "state.pt"
     if not path.is_file():
         if main:
@@ -688,10 +717,14 @@ def load_checkpoint(c, model, optimizer, scheduler, main):
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["torch_rng"])
+    changed = {k: v for k, v in state["config"].items()
+               if k not in ("resume", "halt_at") and getattr(c, k, v) != v}
     if main:
         print(f"resume: {path} at step {state['step']}")
+        if changed:
+            print(f"resume: warning: the saved run had {changed}; the run goes on with today's flags")
     return state["step"]
+# --- shared: end resume ---
 
 
 if __name__ == "__main__":

@@ -369,10 +369,15 @@ def mask_tokens(input_ids, maskable, vocab_size, mask_id, generator, mask_prob=0
     return masked, labels
 
 
+def step_seed(seed, rank, micro_step):
+    """One seed per (run seed, rank, micro-step). Masks, spans and dropout drawn from it are the same
+    whether a run went straight through or was resumed, and differ between ranks."""
+    return seed * 1_000_003 + micro_step * 1009 + rank
+
+
 def batch_generator(seed, rank, micro_step):
-    """A torch.Generator that depends only on (seed, rank, micro_step): batches are reproducible and a
-    resumed run draws exactly the masks an uninterrupted run would have drawn."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + micro_step * 1009 + rank)
+    """A torch.Generator for building one batch (masks): a function of the step alone."""
+    return torch.Generator().manual_seed(step_seed(seed, rank, micro_step))
 
 
 @functools.lru_cache(maxsize=2)

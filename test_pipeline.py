@@ -313,9 +313,11 @@ TINY_ARGS = ["--hidden_size", "32", "--num_layers", "2", "--num_heads", "2", "--
 
 @pytest.fixture(scope="module")
 def small_corpus(tmp_path_factory):
-    """A few real Wikipedia articles: enough windows for the runs below, fast to tokenize."""
+    """A few real Wikipedia articles and snippets of mixed length (so batches pad differently on
+    each rank): enough windows for the runs below, fast to tokenize."""
     path = tmp_path_factory.mktemp("corpus") / "wiki.jsonl"
-    texts = data.read_pretraining_texts(data.WIKI)[:6]
+    articles = data.read_pretraining_texts(data.WIKI)[:8]
+    texts = articles[:5] + [" ".join(a.split()[:n]) for a in articles[5:] for n in (6, 15, 30, 45)]
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     return path
 
@@ -347,6 +349,17 @@ def test_resume_continues_exactly(tmp_path, small_corpus):
     assert (tmp_path / "straight" / "encoder" / "model.safetensors").is_file()
     saved = json.loads((tmp_path / "straight" / "config.json").read_text())
     assert saved["steps"] == 6 and saved["hidden_size"] == 32
+
+
+def test_resume_continues_exactly_with_two_processes(tmp_path, small_corpus):
+    common = [str(HERE / "costa.py"), "--corpus", str(small_corpus), *TINY_ARGS, "--steps", "4"]
+    run_script(common + ["--out_dir", str(tmp_path / "straight")], tmp_path, torchrun=True)
+    run_script(common + ["--out_dir", str(tmp_path / "resumed"), "--halt_at", "2"], tmp_path, torchrun=True)
+    run_script(common + ["--out_dir", str(tmp_path / "resumed"), "--resume"], tmp_path, torchrun=True)
+    straight, resumed = read_log(tmp_path / "straight"), read_log(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for key in ("mlm", "gwc", "gwc_acc"):
+        assert [r[key] for r in straight] == [r[key] for r in resumed], key
 
 
 def test_torchrun_two_processes_on_cpu(tmp_path, small_corpus):
