@@ -7,6 +7,7 @@ ones, in a fresh process of its own so that peak memory is its own:
     python benchmark.py                                   # all variants, the CPU default config
     python benchmark.py --variants costa-mlm,hf-bert-mlm --steps 20
     python benchmark.py --set batch_size=64 --set max_len=256
+    python benchmark.py --js                              # CPDAE's contrastive loss: chunked vs naive memory
 
 tokens/s counts real (non-padding) tokens through forward, backward and the AdamW step.
 peak memory: max resident set size of the process on CPU (model, optimizer, activations and the
@@ -15,6 +16,7 @@ few documents loaded), torch.cuda.max_memory_allocated on GPU.
 import argparse
 import importlib
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -99,6 +101,51 @@ def run_one(variant, overrides, steps, warmup):
             "hidden_size": c.hidden_size, "num_layers": c.num_layers, "threads": torch.get_num_threads()}
 
 
+def js_memory_one(variant, chunk, m, vocab):
+    """Forward + backward of CPDAE's eq. 5 loss on m texts x 2 views over |V| words, in this process.
+    'baseline' does everything but the pairwise JS, so (variant - baseline) is the JS's own peak."""
+    import cpdae
+    torch.set_num_threads(1)
+    tiny = torch.rand(2, 4, requires_grad=True)
+    cpdae.js_divergence(tiny, tiny).sum().backward()      # one-time imports paid by every variant
+    torch.manual_seed(0)
+    logits1, logits2 = (torch.randn(m, vocab, requires_grad=True) for _ in range(2))
+    start = time.perf_counter()
+    dist1, dist2 = cpdae.word_distribution(logits1), cpdae.word_distribution(logits2)   # (m, V) each
+    candidates = torch.cat([dist1, dist2])                                             # (2m, V)
+    if variant == "baseline":
+        sim = -(dist1 @ candidates.T)                                                  # (m, 2m)
+    elif variant == "chunked":
+        sim = -cpdae.js_divergence(dist1, candidates, chunk_size=chunk)                # (m, 2m)
+    else:  # naive: the whole (m, 2m, V) mixture at once, kept by autograd
+        mix = 0.5 * (dist1[:, None, :] + candidates[None, :, :])                       # (m, 2m, V)
+        js = 0.5 * (torch.xlogy(dist1, dist1).sum(-1)[:, None] + torch.xlogy(candidates, candidates).sum(-1)[None, :]) \
+            - torch.xlogy(mix, mix).sum(-1)
+        sim = -js
+    loss, _ = cpdae.two_view_contrastive_loss(sim)
+    loss.backward()
+    return {"variant": variant, "chunk": chunk, "loss": loss.item(), "seconds": time.perf_counter() - start,
+            "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def js_memory_table(m, vocab):
+    """Each variant in a fresh process (ru_maxrss is a high-water mark), twice: as is, and with glibc's
+    mmap threshold pinned at 1 MiB so that freed blocks go back to the OS and the peak is live memory."""
+    print(f"CPDAE contrastive loss (eq. 5), {m} texts x 2 views, |V| = {vocab:,}, forward + backward, 1 thread")
+    print(f"{'variant':<12}{'peak-baseline MiB':>19}{'(pinned malloc)':>17}{'seconds':>9}  loss")
+    base = None
+    for variant, chunk in [("baseline", 0), ("chunked", 1), ("chunked", 4), ("chunked", 8), ("chunked", 16),
+                           ("naive", 0)]:
+        cmd = [sys.executable, __file__, "--js-one", f"{variant}:{chunk}:{m}:{vocab}"]
+        rows = [json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout)
+                for env in (os.environ, {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)})]
+        base = base or rows
+        name = f"{variant} {chunk}" if variant == "chunked" else variant
+        print(f"{name:<12}{rows[0]['peak_mib'] - base[0]['peak_mib']:>19,.0f}"
+              f"{rows[1]['peak_mib'] - base[1]['peak_mib']:>17,.0f}{rows[0]['seconds']:>9.1f}  {rows[0]['loss']:.6f}",
+              flush=True)
+
+
 def parse_value(text):
     try:
         return json.loads(text)
@@ -113,9 +160,19 @@ def main():
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="Config override for every variant, e.g. batch_size=64")
+    parser.add_argument("--js", action="store_true", help="CPDAE's JS loss memory, chunked vs naive")
+    parser.add_argument("--js_texts", type=int, default=64, help="texts (x 2 views) for --js")
     parser.add_argument("--one", help=argparse.SUPPRESS)          # internal: run one variant, print JSON
+    parser.add_argument("--js-one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     overrides = {k: parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}
+    if args.js_one:
+        variant, chunk, m, vocab = args.js_one.split(":")
+        print(json.dumps(js_memory_one(variant, int(chunk), int(m), int(vocab))))
+        return
+    if args.js:
+        js_memory_table(args.js_texts, 30522)
+        return
     if args.one:
         print(json.dumps(run_one(args.one, overrides, args.steps, args.warmup)))
         return

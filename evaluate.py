@@ -56,7 +56,7 @@ class Config:
     k1: float = 1.2               # BM25 term-frequency saturation (Elasticsearch / BEIR)
     b: float = 0.75               # BM25 document-length normalisation
     bf16: bool = True             # bf16 autocast on GPU (ignored on CPU)
-    out_dir: str = ""             # "" = next to the model ({model}/../eval-{split}) or runs/bm25-{split}
+    out_dir: str = ""             # "" = next to the model ({model}/../eval-{split}) or runs/bm25-{data}-{split}
     tag: str = ""                 # run tag in the TREC file; "" = the model folder or "bm25"
     compare: str = ""             # "A.trec,B.trec": paired two-tailed t-test of A vs B per metric (needs qrels)
     tsne: str = ""                # query id for the COSTA Figure 3 t-SNE, or "auto" (first query with a hit)
@@ -71,6 +71,9 @@ PAPER_PRESET = {}
 # --- shared: begin config parsing ---
 def parse_config(argv):
     """Config from the command line: '--field value' for any field, '--flag' alone for a bool."""
+    if argv[:1] in (["-h"], ["--help"]):               # the docstring, then every field with its comment
+        print(__doc__, inspect.getsource(Config), sep="\n")
+        sys.exit(0)
     fields = {f.name: f for f in dataclasses.fields(Config)}
     overrides, i = {}, 0
     while i < len(argv):

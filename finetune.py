@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import importlib
 import json
-import math
 import os
 import resource
 import shlex
@@ -36,7 +35,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -120,6 +118,9 @@ PAPER_PRESET = dict(lr=5e-6, batch_size=64, epochs=3.0, hard_epochs=2.0, n_negat
 # --- shared: begin config parsing ---
 def parse_config(argv):
     """Config from the command line: '--field value' for any field, '--flag' alone for a bool."""
+    if argv[:1] in (["-h"], ["--help"]):               # the docstring, then every field with its comment
+        print(__doc__, inspect.getsource(Config), sep="\n")
+        sys.exit(0)
     fields = {f.name: f for f in dataclasses.fields(Config)}
     overrides, i = {}, 0
     while i < len(argv):
@@ -280,11 +281,12 @@ class Encoder(nn.Module):
 
     def mlm_loss(self, hidden, labels):
         """Eq. 9 of COSTA / BERT's MLM: mean cross-entropy over the masked positions only (the
-        vocabulary projection is most of the cost). Returns (loss, n_correct, n_masked)."""
+        vocabulary projection is most of the cost). Returns (loss, n_correct, n_masked). Under torchrun
+        the mean is over this rank's masked tokens and DDP averages the ranks, as BERT's code does."""
         chosen = labels != -100                                     # (B, L)
+        if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
+            return self.mlm_head(hidden[:1, 0]).sum() * 0.0, 0, 0
         logits = self.mlm_head(hidden[chosen]).float()              # (M, V)
-        if logits.shape[0] == 0:                                    # nothing masked in this batch
-            return hidden.sum() * 0.0, 0, 0
         targets = labels[chosen]                                    # (M,)
         n_correct = (logits.argmax(-1) == targets).sum()            # a tensor: no GPU sync here
         return F.cross_entropy(logits, targets), n_correct, targets.numel()
@@ -761,11 +763,29 @@ def rank_and_world():
     return 0, 1
 
 
+class GatherWithGrad(torch.autograd.Function):
+    """all_gather that keeps gradients: every rank's loss used this rank's vectors as candidates, so
+    backward hands each rank the sum over ranks of the gradient of its own slice. (The same as the
+    deprecated torch.distributed.nn.functional.all_gather; equal sizes on every rank.)"""
+
+    @staticmethod
+    def forward(ctx, t):                                                  # (n, ...)
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t)
+        return torch.cat(parts, dim=0)                                    # (world * n, ...)
+
+    @staticmethod
+    def backward(ctx, grad):                                              # (world * n, ...)
+        grad = grad.contiguous()
+        dist.all_reduce(grad)                                             # sum over every rank's loss
+        return grad.chunk(dist.get_world_size(), dim=0)[dist.get_rank()]  # (n, ...)
+
+
 def gather_across_ranks(t):
     """Concatenate `t` from every rank along dim 0, keeping the autograd graph (candidates)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return t
-    return torch.cat(dist_nn.all_gather(t.contiguous()), dim=0)
+    return GatherWithGrad.apply(t.contiguous())
 
 
 def average_across_ranks(values, device):

@@ -5,17 +5,22 @@ shared blocks, fine-tuning and evaluation. Loss equations are proven in test_los
 """
 import gzip
 import json
+import math
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import costa
 import data
+import evaluate
+import finetune
+from test_losses import run_on_two_ranks
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
@@ -400,3 +405,462 @@ def test_shared_blocks_are_identical_across_files():
             assert blocks.get(block) == reference[block], f"{name}: shared block '{block}' differs from costa.py"
         for block, text in blocks.items():
             assert text == reference.get(block), f"{name}: shared block '{block}' differs from costa.py"
+
+
+# ----------------------------------------------------------------------------------------------
+# Fine-tuning and evaluation (finetune.py, evaluate.py)
+# ----------------------------------------------------------------------------------------------
+def _tokenizer():
+    return data.load_tokenizer()
+
+
+# ------------------------------------------------------------------ metrics (hand-computed values)
+def test_metrics_ties_are_broken_by_docid_descending():
+    # d3 first by score; d1 and d2 tie: trec_eval puts d2 before d1, so the relevant d1 is at rank 3.
+    means, per_query = evaluate.compute_metrics({"q": {"d1": 1.0, "d2": 1.0, "d3": 2.0}}, {"q": {"d1": 1}})
+    assert per_query["q"]["MRR@10"] == pytest.approx(1 / 3)
+    assert per_query["q"]["NDCG@10"] == pytest.approx(1 / math.log2(4))
+    # docids compare as strings: "9" > "10", so "9" comes first on a tie.
+    _, pq = evaluate.compute_metrics({"q": {"10": 0.5, "9": 0.5}}, {"q": {"10": 1}})
+    assert pq["q"]["MRR@10"] == pytest.approx(1 / 2)
+
+
+def test_metrics_graded_relevance():
+    # Ranking x, b, a, c; grades a=2, b=1, c=0 (not relevant), e=1 (not retrieved).
+    run = {"q": {"x": 0.9, "b": 0.8, "a": 0.7, "c": 0.6}}
+    qrels = {"q": {"a": 2, "b": 1, "c": 0, "e": 1}}
+    _, pq = evaluate.compute_metrics(run, qrels)
+    dcg = 0 + 1 / math.log2(3) + 2 / math.log2(4) + 0
+    idcg = 2 / math.log2(2) + 1 / math.log2(3) + 1 / math.log2(4)
+    assert pq["q"]["NDCG@10"] == pytest.approx(dcg / idcg)
+    assert pq["q"]["MRR@10"] == pytest.approx(1 / 2)
+    assert pq["q"]["Recall@10"] == pytest.approx(2 / 3)
+
+
+def test_metrics_cutoffs_missing_and_unjudged_queries():
+    # q1: the only relevant document at rank 50.
+    run = {"q1": {f"d{i:03d}": 100.0 - i for i in range(1, 61)}}
+    qrels = {"q1": {"d050": 1},
+             "q2": {"z": 1},          # relevant document, but q2 is absent from the run: scores 0
+             "q3": {"y": 0},          # no relevant document: not counted
+             "q4": {"w": 1, "v": 1}}  # in the run with no results: scores 0
+    run["q4"] = {}
+    run["q5"] = {"w": 1.0}            # not in the qrels: ignored
+    means, pq = evaluate.compute_metrics(run, qrels)
+    assert set(pq) == {"q1", "q2", "q4"}
+    assert pq["q1"]["MRR@10"] == 0.0 and pq["q1"]["MRR@100"] == pytest.approx(1 / 50)
+    assert pq["q1"]["Recall@10"] == 0.0 and pq["q1"]["Recall@100"] == 1.0 and pq["q1"]["Recall@1000"] == 1.0
+    assert pq["q1"]["NDCG@10"] == 0.0
+    assert all(v == 0.0 for q in ("q2", "q4") for v in pq[q].values())
+    assert means["MRR@100"] == pytest.approx((1 / 50) / 3)
+    assert means["Recall@100"] == pytest.approx(1 / 3)
+    assert set(means) == {"MRR@10", "MRR@100", "Recall@10", "Recall@100", "Recall@1000", "NDCG@10"}
+
+
+def test_metrics_recall_counts_only_top_k():
+    docs = {f"d{i:04d}": 2000.0 - i for i in range(1, 1201)}  # d0001 best ... d1200 worst
+    qrels = {"q": {"d0005": 1, "d0500": 1, "d1100": 1, "missing": 1}}
+    _, pq = evaluate.compute_metrics({"q": docs}, qrels)
+    assert pq["q"]["Recall@10"] == pytest.approx(1 / 4)
+    assert pq["q"]["Recall@100"] == pytest.approx(1 / 4)
+    assert pq["q"]["Recall@1000"] == pytest.approx(2 / 4)
+    assert pq["q"]["MRR@10"] == pytest.approx(1 / 5)
+
+
+# ------------------------------------------------------------------ t-test
+@pytest.mark.parametrize("t", [0.0, 0.3, 1.0, 2.5, 12.0, -4.0])
+def test_t_pvalue_matches_closed_forms(t):
+    a = abs(t)
+    assert evaluate.t_two_tailed_p(t, 1) == pytest.approx(1 - 2 / math.pi * math.atan(a), abs=1e-12)
+    assert evaluate.t_two_tailed_p(t, 2) == pytest.approx(1 - a / math.sqrt(2 + a * a), abs=1e-12)
+    cdf3 = 0.5 + (a / (math.sqrt(3) * (1 + a * a / 3)) + math.atan(a / math.sqrt(3))) / math.pi
+    assert evaluate.t_two_tailed_p(t, 3) == pytest.approx(2 * (1 - cdf3), abs=1e-12)
+
+
+@pytest.mark.parametrize("t,df,p", [(2.228138851986274, 10, 0.05), (2.570581835636314, 5, 0.05),
+                                    (2.845339709776814, 20, 0.01), (1.959963984540054, 10 ** 7, 0.05),
+                                    (3.290526731491926, 10 ** 7, 0.001)])
+def test_t_pvalue_matches_tables(t, df, p):
+    assert evaluate.t_two_tailed_p(t, df) == pytest.approx(p, rel=2e-3)
+
+
+def test_paired_t_test_by_hand():
+    a, b = [0.5, 0.7, 0.2, 0.9, 0.4], [0.4, 0.4, 0.3, 0.6, 0.1]
+    d = [x - y for x, y in zip(a, b)]
+    mean = sum(d) / 5
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / 4)
+    t, p = evaluate.paired_t_test(a, b)
+    assert t == pytest.approx(mean / (sd / math.sqrt(5)))
+    assert p == pytest.approx(evaluate.betainc(2.0, 0.5, 4 / (4 + t * t)))
+    assert 0.0 < p < 1.0
+    assert evaluate.paired_t_test([1, 2, 3], [1, 2, 3]) == (0.0, 1.0)
+
+
+def test_betainc_against_integral():
+    # I_x(a, b) by a plain midpoint rule over the beta density.
+    for a, b, x in [(2.0, 3.0, 0.4), (0.5, 0.5, 0.9), (5.0, 0.5, 0.7)]:
+        n = 200_000
+        s = 0.0
+        for i in range(n):
+            u = (i + 0.5) / n * x
+            s += u ** (a - 1) * (1 - u) ** (b - 1)
+        s *= x / n
+        beta = math.exp(math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b))
+        assert evaluate.betainc(a, b, x) == pytest.approx(s / beta, rel=1e-3)
+
+
+# ------------------------------------------------------------------ BM25
+def test_bm25_matches_term_by_term_formula():
+    docs = ["The cat sat on the mat", "Dogs and cats are friends", "A cat chased a cat"]
+    tokens = [["cat", "sat", "mat"], ["dogs", "cats", "friends"], ["cat", "chased", "cat"]]  # stopwords gone
+    k1, b = 1.2, 0.75
+    bm25 = finetune.BM25(docs, k1=k1, b=b)
+    avgdl = sum(len(t) for t in tokens) / 3
+    queries = ["cat on the mat", "friendly dogs", "cat cat"]
+    q_tokens = [["cat", "mat"], ["dogs"], ["cat", "cat"]]
+    expected = np.zeros((3, 3))
+    for qi, qt in enumerate(q_tokens):
+        for di, dt in enumerate(tokens):
+            for term in qt:
+                df = sum(term in t for t in tokens)
+                idf = math.log(1 + (3 - df + 0.5) / (df + 0.5))
+                tf = dt.count(term)
+                expected[qi, di] += idf * tf / (tf + k1 * (1 - b + b * len(dt) / avgdl))
+    np.testing.assert_allclose(bm25.score(queries), expected, rtol=1e-5, atol=1e-7)
+    scores, ids = bm25.search(queries, 2)
+    assert ids[0].tolist() == [0, 2] and ids[1, 0] == 1
+    np.testing.assert_allclose(scores, np.take_along_axis(expected, ids, 1), rtol=1e-5)
+
+
+# ------------------------------------------------------------------ search
+def test_exact_search_matches_numpy_brute_force():
+    rng = np.random.default_rng(0)
+    docs = rng.standard_normal((500, 16)).astype(np.float32)
+    queries = rng.standard_normal((7, 16)).astype(np.float32)
+    scores, ids = finetune.exact_search(queries, docs, 20)
+    full = queries @ docs.T
+    want = np.argsort(-full, axis=1, kind="stable")[:, :20]
+    np.testing.assert_array_equal(ids, want)
+    np.testing.assert_allclose(scores, np.take_along_axis(full, want, 1), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ figures
+def test_word_probabilities_sum_pieces():
+    tok = _tokenizer()
+    text = "Nanotechnology raises issues."
+    enc = tok.encode(text, add_special_tokens=False)  # nano ##tech ##nology raises issues .
+    probs = np.zeros(30522)
+    probs[enc.ids] = np.arange(1, len(enc.ids) + 1) / 100.0
+    words = evaluate.word_probabilities(probs, text, tok)
+    assert [w for w, _, _ in words] == ["Nanotechnology", "raises", "issues", "."]
+    assert words[0][1] == pytest.approx(0.01 + 0.02 + 0.03)
+    assert words[1][1] == pytest.approx(0.04)
+
+
+def test_figures_are_written(tmp_path):
+    rng = np.random.default_rng(0)
+    xy = evaluate.plot_tsne(rng.standard_normal(8), rng.standard_normal((30, 8)),
+                            np.arange(30) < 2, tmp_path / "tsne.png", title="q")
+    assert xy.shape == (31, 2)
+    probs = rng.random(30522)
+    probs /= probs.sum()
+    evaluate.plot_word_distribution(probs, "Nanotechnology raises many of the same issues " * 6,
+                                    _tokenizer(), tmp_path / "words.png")
+    for name in ("tsne.png", "words.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+# ------------------------------------------------------------------ negatives
+def test_negatives_never_contain_a_positive():
+    docs = {f"d{i}": i for i in range(40)}
+    qrels = {"q1": {"d1": 1, "d2": 2, "d3": 0}, "q2": {"d5": 1}, "q3": {"d7": 0}}
+    examples = finetune.make_examples({"q1": "a", "q2": "b", "q3": "c"}, qrels, docs)
+    assert [ex.qid for ex in examples] == ["q1", "q2"]  # q3 has no relevant document
+    assert examples[0].positives == [1, 2]               # grade 0 is not a positive
+    ranked = [1, 9, 2, 9, 4, 1, 3, -1]                    # positives, a duplicate, padding (-1)
+    pool = finetune.negatives_from_ranking(ranked, [1, 2])
+    assert pool == [9, 4, 3]
+    assert finetune.negatives_from_ranking(ranked, [1, 2], skip=2) == [9, 4, 3]
+    assert finetune.negatives_from_ranking(ranked, [1, 2], skip=4) == [4, 3]
+    rng = np.random.default_rng(0)
+    for pool_size in (0, 2, 30):  # empty pool, short pool (topped up at random), large pool
+        pool = [d for d in range(3, 3 + pool_size)]
+        for _ in range(50):
+            negs = finetune.sample_negatives(pool, [1, 2], 7, 40, rng)
+            assert len(negs) == 7 and not {1, 2} & set(negs)
+    # Through the training batches: each query's own negatives exclude all its positives.
+    examples = [ex._replace(negatives=finetune.negatives_from_ranking(list(range(40)), ex.positives))
+                for ex in examples]
+    c = finetune.Config(batch_size=2, n_negatives=5, steps=3)
+    batches = finetune.TrainBatches(c, examples, [f"text {i}" for i in range(40)], _tokenizer(), 0, 1)
+    for m in range(3):
+        b = batches[m]
+        docs_by_query = b["p_doc"].view(2, 6)
+        for row, pos in zip(docs_by_query, b["q_pos"]):
+            pos = set(pos[pos >= 0].tolist())
+            assert row[0].item() in pos and not pos & set(row[1:].tolist())
+
+
+# ------------------------------------------------------------------ 2-process loss = 1-process loss
+TINY = dict(vocab_size=30522, hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, dropout=0.0)
+
+
+def _toy_batch(n_queries=4, per_query=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q_ids = torch.randint(1000, 2000, (n_queries, 6), generator=g)
+    p_ids = torch.randint(1000, 2000, (n_queries * per_query, 10), generator=g)
+    q_mask, p_mask = torch.ones_like(q_ids), torch.ones_like(p_ids)
+    q_mask[0, 4:] = 0
+    p_mask[1, 7:] = 0
+    p_doc = torch.arange(n_queries * per_query) + 100
+    q_pos = torch.full((n_queries, 2), -1)
+    q_pos[:, 0] = p_doc[::per_query]
+    q_pos[0, 1] = p_doc[2 * per_query]  # query 0 shares query 2's positive: masked out, not a negative
+    return {"q_ids": q_ids, "q_mask": q_mask, "p_ids": p_ids, "p_mask": p_mask, "p_doc": p_doc, "q_pos": q_pos}
+
+
+def _local(batch, rank, world):
+    b = batch["q_ids"].shape[0] // world
+    per_query = batch["p_ids"].shape[0] // batch["q_ids"].shape[0]
+    qs, ps = slice(rank * b, (rank + 1) * b), slice(rank * b * per_query, (rank + 1) * b * per_query)
+    return {k: v[qs] if k.startswith("q_") else v[ps] for k, v in batch.items()}
+
+
+def _tiny_bi_encoder(loss):
+    torch.manual_seed(0)
+    return finetune.BiEncoder(finetune.Encoder(finetune.Config(**TINY)), "cls", loss)
+
+
+def _loss_worker(rank, world, tmp_path, loss_name):
+    model = _tiny_bi_encoder(loss_name)
+    loss, _ = model(_local(_toy_batch(), rank, world))
+    loss.backward()
+    # Loss level with leaf tensors: gradient wrt this rank's vectors.
+    g = torch.Generator().manual_seed(1)
+    q, p = torch.randn(4, 8, generator=g), torch.randn(12, 8, generator=g)
+    q_loc, p_loc = q[rank * 2:(rank + 1) * 2].clone().requires_grad_(), p[rank * 6:(rank + 1) * 6].clone().requires_grad_()
+    labels = rank * 6 + torch.arange(2) * 3
+    fn = finetune.softmax_loss if loss_name == "softmax" else finetune.hinge_loss
+    vec_loss, _ = fn(q_loc, finetune.gather_across_ranks(p_loc), labels)
+    vec_loss.backward()
+    torch.save({"loss": loss.detach(), "grads": {n: t.grad for n, t in model.named_parameters() if t.grad is not None},
+                "vec_loss": vec_loss.detach(), "q_grad": q_loc.grad, "p_grad": p_loc.grad}, tmp_path / f"rank{rank}.pt")
+
+
+@pytest.mark.parametrize("loss_name", ["softmax", "hinge"])
+def test_two_process_loss_and_gradients_equal_one_process(tmp_path, loss_name):
+    r0, r1 = run_on_two_ranks(_loss_worker, tmp_path, loss_name)
+    model = _tiny_bi_encoder(loss_name)
+    loss, _ = model(_toy_batch())
+    loss.backward()
+    assert torch.allclose((r0["loss"] + r1["loss"]) / 2, loss.detach(), atol=1e-6)
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        # all_gather's backward sums over ranks; DDP then averages: (g0 + g1) / 2 = single-process gradient.
+        assert torch.allclose((r0["grads"][name] + r1["grads"][name]) / 2, p.grad, atol=1e-5), name
+    g = torch.Generator().manual_seed(1)
+    q, p = torch.randn(4, 8, generator=g).requires_grad_(), torch.randn(12, 8, generator=g).requires_grad_()
+    fn = finetune.softmax_loss if loss_name == "softmax" else finetune.hinge_loss
+    vec_loss, _ = fn(q, p, torch.arange(4) * 3)
+    vec_loss.backward()
+    assert torch.allclose((r0["vec_loss"] + r1["vec_loss"]) / 2, vec_loss.detach(), atol=1e-6)
+    # Gradient wrt a rank's own vectors = W x the single-process gradient (W = 2).
+    assert torch.allclose(torch.cat([r0["q_grad"], r1["q_grad"]]), 2 * q.grad, atol=1e-6)
+    assert torch.allclose(torch.cat([r0["p_grad"], r1["p_grad"]]), 2 * p.grad, atol=1e-6)
+
+
+def test_softmax_loss_by_hand_with_excluded_candidate():
+    q = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    p = torch.tensor([[1.0, 1.0], [2.0, 0.0], [0.0, 1.0], [1.0, -1.0]])
+    exclude = torch.tensor([[False, True, False, False], [False, False, False, False]])
+    loss, _ = finetune.softmax_loss(q, p, torch.tensor([0, 2]), exclude)
+    s0 = [1.0, 0.0, 1.0]          # candidate 1 excluded for query 0
+    s1 = [2.0, 0.0, 2.0, -2.0]
+    want = (-(1.0 - math.log(sum(math.exp(x) for x in s0))) - (2.0 - math.log(sum(math.exp(x) for x in s1)))) / 2
+    assert loss.item() == pytest.approx(want, rel=1e-6)
+    hinge, _ = finetune.hinge_loss(q, p, torch.tensor([0, 2]), exclude)
+    h0 = [max(0, 1 - (1 - s)) for s in (0.0, 1.0)]       # negatives 2, 3 of query 0
+    h1 = [max(0, 1 - (2 - s)) for s in (2.0, 0.0, -2.0)]  # negatives 0, 1, 3 of query 1
+    assert hinge.item() == pytest.approx((sum(h0) / 2 + sum(h1) / 3) / 2)
+
+
+# ------------------------------------------------------------------ sharded encode + search
+def _toy_texts(n=37):
+    rng = np.random.default_rng(3)
+    words = "protein cell gene cancer brain virus dose trial risk model blood liver heart mouse".split()
+    return [" ".join(rng.choice(words, rng.integers(3, 30))) for _ in range(n)]
+
+
+def _retrieve_worker(rank, world, tmp_path):
+    torch.manual_seed(0)
+    encoder = finetune.Encoder(finetune.Config(**TINY))
+    c = finetune.Config(**TINY, encode_batch=8, query_len=16, passage_len=24)
+    texts = _toy_texts()
+    shard = data.shard(len(texts), rank, world)
+    s, i = finetune.retrieve(encoder, "cls", _tokenizer(), texts, texts[:5], len(texts), c, torch.device("cpu"))
+    torch.save({"scores": torch.from_numpy(s), "ids": torch.from_numpy(i), "shard": list(shard)}, tmp_path / f"rank{rank}.pt")
+
+
+def _brute_force(encoder, texts, queries, c):
+    tok = _tokenizer()
+    one = lambda t, n: finetune.encode(encoder, "cls", tok, [t], n, 1, torch.device("cpu"))[0]  # no padding at all
+    docs = np.stack([one(t, c.passage_len) for t in texts])
+    qs = np.stack([one(t, c.query_len) for t in queries])
+    return qs @ docs.T  # (Q, N)
+
+
+def _assert_same_topk(scores, ids, full, k):
+    want = np.sort(full, axis=1)[:, ::-1][:, :k]
+    np.testing.assert_allclose(scores, want, atol=1e-4)                                # same scores, best first
+    np.testing.assert_allclose(np.take_along_axis(full, ids, 1), want, atol=1e-4)      # the ids carry those scores
+    gaps = np.diff(want, axis=1)
+    clear = np.concatenate([np.full((len(want), 1), True), np.abs(gaps) > 1e-4], 1) & \
+        np.concatenate([np.abs(gaps) > 1e-4, np.full((len(want), 1), True)], 1)
+    np.testing.assert_array_equal(ids[clear], np.argsort(-full, axis=1, kind="stable")[:, :k][clear])
+
+
+def test_retrieve_matches_brute_force_single_and_two_ranks(tmp_path):
+    torch.manual_seed(0)
+    encoder = finetune.Encoder(finetune.Config(**TINY))
+    c = finetune.Config(**TINY, encode_batch=8, query_len=16, passage_len=24)
+    texts = _toy_texts()
+    full = _brute_force(encoder, texts, texts[:5], c)
+    s, i = finetune.retrieve(encoder, "cls", _tokenizer(), texts, texts[:5], 10, c, torch.device("cpu"))
+    _assert_same_topk(s, i, full, 10)
+    r0, r1 = run_on_two_ranks(_retrieve_worker, tmp_path)
+    assert sorted(r0["shard"] + r1["shard"]) == list(range(len(texts)))               # no document twice or lost
+    for r in (r0, r1):
+        ids = r["ids"].numpy()
+        assert all(sorted(row) == list(range(len(texts))) for row in ids)              # k = N: each doc once
+        _assert_same_topk(r["scores"].numpy(), ids, full, len(texts))
+
+
+def test_other_positives_masks_shared_positives_but_not_the_target():
+    candidates = torch.tensor([10, 11, 12, 13, 10])         # document 10 appears twice in the batch
+    query_positives = torch.tensor([[10, -1], [12, 10]])    # -1 pads
+    mask = finetune.other_positives(candidates, query_positives, torch.tensor([0, 2]))
+    assert mask.tolist() == [[False, False, False, False, True], [True, False, False, False, True]]
+
+
+# ------------------------------------------------------------------ end to end on a SciFact subset
+FT_TINY_ARGS = ["--hidden_size", "32", "--num_layers", "2", "--num_heads", "2", "--ffn_size", "64"]
+
+
+def _scifact_subset(folder, n_train=24, n_test=16, n_other=120):
+    """A small BEIR folder cut from the bundled SciFact: the judged documents of a few queries plus
+    some others, so that an end-to-end run takes seconds."""
+    import gzip
+
+    src = HERE / "data" / "scifact"
+    corpus, _, train = data.load_beir(src, "train")
+    _, _, test = data.load_beir(src, "test")
+    queries = data.read_queries(src / "queries.jsonl.gz")
+    train = dict(sorted(train.items())[:n_train])
+    test = dict(sorted(test.items())[:n_test])
+    keep = {d for qr in (train, test) for docs in qr.values() for d in docs}
+    keep |= set(list(corpus)[:n_other])
+    (folder / "qrels").mkdir(parents=True)
+    with gzip.open(folder / "corpus.jsonl.gz", "wt") as f:
+        for d in sorted(keep):
+            f.write(json.dumps({"_id": d, "title": corpus[d]["title"], "text": corpus[d]["text"]}) + "\n")
+    with open(folder / "queries.jsonl", "w") as f:
+        for q in list(train) + list(test):
+            f.write(json.dumps({"_id": q, "text": queries[q]}) + "\n")
+    for name, qr in (("train", train), ("test", test)):
+        lines = ["query-id\tcorpus-id\tscore"] + [f"{q}\t{d}\t{g}" for q, docs in qr.items() for d, g in docs.items()]
+        (folder / "qrels" / f"{name}.tsv").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def test_end_to_end_pretrain_finetune_evaluate(tmp_path, capsys):
+    beir = _scifact_subset(tmp_path / "beir")
+    out = tmp_path / "run"
+    # The pipeline command: pre-train (costa), fine-tune (BM25 then mined negatives), evaluate, table vs BM25.
+    finetune.main(["--pretrain", "costa", "--pretrain_steps", "2",
+                   "--pretrain_args", " ".join(FT_TINY_ARGS + ["--batch_size", "4", "--max_len", "64", "--log_every", "1"]),
+                   "--data", str(beir), "--steps", "2", "--batch_size", "4", "--n_negatives", "3",
+                   "--passage_len", "64", "--hard_depth", "30", "--log_every", "1", "--out_dir", str(out)])
+    printed = capsys.readouterr().out
+    assert "each query sees 15 negatives" in printed and "BM25 (k1=1.2, b=0.75)" in printed
+    assert (out / "pretrain" / "encoder" / "config.json").is_file()
+    assert (out / "negatives_bm25.tsv").is_file() and (out / "negatives_round1.tsv").is_file()
+    saved = json.loads((out / "eval-test" / "metrics.json").read_text())
+    assert saved["n_queries"] == 16 and set(saved["per_query"]) <= set(data.read_qrels(beir / "qrels" / "test.tsv"))
+    assert all(0.0 <= v <= 1.0 for v in saved["metrics"].values())
+    # evaluate.py on the saved encoder gives the same numbers as the evaluation at the end of fine-tuning.
+    means, _ = evaluate.main(evaluate.Config(model=str(out / "encoder"), data=str(beir), out_dir=str(tmp_path / "ev")))
+    assert means == pytest.approx(saved["metrics"])
+    bm25, _ = evaluate.main(evaluate.Config(bm25=True, data=str(beir), out_dir=str(tmp_path / "bm25")))
+    bm25_saved = json.loads((out / "eval-test-bm25" / "metrics.json").read_text())
+    assert bm25 == pytest.approx(bm25_saved["metrics"]) and bm25["Recall@1000"] > 0.9
+    # The pools built from the cached rankings never hold a positive of their query.
+    corpus, _, qrels = data.load_beir(beir, "train")
+    doc_index = {d: i for i, d in enumerate(corpus)}
+    for name in ("negatives_bm25.tsv", "negatives_round1.tsv"):
+        for qid, ranked in finetune.read_negatives(out / name, doc_index).items():
+            positives = [doc_index[d] for d, g in qrels[qid].items() if g > 0]
+            assert len(ranked) > 0 and not set(positives) & set(finetune.negatives_from_ranking(ranked, positives))
+
+
+def test_halt_and_resume_equals_uninterrupted_run(tmp_path):
+    beir = _scifact_subset(tmp_path / "beir")
+    base = ["--init", "", *FT_TINY_ARGS, "--data", str(beir), "--steps", "3", "--batch_size", "4", "--n_negatives", "3",
+            "--passage_len", "48", "--hard_depth", "30", "--eval_split", "", "--log_every", "1"]
+    finetune.main(base + ["--out_dir", str(tmp_path / "a")])
+    finetune.main(base + ["--out_dir", str(tmp_path / "b"), "--halt_at", "4"])  # killed at step 1 of stage 2
+    assert not (tmp_path / "b" / "encoder").exists() and (tmp_path / "b" / "stage2" / "state.pt").is_file()
+    finetune.main(base + ["--out_dir", str(tmp_path / "b"), "--resume"])
+    a, b = (data.load_tensors(tmp_path / x / "encoder" / "model.safetensors") for x in ("a", "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "a" / "negatives_round1.tsv").read_text() == (tmp_path / "b" / "negatives_round1.tsv").read_text()
+
+
+def test_word_distribution_figure_from_a_cpdae_folder(tmp_path):
+    import cpdae
+
+    torch.manual_seed(0)
+    encoder = finetune.Encoder(finetune.Config(**TINY))
+    encoder.save_pretrained(tmp_path / "enc")
+    decoder = cpdae.Decoder(TINY["hidden_size"], TINY["vocab_size"])
+    data.save_tensors(tmp_path / "enc" / "decoder.safetensors", decoder.state_dict())
+    text = "Nanotechnology raises many of the same issues as any new technology."
+    probs = evaluate.word_distribution(finetune.load_encoder(tmp_path / "enc"), decoder, _tokenizer(), text, 64,
+                                       torch.device("cpu"))
+    assert probs.shape == (30522,) and probs.sum() == pytest.approx(1.0, abs=1e-5) and (probs > 0).all()
+    evaluate.main(evaluate.Config(model=str(tmp_path / "enc"), words=text, out_dir=str(tmp_path / "fig")))
+    assert (tmp_path / "fig" / "words.png").read_bytes()[:4] == b"\x89PNG"
+    encoder.save_pretrained(tmp_path / "plain")  # an encoder without a CPDAE decoder: a clear error
+    with pytest.raises(data.DataError, match="decoder.safetensors: not found"):
+        evaluate.main(evaluate.Config(model=str(tmp_path / "plain"), words=text))
+
+
+def test_compare_command_and_one_line_errors(tmp_path, capsys):
+    import subprocess
+
+    qrels = tmp_path / "qrels.tsv"
+    qrels.write_text("query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\t1\nq3\td3\t1\n")
+    a, b = tmp_path / "a.trec", tmp_path / "b.trec"
+    a.write_text("q1 Q0 d1 1 3.0 a\nq2 Q0 d2 1 2.0 a\nq3 Q0 x 1 2.0 a\nq3 Q0 d3 2 1.0 a\n")
+    b.write_text("q1 Q0 x 1 3.0 b\nq1 Q0 d1 2 1.0 b\nq2 Q0 x 1 2.0 b\nq2 Q0 d2 2 1.0 b\nq3 Q0 x 1 2.0 b\n")
+    tests = evaluate.main(evaluate.Config(compare=f"{a},{b}", qrels=str(qrels)))
+    assert tests["MRR@10"]["mean_a"] == pytest.approx((1 + 1 + 0.5) / 3)
+    assert tests["MRR@10"]["mean_b"] == pytest.approx((0.5 + 0.5 + 0) / 3)
+    assert tests["MRR@10"]["t"] == pytest.approx(evaluate.paired_t_test([1, 1, 0.5], [0.5, 0.5, 0])[0])
+    assert "paired two-tailed t-test" in capsys.readouterr().out
+    b.write_text("q1 Q0 x 1 3.0 b\nq1 Q0 d1 two 1.0\n")
+    result = subprocess.run([sys.executable, str(HERE / "evaluate.py"), "--compare", f"{a},{b}", "--qrels", str(qrels)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"error: {b}:2: expected 6 fields 'qid Q0 docid rank score tag', found 5"
+
+
+def test_low_resource_sample_is_seeded():
+    qrels = {f"q{i}": {f"d{i}": 1} for i in range(50)}
+    queries = {q: q for q in qrels}
+    docs = {f"d{i}": i for i in range(50)}
+    pick = lambda n, seed: [ex.qid for ex in finetune.make_examples(queries, qrels, docs, n, seed)]
+    assert len(pick(10, 1)) == 10 and pick(10, 1) == pick(10, 1) and pick(10, 1) != pick(10, 2)
+    assert len(pick(0, 1)) == 50
+    with pytest.raises(data.DataError, match="only 50 training queries"):
+        pick(51, 0)
