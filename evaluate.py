@@ -16,6 +16,7 @@ timings), and the figures as PNG. The encoder comes from finetune.py (the shared
 bytes as costa.py's), so any Hugging Face BERT folder loads.
 """
 import dataclasses
+import inspect
 import json
 import math
 import os

@@ -22,6 +22,7 @@ files, the final encoder in encoder/ and the test evaluation in eval-{split}/ (s
 import contextlib
 import dataclasses
 import importlib
+import inspect
 import json
 import os
 import resource

@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import inspect
 import json
-import math
 import os
 import resource
 import sys

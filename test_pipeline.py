@@ -405,6 +405,16 @@ def test_shared_blocks_are_identical_across_files():
             assert blocks.get(block) == reference[block], f"{name}: shared block '{block}' differs from costa.py"
         for block, text in blocks.items():
             assert text == reference.get(block), f"{name}: shared block '{block}' differs from costa.py"
+    assert "config parsing" in shared_blocks("evaluate.py")              # evaluate.py parses flags the same way
+    for block, text in shared_blocks("evaluate.py").items():
+        assert text == reference.get(block), f"evaluate.py: shared block '{block}' differs from costa.py"
+
+
+@pytest.mark.parametrize("script", ["costa.py", "cpdae.py", "seed.py", "finetune.py", "evaluate.py"])
+def test_help_prints_the_docstring_and_every_field(script):
+    result = subprocess.run([PY, str(HERE / script), "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "class Config:" in result.stdout and "out_dir" in result.stdout
 
 
 # ----------------------------------------------------------------------------------------------
