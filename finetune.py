@@ -394,7 +394,8 @@ def softmax_loss(q, p, labels, exclude=None):
     query's passages. Dot product, no temperature. Returns (loss, fp32 scores (B, N)).
     q (B, H) local anchors; p (N, H) candidates from every rank; labels (B,) global index of the
     positive; exclude (B, N) True = drop the candidate from the denominator (other known positives)."""
-    scores = q.float() @ p.float().T                                               # (B, N)
+    with torch.autocast(q.device.type, enabled=False):   # fp32 scores even under bf16 autocast
+        scores = q.float() @ p.float().T                                           # (B, N)
     if exclude is not None:
         scores = scores.masked_fill(exclude, float("-inf"))                        # (B, N)
     return F.cross_entropy(scores, labels), scores
@@ -405,7 +406,8 @@ def hinge_loss(q, p, labels, exclude=None, margin=1.0):
     Here: mean over each query's negatives (its own and the batch's, as softmax_loss sees them), then
     over queries (the paper sums; a mean keeps the learning rate independent of the batch size).
     Same arguments and returns as softmax_loss."""
-    scores = q.float() @ p.float().T                                               # (B, N)
+    with torch.autocast(q.device.type, enabled=False):   # fp32 scores even under bf16 autocast
+        scores = q.float() @ p.float().T                                           # (B, N)
     positive = scores.gather(1, labels[:, None])                                   # (B, 1)
     negative = ~F.one_hot(labels, p.shape[0]).bool()                               # (B, N)
     if exclude is not None:
