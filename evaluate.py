@@ -41,14 +41,15 @@ SCIFACT, VOCAB = str(data.SCIFACT), str(data.VOCAB)  # (inside Config, `data` is
 
 @dataclass
 class Config:
-    model: str = ""               # Hugging Face BERT folder to evaluate (ours, or any BERT checkpoint)
+    model: str = ""               # BERT folder to evaluate (ours, any BERT or sentence-transformers one), hub id, or "minilm"
     bm25: bool = False            # evaluate BM25 instead of a model
     data: str = SCIFACT           # BEIR folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' ok)
     split: str = "test"           # qrels/{split}.tsv
     corpus: str = ""              # explicit corpus (BEIR .jsonl or MS MARCO collection.tsv); overrides data
     queries: str = ""             # explicit queries file (with corpus)
     qrels: str = ""               # explicit qrels file (with corpus; also the qrels for --compare)
-    pooling: str = ""             # "cls" or "mean"; "" = the folder's retriever.json, else "cls"
+    pooling: str = ""             # "cls" or "mean"; "" = what the folder declares (retriever.json, sentence-transformers), else "cls"
+    similarity: str = ""          # "dot" or "cos"; "" = what the folder declares (a Normalize module = cos), else "dot"
     vocab: str = ""               # WordPiece vocab; "" = the model folder's vocab.txt, else the bundled one
     query_len: int = 0            # query tokens incl. [CLS]/[SEP]; 0 = the folder's retriever.json, else 32
     passage_len: int = 0          # passage tokens incl. [CLS]/[SEP]; 0 = retriever.json, else 128 (documents: 512)
@@ -56,7 +57,7 @@ class Config:
     encode_batch: int = 128       # texts per forward pass
     k1: float = 1.2               # BM25 term-frequency saturation (Elasticsearch / BEIR)
     b: float = 0.75               # BM25 document-length normalisation
-    bf16: bool = True             # bf16 autocast on GPU (ignored on CPU)
+    bf16: bool = True             # bf16 autocast on GPU and on CPUs with native bf16 (AVX512-BF16, AMX)
     out_dir: str = ""             # "" = next to the model ({model}/../eval-{split}) or runs/bm25-{data}-{split}
     tag: str = ""                 # run tag in the TREC file; "" = the model folder or "bm25"
     compare: str = ""             # "A.trec,B.trec": paired two-tailed t-test of A vs B per metric (needs qrels)
@@ -265,7 +266,7 @@ def evaluate_encoder(encoder, pooling, tokenizer, corpus, queries, qrels, out_di
     if rank != 0:
         return None
     run = {q: {doc_ids[j]: float(s) for s, j in zip(scores[r], ids[r])} for r, q in enumerate(qids)}
-    info = {"pooling": pooling, "world": world, "device": device.type, "n_docs": len(doc_ids), **timings}
+    info = {"pooling": pooling, "similarity": c.similarity, "world": world, "device": device.type, "n_docs": len(doc_ids), **timings}
     means, per_query = save_and_score(run, qrels, out_dir, tag, info)
     print(f"{tag}: encoded {len(doc_ids):,} passages in {timings['encode_docs_s']:.1f}s "
           f"({timings['docs_per_s_per_rank'] * world:,.0f} docs/s over {world} process(es)), "
@@ -278,8 +279,8 @@ def evaluate_encoder(encoder, pooling, tokenizer, corpus, queries, qrels, out_di
             raise data.DataError(f"--tsne {qid}: no such query id in the qrels of this split")
         top = [d for d, _ in trec_order(run[qid])[:100]]
         vecs = encode(encoder, pooling, tokenizer, [passage_text(corpus[d]) for d in top], c.passage_len,
-                      c.encode_batch, device, c.bf16)
-        qvec = encode(encoder, pooling, tokenizer, [queries[qid]], c.query_len, 1, device, c.bf16)[0]
+                      c.encode_batch, device, c.bf16, c.similarity)
+        qvec = encode(encoder, pooling, tokenizer, [queries[qid]], c.query_len, 1, device, c.bf16, c.similarity)[0]
         relevant = [qrels[qid].get(d, 0) > 0 for d in top]
         path = Path(out_dir) / f"tsne-{qid}.png"
         plot_tsne(qvec, vecs, relevant, path, title=f"{tag}: query {qid}, top {len(top)} ({sum(relevant)} relevant)")
@@ -307,6 +308,19 @@ def format_table(rows, title="", baseline=None, metrics=METRICS):
         lines.append(f"{name:<{width}}  " + "  ".join(f"{c:>11}" for c in cells))
     if baseline and len(rows) > 1:
         lines.append(f"* p <= 0.05 against {baseline}, paired two-tailed t-test over the queries")
+    return "\n".join(lines)
+
+
+def format_pairs(rows, names, metrics=("NDCG@10", "Recall@100")):
+    """One line per pair of the named rows (each against every row before it): the difference of the
+    means and the paired two-tailed t-test's p per metric."""
+    lines = []
+    for i, b in enumerate(names):
+        for a in names[:i]:
+            tests = compare_per_query(rows[b][1], rows[a][1], metrics)
+            cells = ", ".join(f"{m} {tests[m]['mean_a'] - tests[m]['mean_b']:+.4f} (p = {tests[m]['p']:.3g})"
+                              for m in metrics)
+            lines.append(f"{b} vs {a}: {cells}")
     return "\n".join(lines)
 
 
@@ -447,13 +461,17 @@ def load_cpdae_decoder(folder):
 # Command line
 # ---------------------------------------------------------------------------------------------
 def resolve_retriever(c):
-    """Pooling and lengths: the command line, else what finetune.py recorded in the folder's
-    retriever.json, else the papers' defaults (cls, 32, 128)."""
-    meta = Path(c.model) / "retriever.json"
-    saved = json.loads(meta.read_text()) if c.model and meta.is_file() else {}
-    return dataclasses.replace(c, pooling=c.pooling or saved.get("pooling", "cls"),
-                               query_len=c.query_len or saved.get("query_len", 32),
-                               passage_len=c.passage_len or saved.get("passage_len", 128))
+    """Pooling, similarity and lengths: the command line, else what the folder declares (finetune.py's
+    retriever.json, or a sentence-transformers layout), else the papers' defaults (cls, dot, 32, 128)."""
+    saved = data.read_retriever_settings(c.model) if c.model else {}
+    c = dataclasses.replace(c, pooling=c.pooling or saved.get("pooling", "cls"),
+                            similarity=c.similarity or saved.get("similarity", "dot"),
+                            query_len=c.query_len or saved.get("query_len", 32),
+                            passage_len=c.passage_len or saved.get("passage_len", 128))
+    if c.pooling not in ("cls", "mean") or c.similarity not in ("dot", "cos"):
+        raise data.DataError(f"--pooling must be cls or mean and --similarity dot or cos, got "
+                             f"{c.pooling!r}, {c.similarity!r}")
+    return c
 
 
 def resolve_vocab(c):
@@ -469,6 +487,8 @@ def default_out_dir(c):
     if c.bm25:
         name = Path(c.corpus).parent.name if c.corpus else Path(c.data).name
         return Path("runs") / f"bm25-{name}-{c.split}"
+    if not Path(c.model).is_dir():   # 'minilm' or a hub id: never write into a package or the hub cache
+        return Path("runs") / f"eval-{c.model.replace('/', '--')}-{c.split}"
     return Path(c.model).resolve().parent / f"eval-{c.split}"
 
 
@@ -503,6 +523,7 @@ def main(c):
         raise data.DataError("give --model FOLDER (a saved encoder) or --bm25")
     rank, world, device = setup_distributed()
     out_dir = default_out_dir(c)
+    c = dataclasses.replace(c, model=data.resolve_model(c.model))    # 'minilm' or a hub id -> a folder
     c = resolve_retriever(c)
     try:
         if c.words:

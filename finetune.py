@@ -64,8 +64,10 @@ class Config:
     passage_len: int = 128        # passage tokens incl. [CLS]/[SEP] (papers: 128; documents 512)
     n_queries: int = 0            # low-resource setting: train on this many random training queries (0 = all)
     # --- model (sizes come from the init folder; these are for --init "")
-    init: str = "runs/costa/encoder"  # pre-trained Hugging Face BERT folder; "" = random init (a floor)
-    pooling: str = "cls"          # text vector: "cls" (the papers) or "mean" (sentence-transformers models)
+    init: str = "minilm"          # a BERT folder, a hub id, or "minilm" (offline all-MiniLM-L6-v2); "" = random init
+    pooling: str = ""             # text vector: "cls" (the papers) or "mean"; "" = what init declares, else "cls"
+    similarity: str = ""          # "dot" (the papers) or "cos" (sentence-transformers); "" = what init declares, else "dot"
+    tau: float = 0.05             # softmax temperature with "cos" (sentence-transformers' scale 20); "dot" uses none
     vocab_size: int = 30522       # rows of the token embedding; must match the vocab file
     hidden_size: int = 256        # H (paper: 768)
     num_layers: int = 4           # Transformer blocks (paper: 12)
@@ -76,9 +78,10 @@ class Config:
     dropout: float = 0.1          # hidden and attention dropout
     layer_norm_eps: float = 1e-12  # BERT's LayerNorm epsilon
     # --- pipeline
-    pretrain: str = ""            # "costa", "seed" or "cpdae": pre-train, fine-tune, evaluate, table vs BM25 ("" = use init)
-    pretrain_steps: int = 0       # pre-training optimizer steps (0 = the method's default)
-    pretrain_args: str = ""       # more options for the pre-training script, e.g. "--batch_size 16 --lr 3e-4"
+    pretrain: str = ""            # "costa", "seed" or "cpdae": init zero-shot, continued pre-training, fine-tune, table vs BM25
+    pretrain_steps: int = 100     # continued pre-training steps on the corpus (at 5e-5, batch 32 x 128 tokens)
+    pretrain_args: str = ""       # more options for the pre-training script, e.g. "--batch_size 16 --gwc_weight 0"
+    baseline: bool = False        # the pipeline also fine-tunes init without continued pre-training (one more row)
     # --- loss
     loss: str = "softmax"         # "softmax" (CE over positive + negatives + in-batch) or "hinge" (SEED's relu(1 - (s+ - s-)))
     n_negatives: int = 7          # negatives per query in the batch (papers: 7)
@@ -101,7 +104,7 @@ class Config:
     warmup: float = 0.1           # fraction of steps of linear warm-up, then linear decay to 0 (papers: 10%)
     clip: float = 1.0             # max gradient norm
     seed: int = 0                 # query sample, data order, negative sampling, random init
-    bf16: bool = True             # bf16 autocast on GPU (ignored on CPU); scores and losses in fp32
+    bf16: bool = True             # bf16 autocast on GPU and on CPUs with native bf16 (AVX512-BF16, AMX); scores and losses in fp32
     workers: int = 0              # data-loader worker processes building batches
     encode_batch: int = 128       # texts per forward pass when encoding a corpus
     # --- bookkeeping
@@ -321,6 +324,7 @@ class Encoder(nn.Module):
         if [k for k in missing if not k.startswith("mlm_head.")]:
             raise data.DataError(f"{folder}: missing encoder weights, e.g. {to_hf_name(missing[0])}")
         model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
+        model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
         return model
 # --- shared: end encoder ---
 
@@ -335,6 +339,24 @@ def pool(hidden, attention_mask, pooling):
     raise ValueError(f"pooling must be 'cls' or 'mean', got {pooling!r}")
 
 
+def text_vectors(hidden, attention_mask, pooling, similarity):
+    """Pooled text vectors, L2-normalised for cosine similarity (so that a dot product is the cosine)."""
+    vecs = pool(hidden, attention_mask, pooling)                                   # (B, H)
+    return F.normalize(vecs.float(), dim=-1) if similarity == "cos" else vecs      # (B, H)
+
+
+def retriever_settings(c):
+    """c with pooling and similarity filled in: the command line, else what the init folder declares
+    (finetune.py's retriever.json or a sentence-transformers layout), else the papers' cls and dot."""
+    declared = data.read_retriever_settings(c.init) if c.init else {}
+    c = dataclasses.replace(c, pooling=c.pooling or declared.get("pooling", "cls"),
+                            similarity=c.similarity or declared.get("similarity", "dot"))
+    if c.pooling not in ("cls", "mean") or c.similarity not in ("dot", "cos"):
+        raise data.DataError(f"--pooling must be cls or mean and --similarity dot or cos, got "
+                             f"{c.pooling!r}, {c.similarity!r}")
+    return c
+
+
 def load_encoder(folder, c=None):
     """Encoder from a Hugging Face BERT folder, without the MLM head: fine-tuning never uses it, and
     unused parameters would make DistributedDataParallel fail. Saved folders then have no MLM head;
@@ -345,16 +367,18 @@ def load_encoder(folder, c=None):
 
 
 class BiEncoder(nn.Module):
-    """One shared encoder for queries and passages; relevance = dot product of the pooled vectors."""
+    """One shared encoder for queries and passages; relevance = dot product of the pooled vectors
+    (normalised first for cosine similarity, then divided by the temperature tau)."""
 
-    def __init__(self, encoder, pooling="cls", loss="softmax"):
+    def __init__(self, encoder, pooling="cls", loss="softmax", similarity="dot", tau=0.05):
         super().__init__()
         self.encoder, self.pooling, self.loss = encoder, pooling, loss
+        self.similarity, self.tau = similarity, tau if similarity == "cos" else 1.0
         if loss not in ("softmax", "hinge"):
             raise ValueError(f"loss must be 'softmax' or 'hinge', got {loss!r}")
 
     def encode(self, ids, mask):                                                   # (B, L)
-        return pool(self.encoder(ids, mask), mask, self.pooling)                   # (B, H)
+        return text_vectors(self.encoder(ids, mask), mask, self.pooling, self.similarity)  # (B, H)
 
     def forward(self, batch):
         """batch: q_ids/q_mask (B, Lq); p_ids/p_mask (B*(1+n), Lp), query i's passages at rows
@@ -369,7 +393,7 @@ class BiEncoder(nn.Module):
         labels = rank * p.shape[0] + torch.arange(q.shape[0], device=q.device) * per_query  # (B,)
         exclude = other_positives(doc_all, batch["q_pos"], labels)                 # (B, N)
         loss_fn = softmax_loss if self.loss == "softmax" else hinge_loss
-        loss, scores = loss_fn(q, p_all, labels, exclude)
+        loss, scores = loss_fn(q, p_all, labels, exclude, self.tau)
         accuracy = (scores.argmax(1) == labels).float().mean()
         return loss, {"loss": loss.detach(), "acc": accuracy.detach()}
 
@@ -386,26 +410,27 @@ def other_positives(candidate_docs, query_positives, labels):
     return same & ~target
 
 
-def softmax_loss(q, p, labels, exclude=None):
+def softmax_loss(q, p, labels, exclude=None, tau=1.0):
     """Contrastive cross-entropy of dense retrieval (DPR; Tevatron's loss, used by COSTA 4.5.2 and
     CPDAE 4.1.3, which give no equation):
-        L = -1/B sum_i log( exp(q_i . p_i+) / sum_j exp(q_i . p_j) ),
+        L = -1/B sum_i log( exp(q_i . p_i+ / tau) / sum_j exp(q_i . p_j / tau) ),
     j over the global batch's passages: the query's positive, its own negatives and every other
-    query's passages. Dot product, no temperature. Returns (loss, fp32 scores (B, N)).
+    query's passages. The papers: dot product, tau = 1. Cosine (unit vectors) needs a small tau
+    (sentence-transformers' MultipleNegativesRankingLoss: 0.05). Returns (loss, fp32 scores (B, N)).
     q (B, H) local anchors; p (N, H) candidates from every rank; labels (B,) global index of the
     positive; exclude (B, N) True = drop the candidate from the denominator (other known positives)."""
     with torch.autocast(q.device.type, enabled=False):   # fp32 scores even under bf16 autocast
-        scores = q.float() @ p.float().T                                           # (B, N)
+        scores = q.float() @ p.float().T / tau                                     # (B, N)
     if exclude is not None:
         scores = scores.masked_fill(exclude, float("-inf"))                        # (B, N)
     return F.cross_entropy(scores, labels), scores
 
 
-def hinge_loss(q, p, labels, exclude=None, margin=1.0):
+def hinge_loss(q, p, labels, exclude=None, tau=1.0, margin=1.0):
     """SEED-Encoder 4.2 (unnumbered equation): L = sum relu(1 - (s(q, d+) - s(q, d-))) over triples.
     Here: mean over each query's negatives (its own and the batch's, as softmax_loss sees them), then
     over queries (the paper sums; a mean keeps the learning rate independent of the batch size).
-    Same arguments and returns as softmax_loss."""
+    Same arguments and returns as softmax_loss; tau is unused (the margin sets the scale)."""
     with torch.autocast(q.device.type, enabled=False):   # fp32 scores even under bf16 autocast
         scores = q.float() @ p.float().T                                           # (B, N)
     positive = scores.gather(1, labels[:, None])                                   # (B, 1)
@@ -615,11 +640,12 @@ def exact_search(query_vecs, doc_vecs, k, batch=1024):
 
 
 @torch.no_grad()
-def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16=True):
-    """(len(texts), H) float32 numpy vectors. Texts are encoded sorted by length (less padding)."""
+def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16=True, similarity="dot"):
+    """(len(texts), H) float32 numpy vectors (unit length for "cos"). Texts are encoded sorted by
+    length (less padding)."""
     was_training = encoder.training
     encoder.eval()
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16 and device.type == "cuda")
+    autocast = autocast_bf16(device, bf16)
     order = np.argsort([len(t) for t in texts], kind="stable")
     out = np.zeros((len(texts), encoder.config.hidden_size), dtype=np.float32)
     for start in range(0, len(texts), batch_size):
@@ -627,7 +653,7 @@ def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16
         ids, mask = data.encode_texts(tokenizer, [texts[i] for i in rows], max_len)          # (b, L)
         ids, mask = ids.to(device), mask.to(device)
         with autocast:
-            vecs = pool(encoder(ids, mask), mask, pooling)                                    # (b, H)
+            vecs = text_vectors(encoder(ids, mask), mask, pooling, similarity)                 # (b, H)
         out[rows] = vecs.float().cpu().numpy()
     encoder.train(was_training)
     return out
@@ -670,10 +696,10 @@ def retrieve(encoder, pooling, tokenizer, doc_texts, query_texts, k, c, device, 
     shard = data.shard(len(doc_texts), rank, world)
     t0 = time.time()
     doc_vecs = encode(encoder, pooling, tokenizer, [doc_texts[i] for i in shard], c.passage_len,
-                      c.encode_batch, device, c.bf16)                                      # (n, H)
+                      c.encode_batch, device, c.bf16, c.similarity)                        # (n, H)
     t1 = time.time()
     query_vecs = encode(encoder, pooling, tokenizer, list(query_texts), c.query_len,
-                        c.encode_batch, device, c.bf16)                                    # (Q, H)
+                        c.encode_batch, device, c.bf16, c.similarity)                      # (Q, H)
     t2 = time.time()
     if len(shard):
         scores, ids = exact_search(query_vecs, doc_vecs, k)
@@ -805,6 +831,14 @@ def average_across_ranks(values, device):
 # Training loop
 # ==============================================================================================
 # --- shared: begin training helpers ---
+def autocast_bf16(device, enabled=True):
+    """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
+    as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
+    cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
+    native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
+
+
 def make_optimizer(model, c):
     """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -886,7 +920,7 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
         if main:
             print(f"{stage}: already finished, loading {Path(sc.out_dir) / 'encoder'}")
         return load_encoder(Path(sc.out_dir) / "encoder", c).to(device)
-    model = BiEncoder(encoder, c.pooling, c.loss).to(device)
+    model = BiEncoder(encoder, c.pooling, c.loss, c.similarity, c.tau).to(device)
     optimizer, scheduler = make_optimizer(model, sc)
     start_step = load_checkpoint(sc, model, optimizer, scheduler, main) if c.resume else 0
     global_batch = c.batch_size * world
@@ -904,7 +938,7 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
     loader = torch.utils.data.DataLoader(
         TrainBatches(sc, examples, doc_texts, tokenizer, rank, world), batch_size=None, num_workers=c.workers,
         sampler=range(start_step * c.grad_accum, sc.steps * c.grad_accum), generator=torch.Generator())
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=c.bf16 and device.type == "cuda")
+    autocast = autocast_bf16(device, c.bf16)
     progress = Progress(sc, start_step, main)
     batches = iter(loader)
     model.train()
@@ -955,8 +989,9 @@ def train(c):
     main = rank == 0
     torch.manual_seed(c.seed)
     out = Path(c.out_dir)
-    if c.loss not in ("softmax", "hinge") or c.pooling not in ("cls", "mean"):
-        raise data.DataError(f"--loss must be softmax or hinge and --pooling cls or mean, got {c.loss!r}, {c.pooling!r}")
+    if c.loss not in ("softmax", "hinge"):
+        raise data.DataError(f"--loss must be softmax or hinge, got {c.loss!r}")
+    c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
     tokenizer = data.load_tokenizer(tokenizer_vocab(c))
     corpus, queries, qrels = load_split(c, c.train_split, c.queries, c.qrels)
     doc_ids = list(corpus)
@@ -975,7 +1010,8 @@ def train(c):
             clear_stale_outputs(out)
         data.atomic_write_json(out / "config.json", dataclasses.asdict(c))
         n_params = sum(p.numel() for p in encoder.parameters())
-        print(f"model: {c.init or 'random init'} ({n_params / 1e6:.1f}M parameters, {c.pooling} pooling) | "
+        print(f"model: {c.init or 'random init'} ({n_params / 1e6:.1f}M parameters, {c.pooling} pooling, "
+              f"{c.similarity}{f' / tau {c.tau}' if c.similarity == 'cos' else ''}) | "
               f"{world} process(es) on {device.type} | data: {len(doc_texts):,} passages, {len(examples)} "
               f"training queries{f' (a sample, seed {c.seed})' if c.n_queries else ''}", flush=True)
     examples = bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, out / "negatives_bm25.tsv", device, main)
@@ -1024,10 +1060,10 @@ def _random_encoder(c):
 # ==============================================================================================
 def save_encoder(encoder, folder, c, vocab):
     """Hugging Face BERT folder plus retriever.json recording how to use it as a retriever (pooling,
-    lengths); evaluate.py reads it, so evaluating the folder repeats the fine-tuning's own evaluation."""
+    similarity, lengths): evaluate.py reads it, so evaluating the folder repeats the fine-tuning's own
+    evaluation. The sentence-transformers files next to it make SentenceTransformer(folder) agree."""
     encoder.save_pretrained(folder, vocab)
-    data.atomic_write_json(Path(folder) / "retriever.json", {"pooling": c.pooling, "similarity": "dot",
-                                                             "query_len": c.query_len, "passage_len": c.passage_len})
+    data.write_retriever_settings(folder, c.pooling, c.similarity, c.query_len, c.passage_len)
 
 
 def save_checkpoint(c, model, optimizer, scheduler, step, main, vocab):
@@ -1061,12 +1097,14 @@ def load_checkpoint(c, model, optimizer, scheduler, main):
 # Pipeline: pre-train, fine-tune, evaluate, compare with BM25
 # ==============================================================================================
 def pretrain(c):
-    """Run {c.pretrain}.py's training (costa, seed or cpdae) into {out_dir}/pretrain; returns its encoder
-    folder. Skipped when a previous run finished it (done.json)."""
+    """Continue pre-training c.init with {c.pretrain}.py (costa, seed or cpdae) on the fine-tuning
+    corpus (domain-adaptive, as the papers continue from BERT's checkpoint) into {out_dir}/pretrain;
+    returns its encoder folder. Skipped when a previous run finished it (done.json)."""
     module = importlib.import_module(c.pretrain)
     folder = Path(c.out_dir) / "pretrain"
-    pc = module.parse_config(shlex.split(c.pretrain_args) + ["--out_dir", str(folder), "--seed", str(c.seed)]
-                             + (["--steps", str(c.pretrain_steps)] if c.pretrain_steps else [])
+    corpus = c.corpus or str(data._find(c.data, "corpus.jsonl"))
+    pc = module.parse_config(["--init", c.init, "--corpus", corpus, "--lr", "5e-5", "--steps", str(c.pretrain_steps)]
+                             + shlex.split(c.pretrain_args) + ["--out_dir", str(folder), "--seed", str(c.seed)]
                              + (["--resume"] if c.resume else []))
     if not (c.resume and (folder / "done.json").is_file()):
         if (folder / "done.json").is_file() and os.environ.get("RANK", "0") == "0":
@@ -1079,9 +1117,25 @@ def pretrain(c):
     return str(folder / "encoder")
 
 
+def evaluate_folder(c, folder, out_dir, tag):
+    """Evaluate a model folder as it is (zero-shot), with c's settings: (means, per_query)."""
+    import evaluate  # here, not at the top: evaluate.py imports this file
+
+    corpus, queries, qrels = load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
+    if (Path(out_dir) / "metrics.json").is_file() and c.resume:       # done before a crash: reuse it
+        return evaluate.compute_metrics(data.read_run(Path(out_dir) / "run.trec"), qrels)
+    encoder = load_encoder(folder, c)
+    return evaluate.evaluate_encoder(encoder, c.pooling, data.load_tokenizer(tokenizer_vocab(c)), corpus,
+                                     queries, qrels, out_dir, c, setup_distributed()[2], tag=tag)
+
+
 def pipeline(c):
-    """--pretrain METHOD: pre-train, fine-tune (BM25 then hard negatives), evaluate on the test split,
-    then print the metrics table next to BM25's (with paired two-tailed t-tests)."""
+    """--pretrain METHOD, the quick start: from the starting checkpoint c.init,
+      1. evaluate it zero-shot;
+      2. continue pre-training it with METHOD on the corpus (pretrain_steps steps);
+      3. fine-tune that (BM25 negatives, then mined hard negatives) and evaluate it;
+      4. with --baseline, also fine-tune c.init without step 2, identically;
+    then print every row next to BM25 with paired two-tailed t-tests."""
     import evaluate
 
     t0 = time.time()
@@ -1092,19 +1146,26 @@ def pipeline(c):
         # the first one's stale rendezvous keys (gloo "connectFullMesh failed"), so refuse instead.
         raise data.DataError(f"--pretrain runs the whole pipeline in one process; under torchrun run its steps: "
                              f"torchrun ... {c.pretrain}.py --out_dir DIR, then torchrun ... finetune.py --init DIR/encoder")
-    c = dataclasses.replace(c, init=pretrain(c))
-    results = train(c)
+    if not c.eval_split:
+        raise data.DataError("--pretrain compares models on the evaluation split: give --eval_split")
+    out, name = Path(c.out_dir), Path(c.init).name if Path(c.init).is_dir() else c.init
+    c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
+    rows = {f"{name} zero-shot": evaluate_folder(c, c.init, out / f"zero-shot/eval-{c.eval_split}", f"{name}-zero-shot")}
+    if c.baseline:
+        rows[f"{name} + fine-tune"] = train(dataclasses.replace(c, out_dir=str(out / "no-pretrain")))
+    pretrained = pretrain(c)
+    rows[f"{name} + {c.pretrain} + fine-tune"] = train(dataclasses.replace(c, init=pretrained))
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    if results is None:  # halted, or no evaluation split
+    if any(r is None for r in rows.values()):  # halted
         return
     corpus, queries, qrels = load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
-    bm25 = evaluate.evaluate_bm25(corpus, queries, qrels, Path(c.out_dir) / f"eval-{c.eval_split}-bm25",
-                                  c.k1, c.b, verbose=False)
-    name = f"{c.pretrain} + fine-tune"
+    bm25_name = f"BM25 (k1={c.k1}, b={c.b})"
+    rows = {bm25_name: evaluate.evaluate_bm25(corpus, queries, qrels, out / f"eval-{c.eval_split}-bm25",
+                                              c.k1, c.b, verbose=False), **rows}
     print()
-    print(evaluate.format_table({f"BM25 (k1={c.k1}, b={c.b})": bm25, name: results},
-                                title=f"{c.eval_split} split, {len(bm25[1])} queries", baseline=f"BM25 (k1={c.k1}, b={c.b})"))
+    print(evaluate.format_table(rows, title=f"{c.eval_split} split, {len(qrels)} queries", baseline=bm25_name))
+    print(evaluate.format_pairs(rows, list(rows)[1:]))
     print(f"pipeline: {format_seconds(time.time() - t0)} in all; outputs in {c.out_dir}")
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import costa
 import data
@@ -783,16 +784,29 @@ def _scifact_subset(folder, n_train=24, n_test=16, n_other=120):
     return folder
 
 
+def _tiny_init(folder):
+    """A small random BERT folder, the starting checkpoint of the pipeline tests."""
+    torch.manual_seed(0)
+    finetune.Encoder(finetune.Config(**TINY)).save_pretrained(folder)
+    return str(folder)
+
+
 def test_end_to_end_pretrain_finetune_evaluate(tmp_path, capsys):
     beir = _scifact_subset(tmp_path / "beir")
     out = tmp_path / "run"
-    # The pipeline command: pre-train (costa), fine-tune (BM25 then mined negatives), evaluate, table vs BM25.
-    finetune.main(["--pretrain", "costa", "--pretrain_steps", "2",
-                   "--pretrain_args", " ".join(FT_TINY_ARGS + ["--batch_size", "4", "--max_len", "64", "--log_every", "1"]),
+    # The pipeline command: init zero-shot, continued pre-training (costa), fine-tuning (BM25 then mined
+    # negatives) with and without it (--baseline), each evaluated, then the table vs BM25.
+    finetune.main(["--pretrain", "costa", "--pretrain_steps", "2", "--init", _tiny_init(tmp_path / "tiny"), "--baseline",
+                   "--pretrain_args", "--batch_size 4 --max_len 64 --log_every 1",
                    "--data", str(beir), "--steps", "2", "--batch_size", "4", "--n_negatives", "3",
                    "--passage_len", "64", "--hard_depth", "30", "--log_every", "1", "--out_dir", str(out)])
     printed = capsys.readouterr().out
     assert "each query sees 15 negatives" in printed and "BM25 (k1=1.2, b=0.75)" in printed
+    for row in ("tiny zero-shot", "tiny + fine-tune", "tiny + costa + fine-tune"):
+        assert re.search(rf"^{re.escape(row)} +0\.\d{{4}}", printed, re.M), row      # a row of the table
+    assert "tiny + costa + fine-tune vs tiny + fine-tune: NDCG@10" in printed                 # its t-test
+    assert (out / "zero-shot" / "eval-test" / "metrics.json").is_file()
+    assert (out / "no-pretrain" / "encoder" / "retriever.json").is_file()
     assert (out / "pretrain" / "encoder" / "config.json").is_file()
     assert (out / "negatives_bm25.tsv").is_file() and (out / "negatives_round1.tsv").is_file()
     saved = json.loads((out / "eval-test" / "metrics.json").read_text())
@@ -811,6 +825,103 @@ def test_end_to_end_pretrain_finetune_evaluate(tmp_path, capsys):
         for qid, ranked in finetune.read_negatives(out / name, doc_index).items():
             positives = [doc_index[d] for d, g in qrels[qid].items() if g > 0]
             assert len(ranked) > 0 and not set(positives) & set(finetune.negatives_from_ranking(ranked, positives))
+
+
+# ------------------------------------------------------------------ starting checkpoints (--init / --model)
+def test_minilm_short_name_is_the_checked_offline_package():
+    folder = data.resolve_model("minilm")
+    assert Path(folder).is_dir() and (Path(folder) / "model.safetensors").is_file()
+    # A sentence-transformers folder: its declared mean pooling and Normalize module (= cosine) are read.
+    assert data.read_retriever_settings(folder) == {"pooling": "mean", "similarity": "cos"}
+    encoder = finetune.load_encoder("minilm")
+    assert (encoder.config.hidden_size, encoder.config.num_layers, encoder.new_mlm_head) == (384, 6, True)
+
+
+def test_minilm_with_a_different_sha256_is_refused(monkeypatch):
+    monkeypatch.setattr(data, "MINILM_SHA256", "0" * 64)
+    data._minilm_folder.cache_clear()
+    try:
+        with pytest.raises(data.DataError, match=r"model.safetensors: sha256 53aa5117\w+, expected 0{64}"):
+            data.resolve_model("minilm")
+    finally:
+        data._minilm_folder.cache_clear()
+
+
+def _fake_hub_cache(root, repo_id, save):
+    """A cache folder laid out as huggingface_hub lays it out: refs/main names a snapshot folder."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    save(repo / "snapshots" / commit)
+    return {**os.environ, "HF_HUB_CACHE": str(root), "HF_HUB_OFFLINE": "1"}
+
+
+def test_hub_id_is_read_from_the_cache_offline_and_a_missing_one_is_one_line(tmp_path):
+    pytest.importorskip("huggingface_hub")
+    beir = _scifact_subset(tmp_path / "beir", n_train=2, n_test=4, n_other=20)
+    env = _fake_hub_cache(tmp_path / "hub", "org/tiny-bert", _tiny_init)
+    ok = subprocess.run([PY, str(HERE / "evaluate.py"), "--model", "org/tiny-bert", "--data", str(beir),
+                         "--out_dir", str(tmp_path / "ev")], capture_output=True, text=True, timeout=300, env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads((tmp_path / "ev" / "metrics.json").read_text())["n_queries"] == 4
+    missing = subprocess.run([PY, str(HERE / "evaluate.py"), "--model", "org/absent", "--data", str(beir)],
+                             capture_output=True, text=True, timeout=300, env=env)
+    assert missing.returncode == 1 and len(missing.stderr.strip().splitlines()) == 1
+    assert missing.stderr.startswith("error: 'org/absent': not a local folder, and the hub could not provide it")
+
+
+def test_hub_id_without_huggingface_hub_says_what_to_install(tmp_path):
+    (tmp_path / "huggingface_hub").mkdir()      # an import of huggingface_hub that fails, as when it is absent
+    (tmp_path / "huggingface_hub" / "__init__.py").write_text("raise ImportError('absent')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(HERE)])}
+    result = subprocess.run([PY, str(HERE / "costa.py"), "--init", "bert-base-uncased", "--out_dir", str(tmp_path / "o")],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("error: 'bert-base-uncased' is neither a folder nor 'minilm'; to fetch it as a "
+                                     "Hugging Face hub id, pip install huggingface_hub")
+
+
+def test_exported_encoder_declares_its_pooling_and_similarity_for_sentence_transformers(tmp_path):
+    encoder = finetune.load_encoder(_tiny_init(tmp_path / "tiny"))
+    c = finetune.Config(pooling="mean", similarity="cos", passage_len=96)
+    finetune.save_encoder(encoder, tmp_path / "out", c, data.VOCAB)
+    out = tmp_path / "out"
+    assert data.read_retriever_settings(out) == {"pooling": "mean", "similarity": "cos", "query_len": 32, "passage_len": 96}
+    (out / "retriever.json").unlink()          # what sentence-transformers reads says the same
+    assert data.read_retriever_settings(out) == {"pooling": "mean", "similarity": "cos"}
+    assert [m["type"].rsplit(".", 1)[1] for m in json.loads((out / "modules.json").read_text())] == \
+        ["Transformer", "Pooling", "Normalize"]
+    assert json.loads((out / "1_Pooling" / "config.json").read_text())["word_embedding_dimension"] == 32
+    assert json.loads((out / "sentence_bert_config.json").read_text())["max_seq_length"] == 96
+    c = finetune.retriever_settings(finetune.Config(init=str(out), pooling="cls"))   # the command line wins
+    assert (c.pooling, c.similarity) == ("cls", "cos")
+
+
+def test_cosine_bi_encoder_scores_are_cosines_over_tau():
+    torch.manual_seed(0)
+    model = finetune.BiEncoder(finetune.Encoder(finetune.Config(**TINY)), "mean", "softmax", "cos", tau=0.05)
+    batch = _toy_batch()
+    q = model.encode(batch["q_ids"], batch["q_mask"])
+    assert torch.allclose(q.norm(dim=1), torch.ones(len(q)), atol=1e-5)
+    h = model.encoder(batch["p_ids"], batch["p_mask"])
+    m = batch["p_mask"].unsqueeze(-1).float()
+    p = (h * m).sum(1) / m.sum(1)
+    want = F.cosine_similarity(q[:, None], p[None], dim=-1) / 0.05                          # (B, N)
+    _, scores = finetune.softmax_loss(q, model.encode(batch["p_ids"], batch["p_mask"]), torch.zeros(4, dtype=torch.long), tau=0.05)
+    assert torch.allclose(scores, want, atol=1e-4)
+
+
+def test_a_checkpoint_without_mlm_head_gets_a_new_tied_one(tmp_path, wiki_texts):
+    corpus = write(tmp_path / "corpus.txt", "\n\n".join(wiki_texts))
+    finetune.load_encoder(_tiny_init(tmp_path / "full")).save_pretrained(tmp_path / "bare")   # no MLM head saved
+    encoder = costa.Encoder.from_pretrained(tmp_path / "bare", costa.Config())
+    assert encoder.new_mlm_head and encoder.mlm_head.word_embedding[0] is encoder.embeddings.word
+    result = subprocess.run([PY, str(HERE / "costa.py"), "--init", str(tmp_path / "bare"), "--steps", "1", "--corpus", str(corpus),
+                             "--batch_size", "2", "--max_len", "32", "--out_dir", str(tmp_path / "o")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert f"{tmp_path / 'bare'}: no MLM head in the checkpoint; training a new one" in result.stdout
 
 
 def test_halt_and_resume_equals_uninterrupted_run(tmp_path):
