@@ -576,15 +576,12 @@ def read_retriever_settings(folder):
         if kind == "Normalize":
             settings["similarity"] = "cos"
         if kind == "Pooling":
-            pooling = read_json(folder / module["path"] / "config.json")
-            modes = [m for m in ("cls", "mean") if pooling.get(f"pooling_mode_{m}_token" if m == "cls"
-                                                                else f"pooling_mode_{m}_tokens")]
-            others = [k for k, v in pooling.items() if k.startswith("pooling_mode") and v and "cls" not in k
-                      and "mean_tokens" not in k]
-            if len(modes) != 1 or others:
-                raise DataError(f"{folder / module['path'] / 'config.json'}: only cls or mean pooling is "
-                                f"supported, the folder declares {others or modes or 'none'}")
-            settings["pooling"] = modes[0]
+            path = folder / module["path"] / "config.json"
+            active = [k.removeprefix("pooling_mode_") for k, v in read_json(path).items()
+                      if k.startswith("pooling_mode_") and v is True]
+            if active not in (["cls_token"], ["mean_tokens"]):
+                raise DataError(f"{path}: only cls or mean pooling is supported, the folder declares {active}")
+            settings["pooling"] = {"cls_token": "cls", "mean_tokens": "mean"}[active[0]]
     declared = folder / "config_sentence_transformers.json"    # newer sentence-transformers say it here
     if declared.is_file() and read_json(declared).get("similarity_fn_name") in ("cosine", "dot"):
         settings.setdefault("similarity", {"cosine": "cos", "dot": "dot"}[read_json(declared)["similarity_fn_name"]])

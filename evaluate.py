@@ -523,6 +523,7 @@ def main(c):
         raise data.DataError("give --model FOLDER (a saved encoder) or --bm25")
     rank, world, device = setup_distributed()
     out_dir = default_out_dir(c)
+    tag = c.tag or (Path(c.model).resolve().parent.name if Path(c.model).is_dir() else c.model)
     c = dataclasses.replace(c, model=data.resolve_model(c.model))    # 'minilm' or a hub id -> a folder
     c = resolve_retriever(c)
     try:
@@ -546,7 +547,6 @@ def main(c):
             return result
         encoder = load_encoder(c.model).to(device)
         tokenizer = data.load_tokenizer(resolve_vocab(c))
-        tag = c.tag or Path(c.model).resolve().parent.name
         return evaluate_encoder(encoder, c.pooling, tokenizer, corpus, queries, qrels, out_dir, c,
                                 device, tag, c.tsne, c.depth)
     finally:

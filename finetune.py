@@ -991,6 +991,7 @@ def train(c):
     out = Path(c.out_dir)
     if c.loss not in ("softmax", "hinge"):
         raise data.DataError(f"--loss must be softmax or hinge, got {c.loss!r}")
+    init_name = c.init
     c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
     tokenizer = data.load_tokenizer(tokenizer_vocab(c))
     corpus, queries, qrels = load_split(c, c.train_split, c.queries, c.qrels)
@@ -1010,7 +1011,7 @@ def train(c):
             clear_stale_outputs(out)
         data.atomic_write_json(out / "config.json", dataclasses.asdict(c))
         n_params = sum(p.numel() for p in encoder.parameters())
-        print(f"model: {c.init or 'random init'} ({n_params / 1e6:.1f}M parameters, {c.pooling} pooling, "
+        print(f"model: {init_name or 'random init'} ({n_params / 1e6:.1f}M parameters, {c.pooling} pooling, "
               f"{c.similarity}{f' / tau {c.tau}' if c.similarity == 'cos' else ''}) | "
               f"{world} process(es) on {device.type} | data: {len(doc_texts):,} passages, {len(examples)} "
               f"training queries{f' (a sample, seed {c.seed})' if c.n_queries else ''}", flush=True)
