@@ -874,3 +874,68 @@ def test_low_resource_sample_is_seeded():
     assert len(pick(0, 1)) == 50
     with pytest.raises(data.DataError, match="only 50 training queries"):
         pick(51, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input through the command line: one line naming the file and what is wrong, exit code 1
+# ----------------------------------------------------------------------------------------------
+def run_error(args, cwd):
+    """Run a script expected to refuse its input: (exit code, stderr stripped)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([PY, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.returncode, result.stderr.strip()
+
+
+def tiny_beir(folder, corpus_lines=None, queries_lines=None, qrels_text=None):
+    """A three-document BEIR folder; any of its files can be replaced by bad content (bytes or str)."""
+    corpus = corpus_lines or ['{"_id": "d1", "text": "apples are red"}', '{"_id": "d2", "text": "bananas are yellow"}',
+                              '{"_id": "d3", "text": "grapes are green"}']
+    queries = queries_lines or ['{"_id": "q1", "text": "red apples"}', '{"_id": "q2", "text": "yellow"}']
+    (folder / "qrels").mkdir(parents=True)
+    for name, content in (("corpus.jsonl", corpus), ("queries.jsonl", queries)):
+        content = b"\n".join(c if isinstance(c, bytes) else c.encode() for c in content) + b"\n"
+        (folder / name).write_bytes(content)
+    (folder / "qrels" / "test.tsv").write_text(qrels_text or "query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\t1\n")
+    return folder
+
+
+def test_class1_undecodable_bytes_are_refused_with_file_line_and_offset(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes("first document.\n\nsecond ".encode() + "café".encode("latin-1") + b" document.\n")
+    code, err = run_error([HERE / "costa.py", "--corpus", corpus, "--out_dir", tmp_path / "o"], tmp_path)
+    assert code == 1
+    assert err == (f"error: {corpus}:3: byte 0xe9 at byte offset 27 is not UTF-8; convert the file to UTF-8 "
+                   f"(e.g. iconv -f latin1 -t utf-8)")
+    beir = tiny_beir(tmp_path / "beir", corpus_lines=['{"_id": "d1", "text": "ok"}', '{"_id": "d2", "text": "caf\xe9"}'
+                                                      .encode("latin-1")])
+    code, err = run_error([HERE / "evaluate.py", "--bm25", "--data", beir, "--out_dir", tmp_path / "ev"], tmp_path)
+    assert code == 1
+    assert err == (f"error: {beir / 'corpus.jsonl'}:2: byte 0xe9 at byte offset 54 is not UTF-8; convert the file "
+                   f"to UTF-8 (e.g. iconv -f latin1 -t utf-8)")
+
+
+def test_class2_truncated_or_fake_gzip_names_the_file(tmp_path):
+    whole = gzip.compress(("".join(json.dumps({"text": f"document {i} " * 50}) + "\n" for i in range(200))).encode())
+    truncated = tmp_path / "cut.jsonl.gz"
+    truncated.write_bytes(whole[:len(whole) // 2])
+    code, err = run_error([HERE / "seed.py", "--corpus", truncated, "--out_dir", tmp_path / "o"], tmp_path)
+    assert code == 1 and re.fullmatch(rf"error: {re.escape(str(truncated))}: truncated gzip file \(it ends after "
+                                      rf"line \d+, before the end-of-stream marker\)", err), err
+    fake = write(tmp_path / "fake.jsonl.gz", '{"text": "plain text, not gzip"}\n')
+    code, err = run_error([HERE / "cpdae.py", "--corpus", fake, "--out_dir", tmp_path / "o"], tmp_path)
+    assert (code, err) == (1, f"error: {fake}: not a gzip file, although its name ends in .gz")
+
+
+def test_class3_duplicate_ids_and_judgments_are_refused(tmp_path):
+    beir = tiny_beir(tmp_path / "a", corpus_lines=['{"_id": "d1", "text": "x"}', '{"_id": "d2", "text": "y"}',
+                                                   '{"_id": "d1", "text": "z"}'])
+    code, err = run_error([HERE / "evaluate.py", "--bm25", "--data", beir, "--out_dir", tmp_path / "ev"], tmp_path)
+    assert (code, err) == (1, f"error: {beir / 'corpus.jsonl'}:3: duplicate document id 'd1' (each may appear once)")
+    beir = tiny_beir(tmp_path / "b", queries_lines=['{"_id": "q1", "text": "x"}', '{"_id": "q1", "text": "y"}'])
+    code, err = run_error([HERE / "evaluate.py", "--bm25", "--data", beir, "--out_dir", tmp_path / "ev"], tmp_path)
+    assert (code, err) == (1, f"error: {beir / 'queries.jsonl'}:2: duplicate query id 'q1' (each may appear once)")
+    beir = tiny_beir(tmp_path / "c", qrels_text="query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\td1\t0\n")
+    code, err = run_error([HERE / "evaluate.py", "--bm25", "--data", beir, "--out_dir", tmp_path / "ev"], tmp_path)
+    assert (code, err) == (1, f"error: {beir / 'qrels' / 'test.tsv'}:3: duplicate judgment of document 'd1' "
+                              f"for query 'q1' (each may appear once)")
