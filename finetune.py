@@ -109,6 +109,7 @@ class Config:
     log_every: int = 10           # steps between progress lines
     save_every: int = 100         # steps between checkpoints (and one at the end of each stage)
     resume: bool = False          # continue from the last finished stage / the current stage's state.pt
+    overwrite: bool = False       # replace a run already in out_dir (without it or --resume: refused)
     halt_at: int = 0              # stop after this optimizer step (counted across stages) as if killed; 0 = never
     preset: str = ""              # "paper": the papers' fine-tuning hyper-parameters
 
@@ -116,11 +117,31 @@ class Config:
 PAPER_PRESET = dict(lr=5e-6, batch_size=64, epochs=3.0, hard_epochs=2.0, n_negatives=7)
 
 
+# The domain of each numeric flag, checked by parse_config before any work.
+FLAG_RULES = {
+    "query_len": ">= 3", "passage_len": ">= 3", "n_queries": ">= 0",  # lengths: [CLS], a token, [SEP]
+    "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
+    "max_position": ">= 1", "type_vocab_size": ">= 1", "dropout": "in [0, 1)", "layer_norm_eps": "> 0",
+    "pretrain_steps": ">= 0", "n_negatives": ">= 0", "bm25_depth": ">= 1", "k1": ">= 0", "b": "in [0, 1]",
+    "rounds": ">= 0", "hard_depth": ">= 1", "hard_skip": ">= 0", "epochs": "> 0", "hard_epochs": "> 0",
+    "steps": ">= 0", "batch_size": ">= 1", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
+    "warmup": "in [0, 1]", "clip": "> 0", "workers": ">= 0", "encode_batch": ">= 1", "log_every": ">= 1",
+    "save_every": ">= 1", "halt_at": ">= 0",
+}
+
+
 # --- shared: begin config parsing ---
+BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
 def parse_config(argv):
-    """Config from the command line: '--field value' for any field, '--flag' alone for a bool."""
+    """Config from the command line: '--field value' for any field, '--flag' alone for a bool.
+    Every value is checked here, before any work: its type, its domain (FLAG_RULES) and the preset."""
     if argv[:1] in (["-h"], ["--help"]):               # the docstring, then every field with its comment
-        print(__doc__, inspect.getsource(Config), sep="\n")
+        try:
+            print(__doc__, inspect.getsource(Config), sep="\n", flush=True)
+        except BrokenPipeError:                         # `x.py --help | head` stopped reading: fine
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
     fields = {f.name: f for f in dataclasses.fields(Config)}
     overrides, i = {}, 0
@@ -135,13 +156,32 @@ def parse_config(argv):
         if i + 1 == len(argv):
             sys.exit(f"error: --{name} needs a value")
         value = argv[i + 1]
+        if kind is bool and value.lower() not in BOOLEANS:
+            sys.exit(f"error: --{name} expects true or false (also 1/0, yes/no), got {value!r}")
         try:
-            overrides[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+            overrides[name] = BOOLEANS[value.lower()] if kind is bool else kind(value)
         except ValueError:
             sys.exit(f"error: --{name} expects {kind.__name__}, got {value!r}")
         i += 2
+    if overrides.get("preset", "") not in ("", "paper"):
+        sys.exit(f"error: --preset must be paper (or empty), got {overrides['preset']!r}")
     preset = PAPER_PRESET if overrides.get("preset") == "paper" else {}
-    return Config(**{**preset, **overrides})
+    c = Config(**{**preset, **overrides})
+    for name, rule in FLAG_RULES.items():
+        if not satisfies(getattr(c, name), rule):
+            sys.exit(f"error: --{name} must be {rule}, got {getattr(c, name)!r}")
+    return c
+
+
+def satisfies(value, rule):
+    """A FLAG_RULES rule: '> 0', '>= 1', '0 or >= 3', 'in [0, 1]' or 'in [0, 1)'. NaN satisfies none."""
+    if rule.startswith("0 or "):
+        return value == 0 or satisfies(value, rule.removeprefix("0 or "))
+    if rule.startswith("in "):
+        low, high = (float(x) for x in rule[4:-1].split(","))
+        return low <= value and (value <= high if rule.endswith("]") else value < high)
+    op, bound = rule.split()
+    return value >= float(bound) if op == ">=" else value > float(bound)
 # --- shared: end config parsing ---
 
 
