@@ -494,6 +494,14 @@ def resolve_vocab(c):
     return str(own) if c.model and own.is_file() else str(data.VOCAB)
 
 
+def check_lengths(c, max_position):
+    """Before any work: queries and passages are cut to these lengths, which must fit the model's positions."""
+    for flag in ("query_len", "passage_len"):
+        if getattr(c, flag) > max_position:
+            raise data.DataError(f"--{flag} {getattr(c, flag)} is more than the {max_position} positions of the "
+                                 f"model {c.model} (max_position)")
+
+
 def default_out_dir(c):
     if c.out_dir:
         return Path(c.out_dir)
@@ -539,6 +547,7 @@ def main(c):
         if c.words:
             if rank == 0:
                 encoder = load_encoder(c.model).to(device)
+                check_lengths(c, encoder.config.max_position)
                 tokenizer = data.load_tokenizer(resolve_vocab(c))
                 decoder = load_cpdae_decoder(c.decoder or c.model).to(device)
                 probs = word_distribution(encoder, decoder, tokenizer, c.words, c.passage_len, device)
@@ -555,6 +564,7 @@ def main(c):
             print(format_table({f"BM25 (k1={c.k1}, b={c.b})": result}, title=f"{c.split}: {len(result[1])} queries"))
             return result
         encoder = load_encoder(c.model).to(device)
+        check_lengths(c, encoder.config.max_position)
         tokenizer = data.load_tokenizer(resolve_vocab(c))
         tag = c.tag or Path(c.model).resolve().parent.name
         return evaluate_encoder(encoder, c.pooling, tokenizer, corpus, queries, qrels, out_dir, c,

@@ -856,6 +856,59 @@ def make_optimizer(model, c):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
+# Flags that may differ on --resume: today's value applies from the next step. Every other flag defines
+# the model, the data or the batches of the saved run, so a resumed run refuses to change it.
+RESUMABLE = ("steps", "epochs", "hard_epochs", "lr", "weight_decay", "warmup", "clip", "bf16", "workers",
+             "log_every", "save_every", "encode_batch", "preset", "eval_split", "eval_queries", "eval_qrels")
+
+
+def check_resume_flags(c, saved, path):
+    """Stop with one line if state.pt is another script's, or if a flag that cannot change on resume
+    did. Returns the changed flags that may change, as '--lr 0.0005 -> 0.001' (or "")."""
+    now = dataclasses.asdict(c)
+    foreign = sorted(set(saved) - set(now))
+    if foreign:
+        raise data.DataError(f"{path}: written by another script (it has --{foreign[0]}); resume it with that "
+                             f"script, or start again with --overwrite")
+    changed = {k: (v, now[k]) for k, v in saved.items() if now[k] != v and k not in ("resume", "overwrite", "halt_at")}
+    frozen = ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items() if k not in RESUMABLE)
+    if frozen:
+        raise data.DataError(f"{path}: these flags cannot change on --resume: {frozen}; resume with the saved "
+                             f"values, or start again with --overwrite")
+    return ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items())
+
+
+def apply_resume_flags(c, optimizer, scheduler):
+    """The state_dicts bring back the saved lr and weight decay: put today's in (the same numbers when
+    unchanged). The schedule itself is today's: make_optimizer built it from today's steps and warmup."""
+    scheduler.base_lrs = [c.lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = c.lr, c.lr * factor(scheduler.last_epoch)
+    optimizer.param_groups[0]["weight_decay"] = c.weight_decay      # group 0 is the decayed one
+
+
+def stop_if_not_finite(grad_norm, step, c):
+    """A NaN or infinite loss makes the gradient norm NaN or infinite on every rank alike (DDP sums the
+    gradients), so all ranks stop together, before the optimizer step: no checkpoint ever holds such
+    weights. (One host-device sync per step: the price of never saving NaNs.)"""
+    if not torch.isfinite(grad_norm):
+        raise data.DataError(f"step {step}: the loss is not finite (gradient norm {float(grad_norm)}); stopped "
+                             f"without saving, so {c.out_dir} keeps its last good checkpoint")
+
+
+def keep_log_until(path, step):
+    """Drop the log lines after `step` (written after the checkpoint a resumed run restarts from, or by a
+    replaced run) and a line cut by a kill, so that the log holds each step once."""
+    def logged(line):
+        try:
+            return json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):
+            return False
+    if path.is_file():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        data.atomic_write_text(path, "".join(line + "\n" for line in lines if logged(line)))
+
+
 def peak_memory_mb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -876,6 +929,8 @@ class Progress:
         self.tokens = self.tokens_total = 0
         self.sums, self.count = {}, 0
         self.log_path = Path(c.out_dir) / "log.jsonl"
+        if main:
+            keep_log_until(self.log_path, start_step)
 
     def add(self, metrics, n_tokens):
         for k, v in metrics.items():   # tensors stay on the device until report(): no sync per step
@@ -958,7 +1013,7 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
                 loss, metrics = ddp(batch)
                 (loss / c.grad_accum).backward()
             progress.add(metrics, n_tokens)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip)
+        stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, sc)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -997,8 +1052,11 @@ def train(c):
     out = Path(c.out_dir)
     if c.loss not in ("softmax", "hinge") or c.pooling not in ("cls", "mean"):
         raise data.DataError(f"--loss must be softmax or hinge and --pooling cls or mean, got {c.loss!r}, {c.pooling!r}")
+    check_run_folder(c, RUN_FILES)
     tokenizer = data.load_tokenizer(tokenizer_vocab(c))
     corpus, queries, qrels = load_split(c, c.train_split, c.queries, c.qrels)
+    if evaluates(c):                            # a bad test file stops the run now, not after training
+        load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
     doc_ids = list(corpus)
     doc_index = {d: i for i, d in enumerate(doc_ids)}
     doc_texts = [passage_text(corpus[d]) for d in doc_ids]
@@ -1008,9 +1066,14 @@ def train(c):
         raise data.DataError(f"{tokenizer_vocab(c)}: {tokenizer.get_vocab_size()} entries but the encoder "
                              f"has vocab_size {encoder.config.vocab_size}")
     c = encoder.config                          # --init brings the checkpoint's model sizes
+    for flag in ("query_len", "passage_len"):
+        if getattr(c, flag) > c.max_position:
+            raise data.DataError(f"--{flag} {getattr(c, flag)} is more than the {c.max_position} positions of "
+                                 f"the model{f' {c.init}' if c.init else ''} (max_position)")
     encoder = encoder.to(device)
     if main:
         out.mkdir(parents=True, exist_ok=True)
+        data.remove_stale_temporaries(out)
         if not c.resume:
             clear_stale_outputs(out)
         data.atomic_write_json(out / "config.json", dataclasses.asdict(c))
@@ -1036,7 +1099,7 @@ def train(c):
         print(f"fine-tuned encoder: {out / 'encoder'}", flush=True)
     barrier()
     results = None
-    if c.eval_split and (not c.corpus or (c.eval_queries and c.eval_qrels)):
+    if evaluates(c):
         import evaluate  # here, not at the top: evaluate.py imports this file
 
         corpus, queries, qrels = load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
@@ -1046,10 +1109,29 @@ def train(c):
     return results
 
 
+def evaluates(c):
+    """Whether the run ends with an evaluation: an eval split, and its files when the corpus is explicit."""
+    return bool(c.eval_split and (not c.corpus or (c.eval_queries and c.eval_qrels)))
+
+
+# What shows that a folder holds a fine-tuning run (the pipeline adds pretrain/).
+RUN_FILES = ("config.json", "encoder", "stage1")
+
+
+def check_run_folder(c, names):
+    """Before any work: a fresh run into a folder holding a run needs --overwrite (--resume continues it)."""
+    held = [name for name in names if (Path(c.out_dir) / name).exists()]
+    if c.resume and c.overwrite:
+        raise data.DataError("--resume continues the run in out_dir and --overwrite replaces it: give one")
+    if held and not (c.resume or c.overwrite):
+        raise data.DataError(f"{c.out_dir} already holds a run ({', '.join(held)}); continue it with --resume "
+                             f"or replace it with --overwrite")
+
+
 def clear_stale_outputs(out):
-    """A fresh (not --resume) run must not mistake an older run's finished stages or mined negatives
-    for its own if it is resumed later: remove those markers and caches (rank 0, before any use)."""
-    for path in list(out.glob("stage*/done.json")) + list(out.glob("negatives_*.tsv")):
+    """A fresh (not --resume) run must not mistake an older run's finished stages, checkpoints or mined
+    negatives for its own if it is resumed later: remove those (rank 0, before any use)."""
+    for path in [*out.glob("stage*/done.json"), *out.glob("stage*/state.pt"), *out.glob("negatives_*.tsv")]:
         path.unlink()
 
 
@@ -1088,12 +1170,14 @@ def load_checkpoint(c, model, optimizer, scheduler, main):
             print(f"resume: no {path} yet, starting this stage from step 0")
         return 0
     state = data.load_training_state(path)
+    changed = check_resume_flags(c, state["config"], path)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    apply_resume_flags(c, optimizer, scheduler)
     torch.set_rng_state(state["torch_rng"])
     if main:
-        print(f"resume: {path} at step {state['step']}")
+        print(f"resume: {path} at step {state['step']}" + (f"; changed flags apply from now: {changed}" if changed else ""))
     return state["step"]
 
 
@@ -1107,7 +1191,7 @@ def pretrain(c):
     folder = Path(c.out_dir) / "pretrain"
     pc = module.parse_config(shlex.split(c.pretrain_args) + ["--out_dir", str(folder), "--seed", str(c.seed)]
                              + (["--steps", str(c.pretrain_steps)] if c.pretrain_steps else [])
-                             + (["--resume"] if c.resume else []))
+                             + (["--resume"] if c.resume else []) + (["--overwrite"] if c.overwrite else []))
     if not (c.resume and (folder / "done.json").is_file()):
         if (folder / "done.json").is_file() and os.environ.get("RANK", "0") == "0":
             (folder / "done.json").unlink()  # a fresh run: an older run's marker must not survive a crash
@@ -1132,6 +1216,7 @@ def pipeline(c):
         # the first one's stale rendezvous keys (gloo "connectFullMesh failed"), so refuse instead.
         raise data.DataError(f"--pretrain runs the whole pipeline in one process; under torchrun run its steps: "
                              f"torchrun ... {c.pretrain}.py --out_dir DIR, then torchrun ... finetune.py --init DIR/encoder")
+    check_run_folder(c, RUN_FILES + ("pretrain",))  # before pre-training, not after it
     c = dataclasses.replace(c, init=pretrain(c))
     results = train(c)
     if dist.is_available() and dist.is_initialized():
