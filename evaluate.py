@@ -143,7 +143,8 @@ def trec_order(docs):
 
 def query_metrics(ranked_docids, judged):
     """Metric values for one query. ranked_docids: docids best first; judged: {docid: grade}.
-    Relevant means grade > 0 (trec_eval's default relevance level 1 for integer grades)."""
+    Relevant means grade > 0 (trec_eval's default relevance level 1 for integer grades). A query
+    with no relevant document scores 0 on every metric, as in trec_eval."""
     relevant = {d for d, g in judged.items() if g > 0}
     gains = [max(judged.get(d, 0), 0) for d in ranked_docids[:10]]  # raw grade as gain (ndcg_cut)
     ideal = sorted((g for g in judged.values() if g > 0), reverse=True)[:10]
@@ -154,21 +155,19 @@ def query_metrics(ranked_docids, judged):
     for k in (10, 100):
         out[f"MRR@{k}"] = 1.0 / (first + 1) if first is not None and first < k else 0.0
     for k in (10, 100, 1000):
-        out[f"Recall@{k}"] = len(relevant.intersection(ranked_docids[:k])) / len(relevant)
-    out["NDCG@10"] = dcg / idcg
+        out[f"Recall@{k}"] = len(relevant.intersection(ranked_docids[:k])) / len(relevant) if relevant else 0.0
+    out["NDCG@10"] = dcg / idcg if idcg > 0 else 0.0
     return out
 
 
 def compute_metrics(run, qrels):
     """run = {qid: {docid: score}}, qrels = {qid: {docid: grade}} -> (means, per_query).
 
-    Counted queries: those with at least one relevant (grade > 0) document in the qrels. A counted
-    query missing from the run scores 0 (trec_eval -c); run queries absent from the qrels are
-    ignored. means = {metric: mean over counted queries}; per_query = {qid: {metric: value}}."""
+    Counted queries: every query of the qrels, as trec_eval -c and pytrec_eval (BEIR) count them: one
+    whose judgments are all grade 0 scores 0, and so does one missing from the run; run queries absent
+    from the qrels are ignored. means = {metric: mean over counted queries}; per_query = {qid: {metric: value}}."""
     per_query = {}
     for qid, judged in qrels.items():
-        if not any(g > 0 for g in judged.values()):
-            continue
         ranked = [d for d, _ in trec_order(run.get(qid, {}))]
         per_query[qid] = query_metrics(ranked, judged)
     n = len(per_query)

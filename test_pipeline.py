@@ -452,18 +452,18 @@ def test_metrics_cutoffs_missing_and_unjudged_queries():
     run = {"q1": {f"d{i:03d}": 100.0 - i for i in range(1, 61)}}
     qrels = {"q1": {"d050": 1},
              "q2": {"z": 1},          # relevant document, but q2 is absent from the run: scores 0
-             "q3": {"y": 0},          # no relevant document: not counted
+             "q3": {"y": 0},          # no relevant document: counted, scores 0 (trec_eval)
              "q4": {"w": 1, "v": 1}}  # in the run with no results: scores 0
     run["q4"] = {}
     run["q5"] = {"w": 1.0}            # not in the qrels: ignored
     means, pq = evaluate.compute_metrics(run, qrels)
-    assert set(pq) == {"q1", "q2", "q4"}
+    assert set(pq) == {"q1", "q2", "q3", "q4"}
     assert pq["q1"]["MRR@10"] == 0.0 and pq["q1"]["MRR@100"] == pytest.approx(1 / 50)
     assert pq["q1"]["Recall@10"] == 0.0 and pq["q1"]["Recall@100"] == 1.0 and pq["q1"]["Recall@1000"] == 1.0
     assert pq["q1"]["NDCG@10"] == 0.0
-    assert all(v == 0.0 for q in ("q2", "q4") for v in pq[q].values())
-    assert means["MRR@100"] == pytest.approx((1 / 50) / 3)
-    assert means["Recall@100"] == pytest.approx(1 / 3)
+    assert all(v == 0.0 for q in ("q2", "q3", "q4") for v in pq[q].values())
+    assert means["MRR@100"] == pytest.approx((1 / 50) / 4)
+    assert means["Recall@100"] == pytest.approx(1 / 4)
     assert set(means) == {"MRR@10", "MRR@100", "Recall@10", "Recall@100", "Recall@1000", "NDCG@10"}
 
 
