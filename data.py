@@ -60,6 +60,7 @@ def load_tokenizer(vocab=VOCAB):
     vocab = Path(vocab)
     if not vocab.is_file():
         raise DataError(f"{vocab}: vocabulary file not found")
+    vocab_size_of(vocab)                                     # a non-UTF-8 byte: one clear line, not a panic
     tokenizer = _bert_pipeline(Tokenizer(WordPiece.from_file(str(vocab), unk_token="[UNK]")))
     missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
     if missing:
@@ -506,8 +507,7 @@ def load_tensors(path):
 
 
 def vocab_size_of(vocab_path):
-    with open(vocab_path, encoding="utf-8") as f:
-        return sum(1 for _ in f)
+    return sum(1 for _ in read_lines(vocab_path))  # (read_lines: a non-UTF-8 byte is one clear line)
 
 
 def save_encoder_folder(folder, hf_state_dict, hf_config, vocab=VOCAB):
@@ -531,11 +531,10 @@ def load_encoder_folder(folder):
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise DataError(f"{folder / 'config.json'}: not found ({folder} is not a Hugging Face model folder)")
-    with open(folder / "config.json", encoding="utf-8") as f:
-        try:
-            hf_config = json.load(f)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{folder / 'config.json'}:{e.lineno}: malformed JSON ({e.msg})") from None
+    try:
+        hf_config = json.loads("".join(line for _, line in read_lines(folder / "config.json")))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{folder / 'config.json'}:{e.lineno}: malformed JSON ({e.msg})") from None
     if (folder / "model.safetensors").is_file():
         state = load_tensors(folder / "model.safetensors")
     elif (folder / "pytorch_model.bin").is_file():
