@@ -7,6 +7,7 @@ distributed setup, training loop, checkpoint. With --gwc_weight 0 it is the pape
     python costa.py --steps 1000 --lr 3e-4           # any Config field can be overridden by name
     torchrun --nproc_per_node=4 costa.py --preset paper --init bert-base-uncased/
     python costa.py --resume                         # continue from out_dir/state.pt exactly
+    python costa.py --overwrite                      # start again in an out_dir that holds a run (else refused)
     python costa.py --gwc_weight 0                   # MLM only (the BERT baseline)
     python costa.py --granularities word,phrase,sentence --span_T 4   # Table 4: 12 spans, no paragraphs
 

@@ -10,6 +10,7 @@ contrastive loss between the views' word distributions. `diff costa.py cpdae.py`
     python cpdae.py --cl_mode cls                    # CPDAE_R (Table 1): contrast the [CLS] vectors
     torchrun --nproc_per_node=4 cpdae.py --preset paper --init bert-base-uncased/
     python cpdae.py --resume                         # continue from out_dir/state.pt exactly
+    python cpdae.py --overwrite                      # start again in an out_dir that holds a run (else refused)
 
 The encoder is written to {out_dir}/encoder as a Hugging Face BERT folder for finetune.py, with the MLP
 decoder beside it in decoder.safetensors (Decoder.from_pretrained; the Table 4 figure needs it).

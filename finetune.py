@@ -11,6 +11,7 @@ checkpoint, pipeline.
     python finetune.py --init X --n_queries 100 --seed 1  # low-resource setting: 100 random training queries
     torchrun --nproc_per_node=4 finetune.py --preset paper --init bert-base-uncased/
     python finetune.py --init X --resume                  # continue where a killed run stopped
+    python finetune.py --init X --overwrite               # start again in an out_dir that holds a run (else refused)
 
 Stage 1: each epoch, every query's negatives are sampled from BM25's top `bm25_depth` minus its positives.
 Stage 2 (`rounds` times): static hard negatives are mined ONCE per round with faiss from the current

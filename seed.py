@@ -8,6 +8,7 @@ costa.py's MLM skeleton plus a weak decoder: `diff costa.py seed.py` shows exact
     python seed.py --dec_span 0 --dec_layers 5       # Figure 3's "strong decoder" ablation
     torchrun --nproc_per_node=4 seed.py --preset paper
     python seed.py --resume                          # continue from out_dir/state.pt exactly
+    python seed.py --overwrite                       # start again in an out_dir that holds a run (else refused)
     python seed.py --diagnose runs/seed/encoder      # Figure 5: [CLS] cosine of random text pairs by length
 
 The encoder is written to {out_dir}/encoder as a Hugging Face BERT folder for finetune.py; the decoder
