@@ -192,7 +192,7 @@ def read_pretraining_texts(path):
     return texts
 
 
-def _add_once(table, key, value, path, number, what):
+def add_once(table, key, value, path, number, what):
     """table[key] = value, refusing a key seen before: last-wins would silently drop data."""
     if key in table:
         raise DataError(f"{_where(path, number)}: duplicate {what} (each may appear once)")
@@ -206,11 +206,11 @@ def read_corpus(path):
         for number, obj in iter_jsonl(path):
             if "_id" not in obj or not isinstance(obj.get("text"), str):
                 raise DataError(f"{_where(path, number)}: a corpus line needs \"_id\" and a string \"text\"")
-            _add_once(corpus, str(obj["_id"]), {"title": obj.get("title") or "", "text": obj["text"]},
+            add_once(corpus, str(obj["_id"]), {"title": obj.get("title") or "", "text": obj["text"]},
                       path, number, f"document id {str(obj['_id'])!r}")
     else:
         for number, (docid, text) in iter_tsv(path, 2):
-            _add_once(corpus, docid, {"title": "", "text": text}, path, number, f"document id {docid!r}")
+            add_once(corpus, docid, {"title": "", "text": text}, path, number, f"document id {docid!r}")
     if not corpus:
         raise DataError(f"{path}: empty corpus")
     return corpus
@@ -223,10 +223,10 @@ def read_queries(path):
         for number, obj in iter_jsonl(path):
             if "_id" not in obj or not isinstance(obj.get("text"), str):
                 raise DataError(f"{_where(path, number)}: a query line needs \"_id\" and a string \"text\"")
-            _add_once(queries, str(obj["_id"]), obj["text"], path, number, f"query id {str(obj['_id'])!r}")
+            add_once(queries, str(obj["_id"]), obj["text"], path, number, f"query id {str(obj['_id'])!r}")
     else:
         for number, (qid, text) in iter_tsv(path, 2):
-            _add_once(queries, qid, text, path, number, f"query id {qid!r}")
+            add_once(queries, qid, text, path, number, f"query id {qid!r}")
     if not queries:
         raise DataError(f"{path}: no queries")
     return queries
@@ -251,7 +251,7 @@ def read_qrels(path):
             grade = int(float(grade))
         except ValueError:
             raise DataError(f"{_where(path, number)}: relevance grade {grade!r} is not a number") from None
-        _add_once(qrels.setdefault(qid, {}), docid, grade, path, number,
+        add_once(qrels.setdefault(qid, {}), docid, grade, path, number,
                   f"judgment of document {docid!r} for query {qid!r}")
     if not qrels:
         raise DataError(f"{path}: no judgments")
@@ -296,7 +296,7 @@ def read_run(path):
             score = float(fields[4])
         except ValueError:
             raise DataError(f"{_where(path, number)}: score {fields[4]!r} is not a number") from None
-        _add_once(run.setdefault(fields[0], {}), fields[2], score, path, number,
+        add_once(run.setdefault(fields[0], {}), fields[2], score, path, number,
                   f"document {fields[2]!r} for query {fields[0]!r}")
     return run
 

@@ -622,7 +622,7 @@ def read_negatives(path, doc_index):
     out = {}
     for number, (qid, docids) in data.iter_tsv(path, 2):
         try:
-            out[qid] = [doc_index[d] for d in docids.split(",") if d]
+            data.add_once(out, qid, [doc_index[d] for d in docids.split(",") if d], path, number, f"query id {qid!r}")
         except KeyError as e:
             raise data.DataError(f"{path}:{number}: document id {e.args[0]!r} is not in the corpus") from None
     return out
