@@ -845,7 +845,8 @@ def load_checkpoint(c, model, optimizer, scheduler, main):
     scheduler.load_state_dict(state["scheduler"])
     apply_resume_flags(c, optimizer, scheduler)
     if main:
-        print(f"resume: {path} at step {state['step']}" + (f"; changed flags apply from now: {changed}" if changed else ""))
+        print(f"resume: {path} at step {state['step']}"
+              + (f"; changed flags apply from now: {changed}" if changed else ""))
     return state["step"]
 # --- shared: end resume ---
 

@@ -1178,7 +1178,8 @@ def load_checkpoint(c, model, optimizer, scheduler, main):
     apply_resume_flags(c, optimizer, scheduler)
     torch.set_rng_state(state["torch_rng"])
     if main:
-        print(f"resume: {path} at step {state['step']}" + (f"; changed flags apply from now: {changed}" if changed else ""))
+        print(f"resume: {path} at step {state['step']}"
+              + (f"; changed flags apply from now: {changed}" if changed else ""))
     return state["step"]
 
 
