@@ -114,6 +114,7 @@ def read_lines(path):
 
 
 def _decode(raw, path, number, offset, gz):
+    """One raw line as text, or a DataError naming the file, the line and the bad byte's offset."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
