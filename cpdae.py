@@ -10,6 +10,7 @@ contrastive loss between the views' word distributions. `diff costa.py cpdae.py`
     python cpdae.py --cl_mode cls                    # CPDAE_R (Table 1): contrast the [CLS] vectors
     torchrun --nproc_per_node=4 cpdae.py --preset paper --init bert-base-uncased/
     python cpdae.py --resume                         # continue from out_dir/state.pt exactly
+    python cpdae.py --overwrite                      # start again in an out_dir that holds a run (else refused)
 
 The encoder is written to {out_dir}/encoder as a Hugging Face BERT folder for finetune.py, with the MLP
 decoder beside it in decoder.safetensors (Decoder.from_pretrained; the Table 4 figure needs it).
@@ -20,6 +21,7 @@ import inspect
 import json
 import os
 import resource
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -72,6 +74,7 @@ class Config:
     log_every: int = 10           # steps between progress lines
     save_every: int = 100         # steps between checkpoints (and one at the end)
     resume: bool = False          # continue from out_dir/state.pt
+    overwrite: bool = False       # replace a run already in out_dir (without it or --resume: refused)
     halt_at: int = 0              # stop after this step as if killed (0 = never); to test --resume
     preset: str = ""              # "paper": BERT-base sizes and the paper's hyper-parameters
     # --- CPDAE (section 3.2, eq. 6; variants of Tables 1-2). batch_size counts texts: 2 views each
@@ -88,11 +91,30 @@ PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072,
                     batch_size=64)
 
 
+# The domain of each numeric flag, checked by parse_config before any work.
+FLAG_RULES = {
+    "max_len": ">= 10",  # 8 tokens between [CLS] and [SEP]: shorter windows are dropped (data.make_windows)
+    "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
+    "max_position": ">= 1", "type_vocab_size": ">= 1", "dropout": "in [0, 1)", "layer_norm_eps": "> 0",
+    "steps": ">= 1", "batch_size": ">= 1", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
+    "warmup": "in [0, 1]", "clip": "> 0", "mask_prob": "in [0, 1]", "workers": ">= 0", "log_every": ">= 1",
+    "save_every": ">= 1", "halt_at": ">= 0",
+    "cl_weight": ">= 0", "cls_temperature": "> 0", "js_chunk": ">= 1",
+}
+
+
 # --- shared: begin config parsing ---
+BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
 def parse_config(argv):
-    """Config from the command line: '--field value' for any field, '--flag' alone for a bool."""
+    """Config from the command line: '--field value' for any field, '--flag' alone for a bool.
+    Every value is checked here, before any work: its type, its domain (FLAG_RULES) and the preset."""
     if argv[:1] in (["-h"], ["--help"]):               # the docstring, then every field with its comment
-        print(__doc__, inspect.getsource(Config), sep="\n")
+        try:
+            print(__doc__, inspect.getsource(Config), sep="\n", flush=True)
+        except BrokenPipeError:                         # `x.py --help | head` stopped reading: fine
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
     fields = {f.name: f for f in dataclasses.fields(Config)}
     overrides, i = {}, 0
@@ -107,13 +129,32 @@ def parse_config(argv):
         if i + 1 == len(argv):
             sys.exit(f"error: --{name} needs a value")
         value = argv[i + 1]
+        if kind is bool and value.lower() not in BOOLEANS:
+            sys.exit(f"error: --{name} expects true or false (also 1/0, yes/no), got {value!r}")
         try:
-            overrides[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+            overrides[name] = BOOLEANS[value.lower()] if kind is bool else kind(value)
         except ValueError:
             sys.exit(f"error: --{name} expects {kind.__name__}, got {value!r}")
         i += 2
+    if overrides.get("preset", "") not in ("", "paper"):
+        sys.exit(f"error: --preset must be paper (or empty), got {overrides['preset']!r}")
     preset = PAPER_PRESET if overrides.get("preset") == "paper" else {}
-    return Config(**{**preset, **overrides})
+    c = Config(**{**preset, **overrides})
+    for name, rule in FLAG_RULES.items():
+        if not satisfies(getattr(c, name), rule):
+            sys.exit(f"error: --{name} must be {rule}, got {getattr(c, name)!r}")
+    return c
+
+
+def satisfies(value, rule):
+    """A FLAG_RULES rule: '> 0', '>= 1', '0 or >= 3', 'in [0, 1]' or 'in [0, 1)'. NaN satisfies none."""
+    if rule.startswith("0 or "):
+        return value == 0 or satisfies(value, rule.removeprefix("0 or "))
+    if rule.startswith("in "):
+        low, high = (float(x) for x in rule[4:-1].split(","))
+        return low <= value and (value <= high if rule.endswith("]") else value < high)
+    op, bound = rule.split()
+    return value >= float(bound) if op == ">=" else value > float(bound)
 # --- shared: end config parsing ---
 
 
@@ -522,9 +563,7 @@ class Batches(torch.utils.data.Dataset):
 
 
 def load_windows(c, main):
-    tokenizer = data.load_tokenizer(c.vocab)
-    if tokenizer.get_vocab_size() != c.vocab_size:
-        raise data.DataError(f"{c.vocab}: {tokenizer.get_vocab_size()} entries but vocab_size is {c.vocab_size}")
+    tokenizer = data.load_tokenizer(c.vocab)        # (resolve_vocab checked its size)
     t0 = time.time()
     windows = data.make_windows(tokenizer, data.read_pretraining_texts(c.corpus), c.max_len)
     if main:
@@ -616,6 +655,59 @@ def make_optimizer(model, c):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
+# Flags that may differ on --resume: today's value applies from the next step. Every other flag defines
+# the model, the data or the batches of the saved run, so a resumed run refuses to change it.
+RESUMABLE = ("steps", "epochs", "hard_epochs", "lr", "weight_decay", "warmup", "clip", "bf16", "workers",
+             "log_every", "save_every", "encode_batch", "preset", "eval_split", "eval_queries", "eval_qrels")
+
+
+def check_resume_flags(c, saved, path):
+    """Stop with one line if state.pt is another script's, or if a flag that cannot change on resume
+    did. Returns the changed flags that may change, as '--lr 0.0005 -> 0.001' (or "")."""
+    now = dataclasses.asdict(c)
+    foreign = sorted(set(saved) - set(now))
+    if foreign:
+        raise data.DataError(f"{path}: written by another script (it has --{foreign[0]}); resume it with that "
+                             f"script, or start again with --overwrite")
+    changed = {k: (v, now[k]) for k, v in saved.items() if now[k] != v and k not in ("resume", "overwrite", "halt_at")}
+    frozen = ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items() if k not in RESUMABLE)
+    if frozen:
+        raise data.DataError(f"{path}: these flags cannot change on --resume: {frozen}; resume with the saved "
+                             f"values, or start again with --overwrite")
+    return ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items())
+
+
+def apply_resume_flags(c, optimizer, scheduler):
+    """The state_dicts bring back the saved lr and weight decay: put today's in (the same numbers when
+    unchanged). The schedule itself is today's: make_optimizer built it from today's steps and warmup."""
+    scheduler.base_lrs = [c.lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = c.lr, c.lr * factor(scheduler.last_epoch)
+    optimizer.param_groups[0]["weight_decay"] = c.weight_decay      # group 0 is the decayed one
+
+
+def stop_if_not_finite(grad_norm, step, c):
+    """A NaN or infinite loss makes the gradient norm NaN or infinite on every rank alike (DDP sums the
+    gradients), so all ranks stop together, before the optimizer step: no checkpoint ever holds such
+    weights. (One host-device sync per step: the price of never saving NaNs.)"""
+    if not torch.isfinite(grad_norm):
+        raise data.DataError(f"step {step}: the loss is not finite (gradient norm {float(grad_norm)}); stopped "
+                             f"without saving, so {c.out_dir} keeps its last good checkpoint")
+
+
+def keep_log_until(path, step):
+    """Drop the log lines after `step` (written after the checkpoint a resumed run restarts from, or by a
+    replaced run) and a line cut by a kill, so that the log holds each step once."""
+    def logged(line):
+        try:
+            return json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):
+            return False
+    if path.is_file():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        data.atomic_write_text(path, "".join(line + "\n" for line in lines if logged(line)))
+
+
 def peak_memory_mb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -636,6 +728,8 @@ class Progress:
         self.tokens = self.tokens_total = 0
         self.sums, self.count = {}, 0
         self.log_path = Path(c.out_dir) / "log.jsonl"
+        if main:
+            keep_log_until(self.log_path, start_step)
 
     def add(self, metrics, n_tokens):
         for k, v in metrics.items():   # tensors stay on the device until report(): no sync per step
@@ -672,11 +766,12 @@ def train(c):
     main = rank == 0
     torch.manual_seed(c.seed)
     c = dataclasses.replace(c, init=data.resolve_model(c.init))   # 'minilm' or a hub id -> a local folder
-    windows, special = load_windows(c, main)
+    check_run_folder(c)                             # before any work: a run folder is never overwritten silently
     encoder = Encoder.from_pretrained(c.init, c) if c.init else Encoder(c)
-    c = encoder.config                              # --init brings the checkpoint's model sizes
+    c = resolve_vocab(encoder.config)               # --init brings the checkpoint's model sizes and vocab
     if main and getattr(encoder, "new_mlm_head", False):
         print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
+    windows, special = load_windows(c, main)
     if c.cl_mode not in ("js", "cls"):
         raise data.DataError(f"--cl_mode must be js or cls, got {c.cl_mode!r}")
     idf = compute_idf(windows, c.vocab_size) if c.idf_rec else None            # once, on the corpus
@@ -684,7 +779,7 @@ def train(c):
     optimizer, scheduler = make_optimizer(model, c)
     start_step = load_checkpoint(c, model, optimizer, scheduler, main) if c.resume else 0
     if main:
-        Path(c.out_dir).mkdir(parents=True, exist_ok=True)
+        prepare_run_folder(c)
         data.atomic_write_json(Path(c.out_dir) / "config.json", dataclasses.asdict(c))
         n_params = sum(p.numel() for p in model.parameters())
         left_out = len(windows) % (c.batch_size * world)
@@ -711,7 +806,7 @@ def train(c):
                     loss, metrics = ddp(batch)
                 (loss / c.grad_accum).backward()
             progress.add(metrics, progress_tokens)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip)
+        stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, c)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -748,24 +843,68 @@ def save_checkpoint(c, model, optimizer, scheduler, step, main):
 # --- shared: begin resume ---
 def load_checkpoint(c, model, optimizer, scheduler, main):
     """Restore out_dir/state.pt; returns the step to continue from (0 if there is none yet). Batches,
-    masks and dropout are functions of the step, so nothing else needs restoring."""
+    masks and dropout are functions of the step, so nothing else needs restoring. The flags in force
+    are today's; one that cannot change on resume stops the run (check_resume_flags)."""
     path = Path(c.out_dir) / "state.pt"
     if not path.is_file():
         if main:
             print(f"resume: no {path} yet, starting from step 0")
         return 0
     state = data.load_training_state(path)
+    changed = check_resume_flags(c, state["config"], path)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    changed = {k: v for k, v in state["config"].items()
-               if k not in ("resume", "halt_at") and getattr(c, k, v) != v}
+    apply_resume_flags(c, optimizer, scheduler)
     if main:
-        print(f"resume: {path} at step {state['step']}")
-        if changed:
-            print(f"resume: warning: the saved run had {changed}; the run goes on with today's flags")
+        print(f"resume: {path} at step {state['step']}"
+              + (f"; changed flags apply from now: {changed}" if changed else ""))
     return state["step"]
 # --- shared: end resume ---
+
+
+# --- shared: begin run setup ---
+# A run folder is never overwritten silently: these files show that one holds a run.
+RUN_FILES = ("state.pt", "log.jsonl", "encoder")
+
+
+def check_run_folder(c):
+    """Before any work: a fresh run into a folder holding a run needs --overwrite (--resume continues it)."""
+    held = [name for name in RUN_FILES if (Path(c.out_dir) / name).exists()]
+    if c.resume and c.overwrite:
+        raise data.DataError("--resume continues the run in out_dir and --overwrite replaces it: give one")
+    if held and not (c.resume or c.overwrite):
+        raise data.DataError(f"{c.out_dir} already holds a run ({', '.join(held)}); continue it with --resume "
+                             f"or replace it with --overwrite")
+
+
+def prepare_run_folder(c):
+    """Rank 0, once every input check has passed, before the first write: remove the .tmp files of
+    killed writes and, with --overwrite, the replaced run's checkpoint (Progress trims its log)."""
+    out = Path(c.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data.remove_stale_temporaries(out)
+    if c.overwrite:
+        (out / "state.pt").unlink(missing_ok=True)
+        shutil.rmtree(out / "encoder", ignore_errors=True)
+
+
+def resolve_vocab(c):
+    """Before any work: the vocabulary is --vocab when given, else the --init folder's vocab.txt (its
+    embedding rows are that vocabulary's), else BERT's bundled one. It must match the model, and the
+    windows must fit the model's learned positions."""
+    own = Path(c.init) / "vocab.txt" if c.init else None
+    if c.vocab == str(data.VOCAB) and own and own.is_file():
+        c = dataclasses.replace(c, vocab=str(own))
+    n = data.vocab_size_of(c.vocab) if Path(c.vocab).is_file() else c.vocab_size  # (missing: load_tokenizer says)
+    model = f"the --init model {c.init}" if c.init else "the model"
+    if n != c.vocab_size:
+        raise data.DataError(f"{c.vocab}: {n} entries, but {model} has vocab_size {c.vocab_size}")
+    if c.max_len > c.max_position:
+        raise data.DataError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
+                             f"(max_position)")
+    return c
+# --- shared: end run setup ---
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+import zlib
 from pathlib import Path
 from typing import NamedTuple
 
@@ -59,6 +60,7 @@ def load_tokenizer(vocab=VOCAB):
     vocab = Path(vocab)
     if not vocab.is_file():
         raise DataError(f"{vocab}: vocabulary file not found")
+    vocab_size_of(vocab)                                     # a non-UTF-8 byte: one clear line, not a panic
     tokenizer = _bert_pipeline(Tokenizer(WordPiece.from_file(str(vocab), unk_token="[UNK]")))
     missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
     if missing:
@@ -87,14 +89,41 @@ def train_wordpiece(texts, out_path, vocab_size=30522, min_frequency=2):
 # ----------------------------------------------------------------------------------------------
 # 3. Readers
 # ----------------------------------------------------------------------------------------------
-def open_text(path):
-    """Open a text file for reading, gunzipping '.gz' transparently; a clear error if it is missing."""
+def read_lines(path):
+    """Yield (line_number, line) of a text file, gunzipping '.gz' transparently. Bad bytes are refused,
+    not guessed at: a byte that is not UTF-8 stops the run with the file, line and byte offset; so do a
+    truncated '.gz' and a file named '.gz' that is not gzip. Windows line ends read as '\\n'."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: file not found")
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+    gz, number, offset = path.suffix == ".gz", 0, 0
+    try:
+        with gzip.open(path, "rb") if gz else open(path, "rb") as f:
+            for number, raw in enumerate(f, start=1):
+                yield number, _decode(raw, path, number, offset, gz)
+                offset += len(raw)
+    except EOFError:
+        raise DataError(f"{path}: truncated gzip file (it ends after line {number}, before the "
+                        f"end-of-stream marker)") from None
+    except gzip.BadGzipFile:
+        raise DataError(f"{path}: not a gzip file, although its name ends in .gz") from None
+    except zlib.error:
+        raise DataError(f"{path}: corrupt gzip data after line {number}") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
+
+
+def _decode(raw, path, number, offset, gz):
+    """One raw line as text, or a DataError naming the file, the line and the bad byte's offset."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        where = f"byte offset {offset + e.start}" + (" of the uncompressed text" if gz else "")
+        raise DataError(f"{path}:{number}: byte 0x{raw[e.start]:02x} at {where} is not UTF-8; convert the "
+                        f"file to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+    if number == 1:
+        line = line.removeprefix("\ufeff")                  # a byte-order mark is not text
+    return line[:-2] + "\n" if line.endswith("\r\n") else line
 
 
 def _find(folder, name):
@@ -107,17 +136,16 @@ def _find(folder, name):
 
 def iter_jsonl(path):
     """Yield (line_number, object) for each non-blank line of a JSONL file."""
-    with open_text(path) as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{_where(path, number)}: malformed JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{_where(path, number)}: expected a JSON object, got {type(obj).__name__}")
-            yield number, obj
+    for number, line in read_lines(path):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{_where(path, number)}: malformed JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{_where(path, number)}: expected a JSON object, got {type(obj).__name__}")
+        yield number, obj
 
 
 def iter_tsv(path, n_columns, header=None):
@@ -125,18 +153,17 @@ def iter_tsv(path, n_columns, header=None):
 
     header: the first field of a header line to skip (e.g. 'query-id' in BEIR qrels), or None.
     """
-    with open_text(path) as f:
-        for number, line in enumerate(f, start=1):
-            line = line.rstrip("\r\n")
-            if not line.strip():
-                continue
-            fields = line.split("\t")
-            if number == 1 and header is not None and fields[0] == header:
-                continue
-            if len(fields) != n_columns:
-                raise DataError(f"{_where(path, number)}: expected {n_columns} tab-separated fields, "
-                                f"found {len(fields)}")
-            yield number, fields
+    for number, line in read_lines(path):
+        line = line.rstrip("\r\n")
+        if not line.strip():
+            continue
+        fields = line.split("\t")
+        if number == 1 and header is not None and fields[0] == header:
+            continue
+        if len(fields) != n_columns:
+            raise DataError(f"{_where(path, number)}: expected {n_columns} tab-separated fields, "
+                            f"found {len(fields)}")
+        yield number, fields
 
 
 def read_pretraining_texts(path):
@@ -158,12 +185,19 @@ def read_pretraining_texts(path):
             title = obj.get("title") or ""
             texts.append(f"{title}. {obj['text']}" if title else obj["text"])
     else:
-        with open_text(path) as f:
-            texts = [doc.strip() for doc in f.read().split("\n\n")]
+        text = "".join(line for _, line in read_lines(path))
+        texts = [doc.strip() for doc in text.split("\n\n")]
     texts = [t for t in texts if t.strip()]
     if not texts:
         raise DataError(f"{path}: empty corpus (no non-blank document)")
     return texts
+
+
+def add_once(table, key, value, path, number, what):
+    """table[key] = value, refusing a key seen before: last-wins would silently drop data."""
+    if key in table:
+        raise DataError(f"{_where(path, number)}: duplicate {what} (each may appear once)")
+    table[key] = value
 
 
 def read_corpus(path):
@@ -173,10 +207,11 @@ def read_corpus(path):
         for number, obj in iter_jsonl(path):
             if "_id" not in obj or not isinstance(obj.get("text"), str):
                 raise DataError(f"{_where(path, number)}: a corpus line needs \"_id\" and a string \"text\"")
-            corpus[str(obj["_id"])] = {"title": obj.get("title") or "", "text": obj["text"]}
+            add_once(corpus, str(obj["_id"]), {"title": obj.get("title") or "", "text": obj["text"]},
+                      path, number, f"document id {str(obj['_id'])!r}")
     else:
-        for _, (docid, text) in iter_tsv(path, 2):
-            corpus[docid] = {"title": "", "text": text}
+        for number, (docid, text) in iter_tsv(path, 2):
+            add_once(corpus, docid, {"title": "", "text": text}, path, number, f"document id {docid!r}")
     if not corpus:
         raise DataError(f"{path}: empty corpus")
     return corpus
@@ -189,10 +224,10 @@ def read_queries(path):
         for number, obj in iter_jsonl(path):
             if "_id" not in obj or not isinstance(obj.get("text"), str):
                 raise DataError(f"{_where(path, number)}: a query line needs \"_id\" and a string \"text\"")
-            queries[str(obj["_id"])] = obj["text"]
+            add_once(queries, str(obj["_id"]), obj["text"], path, number, f"query id {str(obj['_id'])!r}")
     else:
-        for _, (qid, text) in iter_tsv(path, 2):
-            queries[qid] = text
+        for number, (qid, text) in iter_tsv(path, 2):
+            add_once(queries, qid, text, path, number, f"query id {qid!r}")
     if not queries:
         raise DataError(f"{path}: no queries")
     return queries
@@ -202,22 +237,23 @@ def read_qrels(path):
     """Relevance judgments {qid: {docid: grade}} from BEIR qrels/*.tsv (header, 3 columns) or
     TREC qrels (whitespace separated 'qid iteration docid grade')."""
     qrels = {}
-    with open_text(path) as f:
-        for number, line in enumerate(f, start=1):
-            fields = line.split()
-            if not fields or (number == 1 and fields[0] == "query-id"):
-                continue
-            if len(fields) == 3:
-                qid, docid, grade = fields
-            elif len(fields) == 4:
-                qid, _, docid, grade = fields
-            else:
-                raise DataError(f"{_where(path, number)}: expected 'qid docid grade' or "
-                                f"'qid 0 docid grade', found {len(fields)} fields")
-            try:
-                qrels.setdefault(qid, {})[docid] = int(float(grade))
-            except ValueError:
-                raise DataError(f"{_where(path, number)}: relevance grade {grade!r} is not a number") from None
+    for number, line in read_lines(path):
+        fields = line.split()
+        if not fields or (number == 1 and fields[0] == "query-id"):
+            continue
+        if len(fields) == 3:
+            qid, docid, grade = fields
+        elif len(fields) == 4:
+            qid, _, docid, grade = fields
+        else:
+            raise DataError(f"{_where(path, number)}: expected 'qid docid grade' or "
+                            f"'qid 0 docid grade', found {len(fields)} fields")
+        try:
+            grade = int(float(grade))
+        except ValueError:
+            raise DataError(f"{_where(path, number)}: relevance grade {grade!r} is not a number") from None
+        add_once(qrels.setdefault(qid, {}), docid, grade, path, number,
+                  f"judgment of document {docid!r} for query {qid!r}")
     if not qrels:
         raise DataError(f"{path}: no judgments")
     return qrels
@@ -250,18 +286,19 @@ def load_beir(folder, split="test"):
 def read_run(path):
     """TREC run file 'qid Q0 docid rank score tag' -> {qid: {docid: score}}."""
     run = {}
-    with open_text(path) as f:
-        for number, line in enumerate(f, start=1):
-            fields = line.split()
-            if not fields:
-                continue
-            if len(fields) != 6:
-                raise DataError(f"{_where(path, number)}: expected 6 fields 'qid Q0 docid rank score tag', "
-                                f"found {len(fields)}")
-            try:
-                run.setdefault(fields[0], {})[fields[2]] = float(fields[4])
-            except ValueError:
-                raise DataError(f"{_where(path, number)}: score {fields[4]!r} is not a number") from None
+    for number, line in read_lines(path):
+        fields = line.split()
+        if not fields:
+            continue
+        if len(fields) != 6:
+            raise DataError(f"{_where(path, number)}: expected 6 fields 'qid Q0 docid rank score tag', "
+                            f"found {len(fields)}")
+        try:
+            score = float(fields[4])
+        except ValueError:
+            raise DataError(f"{_where(path, number)}: score {fields[4]!r} is not a number") from None
+        add_once(run.setdefault(fields[0], {}), fields[2], score, path, number,
+                  f"document {fields[2]!r} for query {fields[0]!r}")
     return run
 
 
@@ -286,6 +323,8 @@ class Window(NamedTuple):
 def _cut_points(word_start, body):
     """Chunk boundaries for a token sequence: at most `body` tokens each, moved back to the start of
     the word they would split (a word longer than a whole chunk is cut where it must be)."""
+    if body < 1:                      # no room between [CLS] and [SEP]: the loop below would never end
+        raise DataError(f"windows need at least one token between [CLS] and [SEP], got {body}")
     cuts, start, n = [0], 0, len(word_start)
     while start + body < n:
         end = start + body
@@ -415,18 +454,30 @@ def shard(n_items, rank, world):
 # ----------------------------------------------------------------------------------------------
 # 6. Checkpoints
 # ----------------------------------------------------------------------------------------------
+_UMASK = os.umask(0o22)
+os.umask(_UMASK)                      # (reading the umask means setting it: put it back at once)
+
+
 def _atomic(path, write):
-    """Write through a temporary file in the same folder, then rename: a crash never leaves half a file."""
+    """Write through a temporary file in the same folder, then rename: a crash never leaves half a file.
+    mkstemp makes the file private (0600); the result gets the usual mode (0644 under umask 022)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def remove_stale_temporaries(folder):
+    """Delete the '.NAME.xxxx.tmp' files that a killed _atomic write left in folder (and below)."""
+    for tmp in Path(folder).rglob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
 
 
 def atomic_write_text(path, text):
@@ -457,8 +508,7 @@ def load_tensors(path):
 
 
 def vocab_size_of(vocab_path):
-    with open(vocab_path, encoding="utf-8") as f:
-        return sum(1 for _ in f)
+    return sum(1 for _ in read_lines(vocab_path))  # (read_lines: a non-UTF-8 byte is one clear line)
 
 
 def save_encoder_folder(folder, hf_state_dict, hf_config, vocab=VOCAB):
@@ -483,11 +533,10 @@ def load_encoder_folder(folder):
     folder = Path(resolve_model(str(folder)))
     if not (folder / "config.json").is_file():
         raise DataError(f"{folder / 'config.json'}: not found ({folder} is not a Hugging Face model folder)")
-    with open(folder / "config.json", encoding="utf-8") as f:
-        try:
-            hf_config = json.load(f)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{folder / 'config.json'}:{e.lineno}: malformed JSON ({e.msg})") from None
+    try:
+        hf_config = json.loads("".join(line for _, line in read_lines(folder / "config.json")))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{folder / 'config.json'}:{e.lineno}: malformed JSON ({e.msg})") from None
     if (folder / "model.safetensors").is_file():
         state = load_tensors(folder / "model.safetensors")
     elif (folder / "pytorch_model.bin").is_file():
@@ -626,6 +675,15 @@ def save_training_state(path, state):
 
 
 def load_training_state(path):
+    """The dict save_training_state wrote; a one-line DataError for a missing, empty, truncated or
+    foreign file (torch.load raises many kinds of exception, none naming the file)."""
     if not Path(path).is_file():
         raise DataError(f"{path}: no training state to resume from")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- EOFError, RuntimeError, UnpicklingError, ...
+        raise DataError(f"{path}: not a readable training state ({type(e).__name__}); the file is "
+                        f"truncated or not a state.pt; start again with --overwrite") from None
+    if not isinstance(state, dict) or not {"step", "model", "optimizer", "scheduler", "config"} <= set(state):
+        raise DataError(f"{path}: not a training state written by these scripts")
+    return state

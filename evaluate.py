@@ -70,11 +70,23 @@ class Config:
 PAPER_PRESET = {}
 
 
+# The domain of each numeric flag, checked by parse_config before any work.
+FLAG_RULES = {"query_len": "0 or >= 3", "passage_len": "0 or >= 3", "depth": ">= 1", "encode_batch": ">= 1",
+              "k1": ">= 0", "b": "in [0, 1]"}
+
+
 # --- shared: begin config parsing ---
+BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
 def parse_config(argv):
-    """Config from the command line: '--field value' for any field, '--flag' alone for a bool."""
+    """Config from the command line: '--field value' for any field, '--flag' alone for a bool.
+    Every value is checked here, before any work: its type, its domain (FLAG_RULES) and the preset."""
     if argv[:1] in (["-h"], ["--help"]):               # the docstring, then every field with its comment
-        print(__doc__, inspect.getsource(Config), sep="\n")
+        try:
+            print(__doc__, inspect.getsource(Config), sep="\n", flush=True)
+        except BrokenPipeError:                         # `x.py --help | head` stopped reading: fine
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
     fields = {f.name: f for f in dataclasses.fields(Config)}
     overrides, i = {}, 0
@@ -89,13 +101,32 @@ def parse_config(argv):
         if i + 1 == len(argv):
             sys.exit(f"error: --{name} needs a value")
         value = argv[i + 1]
+        if kind is bool and value.lower() not in BOOLEANS:
+            sys.exit(f"error: --{name} expects true or false (also 1/0, yes/no), got {value!r}")
         try:
-            overrides[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+            overrides[name] = BOOLEANS[value.lower()] if kind is bool else kind(value)
         except ValueError:
             sys.exit(f"error: --{name} expects {kind.__name__}, got {value!r}")
         i += 2
+    if overrides.get("preset", "") not in ("", "paper"):
+        sys.exit(f"error: --preset must be paper (or empty), got {overrides['preset']!r}")
     preset = PAPER_PRESET if overrides.get("preset") == "paper" else {}
-    return Config(**{**preset, **overrides})
+    c = Config(**{**preset, **overrides})
+    for name, rule in FLAG_RULES.items():
+        if not satisfies(getattr(c, name), rule):
+            sys.exit(f"error: --{name} must be {rule}, got {getattr(c, name)!r}")
+    return c
+
+
+def satisfies(value, rule):
+    """A FLAG_RULES rule: '> 0', '>= 1', '0 or >= 3', 'in [0, 1]' or 'in [0, 1)'. NaN satisfies none."""
+    if rule.startswith("0 or "):
+        return value == 0 or satisfies(value, rule.removeprefix("0 or "))
+    if rule.startswith("in "):
+        low, high = (float(x) for x in rule[4:-1].split(","))
+        return low <= value and (value <= high if rule.endswith("]") else value < high)
+    op, bound = rule.split()
+    return value >= float(bound) if op == ">=" else value > float(bound)
 # --- shared: end config parsing ---
 
 
@@ -113,7 +144,8 @@ def trec_order(docs):
 
 def query_metrics(ranked_docids, judged):
     """Metric values for one query. ranked_docids: docids best first; judged: {docid: grade}.
-    Relevant means grade > 0 (trec_eval's default relevance level 1 for integer grades)."""
+    Relevant means grade > 0 (trec_eval's default relevance level 1 for integer grades). A query
+    with no relevant document scores 0 on every metric, as in trec_eval."""
     relevant = {d for d, g in judged.items() if g > 0}
     gains = [max(judged.get(d, 0), 0) for d in ranked_docids[:10]]  # raw grade as gain (ndcg_cut)
     ideal = sorted((g for g in judged.values() if g > 0), reverse=True)[:10]
@@ -124,21 +156,19 @@ def query_metrics(ranked_docids, judged):
     for k in (10, 100):
         out[f"MRR@{k}"] = 1.0 / (first + 1) if first is not None and first < k else 0.0
     for k in (10, 100, 1000):
-        out[f"Recall@{k}"] = len(relevant.intersection(ranked_docids[:k])) / len(relevant)
-    out["NDCG@10"] = dcg / idcg
+        out[f"Recall@{k}"] = len(relevant.intersection(ranked_docids[:k])) / len(relevant) if relevant else 0.0
+    out["NDCG@10"] = dcg / idcg if idcg > 0 else 0.0
     return out
 
 
 def compute_metrics(run, qrels):
     """run = {qid: {docid: score}}, qrels = {qid: {docid: grade}} -> (means, per_query).
 
-    Counted queries: those with at least one relevant (grade > 0) document in the qrels. A counted
-    query missing from the run scores 0 (trec_eval -c); run queries absent from the qrels are
-    ignored. means = {metric: mean over counted queries}; per_query = {qid: {metric: value}}."""
+    Counted queries: every query of the qrels, as trec_eval -c and pytrec_eval (BEIR) count them: one
+    whose judgments are all grade 0 scores 0, and so does one missing from the run; run queries absent
+    from the qrels are ignored. means = {metric: mean over counted queries}; per_query = {qid: {metric: value}}."""
     per_query = {}
     for qid, judged in qrels.items():
-        if not any(g > 0 for g in judged.values()):
-            continue
         ranked = [d for d, _ in trec_order(run.get(qid, {}))]
         per_query[qid] = query_metrics(ranked, judged)
     n = len(per_query)
@@ -481,6 +511,14 @@ def resolve_vocab(c):
     return str(own) if c.model and own.is_file() else str(data.VOCAB)
 
 
+def check_lengths(c, max_position):
+    """Before any work: queries and passages are cut to these lengths, which must fit the model's positions."""
+    for flag in ("query_len", "passage_len"):
+        if getattr(c, flag) > max_position:
+            raise data.DataError(f"--{flag} {getattr(c, flag)} is more than the {max_position} positions of the "
+                                 f"model {c.model} (max_position)")
+
+
 def default_out_dir(c):
     if c.out_dir:
         return Path(c.out_dir)
@@ -530,6 +568,7 @@ def main(c):
         if c.words:
             if rank == 0:
                 encoder = load_encoder(c.model).to(device)
+                check_lengths(c, encoder.config.max_position)
                 tokenizer = data.load_tokenizer(resolve_vocab(c))
                 decoder = load_cpdae_decoder(c.decoder or c.model).to(device)
                 probs = word_distribution(encoder, decoder, tokenizer, c.words, c.passage_len, device)
@@ -546,6 +585,7 @@ def main(c):
             print(format_table({f"BM25 (k1={c.k1}, b={c.b})": result}, title=f"{c.split}: {len(result[1])} queries"))
             return result
         encoder = load_encoder(c.model).to(device)
+        check_lengths(c, encoder.config.max_position)
         tokenizer = data.load_tokenizer(resolve_vocab(c))
         return evaluate_encoder(encoder, c.pooling, tokenizer, corpus, queries, qrels, out_dir, c,
                                 device, tag, c.tsne, c.depth)

@@ -11,6 +11,7 @@ checkpoint, pipeline.
     python finetune.py --init X --n_queries 100 --seed 1  # low-resource setting: 100 random training queries
     torchrun --nproc_per_node=4 finetune.py --preset paper --init bert-base-uncased/
     python finetune.py --init X --resume                  # continue where a killed run stopped
+    python finetune.py --init X --overwrite               # start again in an out_dir that holds a run (else refused)
 
 Stage 1: each epoch, every query's negatives are sampled from BM25's top `bm25_depth` minus its positives.
 Stage 2 (`rounds` times): static hard negatives are mined ONCE per round with faiss from the current
@@ -112,6 +113,7 @@ class Config:
     log_every: int = 10           # steps between progress lines
     save_every: int = 100         # steps between checkpoints (and one at the end of each stage)
     resume: bool = False          # continue from the last finished stage / the current stage's state.pt
+    overwrite: bool = False       # replace a run already in out_dir (without it or --resume: refused)
     halt_at: int = 0              # stop after this optimizer step (counted across stages) as if killed; 0 = never
     preset: str = ""              # "paper": the papers' fine-tuning hyper-parameters
 
@@ -119,11 +121,31 @@ class Config:
 PAPER_PRESET = dict(lr=5e-6, batch_size=64, epochs=3.0, hard_epochs=2.0, n_negatives=7)
 
 
+# The domain of each numeric flag, checked by parse_config before any work.
+FLAG_RULES = {
+    "query_len": ">= 3", "passage_len": ">= 3", "n_queries": ">= 0",  # lengths: [CLS], a token, [SEP]
+    "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
+    "max_position": ">= 1", "type_vocab_size": ">= 1", "dropout": "in [0, 1)", "layer_norm_eps": "> 0",
+    "pretrain_steps": ">= 0", "n_negatives": ">= 0", "bm25_depth": ">= 1", "k1": ">= 0", "b": "in [0, 1]",
+    "rounds": ">= 0", "hard_depth": ">= 1", "hard_skip": ">= 0", "epochs": "> 0", "hard_epochs": "> 0",
+    "steps": ">= 0", "batch_size": ">= 1", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
+    "warmup": "in [0, 1]", "clip": "> 0", "workers": ">= 0", "encode_batch": ">= 1", "log_every": ">= 1",
+    "save_every": ">= 1", "halt_at": ">= 0",
+}
+
+
 # --- shared: begin config parsing ---
+BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
 def parse_config(argv):
-    """Config from the command line: '--field value' for any field, '--flag' alone for a bool."""
+    """Config from the command line: '--field value' for any field, '--flag' alone for a bool.
+    Every value is checked here, before any work: its type, its domain (FLAG_RULES) and the preset."""
     if argv[:1] in (["-h"], ["--help"]):               # the docstring, then every field with its comment
-        print(__doc__, inspect.getsource(Config), sep="\n")
+        try:
+            print(__doc__, inspect.getsource(Config), sep="\n", flush=True)
+        except BrokenPipeError:                         # `x.py --help | head` stopped reading: fine
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
     fields = {f.name: f for f in dataclasses.fields(Config)}
     overrides, i = {}, 0
@@ -138,13 +160,32 @@ def parse_config(argv):
         if i + 1 == len(argv):
             sys.exit(f"error: --{name} needs a value")
         value = argv[i + 1]
+        if kind is bool and value.lower() not in BOOLEANS:
+            sys.exit(f"error: --{name} expects true or false (also 1/0, yes/no), got {value!r}")
         try:
-            overrides[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+            overrides[name] = BOOLEANS[value.lower()] if kind is bool else kind(value)
         except ValueError:
             sys.exit(f"error: --{name} expects {kind.__name__}, got {value!r}")
         i += 2
+    if overrides.get("preset", "") not in ("", "paper"):
+        sys.exit(f"error: --preset must be paper (or empty), got {overrides['preset']!r}")
     preset = PAPER_PRESET if overrides.get("preset") == "paper" else {}
-    return Config(**{**preset, **overrides})
+    c = Config(**{**preset, **overrides})
+    for name, rule in FLAG_RULES.items():
+        if not satisfies(getattr(c, name), rule):
+            sys.exit(f"error: --{name} must be {rule}, got {getattr(c, name)!r}")
+    return c
+
+
+def satisfies(value, rule):
+    """A FLAG_RULES rule: '> 0', '>= 1', '0 or >= 3', 'in [0, 1]' or 'in [0, 1)'. NaN satisfies none."""
+    if rule.startswith("0 or "):
+        return value == 0 or satisfies(value, rule.removeprefix("0 or "))
+    if rule.startswith("in "):
+        low, high = (float(x) for x in rule[4:-1].split(","))
+        return low <= value and (value <= high if rule.endswith("]") else value < high)
+    op, bound = rule.split()
+    return value >= float(bound) if op == ">=" else value > float(bound)
 # --- shared: end config parsing ---
 
 
@@ -606,7 +647,7 @@ def read_negatives(path, doc_index):
     out = {}
     for number, (qid, docids) in data.iter_tsv(path, 2):
         try:
-            out[qid] = [doc_index[d] for d in docids.split(",") if d]
+            data.add_once(out, qid, [doc_index[d] for d in docids.split(",") if d], path, number, f"query id {qid!r}")
         except KeyError as e:
             raise data.DataError(f"{path}:{number}: document id {e.args[0]!r} is not in the corpus") from None
     return out
@@ -850,6 +891,59 @@ def make_optimizer(model, c):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
+# Flags that may differ on --resume: today's value applies from the next step. Every other flag defines
+# the model, the data or the batches of the saved run, so a resumed run refuses to change it.
+RESUMABLE = ("steps", "epochs", "hard_epochs", "lr", "weight_decay", "warmup", "clip", "bf16", "workers",
+             "log_every", "save_every", "encode_batch", "preset", "eval_split", "eval_queries", "eval_qrels")
+
+
+def check_resume_flags(c, saved, path):
+    """Stop with one line if state.pt is another script's, or if a flag that cannot change on resume
+    did. Returns the changed flags that may change, as '--lr 0.0005 -> 0.001' (or "")."""
+    now = dataclasses.asdict(c)
+    foreign = sorted(set(saved) - set(now))
+    if foreign:
+        raise data.DataError(f"{path}: written by another script (it has --{foreign[0]}); resume it with that "
+                             f"script, or start again with --overwrite")
+    changed = {k: (v, now[k]) for k, v in saved.items() if now[k] != v and k not in ("resume", "overwrite", "halt_at")}
+    frozen = ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items() if k not in RESUMABLE)
+    if frozen:
+        raise data.DataError(f"{path}: these flags cannot change on --resume: {frozen}; resume with the saved "
+                             f"values, or start again with --overwrite")
+    return ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items())
+
+
+def apply_resume_flags(c, optimizer, scheduler):
+    """The state_dicts bring back the saved lr and weight decay: put today's in (the same numbers when
+    unchanged). The schedule itself is today's: make_optimizer built it from today's steps and warmup."""
+    scheduler.base_lrs = [c.lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = c.lr, c.lr * factor(scheduler.last_epoch)
+    optimizer.param_groups[0]["weight_decay"] = c.weight_decay      # group 0 is the decayed one
+
+
+def stop_if_not_finite(grad_norm, step, c):
+    """A NaN or infinite loss makes the gradient norm NaN or infinite on every rank alike (DDP sums the
+    gradients), so all ranks stop together, before the optimizer step: no checkpoint ever holds such
+    weights. (One host-device sync per step: the price of never saving NaNs.)"""
+    if not torch.isfinite(grad_norm):
+        raise data.DataError(f"step {step}: the loss is not finite (gradient norm {float(grad_norm)}); stopped "
+                             f"without saving, so {c.out_dir} keeps its last good checkpoint")
+
+
+def keep_log_until(path, step):
+    """Drop the log lines after `step` (written after the checkpoint a resumed run restarts from, or by a
+    replaced run) and a line cut by a kill, so that the log holds each step once."""
+    def logged(line):
+        try:
+            return json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):
+            return False
+    if path.is_file():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        data.atomic_write_text(path, "".join(line + "\n" for line in lines if logged(line)))
+
+
 def peak_memory_mb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -870,6 +964,8 @@ class Progress:
         self.tokens = self.tokens_total = 0
         self.sums, self.count = {}, 0
         self.log_path = Path(c.out_dir) / "log.jsonl"
+        if main:
+            keep_log_until(self.log_path, start_step)
 
     def add(self, metrics, n_tokens):
         for k, v in metrics.items():   # tensors stay on the device until report(): no sync per step
@@ -952,7 +1048,7 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
                 loss, metrics = ddp(batch)
                 (loss / c.grad_accum).backward()
             progress.add(metrics, n_tokens)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip)
+        stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, sc)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -991,10 +1087,13 @@ def train(c):
     out = Path(c.out_dir)
     if c.loss not in ("softmax", "hinge"):
         raise data.DataError(f"--loss must be softmax or hinge, got {c.loss!r}")
+    check_run_folder(c, RUN_FILES)
     init_name = c.init
     c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
     tokenizer = data.load_tokenizer(tokenizer_vocab(c))
     corpus, queries, qrels = load_split(c, c.train_split, c.queries, c.qrels)
+    if evaluates(c):                            # a bad test file stops the run now, not after training
+        load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
     doc_ids = list(corpus)
     doc_index = {d: i for i, d in enumerate(doc_ids)}
     doc_texts = [passage_text(corpus[d]) for d in doc_ids]
@@ -1004,9 +1103,14 @@ def train(c):
         raise data.DataError(f"{tokenizer_vocab(c)}: {tokenizer.get_vocab_size()} entries but the encoder "
                              f"has vocab_size {encoder.config.vocab_size}")
     c = encoder.config                          # --init brings the checkpoint's model sizes
+    for flag in ("query_len", "passage_len"):
+        if getattr(c, flag) > c.max_position:
+            raise data.DataError(f"--{flag} {getattr(c, flag)} is more than the {c.max_position} positions of "
+                                 f"the model{f' {c.init}' if c.init else ''} (max_position)")
     encoder = encoder.to(device)
     if main:
         out.mkdir(parents=True, exist_ok=True)
+        data.remove_stale_temporaries(out)
         if not c.resume:
             clear_stale_outputs(out)
         data.atomic_write_json(out / "config.json", dataclasses.asdict(c))
@@ -1033,7 +1137,7 @@ def train(c):
         print(f"fine-tuned encoder: {out / 'encoder'}", flush=True)
     barrier()
     results = None
-    if c.eval_split and (not c.corpus or (c.eval_queries and c.eval_qrels)):
+    if evaluates(c):
         import evaluate  # here, not at the top: evaluate.py imports this file
 
         corpus, queries, qrels = load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
@@ -1043,10 +1147,29 @@ def train(c):
     return results
 
 
+def evaluates(c):
+    """Whether the run ends with an evaluation: an eval split, and its files when the corpus is explicit."""
+    return bool(c.eval_split and (not c.corpus or (c.eval_queries and c.eval_qrels)))
+
+
+# What shows that a folder holds a fine-tuning run (the pipeline adds pretrain/).
+RUN_FILES = ("config.json", "encoder", "stage1")
+
+
+def check_run_folder(c, names):
+    """Before any work: a fresh run into a folder holding a run needs --overwrite (--resume continues it)."""
+    held = [name for name in names if (Path(c.out_dir) / name).exists()]
+    if c.resume and c.overwrite:
+        raise data.DataError("--resume continues the run in out_dir and --overwrite replaces it: give one")
+    if held and not (c.resume or c.overwrite):
+        raise data.DataError(f"{c.out_dir} already holds a run ({', '.join(held)}); continue it with --resume "
+                             f"or replace it with --overwrite")
+
+
 def clear_stale_outputs(out):
-    """A fresh (not --resume) run must not mistake an older run's finished stages or mined negatives
-    for its own if it is resumed later: remove those markers and caches (rank 0, before any use)."""
-    for path in list(out.glob("stage*/done.json")) + list(out.glob("negatives_*.tsv")):
+    """A fresh (not --resume) run must not mistake an older run's finished stages, checkpoints or mined
+    negatives for its own if it is resumed later: remove those (rank 0, before any use)."""
+    for path in [*out.glob("stage*/done.json"), *out.glob("stage*/state.pt"), *out.glob("negatives_*.tsv")]:
         path.unlink()
 
 
@@ -1085,12 +1208,15 @@ def load_checkpoint(c, model, optimizer, scheduler, main):
             print(f"resume: no {path} yet, starting this stage from step 0")
         return 0
     state = data.load_training_state(path)
+    changed = check_resume_flags(c, state["config"], path)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    apply_resume_flags(c, optimizer, scheduler)
     torch.set_rng_state(state["torch_rng"])
     if main:
-        print(f"resume: {path} at step {state['step']}")
+        print(f"resume: {path} at step {state['step']}"
+              + (f"; changed flags apply from now: {changed}" if changed else ""))
     return state["step"]
 
 
@@ -1106,7 +1232,7 @@ def pretrain(c):
     corpus = c.corpus or str(data._find(c.data, "corpus.jsonl"))
     pc = module.parse_config(["--init", c.init, "--corpus", corpus, "--lr", "5e-5", "--steps", str(c.pretrain_steps)]
                              + shlex.split(c.pretrain_args) + ["--out_dir", str(folder), "--seed", str(c.seed)]
-                             + (["--resume"] if c.resume else []))
+                             + (["--resume"] if c.resume else []) + (["--overwrite"] if c.overwrite else []))
     if not (c.resume and (folder / "done.json").is_file()):
         if (folder / "done.json").is_file() and os.environ.get("RANK", "0") == "0":
             (folder / "done.json").unlink()  # a fresh run: an older run's marker must not survive a crash
@@ -1149,6 +1275,7 @@ def pipeline(c):
                              f"torchrun ... {c.pretrain}.py --out_dir DIR, then torchrun ... finetune.py --init DIR/encoder")
     if not c.eval_split:
         raise data.DataError("--pretrain compares models on the evaluation split: give --eval_split")
+    check_run_folder(c, RUN_FILES + ("pretrain", "zero-shot", "no-pretrain"))  # before any work, not after it
     out, name = Path(c.out_dir), Path(c.init).name if Path(c.init).is_dir() else c.init
     c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
     rows = {f"{name} zero-shot": evaluate_folder(c, c.init, out / f"zero-shot/eval-{c.eval_split}", f"{name}-zero-shot")}

@@ -453,18 +453,18 @@ def test_metrics_cutoffs_missing_and_unjudged_queries():
     run = {"q1": {f"d{i:03d}": 100.0 - i for i in range(1, 61)}}
     qrels = {"q1": {"d050": 1},
              "q2": {"z": 1},          # relevant document, but q2 is absent from the run: scores 0
-             "q3": {"y": 0},          # no relevant document: not counted
+             "q3": {"y": 0},          # no relevant document: counted, scores 0 (trec_eval)
              "q4": {"w": 1, "v": 1}}  # in the run with no results: scores 0
     run["q4"] = {}
     run["q5"] = {"w": 1.0}            # not in the qrels: ignored
     means, pq = evaluate.compute_metrics(run, qrels)
-    assert set(pq) == {"q1", "q2", "q4"}
+    assert set(pq) == {"q1", "q2", "q3", "q4"}
     assert pq["q1"]["MRR@10"] == 0.0 and pq["q1"]["MRR@100"] == pytest.approx(1 / 50)
     assert pq["q1"]["Recall@10"] == 0.0 and pq["q1"]["Recall@100"] == 1.0 and pq["q1"]["Recall@1000"] == 1.0
     assert pq["q1"]["NDCG@10"] == 0.0
-    assert all(v == 0.0 for q in ("q2", "q4") for v in pq[q].values())
-    assert means["MRR@100"] == pytest.approx((1 / 50) / 3)
-    assert means["Recall@100"] == pytest.approx(1 / 3)
+    assert all(v == 0.0 for q in ("q2", "q3", "q4") for v in pq[q].values())
+    assert means["MRR@100"] == pytest.approx((1 / 50) / 4)
+    assert means["Recall@100"] == pytest.approx(1 / 4)
     assert set(means) == {"MRR@10", "MRR@100", "Recall@10", "Recall@100", "Recall@1000", "NDCG@10"}
 
 
@@ -985,3 +985,177 @@ def test_low_resource_sample_is_seeded():
     assert len(pick(0, 1)) == 50
     with pytest.raises(data.DataError, match="only 50 training queries"):
         pick(51, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input through the command line: one line naming the file and what is wrong, exit code 1
+# ----------------------------------------------------------------------------------------------
+def run_error(args, cwd):
+    """Run a script expected to refuse its input: (exit code, stderr stripped)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([PY, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.returncode, result.stderr.strip()
+
+
+def tiny_beir(folder, corpus_lines=None, queries_lines=None, qrels_text=None):
+    """A three-document BEIR folder; any of its files can be replaced by bad content (bytes or str)."""
+    corpus = corpus_lines or ['{"_id": "d1", "text": "apples are red"}', '{"_id": "d2", "text": "bananas are yellow"}',
+                              '{"_id": "d3", "text": "grapes are green"}']
+    queries = queries_lines or ['{"_id": "q1", "text": "red apples"}', '{"_id": "q2", "text": "yellow"}']
+    (folder / "qrels").mkdir(parents=True)
+    for name, content in (("corpus.jsonl", corpus), ("queries.jsonl", queries)):
+        content = b"\n".join(c if isinstance(c, bytes) else c.encode() for c in content) + b"\n"
+        (folder / name).write_bytes(content)
+    (folder / "qrels" / "test.tsv").write_text(qrels_text or "query-id\tcorpus-id\tscore\nq1\td1\t1\nq2\td2\t1\n")
+    return folder
+
+
+def test_class1_undecodable_bytes_are_refused_with_file_line_and_offset(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes("first document.\n\nsecond ".encode() + "café".encode("latin-1") + b" document.\n")
+    code, err = run_error([HERE / "costa.py", "--corpus", corpus, "--out_dir", tmp_path / "o"], tmp_path)
+    assert code == 1
+    assert err == (f"error: {corpus}:3: byte 0xe9 at byte offset 27 is not UTF-8; convert the file to UTF-8 "
+                   f"(e.g. iconv -f latin1 -t utf-8)")
+    beir = tiny_beir(tmp_path / "beir", corpus_lines=['{"_id": "d1", "text": "ok"}', '{"_id": "d2", "text": "caf\xe9"}'
+                                                      .encode("latin-1")])
+    code, err = run_error([HERE / "evaluate.py", "--bm25", "--data", beir, "--out_dir", tmp_path / "ev"], tmp_path)
+    assert code == 1
+    assert err == (f"error: {beir / 'corpus.jsonl'}:2: byte 0xe9 at byte offset 54 is not UTF-8; convert the file "
+                   f"to UTF-8 (e.g. iconv -f latin1 -t utf-8)")
+
+
+def test_class2_truncated_or_fake_gzip_names_the_file(tmp_path):
+    whole = gzip.compress(("".join(json.dumps({"text": f"document {i} " * 50}) + "\n" for i in range(200))).encode())
+    truncated = tmp_path / "cut.jsonl.gz"
+    truncated.write_bytes(whole[:len(whole) // 2])
+    code, err = run_error([HERE / "seed.py", "--corpus", truncated, "--out_dir", tmp_path / "o"], tmp_path)
+    assert code == 1 and re.fullmatch(rf"error: {re.escape(str(truncated))}: truncated gzip file \(it ends after "
+                                      rf"line \d+, before the end-of-stream marker\)", err), err
+    fake = write(tmp_path / "fake.jsonl.gz", '{"text": "plain text, not gzip"}\n')
+    code, err = run_error([HERE / "cpdae.py", "--corpus", fake, "--out_dir", tmp_path / "o"], tmp_path)
+    assert (code, err) == (1, f"error: {fake}: not a gzip file, although its name ends in .gz")
+
+
+def test_class3_duplicate_ids_and_judgments_are_refused(tmp_path):
+    beir = tiny_beir(tmp_path / "a", corpus_lines=['{"_id": "d1", "text": "x"}', '{"_id": "d2", "text": "y"}',
+                                                   '{"_id": "d1", "text": "z"}'])
+    code, err = run_error([HERE / "evaluate.py", "--bm25", "--data", beir, "--out_dir", tmp_path / "ev"], tmp_path)
+    assert (code, err) == (1, f"error: {beir / 'corpus.jsonl'}:3: duplicate document id 'd1' (each may appear once)")
+    beir = tiny_beir(tmp_path / "b", queries_lines=['{"_id": "q1", "text": "x"}', '{"_id": "q1", "text": "y"}'])
+    code, err = run_error([HERE / "evaluate.py", "--bm25", "--data", beir, "--out_dir", tmp_path / "ev"], tmp_path)
+    assert (code, err) == (1, f"error: {beir / 'queries.jsonl'}:2: duplicate query id 'q1' (each may appear once)")
+    beir = tiny_beir(tmp_path / "c", qrels_text="query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\td1\t0\n")
+    code, err = run_error([HERE / "evaluate.py", "--bm25", "--data", beir, "--out_dir", tmp_path / "ev"], tmp_path)
+    assert (code, err) == (1, f"error: {beir / 'qrels' / 'test.tsv'}:3: duplicate judgment of document 'd1' "
+                              f"for query 'q1' (each may appear once)")
+
+
+def test_class4_init_vocabulary_and_mismatched_state(tmp_path, small_corpus):
+    # An --init folder with its own (smaller) vocabulary: pre-training uses the folder's vocab.txt.
+    new = data.train_wordpiece(data.read_pretraining_texts(small_corpus), tmp_path / "v.txt", vocab_size=1000)
+    torch.manual_seed(0)
+    costa.Encoder(tiny_config(vocab_size=new.get_vocab_size())).save_pretrained(tmp_path / "init", tmp_path / "v.txt")
+    common = ["--corpus", small_corpus, *TINY_ARGS, "--steps", "1", "--init", tmp_path / "init"]
+    run_script([str(a) for a in [HERE / "cpdae.py", *common, "--out_dir", tmp_path / "a"]], tmp_path)
+    assert data.vocab_size_of(tmp_path / "a" / "encoder" / "vocab.txt") == new.get_vocab_size()
+    bert = write(tmp_path / "bert_vocab.txt", data.VOCAB.read_text(encoding="utf-8"))  # an explicit, other vocab
+    code, err = run_error([HERE / "costa.py", *common, "--vocab", bert, "--out_dir", tmp_path / "b"], tmp_path)
+    assert (code, err) == (1, f"error: {bert}: 30522 entries, but the --init model {tmp_path / 'init'} "
+                              f"has vocab_size {new.get_vocab_size()}")
+    # Resuming from another method's state.pt, a truncated one, or with other sizes.
+    code, err = run_error([HERE / "costa.py", *common, "--out_dir", tmp_path / "a", "--resume"], tmp_path)
+    assert (code, err) == (1, f"error: {tmp_path / 'a' / 'state.pt'}: written by another script (it has --cl_mode); "
+                              f"resume it with that script, or start again with --overwrite")
+    state = (tmp_path / "a" / "state.pt").read_bytes()
+    (tmp_path / "a" / "state.pt").write_bytes(state[:len(state) // 2])
+    code, err = run_error([HERE / "cpdae.py", *common, "--out_dir", tmp_path / "a", "--resume"], tmp_path)
+    assert (code, err) == (1, f"error: {tmp_path / 'a' / 'state.pt'}: not a readable training state (RuntimeError); "
+                              f"the file is truncated or not a state.pt; start again with --overwrite")
+    (tmp_path / "a" / "state.pt").write_bytes(state)
+    code, err = run_error([HERE / "cpdae.py", *common, "--out_dir", tmp_path / "a", "--resume", "--max_len", "32"],
+                          tmp_path)
+    assert (code, err) == (1, f"error: {tmp_path / 'a' / 'state.pt'}: these flags cannot change on --resume: "
+                              f"--max_len 64 -> 32; resume with the saved values, or start again with --overwrite")
+
+
+def test_class5_lengths_are_checked_against_the_model(tmp_path):
+    code, err = run_error([HERE / "costa.py", "--max_len", "600", "--out_dir", tmp_path / "o"], tmp_path)
+    assert (code, err) == (1, "error: --max_len 600 is more than the 512 positions of the model (max_position)")
+    for bad in ("2", "3"):  # used to loop forever / say "every document tokenized to nothing"
+        code, err = run_error([HERE / "seed.py", "--max_len", bad, "--out_dir", tmp_path / "o"], tmp_path)
+        assert (code, err) == (1, f"error: --max_len must be >= 10, got {bad}")
+    beir = tiny_beir(tmp_path / "beir")
+    (beir / "qrels" / "train.tsv").write_text("q1\td1\t1\nq2\td2\t1\n")
+    code, err = run_error([HERE / "finetune.py", "--init", "", "--data", beir, "--passage_len", "600",
+                           "--out_dir", tmp_path / "ft"], tmp_path)
+    assert (code, err) == (1, "error: --passage_len 600 is more than the 512 positions of the model (max_position)")
+    assert not (tmp_path / "ft").exists()
+
+
+def test_class6_flag_domains_and_non_finite_loss(tmp_path, small_corpus):
+    for flag, value, rule in (("tau", "0", "> 0"), ("span_T", "-1", ">= 1"), ("span_alpha", "0", "> 0")):
+        code, err = run_error([HERE / "costa.py", f"--{flag}", value, "--out_dir", tmp_path / "o"], tmp_path)
+        assert (code, err) == (1, f"error: --{flag} must be {rule}, got {type(getattr(costa.Config, flag))(value)!r}")
+    # A learning rate so large that step 2's loss is NaN: the run stops there, step 1's checkpoint stays.
+    out = tmp_path / "nan"
+    code, err = run_error([HERE / "costa.py", "--corpus", small_corpus, *TINY_ARGS, "--steps", "5", "--lr", "1e30",
+                           "--warmup", "0", "--save_every", "1", "--out_dir", out], tmp_path)
+    assert (code, err) == (1, f"error: step 2: the loss is not finite (gradient norm nan); stopped without saving, "
+                              f"so {out} keeps its last good checkpoint")
+    state = data.load_training_state(out / "state.pt")
+    assert state["step"] == 1 and all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_class7_resume_overwrite_logs_and_flags(tmp_path, small_corpus):
+    out = tmp_path / "r"
+    common = [HERE / "costa.py", "--corpus", small_corpus, *TINY_ARGS, "--steps", "4", "--out_dir", out]
+    run_script([str(a) for a in common + ["--halt_at", "2"]], tmp_path)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(out / "state.pt").st_mode & 0o777 == 0o666 & ~umask            # not 0600
+    code, err = run_error(common, tmp_path)                                        # no --resume, no --overwrite
+    assert (code, err) == (1, f"error: {out} already holds a run (state.pt, log.jsonl, encoder); continue it "
+                              f"with --resume or replace it with --overwrite")
+    with open(out / "log.jsonl", "a") as f:                  # as if killed after logging step 3, before saving it
+        f.write(json.dumps({"step": 3, "mlm": 0.0}) + "\n")
+    (out / ".state.pt.x1y2.tmp").write_bytes(b"half a checkpoint")
+    printed = run_script([str(a) for a in common + ["--resume", "--lr", "1e-3"]], tmp_path)
+    assert "changed flags apply from now: --lr 0.0005 -> 0.001" in printed
+    log = read_log(out)
+    assert [r["step"] for r in log] == [1, 2, 3, 4] and not (out / ".state.pt.x1y2.tmp").exists()
+    assert log[2]["lr"] == pytest.approx(1e-3 * (4 - 3) / 3)                     # the new lr, on the schedule
+    run_script([str(a) for a in common + ["--steps", "1", "--overwrite"]], tmp_path)
+    assert [r["step"] for r in read_log(out)] == [1]
+    for flag, value, message in (("bf16", "maybe", "--bf16 expects true or false (also 1/0, yes/no), got 'maybe'"),
+                                 ("preset", "papr", "--preset must be paper (or empty), got 'papr'")):
+        assert run_error([HERE / "costa.py", f"--{flag}", value], tmp_path) == (1, f"error: {message}")
+    # --help into a pipe that is already closed (`costa.py --help | head`): no BrokenPipeError traceback.
+    help_run = subprocess.Popen([PY, str(HERE / "costa.py"), "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    help_run.stdout.close()
+    assert (help_run.wait(timeout=60), help_run.stderr.read()) == (0, b"")
+    # finetune.py checks the test qrels before training, not after both stages.
+    beir = tiny_beir(tmp_path / "beir", qrels_text="query-id\tcorpus-id\tscore\nq1\td9\t1\n")
+    (beir / "qrels" / "train.tsv").write_text("q1\td1\t1\nq2\td2\t1\n")
+    code, err = run_error([HERE / "finetune.py", "--init", "", "--data", beir, "--out_dir", tmp_path / "ft"], tmp_path)
+    assert (code, err) == (1, f"error: {beir / 'qrels' / 'test.tsv'}: document id 'd9' (query 'q1') is not in the corpus")
+    assert not (tmp_path / "ft" / "stage1").exists()
+
+
+def test_class8_all_zero_judged_queries_count_as_zero_like_trec_eval(tmp_path):
+    # q2's only judgment is grade 0: trec_eval -c and pytrec_eval count it, with 0 on every metric.
+    qrels = write(tmp_path / "qrels.tsv", "query-id\tcorpus-id\tscore\nq1\td1\t2\nq1\td3\t1\nq2\td2\t0\n")
+    a = write(tmp_path / "a.trec", "q1 Q0 d3 1 3.0 a\nq1 Q0 d1 2 2.0 a\nq2 Q0 d2 1 1.0 a\n")
+    b = write(tmp_path / "b.trec", "q1 Q0 d1 1 3.0 b\nq2 Q0 d2 1 1.0 b\n")
+    result = subprocess.run([PY, str(HERE / "evaluate.py"), "--compare", f"{a},{b}", "--qrels", str(qrels)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: [float(x) for x in line.split()[1:3]] for line in result.stdout.splitlines()
+            if line.split() and line.split()[0] in evaluate.METRICS}
+    ndcg_a = (1 / math.log2(2) + 2 / math.log2(3)) / (2 / math.log2(2) + 1 / math.log2(3))  # q1; q2 scores 0
+    ndcg_b = (2 / math.log2(2)) / (2 / math.log2(2) + 1 / math.log2(3))
+    assert "2 queries" in result.stdout
+    assert rows["MRR@10"] == pytest.approx([(1 + 0) / 2, (1 + 0) / 2])
+    assert rows["Recall@10"] == pytest.approx([(1 + 0) / 2, (0.5 + 0) / 2])
+    assert rows["NDCG@10"] == pytest.approx([ndcg_a / 2, ndcg_b / 2], abs=1e-4)
