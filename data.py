@@ -347,7 +347,9 @@ def make_windows(tokenizer, texts, max_len, min_tokens=8):
     """Tokenize documents and cut each into windows '[CLS] ... [SEP]' of at most max_len tokens.
 
     Windows end on word boundaries where possible. A document's last window shorter than min_tokens
-    is dropped unless it is the whole document (it would cost a padded row and teach little).
+    is dropped unless it is the whole document (it would cost a padded row and teach little). A
+    document that normalises to no token at all (e.g. only zero-width characters) gives no window:
+    a bare '[CLS] [SEP]' has nothing to mask and no span to sample.
     """
     ids = special_ids(tokenizer)
     body = max_len - 2
@@ -355,6 +357,8 @@ def make_windows(tokenizer, texts, max_len, min_tokens=8):
     for encoding in _encode_in_chunks(tokenizer, texts):
         word_ids = encoding.word_ids
         tokens = encoding.ids
+        if not tokens:
+            continue
         word_start = [i == 0 or word_ids[i] != word_ids[i - 1] for i in range(len(tokens))]
         cuts = _cut_points(word_start, body)
         for a, b in zip(cuts[:-1], cuts[1:]):

@@ -83,6 +83,16 @@ def test_windows_do_not_split_words_and_lose_no_tokens(tokenizer):
         assert len(w.input_ids[1:-1]) % len(pieces) == 0      # cut between whole words only
 
 
+def test_a_document_of_no_tokens_gives_no_window_and_costa_batches_still_build(tokenizer):
+    texts = ["\u200b\u200b\u200d", "the political philosophy of a small town in the north of england"]
+    windows = data.make_windows(tokenizer, texts, max_len=16, min_tokens=1)
+    assert windows and all(len(w.input_ids) > 2 for w in windows)   # was a bare [CLS] [SEP] window
+    c = costa.Config(batch_size=len(windows), steps=1)
+    vocab_tokens = [tokenizer.id_to_token(i) for i in range(tokenizer.get_vocab_size())]
+    batch = costa.Batches(c, windows, data.special_ids(tokenizer), 0, 1, vocab_tokens)[0]  # sample_spans raised
+    assert batch["spans"].shape == (len(windows), 4 * c.span_T, 2)
+
+
 def test_masking_statistics_on_real_text(tokenizer, wiki_texts):
     windows = data.make_windows(tokenizer, wiki_texts, max_len=128)
     ids, attention = data.pad_batch([w.input_ids for w in windows])
