@@ -289,18 +289,6 @@ class Encoder(nn.Module):
             x = block(x, attend)
         return x                                                    # (B, L, H)
 
-    def mlm_loss(self, hidden, labels):
-        """Eq. 9 of COSTA / BERT's MLM: mean cross-entropy over the masked positions only (the
-        vocabulary projection is most of the cost). Returns (loss, n_correct, n_masked). Under torchrun
-        the mean is over this rank's masked tokens and DDP averages the ranks, as BERT's code does."""
-        chosen = labels != -100                                     # (B, L)
-        if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
-            return self.mlm_head(hidden[:1, 0]).sum() * 0.0, 0, 0
-        logits = self.mlm_head(hidden[chosen]).float()              # (M, V)
-        targets = labels[chosen]                                    # (M,)
-        n_correct = (logits.argmax(-1) == targets).sum()            # a tensor: no GPU sync here
-        return F.cross_entropy(logits, targets), n_correct, targets.numel()
-
     def hf_config(self):
         c = {theirs: getattr(self.config, ours) for ours, theirs in HF_CONFIG_KEYS.items()}
         return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
@@ -376,7 +364,7 @@ class PretrainModel(nn.Module):
 
     def forward(self, batch):
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])       # (B, L, H)
-        mlm, n_correct, n_masked = self.encoder.mlm_loss(hidden, batch["labels"])
+        mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)
         metrics = {"mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1)}
         if not self.config.gwc_weight:
             return mlm, metrics
@@ -391,7 +379,28 @@ class PretrainModel(nn.Module):
 # ==============================================================================================
 # Loss
 # ==============================================================================================
-# The MLM loss (eq. 9) is Encoder.mlm_loss above.
+# --- shared: begin mlm loss ---
+def mlm_loss(hidden, labels, head):
+    """Masked language modelling, the loss every method shares (BERT's; COSTA eq. 9, CPDAE eq. 6's
+    L_MLM, SEED eq. 10's L_MLM):
+
+        L_MLM = -1/|m(x)| * sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = masked positions
+
+    The papers write a sum; we take the mean over the masked tokens, as BERT's and SEED's code do, so
+    that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
+    positions go through `head` (the vocabulary projection is most of the cost). hidden (B, L, H),
+    labels (B, L) with -100 where nothing is predicted, head: MLMHead. Returns (loss, n_correct,
+    n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
+    chosen = labels != -100                                     # (B, L)
+    if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
+        return head(hidden[:1, 0]).sum() * 0.0, 0, 0
+    logits = head(hidden[chosen]).float()                       # (M, V) fp32 for the softmax
+    targets = labels[chosen]                                    # (M,)
+    n_correct = (logits.argmax(-1) == targets).sum()            # () a tensor: no GPU sync here
+    return F.cross_entropy(logits, targets), n_correct, targets.numel()
+# --- shared: end mlm loss ---
+
+
 def gwc_loss_and_accuracy(anchors, all_text_vecs, all_span_vecs, first, tau):
     """Group-wise contrastive loss (eq. 8) of local anchors against every vector of the batch.
 

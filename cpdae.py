@@ -293,18 +293,6 @@ class Encoder(nn.Module):
             x = block(x, attend)
         return x                                                    # (B, L, H)
 
-    def mlm_loss(self, hidden, labels):
-        """Eq. 9 of COSTA / BERT's MLM: mean cross-entropy over the masked positions only (the
-        vocabulary projection is most of the cost). Returns (loss, n_correct, n_masked). Under torchrun
-        the mean is over this rank's masked tokens and DDP averages the ranks, as BERT's code does."""
-        chosen = labels != -100                                     # (B, L)
-        if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
-            return self.mlm_head(hidden[:1, 0]).sum() * 0.0, 0, 0
-        logits = self.mlm_head(hidden[chosen]).float()              # (M, V)
-        targets = labels[chosen]                                    # (M,)
-        n_correct = (logits.argmax(-1) == targets).sum()            # a tensor: no GPU sync here
-        return F.cross_entropy(logits, targets), n_correct, targets.numel()
-
     def hf_config(self):
         c = {theirs: getattr(self.config, ours) for ours, theirs in HF_CONFIG_KEYS.items()}
         return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
@@ -379,7 +367,7 @@ class PretrainModel(nn.Module):
         c = self.config
         attention_mask = batch["attention_mask"].repeat(2, 1)                    # (2B, L) views share padding
         hidden = self.encoder(batch["input_ids"], attention_mask)                # (2B, L, H) [d'; d'']
-        mlm, n_correct, n_masked = self.encoder.mlm_loss(hidden, batch["labels"])  # MLM on both views
+        mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)  # MLM on both views
         h_cls = hidden[:, 0]                                                     # (2B, H) eq. 1
         logits = self.decoder(h_cls)                                             # (2B, V) eq. 2
         rec = reconstruction_loss(logits, batch["bag"].repeat(2, 1), self.idf)   # each view rebuilds its text
@@ -400,7 +388,28 @@ class PretrainModel(nn.Module):
 # ==============================================================================================
 # Loss
 # ==============================================================================================
-# The MLM loss is Encoder.mlm_loss above.
+# --- shared: begin mlm loss ---
+def mlm_loss(hidden, labels, head):
+    """Masked language modelling, the loss every method shares (BERT's; COSTA eq. 9, CPDAE eq. 6's
+    L_MLM, SEED eq. 10's L_MLM):
+
+        L_MLM = -1/|m(x)| * sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = masked positions
+
+    The papers write a sum; we take the mean over the masked tokens, as BERT's and SEED's code do, so
+    that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
+    positions go through `head` (the vocabulary projection is most of the cost). hidden (B, L, H),
+    labels (B, L) with -100 where nothing is predicted, head: MLMHead. Returns (loss, n_correct,
+    n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
+    chosen = labels != -100                                     # (B, L)
+    if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
+        return head(hidden[:1, 0]).sum() * 0.0, 0, 0
+    logits = head(hidden[chosen]).float()                       # (M, V) fp32 for the softmax
+    targets = labels[chosen]                                    # (M,)
+    n_correct = (logits.argmax(-1) == targets).sum()            # () a tensor: no GPU sync here
+    return F.cross_entropy(logits, targets), n_correct, targets.numel()
+# --- shared: end mlm loss ---
+
+
 def reconstruction_loss(logits, bag, idf=None):
     """Non-autoregressive reconstruction, eq. 3-4 (multi-label binary cross-entropy):
 

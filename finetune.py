@@ -324,18 +324,6 @@ class Encoder(nn.Module):
             x = block(x, attend)
         return x                                                    # (B, L, H)
 
-    def mlm_loss(self, hidden, labels):
-        """Eq. 9 of COSTA / BERT's MLM: mean cross-entropy over the masked positions only (the
-        vocabulary projection is most of the cost). Returns (loss, n_correct, n_masked). Under torchrun
-        the mean is over this rank's masked tokens and DDP averages the ranks, as BERT's code does."""
-        chosen = labels != -100                                     # (B, L)
-        if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
-            return self.mlm_head(hidden[:1, 0]).sum() * 0.0, 0, 0
-        logits = self.mlm_head(hidden[chosen]).float()              # (M, V)
-        targets = labels[chosen]                                    # (M,)
-        n_correct = (logits.argmax(-1) == targets).sum()            # a tensor: no GPU sync here
-        return F.cross_entropy(logits, targets), n_correct, targets.numel()
-
     def hf_config(self):
         c = {theirs: getattr(self.config, ours) for ours, theirs in HF_CONFIG_KEYS.items()}
         return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",

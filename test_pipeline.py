@@ -258,7 +258,7 @@ def test_encoder_equals_transformers_bert(tmp_path):
         labels = ids.clone()
         labels[torch.rand(ids.shape, generator=torch.Generator().manual_seed(2)) > 0.3] = -100
         labels[mask == 0] = -100
-        mlm, _, n = ours.mlm_loss(mine, labels)
+        mlm, _, n = costa.mlm_loss(mine, labels, ours.mlm_head)
         assert n > 0 and abs(mlm - reference(input_ids=ids, attention_mask=mask, labels=labels).loss) < 1e-5
 
 
@@ -416,6 +416,8 @@ def test_shared_blocks_are_identical_across_files():
             assert blocks.get(block) == reference[block], f"{name}: shared block '{block}' differs from costa.py"
         for block, text in blocks.items():
             assert text == reference.get(block), f"{name}: shared block '{block}' differs from costa.py"
+    for name in ("cpdae.py", "seed.py"):                               # the one loss every method shares
+        assert shared_blocks(name).get("mlm loss") == reference["mlm loss"], name
     assert "config parsing" in shared_blocks("evaluate.py")              # evaluate.py parses flags the same way
     for block, text in shared_blocks("evaluate.py").items():
         assert text == reference.get(block), f"evaluate.py: shared block '{block}' differs from costa.py"
