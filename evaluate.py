@@ -1,7 +1,8 @@
 """Evaluate a dense retriever or BM25 the way the papers report it: metrics as trec_eval computes
 them, TREC run files, paired two-tailed t-tests, and the papers' figures (COSTA Figure 3 t-SNE,
-CPDAE Table 4 word distributions). One file, top to bottom: config, metrics, significance, retrieval
-runs, figures, command line.
+CPDAE Table 4 word distributions). The retrieval layer that finetune.py trains with lives here too
+(pooling, BM25, encode, exact search); this file imports nothing from finetune.py. One file, top to
+bottom: config, retrieval, metrics, significance, runs, figures, command line, shared blocks.
 
     python evaluate.py --bm25 --data data/scifact --split test          # BM25 baseline row
     python evaluate.py --model runs/finetune/encoder --split test       # any saved encoder (HF BERT folder)
@@ -12,8 +13,8 @@ runs, figures, command line.
     python evaluate.py --corpus collection.tsv --queries queries.dev.small.tsv --qrels qrels.dev.small.tsv --bm25
 
 Outputs in out_dir: run.trec (qid Q0 docid rank score tag), metrics.json (means, per-query values,
-timings), and the figures as PNG. The encoder comes from finetune.py (the shared BERT block, the same
-bytes as costa.py's), so any Hugging Face BERT folder loads.
+timings), and the figures as PNG. The encoder is the shared BERT block (the same bytes as
+costa.py's, at the end of this file), so any Hugging Face BERT folder loads.
 """
 import dataclasses
 import inspect
@@ -27,10 +28,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
 import data
-from finetune import (BM25, encode, load_encoder, load_split, passage_text, rank_and_world,
-                      retrieve, setup_distributed)
 
 
 # ==============================================================================================
@@ -128,6 +130,224 @@ def satisfies(value, rule):
     op, bound = rule.split()
     return value >= float(bound) if op == ">=" else value > float(bound)
 # --- shared: end config parsing ---
+
+
+# ==============================================================================================
+# Retrieval: the text vector, the split, BM25, encode (sharded across ranks), exact search
+# (finetune.py trains with these; this file imports nothing from it)
+# ==============================================================================================
+def pool(hidden, attention_mask, pooling):
+    """Text vectors from last hidden states (B, L, H): [CLS] (position 0) or the mean over real tokens."""
+    if pooling == "cls":
+        return hidden[:, 0]                                                        # (B, H)
+    if pooling == "mean":
+        m = attention_mask.unsqueeze(-1).to(hidden.dtype)                          # (B, L, 1)
+        return (hidden * m).sum(1) / m.sum(1).clamp(min=1)                         # (B, H)
+    raise ValueError(f"pooling must be 'cls' or 'mean', got {pooling!r}")
+
+
+def text_vectors(hidden, attention_mask, pooling, similarity):
+    """Pooled text vectors, L2-normalised for cosine similarity (so that a dot product is the cosine)."""
+    vecs = pool(hidden, attention_mask, pooling)                                   # (B, H)
+    return F.normalize(vecs.float(), dim=-1) if similarity == "cos" else vecs      # (B, H)
+
+
+@dataclass
+class EncoderConfig:
+    """The shared Encoder's fields (the method files' Config names them the same); load_encoder fills
+    them in from the folder's config.json."""
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    ffn_size: int = 3072
+    max_position: int = 512
+    type_vocab_size: int = 2
+    dropout: float = 0.1
+    layer_norm_eps: float = 1e-12
+
+
+def load_encoder(folder, c=None):
+    """Encoder from a Hugging Face BERT folder, without the MLM head: fine-tuning never uses it, and
+    unused parameters would make DistributedDataParallel fail. Saved folders then have no MLM head;
+    transformers.AutoModel still loads them. c: a Config with the encoder's fields (finetune.py's),
+    else EncoderConfig; the folder's config.json replaces its sizes."""
+    encoder = Encoder.from_pretrained(folder, c or EncoderConfig())
+    encoder.mlm_head = None
+    return encoder
+
+
+def passage_text(doc):
+    """A BEIR document as one string: title then text (BEIR's and Tevatron's convention)."""
+    return f"{doc['title']} {doc['text']}".strip() if doc.get("title") else doc["text"]
+
+
+def load_split(c, split, explicit_queries="", explicit_qrels=""):
+    """(corpus, queries, qrels) from the BEIR folder c.data, or from explicit files when c.corpus is set."""
+    if c.corpus:
+        if not (explicit_queries and explicit_qrels):
+            raise data.DataError(f"{c.corpus}: with an explicit corpus give the queries and qrels files too")
+        corpus, queries = data.read_corpus(c.corpus), data.read_queries(explicit_queries)
+        qrels = data.read_qrels(explicit_qrels)
+        data.check_qrels(qrels, queries, corpus, explicit_qrels)
+        return corpus, {q: queries[q] for q in qrels}, qrels
+    return data.load_beir(c.data, split)
+
+
+# ---------------------------------------------------------------------------------------------
+# BM25 (the papers' first baseline row, and finetune.py's stage-1 negatives)
+# ---------------------------------------------------------------------------------------------
+class BM25:
+    """Okapi BM25 over a fixed corpus, scored the way Lucene (Elasticsearch, Anserini, BEIR) does:
+
+        score(q, d) = sum_{t in q} idf(t) * tf(t, d) / (tf(t, d) + k1 * (1 - b + b * |d| / avgdl))
+        idf(t)      = log(1 + (N - df(t) + 0.5) / (df(t) + 0.5))
+
+    Tokenizer: lowercase, tokens of 2+ word characters (scikit-learn's default pattern), scikit-learn's
+    English stopword list removed, NO stemming. |d| counts the tokens left after stopword removal.
+    A repeated query term counts once per occurrence, as in a Lucene BooleanQuery of the terms.
+    Departures from Lucene: no (k1 + 1) factor in the numerator (it changes no ranking; Lucene 8+ dropped
+    it too); exact document lengths instead of Lucene's lossy one-byte length norm (can swap near-ties).
+    Defaults k1 = 1.2, b = 0.75 are Elasticsearch's (the BEIR paper's BM25 row); Anserini / Pyserini
+    use k1 = 0.9, b = 0.4.
+    """
+
+    def __init__(self, doc_texts, k1=1.2, b=0.75):
+        from sklearn.feature_extraction.text import CountVectorizer
+
+        if k1 < 0 or not 0 <= b <= 1:
+            raise ValueError(f"BM25 needs k1 >= 0 and 0 <= b <= 1, got k1={k1}, b={b}")
+        self.k1, self.b = k1, b
+        self.vectorizer = CountVectorizer(lowercase=True, stop_words="english", dtype=np.float32)
+        tf = self.vectorizer.fit_transform(doc_texts).tocsr()  # (N, T) term counts
+        n_docs = tf.shape[0]
+        doc_len = np.asarray(tf.sum(axis=1)).ravel()  # (N,) tokens per document
+        df = np.bincount(tf.indices, minlength=tf.shape[1])  # (T,) documents containing each term
+        self.idf = np.log1p((n_docs - df + 0.5) / (df + 0.5)).astype(np.float32)  # (T,)
+        # Precompute each (document, term) contribution once; a query then only sums columns.
+        rows = np.repeat(np.arange(n_docs), np.diff(tf.indptr))  # (nnz,) document of each entry
+        norm = k1 * (1 - b + b * doc_len / max(doc_len.mean(), 1e-9))  # (N,)
+        weights = tf.copy()
+        weights.data = self.idf[tf.indices] * tf.data / (tf.data + norm[rows])  # (nnz,)
+        self.weights_t = weights.T.tocsr()  # (T, N): query (M, T) @ weights_t -> (M, N)
+        self.n_docs = n_docs
+
+    def score(self, query_texts):
+        """Dense (M, N) float32 score matrix; use search() for large corpora."""
+        q = self.vectorizer.transform(query_texts)  # (M, T) query term counts
+        return np.asarray((q @ self.weights_t).todense(), dtype=np.float32)  # (M, N)
+
+    def search(self, query_texts, k):
+        """Top-k documents per query: (scores (M, k) float32, indices (M, k) int64), best first.
+        Documents with score 0 (no query term) fill the tail when fewer than k match."""
+        k = min(k, self.n_docs)
+        chunk = max(1, int(2e7 // max(self.n_docs, 1)))  # bound the dense block to ~80 MB
+        all_scores, all_ids = [np.zeros((0, k), np.float32)], [np.zeros((0, k), np.int64)]
+        for start in range(0, len(query_texts), chunk):
+            s = self.score(query_texts[start:start + chunk])  # (m, N)
+            top = np.argpartition(-s, k - 1, axis=1)[:, :k] if k < self.n_docs else np.tile(np.arange(k), (len(s), 1))
+            top_s = np.take_along_axis(s, top, axis=1)  # (m, k)
+            order = np.argsort(-top_s, axis=1, kind="stable")  # (m, k)
+            all_ids.append(np.take_along_axis(top, order, axis=1).astype(np.int64))
+            all_scores.append(np.take_along_axis(top_s, order, axis=1))
+        return np.concatenate(all_scores), np.concatenate(all_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense retrieval: encode, exact search, the cross-rank top-k merge
+# ---------------------------------------------------------------------------------------------
+def exact_search(query_vecs, doc_vecs, k, batch=1024):
+    """Exact maximum inner product search with faiss.IndexFlatIP.
+    query_vecs (M, H), doc_vecs (N, H) float32 -> (scores (M, k), indices (M, k) int64), best first."""
+    import faiss
+
+    doc_vecs = np.ascontiguousarray(doc_vecs, dtype=np.float32)
+    query_vecs = np.ascontiguousarray(query_vecs, dtype=np.float32)
+    k = min(k, len(doc_vecs))
+    index = faiss.IndexFlatIP(doc_vecs.shape[1])
+    index.add(doc_vecs)
+    scores, ids = [np.zeros((0, k), np.float32)], [np.zeros((0, k), np.int64)]
+    for start in range(0, len(query_vecs), batch):
+        s, i = index.search(query_vecs[start:start + batch], k)  # (m, k) each
+        scores.append(s)
+        ids.append(i.astype(np.int64))
+    return np.concatenate(scores), np.concatenate(ids)
+
+
+@torch.no_grad()
+def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16=True, similarity="dot"):
+    """(len(texts), H) float32 numpy vectors (unit length for "cos"). Texts are encoded sorted by
+    length (less padding)."""
+    was_training = encoder.training
+    encoder.eval()
+    autocast = autocast_bf16(device, bf16)
+    order = np.argsort([len(t) for t in texts], kind="stable")
+    out = np.zeros((len(texts), encoder.config.hidden_size), dtype=np.float32)
+    for start in range(0, len(texts), batch_size):
+        rows = order[start:start + batch_size]
+        ids, mask = data.encode_texts(tokenizer, [texts[i] for i in rows], max_len)          # (b, L)
+        ids, mask = ids.to(device), mask.to(device)
+        with autocast:
+            vecs = text_vectors(encoder(ids, mask), mask, pooling, similarity)                 # (b, H)
+        out[rows] = vecs.float().cpu().numpy()
+    encoder.train(was_training)
+    return out
+
+
+def _all_gather(t, device):
+    """Non-differentiable all-gather of equal-shaped tensors along a new first dimension -> (W, ...)."""
+    parts = [torch.empty_like(t.to(device)) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.to(device).contiguous())
+    return torch.stack(parts).cpu()
+
+
+def merge_topk_across_ranks(scores, ids, k, device, chunk=16384):
+    """Every rank holds the top-k of its own corpus shard for the same queries; all-gather them and keep
+    the global top-k. scores (Q, k') float32, ids (Q, k') global corpus indices, k' <= k."""
+    pad = k - scores.shape[1]  # a shard smaller than k
+    scores = np.pad(scores, ((0, 0), (0, pad)), constant_values=-np.inf)
+    ids = np.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
+    out_s, out_i = [], []
+    for start in range(0, max(len(scores), 1), chunk):  # bounded all-gather messages
+        s = _all_gather(torch.from_numpy(scores[start:start + chunk]), device)             # (W, q, k)
+        i = _all_gather(torch.from_numpy(ids[start:start + chunk]), device)                # (W, q, k)
+        s, i = s.permute(1, 0, 2).flatten(1), i.permute(1, 0, 2).flatten(1)               # (q, W*k)
+        top_s, top = s.topk(k, dim=1)                                                      # (q, k)
+        out_s.append(top_s.numpy())
+        out_i.append(i.gather(1, top).numpy())
+    return np.concatenate(out_s)[:len(scores)], np.concatenate(out_i)[:len(scores)]
+
+
+def retrieve(encoder, pooling, tokenizer, doc_texts, query_texts, k, c, device, timings=None):
+    """Dense retrieval, exact: (scores (Q, k), corpus indices (Q, k)) best first, on EVERY rank.
+
+    Under torchrun rank r encodes only its contiguous shard of the corpus (data.shard: no document
+    twice, none dropped), searches it exactly with faiss, and the per-shard top-k lists are all-gathered
+    and merged. So every rank does the same amount of work and no rank waits in a collective while
+    another searches alone (NCCL's timeout), and no rank ever holds the whole corpus' vectors.
+    Every rank encodes all the queries: they are few and short."""
+    rank, world = rank_and_world()
+    k = min(k, len(doc_texts))
+    shard = data.shard(len(doc_texts), rank, world)
+    t0 = time.time()
+    doc_vecs = encode(encoder, pooling, tokenizer, [doc_texts[i] for i in shard], c.passage_len,
+                      c.encode_batch, device, c.bf16, c.similarity)                        # (n, H)
+    t1 = time.time()
+    query_vecs = encode(encoder, pooling, tokenizer, list(query_texts), c.query_len,
+                        c.encode_batch, device, c.bf16, c.similarity)                      # (Q, H)
+    t2 = time.time()
+    if len(shard):
+        scores, ids = exact_search(query_vecs, doc_vecs, k)
+        ids = ids + shard.start
+    else:
+        scores, ids = np.zeros((len(query_texts), 0), np.float32), np.zeros((len(query_texts), 0), np.int64)
+    t3 = time.time()
+    if world > 1:
+        scores, ids = merge_topk_across_ranks(scores, ids, k, device)
+    if timings is not None:
+        timings.update(encode_docs_s=t1 - t0, docs_per_s_per_rank=len(shard) / max(t1 - t0, 1e-9),
+                       encode_queries_s=t2 - t1, search_s=t3 - t2, merge_s=time.time() - t3)
+    return scores, ids
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,7 +481,7 @@ def save_and_score(run, qrels, out_dir, tag, info=None):
 
 
 def evaluate_bm25(corpus, queries, qrels, out_dir, k1=1.2, b=0.75, depth=1000, verbose=True):
-    """The papers' BM25 row: finetune.BM25 over the corpus, top `depth` per judged query.
+    """The papers' BM25 row: BM25 over the corpus, top `depth` per judged query.
     Documents sharing no term with the query (score 0) are not retrieved, as in Lucene."""
     doc_ids = list(corpus)
     qids = sorted(qrels)
@@ -281,7 +501,7 @@ def evaluate_bm25(corpus, queries, qrels, out_dir, k1=1.2, b=0.75, depth=1000, v
 
 def evaluate_encoder(encoder, pooling, tokenizer, corpus, queries, qrels, out_dir, c, device, tag="dense",
                      tsne="", depth=1000):
-    """Dense retrieval with finetune.retrieve (corpus sharded across ranks, exact faiss search), then
+    """Dense retrieval with retrieve() (corpus sharded across ranks, exact faiss search), then
     rank 0 saves and scores the run, prints the metrics and returns (means, per_query); other ranks
     return None. tsne: a query id or "auto" for the COSTA Figure 3 plot. Every rank must call this."""
     rank, world = rank_and_world()
@@ -592,6 +812,243 @@ def main(c):
     finally:
         if world > 1:
             torch.distributed.destroy_process_group()
+
+
+# ==============================================================================================
+# Shared blocks: the BERT encoder, distributed helpers and bf16 autocast, byte-identical in every
+# file that has them (a test checks); read them once in costa.py
+# ==============================================================================================
+# --- shared: begin encoder ---
+class Embeddings(nn.Module):
+    """Token + learned absolute position + token-type embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.word = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.position = nn.Embedding(c.max_position, c.hidden_size)
+        self.token_type = nn.Embedding(c.type_vocab_size, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, input_ids):                                               # (B, L)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
+        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]  # (B, L, H)
+        return self.dropout(self.norm(x))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention through scaled_dot_product_attention (fused kernels on GPU)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.heads, self.dropout = c.num_heads, c.dropout
+        self.query = nn.Linear(c.hidden_size, c.hidden_size)
+        self.key = nn.Linear(c.hidden_size, c.hidden_size)
+        self.value = nn.Linear(c.hidden_size, c.hidden_size)
+        self.out = nn.Linear(c.hidden_size, c.hidden_size)
+
+    def forward(self, x, attend):                       # x (B, L, H); attend (B, 1, 1, L) True = key visible
+        B, L, H = x.shape
+        split = lambda t: t.view(B, L, self.heads, H // self.heads).transpose(1, 2)  # (B, heads, L, H/heads)
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(B, L, H))                      # (B, L, H)
+
+
+class Block(nn.Module):
+    """Post-LN Transformer block, as in BERT: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.attn = SelfAttention(c)
+        self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
+        self.ffn_out = nn.Linear(c.ffn_size, c.hidden_size)
+        self.ffn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, x, attend):                                                    # (B, L, H)
+        x = self.attn_norm(x + self.dropout(self.attn(x, attend)))
+        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))  # (B, L, H)
+
+
+class MLMHead(nn.Module):
+    """BERT's MLM head: dense, GELU, LayerNorm, then the token embedding matrix (tied) plus a bias."""
+
+    def __init__(self, c, word_embedding):
+        super().__init__()
+        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(c.vocab_size))
+        self.word_embedding = [word_embedding]  # a list, so the tied matrix is not registered twice
+
+    def forward(self, h):                                                        # (M, H)
+        h = self.norm(F.gelu(self.dense(h)))                                     # (M, H)
+        return h @ self.word_embedding[0].weight.T + self.bias                   # (M, V)
+
+
+# Our parameter names -> Hugging Face BertForMaskedLM names (both directions use this table).
+HF_NAMES = [("embeddings.word.", "bert.embeddings.word_embeddings."),
+            ("embeddings.position.", "bert.embeddings.position_embeddings."),
+            ("embeddings.token_type.", "bert.embeddings.token_type_embeddings."),
+            ("embeddings.norm.", "bert.embeddings.LayerNorm."),
+            ("attn.query.", "attention.self.query."), ("attn.key.", "attention.self.key."),
+            ("attn.value.", "attention.self.value."), ("attn.out.", "attention.output.dense."),
+            ("attn_norm.", "attention.output.LayerNorm."), ("ffn_in.", "intermediate.dense."),
+            ("ffn_out.", "output.dense."), ("ffn_norm.", "output.LayerNorm."),
+            ("blocks.", "bert.encoder.layer."),
+            ("mlm_head.dense.", "cls.predictions.transform.dense."),
+            ("mlm_head.norm.", "cls.predictions.transform.LayerNorm."),
+            ("mlm_head.bias", "cls.predictions.bias")]
+HF_CONFIG_KEYS = dict(vocab_size="vocab_size", hidden_size="hidden_size", num_layers="num_hidden_layers",
+                      num_heads="num_attention_heads", ffn_size="intermediate_size",
+                      max_position="max_position_embeddings", type_vocab_size="type_vocab_size",
+                      dropout="hidden_dropout_prob", layer_norm_eps="layer_norm_eps")
+
+
+def to_hf_name(name):
+    for ours, theirs in HF_NAMES:
+        name = name.replace(ours, theirs)
+    return name
+
+
+def from_hf_name(name):
+    """Accepts 'bert.'-prefixed or bare names and the old LayerNorm gamma/beta spelling."""
+    name = name.removeprefix("bert.").replace("LayerNorm.gamma", "LayerNorm.weight")
+    name = name.replace("LayerNorm.beta", "LayerNorm.bias")
+    name = name if name.startswith("cls.") else "bert." + name
+    for ours, theirs in HF_NAMES:           # this order: "attention.output.dense" before "output.dense"
+        name = name.replace(theirs, ours)
+    return name
+
+
+class Encoder(nn.Module):
+    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
+    forward returns the last hidden states; the text vector is position 0 ([CLS])."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.config = c
+        self.embeddings = Embeddings(c)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.num_layers))
+        self.mlm_head = MLMHead(c, self.embeddings.word)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m):
+        """BERT's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm."""
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, input_ids, attention_mask):                  # (B, L), (B, L) 1 = token, 0 = pad
+        attend = attention_mask.bool()[:, None, None, :]            # (B, 1, 1, L)
+        x = self.embeddings(input_ids)                              # (B, L, H)
+        for block in self.blocks:
+            x = block(x, attend)
+        return x                                                    # (B, L, H)
+
+    def hf_config(self):
+        c = {theirs: getattr(self.config, ours) for ours, theirs in HF_CONFIG_KEYS.items()}
+        return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
+                "attention_probs_dropout_prob": self.config.dropout, "initializer_range": 0.02,
+                "pad_token_id": 0, "position_embedding_type": "absolute", **c}
+
+    def save_pretrained(self, folder, vocab=data.VOCAB):
+        """Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
+        state = {to_hf_name(k): v for k, v in self.state_dict().items()}
+        data.save_encoder_folder(folder, state, self.hf_config(), vocab)
+
+    @classmethod
+    def from_pretrained(cls, folder, config=None):
+        """Load a Hugging Face BERT folder (ours, or e.g. bert-base-uncased downloaded by the user).
+        config: a Config whose model fields are replaced by the folder's config.json."""
+        hf_config, hf_state = data.load_encoder_folder(folder)
+        sizes = {ours: hf_config[theirs] for ours, theirs in HF_CONFIG_KEYS.items() if theirs in hf_config}
+        model = cls(dataclasses.replace(config or Config(), **sizes))
+        state = {from_hf_name(k): v for k, v in hf_state.items()}
+        ours = model.state_dict()
+        for name, tensor in state.items():
+            if name in ours and ours[name].shape != tensor.shape:
+                raise data.DataError(f"{folder}: {to_hf_name(name)} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(ours[name].shape)}")
+        state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
+        missing = [k for k in ours if k not in state]
+        if [k for k in missing if not k.startswith("mlm_head.")]:
+            raise data.DataError(f"{folder}: missing encoder weights, e.g. {to_hf_name(missing[0])}")
+        model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
+        model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
+        return model
+# --- shared: end encoder ---
+
+
+# --- shared: begin distributed ---
+def setup_distributed():
+    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
+    CPU. Plain `python x.py` runs one process. Returns (rank, world, device)."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def rank_and_world():
+    """(global rank, world size); (0, 1) outside torchrun."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class GatherWithGrad(torch.autograd.Function):
+    """all_gather that keeps gradients: every rank's loss used this rank's vectors as candidates, so
+    backward hands each rank the sum over ranks of the gradient of its own slice. (The same as the
+    deprecated torch.distributed.nn.functional.all_gather; equal sizes on every rank.)"""
+
+    @staticmethod
+    def forward(ctx, t):                                                  # (n, ...)
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t)
+        return torch.cat(parts, dim=0)                                    # (world * n, ...)
+
+    @staticmethod
+    def backward(ctx, grad):                                              # (world * n, ...)
+        grad = grad.contiguous()
+        dist.all_reduce(grad)                                             # sum over every rank's loss
+        return grad.chunk(dist.get_world_size(), dim=0)[dist.get_rank()]  # (n, ...)
+
+
+def gather_across_ranks(t):
+    """Concatenate `t` from every rank along dim 0, keeping the autograd graph (candidates)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    return GatherWithGrad.apply(t.contiguous())
+
+
+def average_across_ranks(values, device):
+    """Mean of a dict of floats over ranks, for logging (every rank must call it)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return dict(zip(values, (t / dist.get_world_size()).tolist()))
+# --- shared: end distributed ---
+
+
+# --- shared: begin autocast ---
+def autocast_bf16(device, enabled=True):
+    """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
+    as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
+    cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
+    native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
+# --- shared: end autocast ---
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Fine-tune a pre-trained encoder into a dense retriever, as the papers do (COSTA 4.5.2, CPDAE 4.1.3,
 SEED-Encoder 4.2): a bi-encoder with ONE shared BERT, [CLS] vectors, dot product, softmax over the
 positive, 7 negatives and every other passage of the global batch. One file, top to bottom: config,
-model, loss, data (BM25, negatives), retrieval (encode, search, mine), distributed setup, training loop,
+model, loss, data (examples, negatives, batches), mining (BM25 and dense negatives through evaluate.py,
+the retrieval layer: this file imports it, never the reverse), distributed setup, training loop,
 checkpoint, pipeline.
 
     python finetune.py --init runs/costa/encoder          # stage 1 (BM25 negatives), stage 2 (hard negatives), test metrics
@@ -41,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import data
+import evaluate   # the retrieval layer: BM25, encode, exact search, metrics
 
 
 # ==============================================================================================
@@ -358,22 +360,6 @@ class Encoder(nn.Module):
 # --- shared: end encoder ---
 
 
-def pool(hidden, attention_mask, pooling):
-    """Text vectors from last hidden states (B, L, H): [CLS] (position 0) or the mean over real tokens."""
-    if pooling == "cls":
-        return hidden[:, 0]                                                        # (B, H)
-    if pooling == "mean":
-        m = attention_mask.unsqueeze(-1).to(hidden.dtype)                          # (B, L, 1)
-        return (hidden * m).sum(1) / m.sum(1).clamp(min=1)                         # (B, H)
-    raise ValueError(f"pooling must be 'cls' or 'mean', got {pooling!r}")
-
-
-def text_vectors(hidden, attention_mask, pooling, similarity):
-    """Pooled text vectors, L2-normalised for cosine similarity (so that a dot product is the cosine)."""
-    vecs = pool(hidden, attention_mask, pooling)                                   # (B, H)
-    return F.normalize(vecs.float(), dim=-1) if similarity == "cos" else vecs      # (B, H)
-
-
 def retriever_settings(c):
     """c with pooling and similarity filled in: the command line, else what the init folder declares
     (finetune.py's retriever.json or a sentence-transformers layout), else the papers' cls and dot."""
@@ -384,15 +370,6 @@ def retriever_settings(c):
         raise data.DataError(f"--pooling must be cls or mean and --similarity dot or cos, got "
                              f"{c.pooling!r}, {c.similarity!r}")
     return c
-
-
-def load_encoder(folder, c=None):
-    """Encoder from a Hugging Face BERT folder, without the MLM head: fine-tuning never uses it, and
-    unused parameters would make DistributedDataParallel fail. Saved folders then have no MLM head;
-    transformers.AutoModel still loads them."""
-    encoder = Encoder.from_pretrained(folder, c)
-    encoder.mlm_head = None
-    return encoder
 
 
 class BiEncoder(nn.Module):
@@ -407,7 +384,7 @@ class BiEncoder(nn.Module):
             raise ValueError(f"loss must be 'softmax' or 'hinge', got {loss!r}")
 
     def encode(self, ids, mask):                                                   # (B, L)
-        return text_vectors(self.encoder(ids, mask), mask, self.pooling, self.similarity)  # (B, H)
+        return evaluate.text_vectors(self.encoder(ids, mask), mask, self.pooling, self.similarity)  # (B, H)
 
     def forward(self, batch):
         """batch: q_ids/q_mask (B, Lq); p_ids/p_mask (B*(1+n), Lp), query i's passages at rows
@@ -472,23 +449,8 @@ def hinge_loss(q, p, labels, exclude=None, tau=1.0, margin=1.0):
 
 
 # ==============================================================================================
-# Data: corpus and queries, BM25, negatives, batches
+# Data: training examples, negatives, batches
 # ==============================================================================================
-def passage_text(doc):
-    """A BEIR document as one string: title then text (BEIR's and Tevatron's convention)."""
-    return f"{doc['title']} {doc['text']}".strip() if doc.get("title") else doc["text"]
-
-
-def load_split(c, split, explicit_queries="", explicit_qrels=""):
-    """(corpus, queries, qrels) from the BEIR folder c.data, or from explicit files when c.corpus is set."""
-    if c.corpus:
-        if not (explicit_queries and explicit_qrels):
-            raise data.DataError(f"{c.corpus}: with an explicit corpus give the queries and qrels files too")
-        corpus, queries = data.read_corpus(c.corpus), data.read_queries(explicit_queries)
-        qrels = data.read_qrels(explicit_qrels)
-        data.check_qrels(qrels, queries, corpus, explicit_qrels)
-        return corpus, {q: queries[q] for q in qrels}, qrels
-    return data.load_beir(c.data, split)
 
 
 class Example(NamedTuple):
@@ -571,65 +533,6 @@ class TrainBatches(torch.utils.data.Dataset):
                 "p_doc": torch.tensor(docs, dtype=torch.long), "q_pos": q_pos}
 
 
-# ---------------------------------------------------------------------------------------------
-# BM25 (stage-1 negatives, and the papers' first baseline row in evaluate.py)
-# ---------------------------------------------------------------------------------------------
-class BM25:
-    """Okapi BM25 over a fixed corpus, scored the way Lucene (Elasticsearch, Anserini, BEIR) does:
-
-        score(q, d) = sum_{t in q} idf(t) * tf(t, d) / (tf(t, d) + k1 * (1 - b + b * |d| / avgdl))
-        idf(t)      = log(1 + (N - df(t) + 0.5) / (df(t) + 0.5))
-
-    Tokenizer: lowercase, tokens of 2+ word characters (scikit-learn's default pattern), scikit-learn's
-    English stopword list removed, NO stemming. |d| counts the tokens left after stopword removal.
-    A repeated query term counts once per occurrence, as in a Lucene BooleanQuery of the terms.
-    Departures from Lucene: no (k1 + 1) factor in the numerator (it changes no ranking; Lucene 8+ dropped
-    it too); exact document lengths instead of Lucene's lossy one-byte length norm (can swap near-ties).
-    Defaults k1 = 1.2, b = 0.75 are Elasticsearch's (the BEIR paper's BM25 row); Anserini / Pyserini
-    use k1 = 0.9, b = 0.4.
-    """
-
-    def __init__(self, doc_texts, k1=1.2, b=0.75):
-        from sklearn.feature_extraction.text import CountVectorizer
-
-        if k1 < 0 or not 0 <= b <= 1:
-            raise ValueError(f"BM25 needs k1 >= 0 and 0 <= b <= 1, got k1={k1}, b={b}")
-        self.k1, self.b = k1, b
-        self.vectorizer = CountVectorizer(lowercase=True, stop_words="english", dtype=np.float32)
-        tf = self.vectorizer.fit_transform(doc_texts).tocsr()  # (N, T) term counts
-        n_docs = tf.shape[0]
-        doc_len = np.asarray(tf.sum(axis=1)).ravel()  # (N,) tokens per document
-        df = np.bincount(tf.indices, minlength=tf.shape[1])  # (T,) documents containing each term
-        self.idf = np.log1p((n_docs - df + 0.5) / (df + 0.5)).astype(np.float32)  # (T,)
-        # Precompute each (document, term) contribution once; a query then only sums columns.
-        rows = np.repeat(np.arange(n_docs), np.diff(tf.indptr))  # (nnz,) document of each entry
-        norm = k1 * (1 - b + b * doc_len / max(doc_len.mean(), 1e-9))  # (N,)
-        weights = tf.copy()
-        weights.data = self.idf[tf.indices] * tf.data / (tf.data + norm[rows])  # (nnz,)
-        self.weights_t = weights.T.tocsr()  # (T, N): query (M, T) @ weights_t -> (M, N)
-        self.n_docs = n_docs
-
-    def score(self, query_texts):
-        """Dense (M, N) float32 score matrix; use search() for large corpora."""
-        q = self.vectorizer.transform(query_texts)  # (M, T) query term counts
-        return np.asarray((q @ self.weights_t).todense(), dtype=np.float32)  # (M, N)
-
-    def search(self, query_texts, k):
-        """Top-k documents per query: (scores (M, k) float32, indices (M, k) int64), best first.
-        Documents with score 0 (no query term) fill the tail when fewer than k match."""
-        k = min(k, self.n_docs)
-        chunk = max(1, int(2e7 // max(self.n_docs, 1)))  # bound the dense block to ~80 MB
-        all_scores, all_ids = [np.zeros((0, k), np.float32)], [np.zeros((0, k), np.int64)]
-        for start in range(0, len(query_texts), chunk):
-            s = self.score(query_texts[start:start + chunk])  # (m, N)
-            top = np.argpartition(-s, k - 1, axis=1)[:, :k] if k < self.n_docs else np.tile(np.arange(k), (len(s), 1))
-            top_s = np.take_along_axis(s, top, axis=1)  # (m, k)
-            order = np.argsort(-top_s, axis=1, kind="stable")  # (m, k)
-            all_ids.append(np.take_along_axis(top, order, axis=1).astype(np.int64))
-            all_scores.append(np.take_along_axis(top_s, order, axis=1))
-        return np.concatenate(all_scores), np.concatenate(all_ids)
-
-
 def read_negatives(path, doc_index):
     """{qid: [corpus index]} from a TSV 'qid<TAB>docid,docid,...' (what this script writes)."""
     out = {}
@@ -648,100 +551,8 @@ def write_negatives(path, negatives, doc_ids):
 
 
 # ==============================================================================================
-# Retrieval: encode (sharded across ranks), exact search, mining
+# Mining: negatives from BM25 and from the current model (evaluate.py's retrieval layer)
 # ==============================================================================================
-def exact_search(query_vecs, doc_vecs, k, batch=1024):
-    """Exact maximum inner product search with faiss.IndexFlatIP.
-    query_vecs (M, H), doc_vecs (N, H) float32 -> (scores (M, k), indices (M, k) int64), best first."""
-    import faiss
-
-    doc_vecs = np.ascontiguousarray(doc_vecs, dtype=np.float32)
-    query_vecs = np.ascontiguousarray(query_vecs, dtype=np.float32)
-    k = min(k, len(doc_vecs))
-    index = faiss.IndexFlatIP(doc_vecs.shape[1])
-    index.add(doc_vecs)
-    scores, ids = [np.zeros((0, k), np.float32)], [np.zeros((0, k), np.int64)]
-    for start in range(0, len(query_vecs), batch):
-        s, i = index.search(query_vecs[start:start + batch], k)  # (m, k) each
-        scores.append(s)
-        ids.append(i.astype(np.int64))
-    return np.concatenate(scores), np.concatenate(ids)
-
-
-@torch.no_grad()
-def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16=True, similarity="dot"):
-    """(len(texts), H) float32 numpy vectors (unit length for "cos"). Texts are encoded sorted by
-    length (less padding)."""
-    was_training = encoder.training
-    encoder.eval()
-    autocast = autocast_bf16(device, bf16)
-    order = np.argsort([len(t) for t in texts], kind="stable")
-    out = np.zeros((len(texts), encoder.config.hidden_size), dtype=np.float32)
-    for start in range(0, len(texts), batch_size):
-        rows = order[start:start + batch_size]
-        ids, mask = data.encode_texts(tokenizer, [texts[i] for i in rows], max_len)          # (b, L)
-        ids, mask = ids.to(device), mask.to(device)
-        with autocast:
-            vecs = text_vectors(encoder(ids, mask), mask, pooling, similarity)                 # (b, H)
-        out[rows] = vecs.float().cpu().numpy()
-    encoder.train(was_training)
-    return out
-
-
-def _all_gather(t, device):
-    """Non-differentiable all-gather of equal-shaped tensors along a new first dimension -> (W, ...)."""
-    parts = [torch.empty_like(t.to(device)) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.to(device).contiguous())
-    return torch.stack(parts).cpu()
-
-
-def merge_topk_across_ranks(scores, ids, k, device, chunk=16384):
-    """Every rank holds the top-k of its own corpus shard for the same queries; all-gather them and keep
-    the global top-k. scores (Q, k') float32, ids (Q, k') global corpus indices, k' <= k."""
-    pad = k - scores.shape[1]  # a shard smaller than k
-    scores = np.pad(scores, ((0, 0), (0, pad)), constant_values=-np.inf)
-    ids = np.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
-    out_s, out_i = [], []
-    for start in range(0, max(len(scores), 1), chunk):  # bounded all-gather messages
-        s = _all_gather(torch.from_numpy(scores[start:start + chunk]), device)             # (W, q, k)
-        i = _all_gather(torch.from_numpy(ids[start:start + chunk]), device)                # (W, q, k)
-        s, i = s.permute(1, 0, 2).flatten(1), i.permute(1, 0, 2).flatten(1)               # (q, W*k)
-        top_s, top = s.topk(k, dim=1)                                                      # (q, k)
-        out_s.append(top_s.numpy())
-        out_i.append(i.gather(1, top).numpy())
-    return np.concatenate(out_s)[:len(scores)], np.concatenate(out_i)[:len(scores)]
-
-
-def retrieve(encoder, pooling, tokenizer, doc_texts, query_texts, k, c, device, timings=None):
-    """Dense retrieval, exact: (scores (Q, k), corpus indices (Q, k)) best first, on EVERY rank.
-
-    Under torchrun rank r encodes only its contiguous shard of the corpus (data.shard: no document
-    twice, none dropped), searches it exactly with faiss, and the per-shard top-k lists are all-gathered
-    and merged. So every rank does the same amount of work and no rank waits in a collective while
-    another searches alone (NCCL's timeout), and no rank ever holds the whole corpus' vectors.
-    Every rank encodes all the queries: they are few and short."""
-    rank, world = rank_and_world()
-    k = min(k, len(doc_texts))
-    shard = data.shard(len(doc_texts), rank, world)
-    t0 = time.time()
-    doc_vecs = encode(encoder, pooling, tokenizer, [doc_texts[i] for i in shard], c.passage_len,
-                      c.encode_batch, device, c.bf16, c.similarity)                        # (n, H)
-    t1 = time.time()
-    query_vecs = encode(encoder, pooling, tokenizer, list(query_texts), c.query_len,
-                        c.encode_batch, device, c.bf16, c.similarity)                      # (Q, H)
-    t2 = time.time()
-    if len(shard):
-        scores, ids = exact_search(query_vecs, doc_vecs, k)
-        ids = ids + shard.start
-    else:
-        scores, ids = np.zeros((len(query_texts), 0), np.float32), np.zeros((len(query_texts), 0), np.int64)
-    t3 = time.time()
-    if world > 1:
-        scores, ids = merge_topk_across_ranks(scores, ids, k, device)
-    if timings is not None:
-        timings.update(encode_docs_s=t1 - t0, docs_per_s_per_rank=len(shard) / max(t1 - t0, 1e-9),
-                       encode_queries_s=t2 - t1, search_s=t3 - t2, merge_s=time.time() - t3)
-    return scores, ids
 
 
 def shared_decision(flag, device):
@@ -764,7 +575,7 @@ def bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, path, device
     else:
         rank, world = rank_and_world()
         mine = [examples[i] for i in data.shard(len(examples), rank, world)]
-        _, ids = BM25(doc_texts, c.k1, c.b).search([ex.query for ex in mine], c.bm25_depth)
+        _, ids = evaluate.BM25(doc_texts, c.k1, c.b).search([ex.query for ex in mine], c.bm25_depth)
         ranked = {ex.qid: row.tolist() for ex, row in zip(mine, ids)}
         if world > 1:
             parts = [None] * world
@@ -778,13 +589,13 @@ def bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, path, device
 
 def hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc_index, path, device, main):
     """Stage-2 pools, mined once from the current model: its top hard_depth for each training query,
-    the first hard_skip ranks skipped, positives removed. Sharded across ranks by retrieve();
+    the first hard_skip ranks skipped, positives removed. Sharded across ranks by evaluate.retrieve();
     rank 0 caches the result in `path` (TSV) for --resume."""
     if shared_decision(c.resume and path.is_file(), device):
         ranked = read_negatives(path, doc_index)
     else:
         t0 = time.time()
-        _, ids = retrieve(encoder, c.pooling, tokenizer, doc_texts, [ex.query for ex in examples],
+        _, ids = evaluate.retrieve(encoder, c.pooling, tokenizer, doc_texts, [ex.query for ex in examples],
                           c.hard_depth, c, device)
         ranked = {ex.qid: row.tolist() for ex, row in zip(examples, ids)}
         if main:
@@ -859,15 +670,17 @@ def average_across_ranks(values, device):
 # ==============================================================================================
 # Training loop
 # ==============================================================================================
-# --- shared: begin training helpers ---
+# --- shared: begin autocast ---
 def autocast_bf16(device, enabled=True):
     """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
     as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
     cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
     native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
+# --- shared: end autocast ---
 
 
+# --- shared: begin training helpers ---
 def make_optimizer(model, c):
     """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -1003,7 +816,7 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
     if shared_decision(c.resume and (Path(sc.out_dir) / "done.json").is_file(), device):
         if main:
             print(f"{stage}: already finished, loading {Path(sc.out_dir) / 'encoder'}")
-        return load_encoder(Path(sc.out_dir) / "encoder", c).to(device)
+        return evaluate.load_encoder(Path(sc.out_dir) / "encoder", c).to(device)
     model = BiEncoder(encoder, c.pooling, c.loss, c.similarity, c.tau).to(device)
     optimizer, scheduler = make_optimizer(model, sc)
     start_step = load_checkpoint(sc, model, optimizer, scheduler, main) if c.resume else 0
@@ -1079,14 +892,14 @@ def train(c):
     init_name = c.init
     c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
     tokenizer = data.load_tokenizer(tokenizer_vocab(c))
-    corpus, queries, qrels = load_split(c, c.train_split, c.queries, c.qrels)
+    corpus, queries, qrels = evaluate.load_split(c, c.train_split, c.queries, c.qrels)
     if evaluates(c):                            # a bad test file stops the run now, not after training
-        load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
+        evaluate.load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
     doc_ids = list(corpus)
     doc_index = {d: i for i, d in enumerate(doc_ids)}
-    doc_texts = [passage_text(corpus[d]) for d in doc_ids]
+    doc_texts = [evaluate.passage_text(corpus[d]) for d in doc_ids]
     examples = make_examples(queries, qrels, doc_index, c.n_queries, c.seed)
-    encoder = load_encoder(c.init, c) if c.init else _random_encoder(c)
+    encoder = evaluate.load_encoder(c.init, c) if c.init else _random_encoder(c)
     if encoder.config.vocab_size != tokenizer.get_vocab_size():
         raise data.DataError(f"{tokenizer_vocab(c)}: {tokenizer.get_vocab_size()} entries but the encoder "
                              f"has vocab_size {encoder.config.vocab_size}")
@@ -1126,9 +939,7 @@ def train(c):
     barrier()
     results = None
     if evaluates(c):
-        import evaluate  # here, not at the top: evaluate.py imports this file
-
-        corpus, queries, qrels = load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
+        corpus, queries, qrels = evaluate.load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
         results = evaluate.evaluate_encoder(encoder, c.pooling, tokenizer, corpus, queries, qrels,
                                             out / f"eval-{c.eval_split}", c, device,
                                             tag=f"finetune-{Path(c.init).parent.name if c.init else 'random'}")
@@ -1234,12 +1045,10 @@ def pretrain(c):
 
 def evaluate_folder(c, folder, out_dir, tag):
     """Evaluate a model folder as it is (zero-shot), with c's settings: (means, per_query)."""
-    import evaluate  # here, not at the top: evaluate.py imports this file
-
-    corpus, queries, qrels = load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
+    corpus, queries, qrels = evaluate.load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
     if (Path(out_dir) / "metrics.json").is_file() and c.resume:       # done before a crash: reuse it
         return evaluate.compute_metrics(data.read_run(Path(out_dir) / "run.trec"), qrels)
-    encoder = load_encoder(folder, c)
+    encoder = evaluate.load_encoder(folder, c)
     return evaluate.evaluate_encoder(encoder, c.pooling, data.load_tokenizer(tokenizer_vocab(c)), corpus,
                                      queries, qrels, out_dir, c, setup_distributed()[2], tag=tag)
 
@@ -1251,8 +1060,6 @@ def pipeline(c):
       3. fine-tune that (BM25 negatives, then mined hard negatives) and evaluate it;
       4. with --baseline, also fine-tune c.init without step 2, identically;
     then print every row next to BM25 with paired two-tailed t-tests."""
-    import evaluate
-
     t0 = time.time()
     if c.pretrain not in ("costa", "seed", "cpdae"):
         raise data.DataError(f"--pretrain must be costa, seed or cpdae, got {c.pretrain!r}")
@@ -1275,7 +1082,7 @@ def pipeline(c):
         dist.destroy_process_group()
     if any(r is None for r in rows.values()):  # halted
         return
-    corpus, queries, qrels = load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
+    corpus, queries, qrels = evaluate.load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
     bm25_name = f"BM25 (k1={c.k1}, b={c.b})"
     rows = {bm25_name: evaluate.evaluate_bm25(corpus, queries, qrels, out / f"eval-{c.eval_split}-bm25",
                                               c.k1, c.b, verbose=False), **rows}

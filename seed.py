@@ -562,15 +562,17 @@ def average_across_ranks(values, device):
 # ==============================================================================================
 # Training loop
 # ==============================================================================================
-# --- shared: begin training helpers ---
+# --- shared: begin autocast ---
 def autocast_bf16(device, enabled=True):
     """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
     as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
     cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
     native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
+# --- shared: end autocast ---
 
 
+# --- shared: begin training helpers ---
 def make_optimizer(model, c):
     """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]

@@ -423,6 +423,14 @@ def test_shared_blocks_are_identical_across_files():
         assert text == reference.get(block), f"evaluate.py: shared block '{block}' differs from costa.py"
 
 
+def test_evaluate_imports_nothing_from_finetune():
+    """One arrow, finetune -> evaluate: evaluate.py is the retrieval layer, loading no training code."""
+    assert not re.search(r"^\s*(from|import) finetune", (HERE / "evaluate.py").read_text(), re.M)
+    probe = "import sys, evaluate; print('finetune' in sys.modules)"
+    result = subprocess.run([PY, "-c", probe], capture_output=True, text=True, timeout=120, cwd=HERE)
+    assert result.stdout.strip() == "False", result.stderr
+
+
 @pytest.mark.parametrize("script", ["costa.py", "cpdae.py", "seed.py", "finetune.py", "evaluate.py"])
 def test_help_prints_the_docstring_and_every_field(script):
     result = subprocess.run([PY, str(HERE / script), "--help"], capture_output=True, text=True, timeout=120)
@@ -537,7 +545,7 @@ def test_bm25_matches_term_by_term_formula():
     docs = ["The cat sat on the mat", "Dogs and cats are friends", "A cat chased a cat"]
     tokens = [["cat", "sat", "mat"], ["dogs", "cats", "friends"], ["cat", "chased", "cat"]]  # stopwords gone
     k1, b = 1.2, 0.75
-    bm25 = finetune.BM25(docs, k1=k1, b=b)
+    bm25 = evaluate.BM25(docs, k1=k1, b=b)
     avgdl = sum(len(t) for t in tokens) / 3
     queries = ["cat on the mat", "friendly dogs", "cat cat"]
     q_tokens = [["cat", "mat"], ["dogs"], ["cat", "cat"]]
@@ -560,7 +568,7 @@ def test_exact_search_matches_numpy_brute_force():
     rng = np.random.default_rng(0)
     docs = rng.standard_normal((500, 16)).astype(np.float32)
     queries = rng.standard_normal((7, 16)).astype(np.float32)
-    scores, ids = finetune.exact_search(queries, docs, 20)
+    scores, ids = evaluate.exact_search(queries, docs, 20)
     full = queries @ docs.T
     want = np.argsort(-full, axis=1, kind="stable")[:, :20]
     np.testing.assert_array_equal(ids, want)
@@ -721,13 +729,13 @@ def _retrieve_worker(rank, world, tmp_path):
     c = finetune.Config(**TINY, encode_batch=8, query_len=16, passage_len=24)
     texts = _toy_texts()
     shard = data.shard(len(texts), rank, world)
-    s, i = finetune.retrieve(encoder, "cls", _tokenizer(), texts, texts[:5], len(texts), c, torch.device("cpu"))
+    s, i = evaluate.retrieve(encoder, "cls", _tokenizer(), texts, texts[:5], len(texts), c, torch.device("cpu"))
     torch.save({"scores": torch.from_numpy(s), "ids": torch.from_numpy(i), "shard": list(shard)}, tmp_path / f"rank{rank}.pt")
 
 
 def _brute_force(encoder, texts, queries, c):
     tok = _tokenizer()
-    one = lambda t, n: finetune.encode(encoder, "cls", tok, [t], n, 1, torch.device("cpu"))[0]  # no padding at all
+    one = lambda t, n: evaluate.encode(encoder, "cls", tok, [t], n, 1, torch.device("cpu"))[0]  # no padding at all
     docs = np.stack([one(t, c.passage_len) for t in texts])
     qs = np.stack([one(t, c.query_len) for t in queries])
     return qs @ docs.T  # (Q, N)
@@ -749,7 +757,7 @@ def test_retrieve_matches_brute_force_single_and_two_ranks(tmp_path):
     c = finetune.Config(**TINY, encode_batch=8, query_len=16, passage_len=24)
     texts = _toy_texts()
     full = _brute_force(encoder, texts, texts[:5], c)
-    s, i = finetune.retrieve(encoder, "cls", _tokenizer(), texts, texts[:5], 10, c, torch.device("cpu"))
+    s, i = evaluate.retrieve(encoder, "cls", _tokenizer(), texts, texts[:5], 10, c, torch.device("cpu"))
     _assert_same_topk(s, i, full, 10)
     r0, r1 = run_on_two_ranks(_retrieve_worker, tmp_path)
     assert sorted(r0["shard"] + r1["shard"]) == list(range(len(texts)))               # no document twice or lost
@@ -845,7 +853,7 @@ def test_minilm_short_name_is_the_checked_offline_package():
     assert Path(folder).is_dir() and (Path(folder) / "model.safetensors").is_file()
     # A sentence-transformers folder: its declared mean pooling and Normalize module (= cosine) are read.
     assert data.read_retriever_settings(folder) == {"pooling": "mean", "similarity": "cos"}
-    encoder = finetune.load_encoder("minilm")
+    encoder = evaluate.load_encoder("minilm")
     assert (encoder.config.hidden_size, encoder.config.num_layers, encoder.new_mlm_head) == (384, 6, True)
 
 
@@ -895,7 +903,7 @@ def test_hub_id_without_huggingface_hub_says_what_to_install(tmp_path):
 
 
 def test_exported_encoder_declares_its_pooling_and_similarity_for_sentence_transformers(tmp_path):
-    encoder = finetune.load_encoder(_tiny_init(tmp_path / "tiny"))
+    encoder = evaluate.load_encoder(_tiny_init(tmp_path / "tiny"))
     c = finetune.Config(pooling="mean", similarity="cos", passage_len=96)
     finetune.save_encoder(encoder, tmp_path / "out", c, data.VOCAB)
     out = tmp_path / "out"
@@ -926,7 +934,7 @@ def test_cosine_bi_encoder_scores_are_cosines_over_tau():
 
 def test_a_checkpoint_without_mlm_head_gets_a_new_tied_one(tmp_path, wiki_texts):
     corpus = write(tmp_path / "corpus.txt", "\n\n".join(wiki_texts))
-    finetune.load_encoder(_tiny_init(tmp_path / "full")).save_pretrained(tmp_path / "bare")   # no MLM head saved
+    evaluate.load_encoder(_tiny_init(tmp_path / "full")).save_pretrained(tmp_path / "bare")   # no MLM head saved
     encoder = costa.Encoder.from_pretrained(tmp_path / "bare", costa.Config())
     assert encoder.new_mlm_head and encoder.mlm_head.word_embedding[0] is encoder.embeddings.word
     result = subprocess.run([PY, str(HERE / "costa.py"), "--init", str(tmp_path / "bare"), "--steps", "1", "--corpus", str(corpus),
@@ -958,7 +966,7 @@ def test_word_distribution_figure_from_a_cpdae_folder(tmp_path):
     decoder = cpdae.Decoder(TINY["hidden_size"], TINY["vocab_size"])
     data.save_tensors(tmp_path / "enc" / "decoder.safetensors", decoder.state_dict())
     text = "Nanotechnology raises many of the same issues as any new technology."
-    probs = evaluate.word_distribution(finetune.load_encoder(tmp_path / "enc"), decoder, _tokenizer(), text, 64,
+    probs = evaluate.word_distribution(evaluate.load_encoder(tmp_path / "enc"), decoder, _tokenizer(), text, 64,
                                        torch.device("cpu"))
     assert probs.shape == (30522,) and probs.sum() == pytest.approx(1.0, abs=1e-5) and (probs > 0).all()
     evaluate.main(evaluate.Config(model=str(tmp_path / "enc"), words=text, out_dir=str(tmp_path / "fig")))
