@@ -809,8 +809,8 @@ def train(c):
 # ==============================================================================================
 def save_checkpoint(c, model, optimizer, scheduler, step, main):
     """Rank 0 writes the encoder (Hugging Face folder, for fine-tuning) and the full training state
-    (every module, the projector included, optimizer, scheduler, RNG) for --resume. Each file is
-    written atomically."""
+    (every module, the projector included, optimizer, scheduler) for --resume (batches, masks and
+    dropout are functions of the step: no RNG state is saved). Each file is written atomically."""
     if main:
         model.encoder.save_pretrained(Path(c.out_dir) / "encoder", c.vocab)
         data.save_training_state(Path(c.out_dir) / "state.pt", {

@@ -839,7 +839,8 @@ def train(c):
 def save_checkpoint(c, model, optimizer, scheduler, step, main):
     """Rank 0 writes the encoder (Hugging Face folder, for fine-tuning) with the MLP decoder beside it
     (decoder.safetensors, for the Table 4 figure), and the full training state (every module, the
-    decoder included, optimizer, scheduler, RNG) for --resume. Each file is written atomically."""
+    decoder included, optimizer, scheduler) for --resume (batches, masks and dropout are functions
+    of the step: no RNG state is saved). Each file is written atomically."""
     if main:
         model.encoder.save_pretrained(Path(c.out_dir) / "encoder", c.vocab)
         data.save_tensors(Path(c.out_dir) / "encoder" / "decoder.safetensors", model.decoder.state_dict())

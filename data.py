@@ -674,7 +674,8 @@ def read_json(path):
 
 
 def save_training_state(path, state):
-    """Everything needed to resume (model, optimizer, scheduler, step, RNG) in one file (atomic)."""
+    """Everything needed to resume (model, optimizer, scheduler, step) in one file (atomic); no
+    RNG state: batches, masks and dropout are functions of (seed, rank, micro-step)."""
     atomic_torch_save(path, state)
 
 

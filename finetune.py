@@ -841,12 +841,15 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
     model.train()
     for step in range(start_step + 1, sc.steps + 1):
         for micro in range(c.grad_accum):
+            micro_step = (step_offset + step - 1) * c.grad_accum + micro   # counted across stages
             batch = next(batches)
             n_tokens = int(batch["q_mask"].sum() + batch["p_mask"].sum())
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            last = micro == c.grad_accum - 1               # DDP all-reduces gradients only then
-            with autocast, (contextlib.nullcontext() if last or world == 1 else ddp.no_sync()):
-                loss, metrics = ddp(batch)
+            torch.manual_seed(data.step_seed(c.seed, rank, micro_step))  # dropout, like the batch, is a
+            last = micro == c.grad_accum - 1               # function of the step: resume is exact
+            with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
+                with autocast:
+                    loss, metrics = ddp(batch)
                 (loss / c.grad_accum).backward()
             progress.add(metrics, n_tokens)
         stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, sc)
@@ -995,16 +998,19 @@ def save_checkpoint(c, model, optimizer, scheduler, step, main, vocab):
         save_encoder(model.encoder, Path(c.out_dir) / "encoder", c, vocab)
         data.save_training_state(Path(c.out_dir) / "state.pt", {
             "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
-            "config": dataclasses.asdict(c)})
+            "scheduler": scheduler.state_dict(), "config": dataclasses.asdict(c)})
     barrier()  # short: nobody races ahead of a checkpoint being written
 
 
+# --- shared: begin resume ---
 def load_checkpoint(c, model, optimizer, scheduler, main):
+    """Restore out_dir/state.pt; returns the step to continue from (0 if there is none yet). Batches,
+    masks and dropout are functions of the step, so nothing else needs restoring. The flags in force
+    are today's; one that cannot change on resume stops the run (check_resume_flags)."""
     path = Path(c.out_dir) / "state.pt"
     if not path.is_file():
         if main:
-            print(f"resume: no {path} yet, starting this stage from step 0")
+            print(f"resume: no {path} yet, starting from step 0")
         return 0
     state = data.load_training_state(path)
     changed = check_resume_flags(c, state["config"], path)
@@ -1012,11 +1018,11 @@ def load_checkpoint(c, model, optimizer, scheduler, main):
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     apply_resume_flags(c, optimizer, scheduler)
-    torch.set_rng_state(state["torch_rng"])
     if main:
         print(f"resume: {path} at step {state['step']}"
               + (f"; changed flags apply from now: {changed}" if changed else ""))
     return state["step"]
+# --- shared: end resume ---
 
 
 # ==============================================================================================
