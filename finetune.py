@@ -8,13 +8,16 @@ checkpoint, pipeline.
     python finetune.py --init runs/costa/encoder          # stage 1 (BM25 negatives), stage 2 (hard negatives), test metrics
     python finetune.py --pretrain costa                   # whole pipeline: pre-train, fine-tune, evaluate, table vs BM25
     python finetune.py --init X --rounds 0                # stage 1 only (BM25 negatives)
-    python finetune.py --init X --rounds 2                # the document-ranking recipe: mine twice
+    python finetune.py --init X --rounds 2                # mine twice after the BM25 stage
+    python finetune.py --init PASSAGE_MODEL --epochs 0 --rounds 2 --hard_epochs 1   # the document-ranking recipe
     python finetune.py --init X --n_queries 100 --seed 1  # low-resource setting: 100 random training queries
     torchrun --nproc_per_node=4 finetune.py --preset paper --init bert-base-uncased/
     python finetune.py --init X --resume                  # continue where a killed run stopped
     python finetune.py --init X --overwrite               # start again in an out_dir that holds a run (else refused)
 
 Stage 1: each epoch, every query's negatives are sampled from BM25's top `bm25_depth` minus its positives.
+`--epochs 0` skips it: COSTA 4.5.2 and CPDAE 4.1.3 fine-tune documents from the passage-tuned model, mining
+twice, 1 epoch each, because more BM25 negatives "decreases the performance greatly" (COSTA).
 Stage 2 (`rounds` times): static hard negatives are mined ONCE per round with faiss from the current
 model (top `hard_depth`, first `hard_skip` ranks skipped, positives removed); training continues from the
 previous stage's encoder with a fresh optimizer and warm-up, as Tevatron's two-stage recipe does.
@@ -94,6 +97,7 @@ class Config:
     k1: float = 1.2               # BM25 term-frequency saturation (Elasticsearch / BEIR)
     b: float = 0.75               # BM25 document-length normalisation
     rounds: int = 1               # hard-negative rounds after stage 1 (passages: 1; documents: 2; 0 = BM25 only)
+    # (--epochs 0 skips stage 1: the document-ranking recipe starts mining from a passage-tuned --init)
     hard_depth: int = 200         # hard negatives come from the model's top-k minus the positives
     hard_skip: int = 0            # skip the first ranks of that list (likely unlabelled positives)
     # --- optimisation
@@ -129,7 +133,7 @@ FLAG_RULES = {
     "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
     "max_position": ">= 1", "type_vocab_size": ">= 1", "dropout": "in [0, 1)", "layer_norm_eps": "> 0",
     "pretrain_steps": ">= 0", "n_negatives": ">= 0", "bm25_depth": ">= 1", "k1": ">= 0", "b": "in [0, 1]",
-    "rounds": ">= 0", "hard_depth": ">= 1", "hard_skip": ">= 0", "epochs": "> 0", "hard_epochs": "> 0",
+    "rounds": ">= 0", "hard_depth": ">= 1", "hard_skip": ">= 0", "epochs": ">= 0", "hard_epochs": "> 0",
     "steps": ">= 0", "batch_size": ">= 1", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
     "warmup": "in [0, 1]", "clip": "> 0", "workers": ">= 0", "encode_batch": ">= 1", "log_every": ">= 1",
     "save_every": ">= 1", "halt_at": ">= 0",
@@ -891,6 +895,8 @@ def train(c):
     out = Path(c.out_dir)
     if c.loss not in ("softmax", "hinge"):
         raise data.DataError(f"--loss must be softmax or hinge, got {c.loss!r}")
+    if not c.epochs and not c.rounds:
+        raise data.DataError("--epochs 0 skips the BM25 stage, so --rounds must be >= 1 (else nothing trains)")
     check_run_folder(c, RUN_FILES)
     init_name = c.init
     c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
@@ -923,9 +929,12 @@ def train(c):
               f"{c.similarity}{f' / tau {c.tau}' if c.similarity == 'cos' else ''}) | "
               f"{world} process(es) on {device.type} | data: {len(doc_texts):,} passages, {len(examples)} "
               f"training queries{f' (a sample, seed {c.seed})' if c.n_queries else ''}", flush=True)
-    examples = bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, out / "negatives_bm25.tsv", device, main)
-    encoder = train_stage(c, "stage1", encoder, examples, doc_texts, tokenizer, device, c.epochs, main)
-    offset = stage_steps(c, len(examples), c.epochs, world)
+    offset = 0                                  # steps of the stages before, for --halt_at
+    if c.epochs:                                # --epochs 0: no BM25 stage (the document-ranking recipe)
+        examples = bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, out / "negatives_bm25.tsv",
+                                       device, main)
+        encoder = train_stage(c, "stage1", encoder, examples, doc_texts, tokenizer, device, c.epochs, main)
+        offset = stage_steps(c, len(examples), c.epochs, world)
     for r in range(1, c.rounds + 1):
         if encoder is None:
             break

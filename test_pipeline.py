@@ -957,6 +957,18 @@ def test_halt_and_resume_equals_uninterrupted_run(tmp_path):
     assert (tmp_path / "a" / "negatives_round1.tsv").read_text() == (tmp_path / "b" / "negatives_round1.tsv").read_text()
 
 
+def test_document_recipe_skips_the_bm25_stage_with_epochs_0(tmp_path):
+    """COSTA 4.5.2 / CPDAE 4.1.3: documents start from the passage model and only mine (no BM25 stage)."""
+    beir = _scifact_subset(tmp_path / "beir")
+    args = ["--init", _tiny_init(tmp_path / "tiny"), *FT_TINY_ARGS, "--data", str(beir), "--steps", "2",
+            "--batch_size", "4", "--n_negatives", "3", "--passage_len", "48", "--hard_depth", "30", "--eval_split", ""]
+    finetune.main(args + ["--epochs", "0", "--rounds", "1", "--out_dir", str(tmp_path / "doc")])
+    assert not (tmp_path / "doc" / "stage1").exists() and not (tmp_path / "doc" / "negatives_bm25.tsv").exists()
+    assert (tmp_path / "doc" / "negatives_round1.tsv").is_file() and (tmp_path / "doc" / "encoder").is_dir()
+    with pytest.raises(data.DataError, match="--rounds must be >= 1"):
+        finetune.main(args + ["--epochs", "0", "--rounds", "0", "--out_dir", str(tmp_path / "none")])
+
+
 def test_word_distribution_figure_from_a_cpdae_folder(tmp_path):
     import cpdae
 
