@@ -337,7 +337,9 @@ def window_mask(length, k=2, device=None):
 
 
 class DecoderBlock(nn.Module):
-    """Post-LN block: restricted self-attention, cross-attention to the encoder's [CLS], GELU FFN."""
+    """Pre-LN block, as the authors' fairseq decoder (decoder_normalize_before=True): restricted
+    self-attention, cross-attention to the encoder's [CLS], GELU FFN, each x + f(LN(x)). The final
+    LayerNorm that pre-LN needs is WeakDecoder's."""
 
     def __init__(self, c):
         super().__init__()
@@ -349,24 +351,25 @@ class DecoderBlock(nn.Module):
         # without the attention-probability dropout that would zero the single weight 10% of the time.
         self.cross_value = nn.Linear(c.hidden_size, c.hidden_size)
         self.cross_out = nn.Linear(c.hidden_size, c.hidden_size)
-        self.cross_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
         self.ffn_out = nn.Linear(c.ffn_size, c.hidden_size)
         self.ffn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.dropout = nn.Dropout(c.dropout)
 
     def forward(self, x, h0, attend):                    # x (B, L, H); h0 (B, H); attend (L, L) bool
-        x = self.attn_norm(x + self.dropout(self.attn(x, attend)))                       # (B, L, H)
+        x = x + self.dropout(self.attn(self.attn_norm(x), attend))                       # (B, L, H)
         cross = self.cross_out(self.cross_value(h0))[:, None, :].expand_as(x)            # (B, L, H)
-        x = self.cross_norm(x + self.dropout(cross))
-        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))     # (B, L, H)
+        x = x + self.dropout(cross)   # no LayerNorm here: it would only feed the query, which one key ignores
+        return x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(self.ffn_norm(x)))))     # (B, L, H)
 
 
 class WeakDecoder(nn.Module):
     """SEED's weak decoder (section 3.4): `dec_layers` blocks with self-attention span `dec_span`;
     its only view of the encoder is the last-layer [CLS] vector h0, in every block. It shares the
     encoder's token embedding for its input and its output projection (as the authors do) and has
-    its own learned positions. Dropped after pre-training."""
+    its own learned positions. Departure: its embedded input goes through a LayerNorm, as BERT's does
+    (fairseq's pre-LN decoder has none by default); kept for training stability at our small sizes.
+    Dropped after pre-training."""
 
     def __init__(self, c, word_embedding):
         super().__init__()
@@ -375,6 +378,7 @@ class WeakDecoder(nn.Module):
         self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         self.dropout = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList(DecoderBlock(c) for _ in range(c.dec_layers))
+        self.final_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)   # pre-LN's last LayerNorm
         self.word_embedding = [word_embedding]  # a list, so the tied matrix is not registered twice
         self.apply(Encoder._init_weights)
 
@@ -387,7 +391,7 @@ class WeakDecoder(nn.Module):
         attend = window_mask(x.shape[1], self.span, x.device)                   # (L, L)
         for block in self.blocks:
             x = block(x, h0, attend)
-        return x                                                                # (B, L, H)
+        return self.final_norm(x)                                               # (B, L, H)
 
     def forward(self, input_ids, encoder_hidden):     # (B, L) shifted-right text; (B, L_enc, H)
         return self.decode(self.embed(input_ids), encoder_hidden[:, 0])  # [CLS] is the only bridge
@@ -573,12 +577,14 @@ def autocast_bf16(device, enabled=True):
 
 
 # --- shared: begin training helpers ---
-def make_optimizer(model, c):
-    """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0."""
+def make_optimizer(model, c, eps=1e-8):
+    """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
+    (COSTA and CPDAE say only "Adam with warm-up": weight decay and linear decay are BERT's and SEED's
+    recipe, kept for every method so that they differ only in their losses.) eps: Adam's epsilon."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=c.lr)
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=c.lr, eps=eps)
     warmup = max(1, int(c.warmup * c.steps))
     schedule = lambda step: min((step + 1) / warmup, max(0.0, (c.steps - step) / max(1, c.steps - warmup)))
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -702,7 +708,7 @@ def train(c):
         print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
     windows, special = load_windows(c, main)
     model = PretrainModel(c, encoder).to(device)
-    optimizer, scheduler = make_optimizer(model, c)
+    optimizer, scheduler = make_optimizer(model, c, eps=1e-6)        # SEED 4.1: Adam epsilon 1e-6
     start_step = load_checkpoint(c, model, optimizer, scheduler, main) if c.resume else 0
     if main:
         prepare_run_folder(c)

@@ -788,6 +788,28 @@ def test_cross_attention_shortcut_equals_attention_over_one_key():
     torch.testing.assert_close(literal, shortcut)
 
 
+def test_decoder_is_pre_ln_with_a_final_layer_norm():
+    """The authors' fairseq decoder (decoder_normalize_before=True): x + f(LN(x)) per sub-layer, then a
+    final LayerNorm."""
+    decoder = make_decoder()
+    x, h0 = torch.randn(2, 6, 32), torch.randn(2, 32)
+    attend = seed.window_mask(6, decoder.span, x.device)
+    expected = x
+    for b in decoder.blocks:
+        expected = expected + b.attn(b.attn_norm(expected), attend)
+        expected = expected + b.cross_out(b.cross_value(h0))[:, None, :]
+        expected = expected + b.ffn_out(F.gelu(b.ffn_in(b.ffn_norm(expected))))
+    torch.testing.assert_close(decoder.decode(x, h0), decoder.final_norm(expected))
+
+
+def test_seed_uses_the_papers_adam_epsilon():
+    c = small_config()
+    model = seed.PretrainModel(c, seed.Encoder(c))
+    source = __import__("inspect").getsource(seed.train)
+    assert "make_optimizer(model, c, eps=1e-6)" in source                  # SEED 4.1
+    assert seed.make_optimizer(model, c, eps=1e-6)[0].defaults["eps"] == 1e-6
+
+
 def test_padding_does_not_change_real_positions():
     decoder = make_decoder()
     ids = torch.randint(1, SMALL_VOCAB, (1, 8))
