@@ -81,6 +81,7 @@ class Config:
     granularities: str = "word,phrase,sentence,paragraph"  # which span levels; drop one for Table 4
     span_alpha: float = 4.0       # span length p ~ Beta(alpha, beta) (eq. 1): 4, 2 favours long spans
     span_beta: float = 2.0        # see span_alpha
+    span_resample: bool = False   # fresh spans at every step (ours); default: Algorithm 1's, once per window, seeded
     projector: str = "nonlinear"  # text vector head (eq. 5): nonlinear = Tanh(Linear), linear, none (Table 6)
 
 
@@ -516,7 +517,10 @@ def sample_spans(word_starts, n_tokens, config, rng, stopword_mask=None):
 class Batches(torch.utils.data.Dataset):
     """Item m is this rank's batch at micro-step m: a pure function of (seed, rank, m), so data-loader
     workers can build batches ahead on the CPU and a resumed run sees exactly the same batches.
-    With gwc_weight > 0 a batch also holds "spans" (B, S, 2): COSTA's sampled spans of each window."""
+    With gwc_weight > 0 a batch also holds "spans" (B, S, 2): COSTA's sampled spans of each window,
+    as Algorithm 1 samples them: once per window before training, reused in every epoch (here a pure
+    function of (seed, window), the same thing without holding them all); --span_resample draws fresh
+    spans at every step instead."""
 
     def __init__(self, c, windows, special, rank, world, vocab_tokens):
         self.c, self.windows, self.special, self.rank, self.world = c, windows, special, rank, world
@@ -535,11 +539,12 @@ class Batches(torch.utils.data.Dataset):
                                           generator, c.mask_prob)
         batch = {"input_ids": masked, "attention_mask": attention_mask, "labels": labels}
         if c.gwc_weight:  # spans on the unmasked windows' words; the model sees the masked text
-            rng = np.random.default_rng([c.seed, self.rank, micro_step])
-            windows = [self.windows[i] for i in rows]
+            step_rng = np.random.default_rng([c.seed, self.rank, micro_step])
+            rng = lambda i: step_rng if c.span_resample else np.random.default_rng([c.seed, i])  # per window
             batch["spans"] = torch.tensor([                                      # (B, S, 2)
-                sample_spans(w.word_starts, len(w.input_ids), c, rng,
-                             skip_word_mask(w.input_ids, w.word_starts, self.vocab_tokens)) for w in windows])
+                sample_spans(w.word_starts, len(w.input_ids), c, rng(i),
+                             skip_word_mask(w.input_ids, w.word_starts, self.vocab_tokens))
+                for i, w in ((i, self.windows[i]) for i in rows)])
         return batch
 
 

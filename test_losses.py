@@ -309,6 +309,23 @@ def test_batches_carry_spans_inside_each_window(windows, tokenizer, vocab_tokens
     assert "spans" not in baseline[1]
 
 
+def test_spans_are_sampled_once_per_window_unless_resampled(windows, tokenizer, vocab_tokens):
+    """Algorithm 1 samples each text's 4T spans once, before training, and reuses them every epoch."""
+    few, special = windows[:4], data.special_ids(tokenizer)
+
+    def spans_by_window(c, micro_step):
+        rows = data.batch_indices(len(few), c.batch_size, 0, 1, c.seed, micro_step)
+        spans = costa.Batches(c, few, special, 0, 1, vocab_tokens)[micro_step]["spans"]
+        return {int(r): s for r, s in zip(rows, spans)}
+
+    once = tiny_costa_config(batch_size=4)
+    a, b = spans_by_window(once, 0), spans_by_window(once, 2)            # every window in both batches
+    assert a.keys() == b.keys() and all(torch.equal(a[i], b[i]) for i in a)
+    redraw = tiny_costa_config(batch_size=4, span_resample=True)
+    a, b = spans_by_window(redraw, 0), spans_by_window(redraw, 2)
+    assert not all(torch.equal(a[i], b[i]) for i in a)
+
+
 def test_model_total_loss_is_lambda_gwc_plus_mlm(windows, tokenizer, vocab_tokens):
     torch.manual_seed(0)
     c = tiny_costa_config(gwc_weight=0.5, tau=1.0)
