@@ -1,6 +1,6 @@
 """COSTA: pre-train a discriminative text encoder by contrastive span prediction.
 
-Ma et al., SIGIR 2022 (papers/costa.md). One file, top to bottom: config, model, loss, data,
+Ma et al., SIGIR 2022 (arXiv:2204.10641, section 3.2-3.3, eq. 1-10, Algorithm 1). One file, top to bottom: config, model, loss, data,
 distributed setup, training loop, checkpoint. With --gwc_weight 0 it is the papers' BERT/MLM baseline.
 
     python costa.py                                  # small model, bundled Wikipedia slice, CPU
@@ -403,12 +403,17 @@ def mlm_loss(hidden, labels, head):
 
 
 def gwc_loss_and_accuracy(anchors, all_text_vecs, all_span_vecs, first, tau):
-    """Group-wise contrastive loss (eq. 8) of local anchors against every vector of the batch.
+    """Group-wise contrastive loss (eq. 8) of local anchors against every vector of the batch:
 
+        L_GWC = sum_{i=1..N} -1/(4T) sum_{p in S(i)} log( exp(sim(z_i, z_p) / tau)
+                                                          / sum_{j=1..N(4T+1)} 1[i != j] exp(sim(z_i, z_j) / tau) )
+
+    S(i): the 4T spans of text i; j runs over the batch's N text vectors and N*4T span vectors.
     anchors (n, H): text vectors z_i, rows first .. first+n-1 of all_text_vecs (N, H); all_span_vecs
     (N, S, H). For anchor i the S spans of text i are positives; the denominator runs over all N (S + 1)
     vectors except z_i itself (other texts, every span, its own spans). sim = dot product / tau.
-    Eq. 8 sums over texts; we take the mean (over the S positives, as eq. 8, then over texts).
+    Eq. 8 sums over texts; we take the mean (over the S positives, as eq. 8, then over texts), so that
+    lambda does not scale with the batch size.
     Logits in fp32 with autocast off (under autocast a matmul runs in bf16 even on fp32 inputs).
     accuracy: fraction of anchors whose best candidate (itself excluded) is one of its own spans.
     """

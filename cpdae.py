@@ -1,6 +1,6 @@
 """CPDAE: contrastive pre-training of a discriminative autoencoder with an MLP decoder.
 
-Ma et al., CIKM 2022 (papers/cpdae.md, section 3, eq. 1-6). One file, top to bottom: config, model, loss,
+Ma et al., CIKM 2022 (arXiv:2208.09846, section 3, eq. 1-6). One file, top to bottom: config, model, loss,
 data, distributed setup, training loop, checkpoint. It is costa.py's MLM skeleton plus: two masked views
 of every text, an MLP decoder from [CLS] to a word distribution, a bag-of-words reconstruction loss and a
 contrastive loss between the views' word distributions. `diff costa.py cpdae.py` shows exactly that.

@@ -1,6 +1,7 @@
 """Fine-tune a pre-trained encoder into a dense retriever, as the papers do (COSTA 4.5.2, CPDAE 4.1.3,
 SEED-Encoder 4.2): a bi-encoder with ONE shared BERT, [CLS] vectors, dot product, softmax over the
-positive, 7 negatives and every other passage of the global batch. One file, top to bottom: config,
+positive, 7 negatives and every other passage of the global batch (CPDAE 4.1.3 uses a pairwise loss
+instead: --loss hinge). One file, top to bottom: config,
 model, loss, data (examples, negatives, batches), mining (BM25 and dense negatives through evaluate.py,
 the retrieval layer: this file imports it, never the reverse), distributed setup, training loop,
 checkpoint, pipeline.
@@ -421,8 +422,8 @@ def other_positives(candidate_docs, query_positives, labels):
 
 
 def softmax_loss(q, p, labels, exclude=None, tau=1.0):
-    """Contrastive cross-entropy of dense retrieval (DPR; Tevatron's loss, used by COSTA 4.5.2 and
-    CPDAE 4.1.3, which give no equation):
+    """Contrastive cross-entropy of dense retrieval (DPR; Tevatron's loss; COSTA 4.5.2 gives no
+    equation). The default; departure for CPDAE, whose 4.1.3 fine-tunes with a pairwise loss: --loss hinge.
         L = -1/B sum_i log( exp(q_i . p_i+ / tau) / sum_j exp(q_i . p_j / tau) ),
     j over the global batch's passages: the query's positive, its own negatives and every other
     query's passages. The papers: dot product, tau = 1. Cosine (unit vectors) needs a small tau
@@ -437,7 +438,8 @@ def softmax_loss(q, p, labels, exclude=None, tau=1.0):
 
 
 def hinge_loss(q, p, labels, exclude=None, tau=1.0, margin=1.0):
-    """SEED-Encoder 4.2 (unnumbered equation): L = sum relu(1 - (s(q, d+) - s(q, d-))) over triples.
+    """SEED-Encoder 4.2 (unnumbered equation), and the pairwise loss of CPDAE 4.1.3 (which gives no
+    equation): L = sum relu(1 - (s(q, d+) - s(q, d-))) over triples.
     Here: mean over each query's negatives (its own and the batch's, as softmax_loss sees them), then
     over queries (the paper sums; a mean keeps the learning rate independent of the batch size).
     Same arguments and returns as softmax_loss; tau is unused (the margin sets the scale)."""

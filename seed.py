@@ -1,6 +1,6 @@
 """SEED-Encoder: pre-train a text encoder whose [CLS] vector must feed a weak decoder.
 
-Lu et al., EMNLP 2021 (papers/seed-encoder.md, section 3.4, eq. 9-10). One file, top to bottom: config,
+Lu et al., EMNLP 2021 (arXiv:2102.09206, section 3.4, eq. 9-10). One file, top to bottom: config,
 model, loss, data, distributed setup, training loop, checkpoint, and the Figure 5 diagnostic. It is
 costa.py's MLM skeleton plus a weak decoder: `diff costa.py seed.py` shows exactly what SEED adds.
 

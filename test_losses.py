@@ -2,8 +2,8 @@
 
     pytest -q test_losses.py
 
-Sections: COSTA (papers/costa.md eq. 1-10), CPDAE (papers/cpdae.md eq. 3-6), SEED-Encoder
-(papers/seed-encoder.md 3.4, eq. 9-10). Naive references are plain Python loops over the equations'
+Sections: COSTA (arXiv:2204.10641 eq. 1-10), CPDAE (arXiv:2208.09846 eq. 3-6), SEED-Encoder
+(arXiv:2102.09206 3.4, eq. 9-10). Naive references are plain Python loops over the equations'
 indices, in float64 where the comparison is numerical.
 """
 import dataclasses
