@@ -7,12 +7,16 @@ Read top to bottom:
   4. windows         documents -> [CLS] ... [SEP] windows of at most max_len tokens, with word starts
   5. batches         BERT masking, padding, and which examples each rank gets at each step
   6. checkpoints     Hugging Face BERT folders and training state, written atomically
+  7. command line    a script's Config from '--field value' flags, each checked before any work
 """
+import dataclasses
 import functools
 import gzip
+import inspect
 import json
 import os
 import shutil
+import sys
 import tempfile
 import zlib
 from pathlib import Path
@@ -692,3 +696,61 @@ def load_training_state(path):
     if not isinstance(state, dict) or not {"step", "model", "optimizer", "scheduler", "config"} <= set(state):
         raise DataError(f"{path}: not a training state written by these scripts")
     return state
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. Command line
+# ----------------------------------------------------------------------------------------------
+BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+def parse_config(Config, argv, doc="", preset=None, rules=None):
+    """A script's Config from the command line: '--field value' for any field, '--flag' alone for a
+    bool. Every value is checked here, before any work: its type, its domain (rules, the script's
+    FLAG_RULES) and --preset paper (the script's PAPER_PRESET). --help prints `doc` and Config's source.
+    A bad flag exits with one line 'error: ...'."""
+    if argv[:1] in (["-h"], ["--help"]):               # the docstring, then every field with its comment
+        try:
+            print(doc, inspect.getsource(Config), sep="\n", flush=True)
+        except BrokenPipeError:                         # `x.py --help | head` stopped reading: fine
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    overrides, i = {}, 0
+    while i < len(argv):
+        name = argv[i].removeprefix("--").replace("-", "_")
+        if not argv[i].startswith("--") or name not in fields:
+            sys.exit(f"error: unknown argument {argv[i]!r}; fields are: {', '.join(fields)}")
+        kind = type(fields[name].default)
+        if kind is bool and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+            overrides[name], i = True, i + 1
+            continue
+        if i + 1 == len(argv):
+            sys.exit(f"error: --{name} needs a value")
+        value = argv[i + 1]
+        if kind is bool and value.lower() not in BOOLEANS:
+            sys.exit(f"error: --{name} expects true or false (also 1/0, yes/no), got {value!r}")
+        try:
+            overrides[name] = BOOLEANS[value.lower()] if kind is bool else kind(value)
+        except ValueError:
+            sys.exit(f"error: --{name} expects {kind.__name__}, got {value!r}")
+        i += 2
+    if overrides.get("preset", "") not in ("", "paper"):
+        sys.exit(f"error: --preset must be paper (or empty), got {overrides['preset']!r}")
+    chosen = (preset or {}) if overrides.get("preset") == "paper" else {}
+    c = Config(**{**chosen, **overrides})
+    for name, rule in (rules or {}).items():
+        if not satisfies(getattr(c, name), rule):
+            sys.exit(f"error: --{name} must be {rule}, got {getattr(c, name)!r}")
+    return c
+
+
+def satisfies(value, rule):
+    """A FLAG_RULES rule: '> 0', '>= 1', '0 or >= 3', 'in [0, 1]' or 'in [0, 1)'. NaN satisfies none."""
+    if rule.startswith("0 or "):
+        return value == 0 or satisfies(value, rule.removeprefix("0 or "))
+    if rule.startswith("in "):
+        low, high = (float(x) for x in rule[4:-1].split(","))
+        return low <= value and (value <= high if rule.endswith("]") else value < high)
+    op, bound = rule.split()
+    return value >= float(bound) if op == ">=" else value > float(bound)
