@@ -172,41 +172,6 @@ class MLMHead(nn.Module):
         return h @ self.word_embedding[0].weight.T + self.bias                   # (M, V)
 
 
-# Our parameter names -> Hugging Face BertForMaskedLM names (both directions use this table).
-HF_NAMES = [("embeddings.word.", "bert.embeddings.word_embeddings."),
-            ("embeddings.position.", "bert.embeddings.position_embeddings."),
-            ("embeddings.token_type.", "bert.embeddings.token_type_embeddings."),
-            ("embeddings.norm.", "bert.embeddings.LayerNorm."),
-            ("attn.query.", "attention.self.query."), ("attn.key.", "attention.self.key."),
-            ("attn.value.", "attention.self.value."), ("attn.out.", "attention.output.dense."),
-            ("attn_norm.", "attention.output.LayerNorm."), ("ffn_in.", "intermediate.dense."),
-            ("ffn_out.", "output.dense."), ("ffn_norm.", "output.LayerNorm."),
-            ("blocks.", "bert.encoder.layer."),
-            ("mlm_head.dense.", "cls.predictions.transform.dense."),
-            ("mlm_head.norm.", "cls.predictions.transform.LayerNorm."),
-            ("mlm_head.bias", "cls.predictions.bias")]
-HF_CONFIG_KEYS = dict(vocab_size="vocab_size", hidden_size="hidden_size", num_layers="num_hidden_layers",
-                      num_heads="num_attention_heads", ffn_size="intermediate_size",
-                      max_position="max_position_embeddings", type_vocab_size="type_vocab_size",
-                      dropout="hidden_dropout_prob", layer_norm_eps="layer_norm_eps")
-
-
-def to_hf_name(name):
-    for ours, theirs in HF_NAMES:
-        name = name.replace(ours, theirs)
-    return name
-
-
-def from_hf_name(name):
-    """Accepts 'bert.'-prefixed or bare names and the old LayerNorm gamma/beta spelling."""
-    name = name.removeprefix("bert.").replace("LayerNorm.gamma", "LayerNorm.weight")
-    name = name.replace("LayerNorm.beta", "LayerNorm.bias")
-    name = name if name.startswith("cls.") else "bert." + name
-    for ours, theirs in HF_NAMES:           # this order: "attention.output.dense" before "output.dense"
-        name = name.replace(theirs, ours)
-    return name
-
-
 class Encoder(nn.Module):
     """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
     forward returns the last hidden states; the text vector is position 0 ([CLS])."""
@@ -235,14 +200,14 @@ class Encoder(nn.Module):
         return x                                                    # (B, L, H)
 
     def hf_config(self):
-        c = {theirs: getattr(self.config, ours) for ours, theirs in HF_CONFIG_KEYS.items()}
+        c = {theirs: getattr(self.config, ours) for ours, theirs in data.HF_CONFIG_KEYS.items()}
         return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
                 "attention_probs_dropout_prob": self.config.dropout, "initializer_range": 0.02,
                 "pad_token_id": 0, "position_embedding_type": "absolute", **c}
 
     def save_pretrained(self, folder, vocab=data.VOCAB):
         """Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
-        state = {to_hf_name(k): v for k, v in self.state_dict().items()}
+        state = {data.to_hf_name(k): v for k, v in self.state_dict().items()}
         data.save_encoder_folder(folder, state, self.hf_config(), vocab)
 
     @classmethod
@@ -250,18 +215,18 @@ class Encoder(nn.Module):
         """Load a Hugging Face BERT folder (ours, or e.g. bert-base-uncased downloaded by the user).
         config: a Config whose model fields are replaced by the folder's config.json."""
         hf_config, hf_state = data.load_encoder_folder(folder)
-        sizes = {ours: hf_config[theirs] for ours, theirs in HF_CONFIG_KEYS.items() if theirs in hf_config}
+        sizes = {ours: hf_config[theirs] for ours, theirs in data.HF_CONFIG_KEYS.items() if theirs in hf_config}
         model = cls(dataclasses.replace(config or Config(), **sizes))
-        state = {from_hf_name(k): v for k, v in hf_state.items()}
+        state = {data.from_hf_name(k): v for k, v in hf_state.items()}
         ours = model.state_dict()
         for name, tensor in state.items():
             if name in ours and ours[name].shape != tensor.shape:
-                raise data.DataError(f"{folder}: {to_hf_name(name)} has shape {tuple(tensor.shape)}, "
+                raise data.DataError(f"{folder}: {data.to_hf_name(name)} has shape {tuple(tensor.shape)}, "
                                      f"the model expects {tuple(ours[name].shape)}")
         state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
         missing = [k for k in ours if k not in state]
         if [k for k in missing if not k.startswith("mlm_head.")]:
-            raise data.DataError(f"{folder}: missing encoder weights, e.g. {to_hf_name(missing[0])}")
+            raise data.DataError(f"{folder}: missing encoder weights, e.g. {data.to_hf_name(missing[0])}")
         model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
         model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
         return model

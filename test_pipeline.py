@@ -282,7 +282,7 @@ def test_hf_folder_round_trip_and_bin_checkpoints(tmp_path):
     # An old-style folder: pytorch_model.bin, 'bert.' prefix, LayerNorm gamma/beta, a pooler to ignore.
     old = tmp_path / "old"
     old.mkdir()
-    state = {costa.to_hf_name(k).replace("LayerNorm.weight", "LayerNorm.gamma")
+    state = {data.to_hf_name(k).replace("LayerNorm.weight", "LayerNorm.gamma")
              .replace("LayerNorm.bias", "LayerNorm.beta"): v for k, v in ours.state_dict().items()}
     state["bert.pooler.dense.weight"] = torch.zeros(32, 32)
     torch.save(state, old / "pytorch_model.bin")
@@ -299,7 +299,7 @@ def test_checkpoint_errors_name_the_problem(tmp_path):
     (tmp_path / "enc" / "vocab.txt").write_text("[PAD]\n[UNK]\n")
     with pytest.raises(data.DataError, match="vocab.txt: 2 entries, but config.json says vocab_size 30522"):
         costa.Encoder.from_pretrained(tmp_path / "enc")
-    bad = {costa.to_hf_name(k): v for k, v in ours.state_dict().items()}
+    bad = {data.to_hf_name(k): v for k, v in ours.state_dict().items()}
     bad["bert.encoder.layer.0.attention.self.query.weight"] = torch.zeros(8, 8)
     data.save_encoder_folder(tmp_path / "bad", bad, ours.hf_config())
     with pytest.raises(data.DataError, match=r"attention\.self\.query\.weight has shape \(8, 8\)"):
