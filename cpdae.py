@@ -1,7 +1,8 @@
 """CPDAE: contrastive pre-training of a discriminative autoencoder with an MLP decoder.
 
 Ma et al., CIKM 2022 (arXiv:2208.09846, section 3, eq. 1-6). One file, top to bottom: config, model, loss,
-data, distributed setup, training loop, checkpoint. It is costa.py's MLM skeleton plus: two masked views
+data, training loop, checkpoint; then the blocks every method shares (the BERT encoder, distributed and
+training helpers). It is costa.py's MLM skeleton plus: two masked views
 of every text, an MLP decoder from [CLS] to a word distribution, a bag-of-words reconstruction loss and a
 contrastive loss between the views' word distributions. `diff costa.py cpdae.py` shows exactly that.
 
@@ -105,135 +106,7 @@ FLAG_RULES = {
 # ==============================================================================================
 # Model
 # ==============================================================================================
-# --- shared: begin encoder ---
-class Embeddings(nn.Module):
-    """Token + learned absolute position + token-type embeddings, then LayerNorm and dropout."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.word = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.position = nn.Embedding(c.max_position, c.hidden_size)
-        self.token_type = nn.Embedding(c.type_vocab_size, c.hidden_size)
-        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.dropout = nn.Dropout(c.dropout)
-
-    def forward(self, input_ids):                                               # (B, L)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
-        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]  # (B, L, H)
-        return self.dropout(self.norm(x))
-
-
-class SelfAttention(nn.Module):
-    """Multi-head self-attention through scaled_dot_product_attention (fused kernels on GPU)."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.heads, self.dropout = c.num_heads, c.dropout
-        self.query = nn.Linear(c.hidden_size, c.hidden_size)
-        self.key = nn.Linear(c.hidden_size, c.hidden_size)
-        self.value = nn.Linear(c.hidden_size, c.hidden_size)
-        self.out = nn.Linear(c.hidden_size, c.hidden_size)
-
-    def forward(self, x, attend):                       # x (B, L, H); attend (B, 1, 1, L) True = key visible
-        B, L, H = x.shape
-        split = lambda t: t.view(B, L, self.heads, H // self.heads).transpose(1, 2)  # (B, heads, L, H/heads)
-        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return self.out(y.transpose(1, 2).reshape(B, L, H))                      # (B, L, H)
-
-
-class Block(nn.Module):
-    """Post-LN Transformer block, as in BERT: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.attn = SelfAttention(c)
-        self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
-        self.ffn_out = nn.Linear(c.ffn_size, c.hidden_size)
-        self.ffn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.dropout = nn.Dropout(c.dropout)
-
-    def forward(self, x, attend):                                                    # (B, L, H)
-        x = self.attn_norm(x + self.dropout(self.attn(x, attend)))
-        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))  # (B, L, H)
-
-
-class MLMHead(nn.Module):
-    """BERT's MLM head: dense, GELU, LayerNorm, then the token embedding matrix (tied) plus a bias."""
-
-    def __init__(self, c, word_embedding):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
-        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.bias = nn.Parameter(torch.zeros(c.vocab_size))
-        self.word_embedding = [word_embedding]  # a list, so the tied matrix is not registered twice
-
-    def forward(self, h):                                                        # (M, H)
-        h = self.norm(F.gelu(self.dense(h)))                                     # (M, H)
-        return h @ self.word_embedding[0].weight.T + self.bias                   # (M, V)
-
-
-class Encoder(nn.Module):
-    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
-    forward returns the last hidden states; the text vector is position 0 ([CLS])."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.config = c
-        self.embeddings = Embeddings(c)
-        self.blocks = nn.ModuleList(Block(c) for _ in range(c.num_layers))
-        self.mlm_head = MLMHead(c, self.embeddings.word)
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(m):
-        """BERT's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm."""
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
-
-    def forward(self, input_ids, attention_mask):                  # (B, L), (B, L) 1 = token, 0 = pad
-        attend = attention_mask.bool()[:, None, None, :]            # (B, 1, 1, L)
-        x = self.embeddings(input_ids)                              # (B, L, H)
-        for block in self.blocks:
-            x = block(x, attend)
-        return x                                                    # (B, L, H)
-
-    def hf_config(self):
-        c = {theirs: getattr(self.config, ours) for ours, theirs in data.HF_CONFIG_KEYS.items()}
-        return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
-                "attention_probs_dropout_prob": self.config.dropout, "initializer_range": 0.02,
-                "pad_token_id": 0, "position_embedding_type": "absolute", **c}
-
-    def save_pretrained(self, folder, vocab=data.VOCAB):
-        """Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
-        state = {data.to_hf_name(k): v for k, v in self.state_dict().items()}
-        data.save_encoder_folder(folder, state, self.hf_config(), vocab)
-
-    @classmethod
-    def from_pretrained(cls, folder, config=None):
-        """Load a Hugging Face BERT folder (ours, or e.g. bert-base-uncased downloaded by the user).
-        config: a Config whose model fields are replaced by the folder's config.json."""
-        hf_config, hf_state = data.load_encoder_folder(folder)
-        sizes = {ours: hf_config[theirs] for ours, theirs in data.HF_CONFIG_KEYS.items() if theirs in hf_config}
-        model = cls(dataclasses.replace(config or Config(), **sizes))
-        state = {data.from_hf_name(k): v for k, v in hf_state.items()}
-        ours = model.state_dict()
-        for name, tensor in state.items():
-            if name in ours and ours[name].shape != tensor.shape:
-                raise data.DataError(f"{folder}: {data.to_hf_name(name)} has shape {tuple(tensor.shape)}, "
-                                     f"the model expects {tuple(ours[name].shape)}")
-        state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
-        missing = [k for k in ours if k not in state]
-        if [k for k in missing if not k.startswith("mlm_head.")]:
-            raise data.DataError(f"{folder}: missing encoder weights, e.g. {data.to_hf_name(missing[0])}")
-        model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
-        model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
-        return model
-# --- shared: end encoder ---
+# (The BERT encoder itself, Encoder, is a shared block at the end of this file.)
 
 
 class Decoder(nn.Module):
@@ -491,8 +364,227 @@ def load_windows(c, main):
 
 
 # ==============================================================================================
-# Distributed setup
+# Training loop
 # ==============================================================================================
+
+
+def train(c):
+    rank, world, device = setup_distributed()
+    main = rank == 0
+    torch.manual_seed(c.seed)
+    c = dataclasses.replace(c, init=data.resolve_model(c.init))   # 'minilm' or a hub id -> a local folder
+    check_run_folder(c)                             # before any work: a run folder is never overwritten silently
+    encoder = Encoder.from_pretrained(c.init, c) if c.init else Encoder(c)
+    c = resolve_vocab(encoder.config)               # --init brings the checkpoint's model sizes and vocab
+    if main and getattr(encoder, "new_mlm_head", False):
+        print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
+    windows, special = load_windows(c, main)
+    if c.cl_mode not in ("js", "cls"):
+        raise data.DataError(f"--cl_mode must be js or cls, got {c.cl_mode!r}")
+    idf = compute_idf(windows, c.vocab_size) if c.idf_rec else None            # once, on the corpus
+    model = PretrainModel(c, encoder, idf).to(device)
+    optimizer, scheduler = make_optimizer(model, c)
+    start_step = load_checkpoint(c, model, optimizer, scheduler, main) if c.resume else 0
+    if main:
+        prepare_run_folder(c)
+        data.atomic_write_json(Path(c.out_dir) / "config.json", dataclasses.asdict(c))
+        n_params = sum(p.numel() for p in model.parameters())
+        left_out = len(windows) % (c.batch_size * world)
+        print(f"model: {n_params / 1e6:.1f}M parameters | {world} process(es) on {device.type} | "
+              f"global batch {c.batch_size * world * c.grad_accum} | {left_out} windows sit out each epoch")
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    loader = torch.utils.data.DataLoader(
+        Batches(c, windows, special, rank, world), batch_size=None, num_workers=c.workers,
+        sampler=range(start_step * c.grad_accum, c.steps * c.grad_accum),
+        generator=torch.Generator())  # its own generator: the global RNG (dropout) resumes exactly
+    autocast = autocast_bf16(device, c.bf16)
+    progress = Progress(c, start_step, main)
+    batches = iter(loader)
+    for step in range(start_step + 1, c.steps + 1):
+        for micro in range(c.grad_accum):
+            micro_step = (step - 1) * c.grad_accum + micro
+            batch = next(batches)
+            progress_tokens = int(batch["attention_mask"].sum())
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            # dropout, like the batch, is a function of the step: resume is exact without saving RNG state
+            torch.manual_seed(data.step_seed(c.seed, rank, micro_step))
+            last = micro == c.grad_accum - 1
+            with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
+                with autocast:
+                    loss, metrics = ddp(batch)
+                (loss / c.grad_accum).backward()
+            progress.add(metrics, progress_tokens)
+        stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, c)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % c.log_every == 0 or step == c.steps:
+            progress.report(step, scheduler.get_last_lr()[0], device)
+        if step % c.save_every == 0 or step == c.steps or step == c.halt_at:
+            save_checkpoint(c, model, optimizer, scheduler, step, main)
+        if step == c.halt_at:
+            break
+    if main:
+        print(f"done: {progress.summary(device)}; encoder in {Path(c.out_dir) / 'encoder'}")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+# ==============================================================================================
+# Checkpoint
+# ==============================================================================================
+def save_checkpoint(c, model, optimizer, scheduler, step, main):
+    """Rank 0 writes the encoder (Hugging Face folder, for fine-tuning) with the MLP decoder beside it
+    (decoder.safetensors, for the Table 4 figure), and the full training state (every module, the
+    decoder included, optimizer, scheduler) for --resume (batches, masks and dropout are functions
+    of the step: no RNG state is saved). Each file is written atomically."""
+    if main:
+        model.encoder.save_pretrained(Path(c.out_dir) / "encoder", c.vocab)
+        data.save_tensors(Path(c.out_dir) / "encoder" / "decoder.safetensors", model.decoder.state_dict())
+        data.save_training_state(Path(c.out_dir) / "state.pt", {
+            "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "config": dataclasses.asdict(c)})
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()   # short: nobody races ahead of a checkpoint being written
+
+
+# ==============================================================================================
+# Shared blocks, below the method: the BERT encoder, distributed helpers, bf16 autocast, training
+# helpers, resume and run setup. Byte-identical in every file that has them (a test checks, and
+# `diff costa.py cpdae.py` skips them): read them once, in costa.py.
+# ==============================================================================================
+# --- shared: begin encoder ---
+class Embeddings(nn.Module):
+    """Token + learned absolute position + token-type embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.word = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.position = nn.Embedding(c.max_position, c.hidden_size)
+        self.token_type = nn.Embedding(c.type_vocab_size, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, input_ids):                                               # (B, L)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
+        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]  # (B, L, H)
+        return self.dropout(self.norm(x))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention through scaled_dot_product_attention (fused kernels on GPU)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.heads, self.dropout = c.num_heads, c.dropout
+        self.query = nn.Linear(c.hidden_size, c.hidden_size)
+        self.key = nn.Linear(c.hidden_size, c.hidden_size)
+        self.value = nn.Linear(c.hidden_size, c.hidden_size)
+        self.out = nn.Linear(c.hidden_size, c.hidden_size)
+
+    def forward(self, x, attend):                       # x (B, L, H); attend (B, 1, 1, L) True = key visible
+        B, L, H = x.shape
+        split = lambda t: t.view(B, L, self.heads, H // self.heads).transpose(1, 2)  # (B, heads, L, H/heads)
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(B, L, H))                      # (B, L, H)
+
+
+class Block(nn.Module):
+    """Post-LN Transformer block, as in BERT: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.attn = SelfAttention(c)
+        self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
+        self.ffn_out = nn.Linear(c.ffn_size, c.hidden_size)
+        self.ffn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, x, attend):                                                    # (B, L, H)
+        x = self.attn_norm(x + self.dropout(self.attn(x, attend)))
+        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))  # (B, L, H)
+
+
+class MLMHead(nn.Module):
+    """BERT's MLM head: dense, GELU, LayerNorm, then the token embedding matrix (tied) plus a bias."""
+
+    def __init__(self, c, word_embedding):
+        super().__init__()
+        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(c.vocab_size))
+        self.word_embedding = [word_embedding]  # a list, so the tied matrix is not registered twice
+
+    def forward(self, h):                                                        # (M, H)
+        h = self.norm(F.gelu(self.dense(h)))                                     # (M, H)
+        return h @ self.word_embedding[0].weight.T + self.bias                   # (M, V)
+
+
+class Encoder(nn.Module):
+    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
+    forward returns the last hidden states; the text vector is position 0 ([CLS])."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.config = c
+        self.embeddings = Embeddings(c)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.num_layers))
+        self.mlm_head = MLMHead(c, self.embeddings.word)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m):
+        """BERT's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm."""
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, input_ids, attention_mask):                  # (B, L), (B, L) 1 = token, 0 = pad
+        attend = attention_mask.bool()[:, None, None, :]            # (B, 1, 1, L)
+        x = self.embeddings(input_ids)                              # (B, L, H)
+        for block in self.blocks:
+            x = block(x, attend)
+        return x                                                    # (B, L, H)
+
+    def hf_config(self):
+        c = {theirs: getattr(self.config, ours) for ours, theirs in data.HF_CONFIG_KEYS.items()}
+        return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
+                "attention_probs_dropout_prob": self.config.dropout, "initializer_range": 0.02,
+                "pad_token_id": 0, "position_embedding_type": "absolute", **c}
+
+    def save_pretrained(self, folder, vocab=data.VOCAB):
+        """Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
+        state = {data.to_hf_name(k): v for k, v in self.state_dict().items()}
+        data.save_encoder_folder(folder, state, self.hf_config(), vocab)
+
+    @classmethod
+    def from_pretrained(cls, folder, config=None):
+        """Load a Hugging Face BERT folder (ours, or e.g. bert-base-uncased downloaded by the user).
+        config: a Config whose model fields are replaced by the folder's config.json."""
+        hf_config, hf_state = data.load_encoder_folder(folder)
+        sizes = {ours: hf_config[theirs] for ours, theirs in data.HF_CONFIG_KEYS.items() if theirs in hf_config}
+        model = cls(dataclasses.replace(config or Config(), **sizes))
+        state = {data.from_hf_name(k): v for k, v in hf_state.items()}
+        ours = model.state_dict()
+        for name, tensor in state.items():
+            if name in ours and ours[name].shape != tensor.shape:
+                raise data.DataError(f"{folder}: {data.to_hf_name(name)} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(ours[name].shape)}")
+        state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
+        missing = [k for k in ours if k not in state]
+        if [k for k in missing if not k.startswith("mlm_head.")]:
+            raise data.DataError(f"{folder}: missing encoder weights, e.g. {data.to_hf_name(missing[0])}")
+        model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
+        model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
+        return model
+# --- shared: end encoder ---
+
+
 # --- shared: begin distributed ---
 def setup_distributed():
     """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
@@ -550,9 +642,6 @@ def average_across_ranks(values, device):
 # --- shared: end distributed ---
 
 
-# ==============================================================================================
-# Training loop
-# ==============================================================================================
 # --- shared: begin autocast ---
 def autocast_bf16(device, enabled=True):
     """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
@@ -681,86 +770,6 @@ class Progress:
         return (f"{self.tokens_total / max(elapsed, 1e-9):,.0f} tokens/s over {format_seconds(elapsed)}, "
                 f"peak memory {peak_memory_mb(device):,.0f} MiB ({device.type})")
 # --- shared: end training helpers ---
-
-
-def train(c):
-    rank, world, device = setup_distributed()
-    main = rank == 0
-    torch.manual_seed(c.seed)
-    c = dataclasses.replace(c, init=data.resolve_model(c.init))   # 'minilm' or a hub id -> a local folder
-    check_run_folder(c)                             # before any work: a run folder is never overwritten silently
-    encoder = Encoder.from_pretrained(c.init, c) if c.init else Encoder(c)
-    c = resolve_vocab(encoder.config)               # --init brings the checkpoint's model sizes and vocab
-    if main and getattr(encoder, "new_mlm_head", False):
-        print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
-    windows, special = load_windows(c, main)
-    if c.cl_mode not in ("js", "cls"):
-        raise data.DataError(f"--cl_mode must be js or cls, got {c.cl_mode!r}")
-    idf = compute_idf(windows, c.vocab_size) if c.idf_rec else None            # once, on the corpus
-    model = PretrainModel(c, encoder, idf).to(device)
-    optimizer, scheduler = make_optimizer(model, c)
-    start_step = load_checkpoint(c, model, optimizer, scheduler, main) if c.resume else 0
-    if main:
-        prepare_run_folder(c)
-        data.atomic_write_json(Path(c.out_dir) / "config.json", dataclasses.asdict(c))
-        n_params = sum(p.numel() for p in model.parameters())
-        left_out = len(windows) % (c.batch_size * world)
-        print(f"model: {n_params / 1e6:.1f}M parameters | {world} process(es) on {device.type} | "
-              f"global batch {c.batch_size * world * c.grad_accum} | {left_out} windows sit out each epoch")
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    loader = torch.utils.data.DataLoader(
-        Batches(c, windows, special, rank, world), batch_size=None, num_workers=c.workers,
-        sampler=range(start_step * c.grad_accum, c.steps * c.grad_accum),
-        generator=torch.Generator())  # its own generator: the global RNG (dropout) resumes exactly
-    autocast = autocast_bf16(device, c.bf16)
-    progress = Progress(c, start_step, main)
-    batches = iter(loader)
-    for step in range(start_step + 1, c.steps + 1):
-        for micro in range(c.grad_accum):
-            micro_step = (step - 1) * c.grad_accum + micro
-            batch = next(batches)
-            progress_tokens = int(batch["attention_mask"].sum())
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            torch.manual_seed(data.step_seed(c.seed, rank, micro_step))  # dropout, like the batch, is a
-            last = micro == c.grad_accum - 1               # function of the step: resume is exact
-            with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
-                with autocast:
-                    loss, metrics = ddp(batch)
-                (loss / c.grad_accum).backward()
-            progress.add(metrics, progress_tokens)
-        stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, c)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % c.log_every == 0 or step == c.steps:
-            progress.report(step, scheduler.get_last_lr()[0], device)
-        if step % c.save_every == 0 or step == c.steps or step == c.halt_at:
-            save_checkpoint(c, model, optimizer, scheduler, step, main)
-        if step == c.halt_at:
-            break
-    if main:
-        print(f"done: {progress.summary(device)}; encoder in {Path(c.out_dir) / 'encoder'}")
-    if world > 1:
-        dist.destroy_process_group()
-
-
-# ==============================================================================================
-# Checkpoint
-# ==============================================================================================
-def save_checkpoint(c, model, optimizer, scheduler, step, main):
-    """Rank 0 writes the encoder (Hugging Face folder, for fine-tuning) with the MLP decoder beside it
-    (decoder.safetensors, for the Table 4 figure), and the full training state (every module, the
-    decoder included, optimizer, scheduler) for --resume (batches, masks and dropout are functions
-    of the step: no RNG state is saved). Each file is written atomically."""
-    if main:
-        model.encoder.save_pretrained(Path(c.out_dir) / "encoder", c.vocab)
-        data.save_tensors(Path(c.out_dir) / "encoder" / "decoder.safetensors", model.decoder.state_dict())
-        data.save_training_state(Path(c.out_dir) / "state.pt", {
-            "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "config": dataclasses.asdict(c)})
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()   # short: nobody races ahead of a checkpoint being written
 
 
 # --- shared: begin resume ---

@@ -1,10 +1,10 @@
 """Fine-tune a pre-trained encoder into a dense retriever, as the papers do (COSTA 4.5.2, CPDAE 4.1.3,
 SEED-Encoder 4.2): a bi-encoder with ONE shared BERT, [CLS] vectors, dot product, softmax over the
 positive, 7 negatives and every other passage of the global batch (CPDAE 4.1.3 uses a pairwise loss
-instead: --loss hinge). One file, top to bottom: config,
-model, loss, data (examples, negatives, batches), mining (BM25 and dense negatives through evaluate.py,
-the retrieval layer: this file imports it, never the reverse), distributed setup, training loop,
-checkpoint, pipeline.
+instead: --loss hinge). One file, top to bottom: config, model, loss, data (examples, negatives,
+batches), mining (BM25 and dense negatives through evaluate.py, the retrieval layer: this file imports
+it, never the reverse), training loop, checkpoint, pipeline; then the shared blocks (BERT encoder,
+distributed and training helpers, the same bytes as costa.py's).
 
     python finetune.py --init runs/costa/encoder          # stage 1 (BM25 negatives), stage 2 (hard negatives), test metrics
     python finetune.py --pretrain costa                   # whole pipeline: pre-train, fine-tune, evaluate, table vs BM25
@@ -143,135 +143,7 @@ FLAG_RULES = {
 # ==============================================================================================
 # Model
 # ==============================================================================================
-# --- shared: begin encoder ---
-class Embeddings(nn.Module):
-    """Token + learned absolute position + token-type embeddings, then LayerNorm and dropout."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.word = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.position = nn.Embedding(c.max_position, c.hidden_size)
-        self.token_type = nn.Embedding(c.type_vocab_size, c.hidden_size)
-        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.dropout = nn.Dropout(c.dropout)
-
-    def forward(self, input_ids):                                               # (B, L)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
-        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]  # (B, L, H)
-        return self.dropout(self.norm(x))
-
-
-class SelfAttention(nn.Module):
-    """Multi-head self-attention through scaled_dot_product_attention (fused kernels on GPU)."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.heads, self.dropout = c.num_heads, c.dropout
-        self.query = nn.Linear(c.hidden_size, c.hidden_size)
-        self.key = nn.Linear(c.hidden_size, c.hidden_size)
-        self.value = nn.Linear(c.hidden_size, c.hidden_size)
-        self.out = nn.Linear(c.hidden_size, c.hidden_size)
-
-    def forward(self, x, attend):                       # x (B, L, H); attend (B, 1, 1, L) True = key visible
-        B, L, H = x.shape
-        split = lambda t: t.view(B, L, self.heads, H // self.heads).transpose(1, 2)  # (B, heads, L, H/heads)
-        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return self.out(y.transpose(1, 2).reshape(B, L, H))                      # (B, L, H)
-
-
-class Block(nn.Module):
-    """Post-LN Transformer block, as in BERT: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.attn = SelfAttention(c)
-        self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
-        self.ffn_out = nn.Linear(c.ffn_size, c.hidden_size)
-        self.ffn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.dropout = nn.Dropout(c.dropout)
-
-    def forward(self, x, attend):                                                    # (B, L, H)
-        x = self.attn_norm(x + self.dropout(self.attn(x, attend)))
-        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))  # (B, L, H)
-
-
-class MLMHead(nn.Module):
-    """BERT's MLM head: dense, GELU, LayerNorm, then the token embedding matrix (tied) plus a bias."""
-
-    def __init__(self, c, word_embedding):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
-        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.bias = nn.Parameter(torch.zeros(c.vocab_size))
-        self.word_embedding = [word_embedding]  # a list, so the tied matrix is not registered twice
-
-    def forward(self, h):                                                        # (M, H)
-        h = self.norm(F.gelu(self.dense(h)))                                     # (M, H)
-        return h @ self.word_embedding[0].weight.T + self.bias                   # (M, V)
-
-
-class Encoder(nn.Module):
-    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
-    forward returns the last hidden states; the text vector is position 0 ([CLS])."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.config = c
-        self.embeddings = Embeddings(c)
-        self.blocks = nn.ModuleList(Block(c) for _ in range(c.num_layers))
-        self.mlm_head = MLMHead(c, self.embeddings.word)
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(m):
-        """BERT's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm."""
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
-
-    def forward(self, input_ids, attention_mask):                  # (B, L), (B, L) 1 = token, 0 = pad
-        attend = attention_mask.bool()[:, None, None, :]            # (B, 1, 1, L)
-        x = self.embeddings(input_ids)                              # (B, L, H)
-        for block in self.blocks:
-            x = block(x, attend)
-        return x                                                    # (B, L, H)
-
-    def hf_config(self):
-        c = {theirs: getattr(self.config, ours) for ours, theirs in data.HF_CONFIG_KEYS.items()}
-        return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
-                "attention_probs_dropout_prob": self.config.dropout, "initializer_range": 0.02,
-                "pad_token_id": 0, "position_embedding_type": "absolute", **c}
-
-    def save_pretrained(self, folder, vocab=data.VOCAB):
-        """Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
-        state = {data.to_hf_name(k): v for k, v in self.state_dict().items()}
-        data.save_encoder_folder(folder, state, self.hf_config(), vocab)
-
-    @classmethod
-    def from_pretrained(cls, folder, config=None):
-        """Load a Hugging Face BERT folder (ours, or e.g. bert-base-uncased downloaded by the user).
-        config: a Config whose model fields are replaced by the folder's config.json."""
-        hf_config, hf_state = data.load_encoder_folder(folder)
-        sizes = {ours: hf_config[theirs] for ours, theirs in data.HF_CONFIG_KEYS.items() if theirs in hf_config}
-        model = cls(dataclasses.replace(config or Config(), **sizes))
-        state = {data.from_hf_name(k): v for k, v in hf_state.items()}
-        ours = model.state_dict()
-        for name, tensor in state.items():
-            if name in ours and ours[name].shape != tensor.shape:
-                raise data.DataError(f"{folder}: {data.to_hf_name(name)} has shape {tuple(tensor.shape)}, "
-                                     f"the model expects {tuple(ours[name].shape)}")
-        state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
-        missing = [k for k in ours if k not in state]
-        if [k for k in missing if not k.startswith("mlm_head.")]:
-            raise data.DataError(f"{folder}: missing encoder weights, e.g. {data.to_hf_name(missing[0])}")
-        model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
-        model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
-        return model
-# --- shared: end encoder ---
+# (The BERT encoder itself, Encoder, is a shared block at the end of this file.)
 
 
 def retriever_settings(c):
@@ -523,196 +395,8 @@ def hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc
 
 
 # ==============================================================================================
-# Distributed setup
-# ==============================================================================================
-# --- shared: begin distributed ---
-def setup_distributed():
-    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
-    CPU. Plain `python x.py` runs one process. Returns (rank, world, device)."""
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def rank_and_world():
-    """(global rank, world size); (0, 1) outside torchrun."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-class GatherWithGrad(torch.autograd.Function):
-    """all_gather that keeps gradients: every rank's loss used this rank's vectors as candidates, so
-    backward hands each rank the sum over ranks of the gradient of its own slice. (The same as the
-    deprecated torch.distributed.nn.functional.all_gather; equal sizes on every rank.)"""
-
-    @staticmethod
-    def forward(ctx, t):                                                  # (n, ...)
-        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, t)
-        return torch.cat(parts, dim=0)                                    # (world * n, ...)
-
-    @staticmethod
-    def backward(ctx, grad):                                              # (world * n, ...)
-        grad = grad.contiguous()
-        dist.all_reduce(grad)                                             # sum over every rank's loss
-        return grad.chunk(dist.get_world_size(), dim=0)[dist.get_rank()]  # (n, ...)
-
-
-def gather_across_ranks(t):
-    """Concatenate `t` from every rank along dim 0, keeping the autograd graph (candidates)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return t
-    return GatherWithGrad.apply(t.contiguous())
-
-
-def average_across_ranks(values, device):
-    """Mean of a dict of floats over ranks, for logging (every rank must call it)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return dict(zip(values, (t / dist.get_world_size()).tolist()))
-# --- shared: end distributed ---
-
-
-# ==============================================================================================
 # Training loop
 # ==============================================================================================
-# --- shared: begin autocast ---
-def autocast_bf16(device, enabled=True):
-    """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
-    as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
-    cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
-    native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
-# --- shared: end autocast ---
-
-
-# --- shared: begin training helpers ---
-def make_optimizer(model, c, eps=1e-8):
-    """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
-    (COSTA and CPDAE say only "Adam with warm-up": weight decay and linear decay are BERT's and SEED's
-    recipe, kept for every method so that they differ only in their losses.) eps: Adam's epsilon."""
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=c.lr, eps=eps)
-    warmup = max(1, int(c.warmup * c.steps))
-    schedule = lambda step: min((step + 1) / warmup, max(0.0, (c.steps - step) / max(1, c.steps - warmup)))
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-
-
-# Flags that may differ on --resume: today's value applies from the next step. Every other flag defines
-# the model, the data or the batches of the saved run, so a resumed run refuses to change it.
-RESUMABLE = ("steps", "epochs", "hard_epochs", "lr", "weight_decay", "warmup", "clip", "bf16", "workers",
-             "log_every", "save_every", "encode_batch", "preset", "eval_split", "eval_queries", "eval_qrels")
-
-
-def check_resume_flags(c, saved, path):
-    """Stop with one line if state.pt is another script's, or if a flag that cannot change on resume
-    did. Returns the changed flags that may change, as '--lr 0.0005 -> 0.001' (or "")."""
-    now = dataclasses.asdict(c)
-    foreign = sorted(set(saved) - set(now))
-    if foreign:
-        raise data.DataError(f"{path}: written by another script (it has --{foreign[0]}); resume it with that "
-                             f"script, or start again with --overwrite")
-    changed = {k: (v, now[k]) for k, v in saved.items() if now[k] != v and k not in ("resume", "overwrite", "halt_at")}
-    frozen = ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items() if k not in RESUMABLE)
-    if frozen:
-        raise data.DataError(f"{path}: these flags cannot change on --resume: {frozen}; resume with the saved "
-                             f"values, or start again with --overwrite")
-    return ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items())
-
-
-def apply_resume_flags(c, optimizer, scheduler):
-    """The state_dicts bring back the saved lr and weight decay: put today's in (the same numbers when
-    unchanged). The schedule itself is today's: make_optimizer built it from today's steps and warmup."""
-    scheduler.base_lrs = [c.lr] * len(optimizer.param_groups)
-    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
-        group["initial_lr"], group["lr"] = c.lr, c.lr * factor(scheduler.last_epoch)
-    optimizer.param_groups[0]["weight_decay"] = c.weight_decay      # group 0 is the decayed one
-
-
-def stop_if_not_finite(grad_norm, step, c):
-    """A NaN or infinite loss makes the gradient norm NaN or infinite on every rank alike (DDP sums the
-    gradients), so all ranks stop together, before the optimizer step: no checkpoint ever holds such
-    weights. (One host-device sync per step: the price of never saving NaNs.)"""
-    if not torch.isfinite(grad_norm):
-        raise data.DataError(f"step {step}: the loss is not finite (gradient norm {float(grad_norm)}); stopped "
-                             f"without saving, so {c.out_dir} keeps its last good checkpoint")
-
-
-def keep_log_until(path, step):
-    """Drop the log lines after `step` (written after the checkpoint a resumed run restarts from, or by a
-    replaced run) and a line cut by a kill, so that the log holds each step once."""
-    def logged(line):
-        try:
-            return json.loads(line)["step"] <= step
-        except (ValueError, KeyError, TypeError):
-            return False
-    if path.is_file():
-        lines = path.read_text(encoding="utf-8").splitlines()
-        data.atomic_write_text(path, "".join(line + "\n" for line in lines if logged(line)))
-
-
-def peak_memory_mb(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10   # Linux reports KiB
-
-
-def format_seconds(s):
-    s = int(s)
-    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-class Progress:
-    """One line per log interval on rank 0 (step, losses, lr, tokens/s, ETA) and a JSONL log."""
-
-    def __init__(self, c, start_step, main):
-        self.c, self.main, self.start_step = c, main, start_step
-        self.t0 = self.t_last = time.time()
-        self.tokens = self.tokens_total = 0
-        self.sums, self.count = {}, 0
-        self.log_path = Path(c.out_dir) / "log.jsonl"
-        if main:
-            keep_log_until(self.log_path, start_step)
-
-    def add(self, metrics, n_tokens):
-        for k, v in metrics.items():   # tensors stay on the device until report(): no sync per step
-            self.sums[k] = self.sums.get(k, 0.0) + v
-        self.count += 1
-        self.tokens += n_tokens
-
-    def report(self, step, lr, device):
-        """Every rank calls this at log steps (the average is a collective); rank 0 prints."""
-        means = average_across_ranks({k: float(v) / self.count for k, v in self.sums.items()}, device)
-        now, (_, world) = time.time(), rank_and_world()
-        tok_per_s = self.tokens * world / (now - self.t_last)
-        self.tokens_total += self.tokens * world
-        done = step - self.start_step
-        eta = (now - self.t0) / done * (self.c.steps - step)
-        if self.main:
-            parts = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
-            print(f"step {step:>6}/{self.c.steps} | {parts} | lr {lr:.2e} | {tok_per_s:,.0f} tok/s | "
-                  f"elapsed {format_seconds(now - self.t0)} | eta {format_seconds(eta)}", flush=True)
-            with open(self.log_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"step": step, **means, "lr": lr, "tokens_per_s": tok_per_s,
-                                    "elapsed_s": now - self.t0}) + "\n")
-        self.sums, self.count, self.tokens, self.t_last = {}, 0, 0, now
-
-    def summary(self, device):
-        elapsed = time.time() - self.t0
-        return (f"{self.tokens_total / max(elapsed, 1e-9):,.0f} tokens/s over {format_seconds(elapsed)}, "
-                f"peak memory {peak_memory_mb(device):,.0f} MiB ({device.type})")
-# --- shared: end training helpers ---
 
 
 def stage_steps(c, n_examples, epochs, world):
@@ -762,8 +446,9 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
             batch = next(batches)
             n_tokens = int(batch["q_mask"].sum() + batch["p_mask"].sum())
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            torch.manual_seed(data.step_seed(c.seed, rank, micro_step))  # dropout, like the batch, is a
-            last = micro == c.grad_accum - 1               # function of the step: resume is exact
+            # dropout, like the batch, is a function of the step: resume is exact without saving RNG state
+            torch.manual_seed(data.step_seed(c.seed, rank, micro_step))
+            last = micro == c.grad_accum - 1
             with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
                 with autocast:
                     loss, metrics = ddp(batch)
@@ -924,29 +609,6 @@ def save_checkpoint(c, model, optimizer, scheduler, step, main, vocab):
     barrier()  # short: nobody races ahead of a checkpoint being written
 
 
-# --- shared: begin resume ---
-def load_checkpoint(c, model, optimizer, scheduler, main):
-    """Restore out_dir/state.pt; returns the step to continue from (0 if there is none yet). Batches,
-    masks and dropout are functions of the step, so nothing else needs restoring. The flags in force
-    are today's; one that cannot change on resume stops the run (check_resume_flags)."""
-    path = Path(c.out_dir) / "state.pt"
-    if not path.is_file():
-        if main:
-            print(f"resume: no {path} yet, starting from step 0")
-        return 0
-    state = data.load_training_state(path)
-    changed = check_resume_flags(c, state["config"], path)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    apply_resume_flags(c, optimizer, scheduler)
-    if main:
-        print(f"resume: {path} at step {state['step']}"
-              + (f"; changed flags apply from now: {changed}" if changed else ""))
-    return state["step"]
-# --- shared: end resume ---
-
-
 # ==============================================================================================
 # Pipeline: pre-train, fine-tune, evaluate, compare with BM25
 # ==============================================================================================
@@ -1029,6 +691,352 @@ def main(argv):
     train(c)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ==============================================================================================
+# Shared blocks, below the method: the BERT encoder, distributed helpers, bf16 autocast, training
+# helpers, resume and run setup. Byte-identical in every file that has them (a test checks, and
+# `diff costa.py cpdae.py` skips them): read them once, in costa.py.
+# ==============================================================================================
+# --- shared: begin encoder ---
+class Embeddings(nn.Module):
+    """Token + learned absolute position + token-type embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.word = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.position = nn.Embedding(c.max_position, c.hidden_size)
+        self.token_type = nn.Embedding(c.type_vocab_size, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, input_ids):                                               # (B, L)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
+        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]  # (B, L, H)
+        return self.dropout(self.norm(x))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention through scaled_dot_product_attention (fused kernels on GPU)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.heads, self.dropout = c.num_heads, c.dropout
+        self.query = nn.Linear(c.hidden_size, c.hidden_size)
+        self.key = nn.Linear(c.hidden_size, c.hidden_size)
+        self.value = nn.Linear(c.hidden_size, c.hidden_size)
+        self.out = nn.Linear(c.hidden_size, c.hidden_size)
+
+    def forward(self, x, attend):                       # x (B, L, H); attend (B, 1, 1, L) True = key visible
+        B, L, H = x.shape
+        split = lambda t: t.view(B, L, self.heads, H // self.heads).transpose(1, 2)  # (B, heads, L, H/heads)
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(B, L, H))                      # (B, L, H)
+
+
+class Block(nn.Module):
+    """Post-LN Transformer block, as in BERT: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.attn = SelfAttention(c)
+        self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
+        self.ffn_out = nn.Linear(c.ffn_size, c.hidden_size)
+        self.ffn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, x, attend):                                                    # (B, L, H)
+        x = self.attn_norm(x + self.dropout(self.attn(x, attend)))
+        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))  # (B, L, H)
+
+
+class MLMHead(nn.Module):
+    """BERT's MLM head: dense, GELU, LayerNorm, then the token embedding matrix (tied) plus a bias."""
+
+    def __init__(self, c, word_embedding):
+        super().__init__()
+        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(c.vocab_size))
+        self.word_embedding = [word_embedding]  # a list, so the tied matrix is not registered twice
+
+    def forward(self, h):                                                        # (M, H)
+        h = self.norm(F.gelu(self.dense(h)))                                     # (M, H)
+        return h @ self.word_embedding[0].weight.T + self.bias                   # (M, V)
+
+
+class Encoder(nn.Module):
+    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
+    forward returns the last hidden states; the text vector is position 0 ([CLS])."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.config = c
+        self.embeddings = Embeddings(c)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.num_layers))
+        self.mlm_head = MLMHead(c, self.embeddings.word)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m):
+        """BERT's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm."""
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, input_ids, attention_mask):                  # (B, L), (B, L) 1 = token, 0 = pad
+        attend = attention_mask.bool()[:, None, None, :]            # (B, 1, 1, L)
+        x = self.embeddings(input_ids)                              # (B, L, H)
+        for block in self.blocks:
+            x = block(x, attend)
+        return x                                                    # (B, L, H)
+
+    def hf_config(self):
+        c = {theirs: getattr(self.config, ours) for ours, theirs in data.HF_CONFIG_KEYS.items()}
+        return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
+                "attention_probs_dropout_prob": self.config.dropout, "initializer_range": 0.02,
+                "pad_token_id": 0, "position_embedding_type": "absolute", **c}
+
+    def save_pretrained(self, folder, vocab=data.VOCAB):
+        """Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
+        state = {data.to_hf_name(k): v for k, v in self.state_dict().items()}
+        data.save_encoder_folder(folder, state, self.hf_config(), vocab)
+
+    @classmethod
+    def from_pretrained(cls, folder, config=None):
+        """Load a Hugging Face BERT folder (ours, or e.g. bert-base-uncased downloaded by the user).
+        config: a Config whose model fields are replaced by the folder's config.json."""
+        hf_config, hf_state = data.load_encoder_folder(folder)
+        sizes = {ours: hf_config[theirs] for ours, theirs in data.HF_CONFIG_KEYS.items() if theirs in hf_config}
+        model = cls(dataclasses.replace(config or Config(), **sizes))
+        state = {data.from_hf_name(k): v for k, v in hf_state.items()}
+        ours = model.state_dict()
+        for name, tensor in state.items():
+            if name in ours and ours[name].shape != tensor.shape:
+                raise data.DataError(f"{folder}: {data.to_hf_name(name)} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(ours[name].shape)}")
+        state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
+        missing = [k for k in ours if k not in state]
+        if [k for k in missing if not k.startswith("mlm_head.")]:
+            raise data.DataError(f"{folder}: missing encoder weights, e.g. {data.to_hf_name(missing[0])}")
+        model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
+        model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
+        return model
+# --- shared: end encoder ---
+
+
+# --- shared: begin distributed ---
+def setup_distributed():
+    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
+    CPU. Plain `python x.py` runs one process. Returns (rank, world, device)."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def rank_and_world():
+    """(global rank, world size); (0, 1) outside torchrun."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class GatherWithGrad(torch.autograd.Function):
+    """all_gather that keeps gradients: every rank's loss used this rank's vectors as candidates, so
+    backward hands each rank the sum over ranks of the gradient of its own slice. (The same as the
+    deprecated torch.distributed.nn.functional.all_gather; equal sizes on every rank.)"""
+
+    @staticmethod
+    def forward(ctx, t):                                                  # (n, ...)
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t)
+        return torch.cat(parts, dim=0)                                    # (world * n, ...)
+
+    @staticmethod
+    def backward(ctx, grad):                                              # (world * n, ...)
+        grad = grad.contiguous()
+        dist.all_reduce(grad)                                             # sum over every rank's loss
+        return grad.chunk(dist.get_world_size(), dim=0)[dist.get_rank()]  # (n, ...)
+
+
+def gather_across_ranks(t):
+    """Concatenate `t` from every rank along dim 0, keeping the autograd graph (candidates)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    return GatherWithGrad.apply(t.contiguous())
+
+
+def average_across_ranks(values, device):
+    """Mean of a dict of floats over ranks, for logging (every rank must call it)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return dict(zip(values, (t / dist.get_world_size()).tolist()))
+# --- shared: end distributed ---
+
+
+# --- shared: begin autocast ---
+def autocast_bf16(device, enabled=True):
+    """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
+    as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
+    cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
+    native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
+# --- shared: end autocast ---
+
+
+# --- shared: begin training helpers ---
+def make_optimizer(model, c, eps=1e-8):
+    """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
+    (COSTA and CPDAE say only "Adam with warm-up": weight decay and linear decay are BERT's and SEED's
+    recipe, kept for every method so that they differ only in their losses.) eps: Adam's epsilon."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=c.lr, eps=eps)
+    warmup = max(1, int(c.warmup * c.steps))
+    schedule = lambda step: min((step + 1) / warmup, max(0.0, (c.steps - step) / max(1, c.steps - warmup)))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+# Flags that may differ on --resume: today's value applies from the next step. Every other flag defines
+# the model, the data or the batches of the saved run, so a resumed run refuses to change it.
+RESUMABLE = ("steps", "epochs", "hard_epochs", "lr", "weight_decay", "warmup", "clip", "bf16", "workers",
+             "log_every", "save_every", "encode_batch", "preset", "eval_split", "eval_queries", "eval_qrels")
+
+
+def check_resume_flags(c, saved, path):
+    """Stop with one line if state.pt is another script's, or if a flag that cannot change on resume
+    did. Returns the changed flags that may change, as '--lr 0.0005 -> 0.001' (or "")."""
+    now = dataclasses.asdict(c)
+    foreign = sorted(set(saved) - set(now))
+    if foreign:
+        raise data.DataError(f"{path}: written by another script (it has --{foreign[0]}); resume it with that "
+                             f"script, or start again with --overwrite")
+    changed = {k: (v, now[k]) for k, v in saved.items() if now[k] != v and k not in ("resume", "overwrite", "halt_at")}
+    frozen = ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items() if k not in RESUMABLE)
+    if frozen:
+        raise data.DataError(f"{path}: these flags cannot change on --resume: {frozen}; resume with the saved "
+                             f"values, or start again with --overwrite")
+    return ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items())
+
+
+def apply_resume_flags(c, optimizer, scheduler):
+    """The state_dicts bring back the saved lr and weight decay: put today's in (the same numbers when
+    unchanged). The schedule itself is today's: make_optimizer built it from today's steps and warmup."""
+    scheduler.base_lrs = [c.lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = c.lr, c.lr * factor(scheduler.last_epoch)
+    optimizer.param_groups[0]["weight_decay"] = c.weight_decay      # group 0 is the decayed one
+
+
+def stop_if_not_finite(grad_norm, step, c):
+    """A NaN or infinite loss makes the gradient norm NaN or infinite on every rank alike (DDP sums the
+    gradients), so all ranks stop together, before the optimizer step: no checkpoint ever holds such
+    weights. (One host-device sync per step: the price of never saving NaNs.)"""
+    if not torch.isfinite(grad_norm):
+        raise data.DataError(f"step {step}: the loss is not finite (gradient norm {float(grad_norm)}); stopped "
+                             f"without saving, so {c.out_dir} keeps its last good checkpoint")
+
+
+def keep_log_until(path, step):
+    """Drop the log lines after `step` (written after the checkpoint a resumed run restarts from, or by a
+    replaced run) and a line cut by a kill, so that the log holds each step once."""
+    def logged(line):
+        try:
+            return json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):
+            return False
+    if path.is_file():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        data.atomic_write_text(path, "".join(line + "\n" for line in lines if logged(line)))
+
+
+def peak_memory_mb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10   # Linux reports KiB
+
+
+def format_seconds(s):
+    s = int(s)
+    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class Progress:
+    """One line per log interval on rank 0 (step, losses, lr, tokens/s, ETA) and a JSONL log."""
+
+    def __init__(self, c, start_step, main):
+        self.c, self.main, self.start_step = c, main, start_step
+        self.t0 = self.t_last = time.time()
+        self.tokens = self.tokens_total = 0
+        self.sums, self.count = {}, 0
+        self.log_path = Path(c.out_dir) / "log.jsonl"
+        if main:
+            keep_log_until(self.log_path, start_step)
+
+    def add(self, metrics, n_tokens):
+        for k, v in metrics.items():   # tensors stay on the device until report(): no sync per step
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.count += 1
+        self.tokens += n_tokens
+
+    def report(self, step, lr, device):
+        """Every rank calls this at log steps (the average is a collective); rank 0 prints."""
+        means = average_across_ranks({k: float(v) / self.count for k, v in self.sums.items()}, device)
+        now, (_, world) = time.time(), rank_and_world()
+        tok_per_s = self.tokens * world / (now - self.t_last)
+        self.tokens_total += self.tokens * world
+        done = step - self.start_step
+        eta = (now - self.t0) / done * (self.c.steps - step)
+        if self.main:
+            parts = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
+            print(f"step {step:>6}/{self.c.steps} | {parts} | lr {lr:.2e} | {tok_per_s:,.0f} tok/s | "
+                  f"elapsed {format_seconds(now - self.t0)} | eta {format_seconds(eta)}", flush=True)
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step, **means, "lr": lr, "tokens_per_s": tok_per_s,
+                                    "elapsed_s": now - self.t0}) + "\n")
+        self.sums, self.count, self.tokens, self.t_last = {}, 0, 0, now
+
+    def summary(self, device):
+        elapsed = time.time() - self.t0
+        return (f"{self.tokens_total / max(elapsed, 1e-9):,.0f} tokens/s over {format_seconds(elapsed)}, "
+                f"peak memory {peak_memory_mb(device):,.0f} MiB ({device.type})")
+# --- shared: end training helpers ---
+
+
+# --- shared: begin resume ---
+def load_checkpoint(c, model, optimizer, scheduler, main):
+    """Restore out_dir/state.pt; returns the step to continue from (0 if there is none yet). Batches,
+    masks and dropout are functions of the step, so nothing else needs restoring. The flags in force
+    are today's; one that cannot change on resume stops the run (check_resume_flags)."""
+    path = Path(c.out_dir) / "state.pt"
+    if not path.is_file():
+        if main:
+            print(f"resume: no {path} yet, starting from step 0")
+        return 0
+    state = data.load_training_state(path)
+    changed = check_resume_flags(c, state["config"], path)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    apply_resume_flags(c, optimizer, scheduler)
+    if main:
+        print(f"resume: {path} at step {state['step']}"
+              + (f"; changed flags apply from now: {changed}" if changed else ""))
+    return state["step"]
+# --- shared: end resume ---
 
 
 if __name__ == "__main__":
