@@ -117,7 +117,7 @@ class Projector(nn.Module):
     def __init__(self, hidden_size, kind="nonlinear"):
         super().__init__()
         if kind not in PROJECTORS:
-            raise data.DataError(f"--projector must be one of {', '.join(PROJECTORS)}, got {kind!r}")
+            raise ValueError(f"--projector must be one of {', '.join(PROJECTORS)}, got {kind!r}")
         self.net = {"nonlinear": lambda: nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.Tanh()),
                     "linear": lambda: nn.Linear(hidden_size, hidden_size),
                     "none": nn.Identity}[kind]()
@@ -239,7 +239,7 @@ def parse_granularities(text):
     """"word,phrase,sentence,paragraph" -> a list of distinct known names (Table 4 drops one)."""
     names = [g.strip() for g in text.split(",") if g.strip()]
     if not names or len(set(names)) != len(names) or not set(names) <= set(GRANULARITIES):
-        raise data.DataError(f"--granularities must be distinct names from {','.join(GRANULARITIES)}, "
+        raise ValueError(f"--granularities must be distinct names from {','.join(GRANULARITIES)}, "
                              f"got {text!r}")
     return names
 
@@ -783,7 +783,7 @@ def check_run_folder(c):
     """Before any work: a fresh run into a folder holding a run needs --overwrite (--resume continues it)."""
     held = [name for name in RUN_FILES if (Path(c.out_dir) / name).exists()]
     if c.resume and c.overwrite:
-        raise data.DataError("--resume continues the run in out_dir and --overwrite replaces it: give one")
+        raise ValueError("--resume continues the run in out_dir and --overwrite replaces it: give one")
     if held and not (c.resume or c.overwrite):
         raise data.DataError(f"{c.out_dir} already holds a run ({', '.join(held)}); continue it with --resume "
                              f"or replace it with --overwrite")
@@ -812,7 +812,7 @@ def resolve_vocab(c):
     if n != c.vocab_size:
         raise data.DataError(f"{c.vocab}: {n} entries, but {model} has vocab_size {c.vocab_size}")
     if c.max_len > c.max_position:
-        raise data.DataError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
+        raise ValueError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
                              f"(max_position)")
     return c
 # --- shared: end run setup ---
@@ -821,5 +821,5 @@ def resolve_vocab(c):
 if __name__ == "__main__":
     try:
         train(data.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES))
-    except data.DataError as e:
+    except ValueError as e:   # a bad flag (ValueError) or a bad input file (data.DataError, one too)
         sys.exit(f"error: {e}")

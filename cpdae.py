@@ -380,7 +380,7 @@ def train(c):
         print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
     windows, special = load_windows(c, main)
     if c.cl_mode not in ("js", "cls"):
-        raise data.DataError(f"--cl_mode must be js or cls, got {c.cl_mode!r}")
+        raise ValueError(f"--cl_mode must be js or cls, got {c.cl_mode!r}")
     idf = compute_idf(windows, c.vocab_size) if c.idf_rec else None            # once, on the corpus
     model = PretrainModel(c, encoder, idf).to(device)
     optimizer, scheduler = make_optimizer(model, c)
@@ -804,7 +804,7 @@ def check_run_folder(c):
     """Before any work: a fresh run into a folder holding a run needs --overwrite (--resume continues it)."""
     held = [name for name in RUN_FILES if (Path(c.out_dir) / name).exists()]
     if c.resume and c.overwrite:
-        raise data.DataError("--resume continues the run in out_dir and --overwrite replaces it: give one")
+        raise ValueError("--resume continues the run in out_dir and --overwrite replaces it: give one")
     if held and not (c.resume or c.overwrite):
         raise data.DataError(f"{c.out_dir} already holds a run ({', '.join(held)}); continue it with --resume "
                              f"or replace it with --overwrite")
@@ -833,7 +833,7 @@ def resolve_vocab(c):
     if n != c.vocab_size:
         raise data.DataError(f"{c.vocab}: {n} entries, but {model} has vocab_size {c.vocab_size}")
     if c.max_len > c.max_position:
-        raise data.DataError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
+        raise ValueError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
                              f"(max_position)")
     return c
 # --- shared: end run setup ---
@@ -842,5 +842,5 @@ def resolve_vocab(c):
 if __name__ == "__main__":
     try:
         train(data.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES))
-    except data.DataError as e:
+    except ValueError as e:   # a bad flag (ValueError) or a bad input file (data.DataError, one too)
         sys.exit(f"error: {e}")

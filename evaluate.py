@@ -76,6 +76,16 @@ FLAG_RULES = {"query_len": "0 or >= 3", "passage_len": "0 or >= 3", "depth": ">=
 # Retrieval: the text vector, the split, BM25, encode (sharded across ranks), exact search
 # (finetune.py trains with these; this file imports nothing from it)
 # ==============================================================================================
+POOLINGS, SIMILARITIES = ("cls", "mean"), ("dot", "cos")
+
+
+def check_pooling_and_similarity(pooling, similarity):
+    """The one place where --pooling and --similarity are checked (for finetune.py too)."""
+    if pooling not in POOLINGS or similarity not in SIMILARITIES:
+        raise ValueError(f"--pooling must be cls or mean and --similarity dot or cos, got {pooling!r}, "
+                         f"{similarity!r}")
+
+
 def pool(hidden, attention_mask, pooling):
     """Text vectors from last hidden states (B, L, H): [CLS] (position 0) or the mean over real tokens."""
     if pooling == "cls":
@@ -658,9 +668,7 @@ def resolve_retriever(c):
                             similarity=c.similarity or saved.get("similarity", "dot"),
                             query_len=c.query_len or saved.get("query_len", 32),
                             passage_len=c.passage_len or saved.get("passage_len", 128))
-    if c.pooling not in ("cls", "mean") or c.similarity not in ("dot", "cos"):
-        raise data.DataError(f"--pooling must be cls or mean and --similarity dot or cos, got "
-                             f"{c.pooling!r}, {c.similarity!r}")
+    check_pooling_and_similarity(c.pooling, c.similarity)
     return c
 
 
@@ -675,7 +683,7 @@ def check_lengths(c, max_position):
     """Before any work: queries and passages are cut to these lengths, which must fit the model's positions."""
     for flag in ("query_len", "passage_len"):
         if getattr(c, flag) > max_position:
-            raise data.DataError(f"--{flag} {getattr(c, flag)} is more than the {max_position} positions of the "
+            raise ValueError(f"--{flag} {getattr(c, flag)} is more than the {max_position} positions of the "
                                  f"model {c.model} (max_position)")
 
 
@@ -703,7 +711,7 @@ def compare_command(c):
     """--compare A,B: per-metric means and paired two-tailed t-tests of run A against run B."""
     paths = [p for p in c.compare.split(",") if p]
     if len(paths) != 2:
-        raise data.DataError(f"--compare expects two run files 'A.trec,B.trec', got {c.compare!r}")
+        raise ValueError(f"--compare expects two run files 'A.trec,B.trec', got {c.compare!r}")
     qrels = load_qrels_only(c)
     (_, a), (_, b) = (compute_metrics(data.read_run(p), qrels) for p in paths)
     tests = compare_per_query(a, b)
@@ -718,7 +726,7 @@ def main(c):
     if c.compare:
         return compare_command(c)
     if not c.bm25 and not c.model:
-        raise data.DataError("give --model FOLDER (a saved encoder) or --bm25")
+        raise ValueError("give --model FOLDER (a saved encoder) or --bm25")
     rank, world, device = setup_distributed()
     out_dir = default_out_dir(c)
     tag = c.tag or (Path(c.model).resolve().parent.name if Path(c.model).is_dir() else c.model)
@@ -959,5 +967,5 @@ def autocast_bf16(device, enabled=True):
 if __name__ == "__main__":
     try:
         main(data.parse_config(Config, sys.argv[1:], __doc__, rules=FLAG_RULES))
-    except data.DataError as e:
+    except ValueError as e:   # a bad flag (ValueError) or a bad input file (data.DataError, one too)
         sys.exit(f"error: {e}")

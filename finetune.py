@@ -152,9 +152,7 @@ def retriever_settings(c):
     declared = data.read_retriever_settings(c.init) if c.init else {}
     c = dataclasses.replace(c, pooling=c.pooling or declared.get("pooling", "cls"),
                             similarity=c.similarity or declared.get("similarity", "dot"))
-    if c.pooling not in ("cls", "mean") or c.similarity not in ("dot", "cos"):
-        raise data.DataError(f"--pooling must be cls or mean and --similarity dot or cos, got "
-                             f"{c.pooling!r}, {c.similarity!r}")
+    evaluate.check_pooling_and_similarity(c.pooling, c.similarity)
     return c
 
 
@@ -164,10 +162,8 @@ class BiEncoder(nn.Module):
 
     def __init__(self, encoder, pooling="cls", loss="softmax", similarity="dot", tau=0.05):
         super().__init__()
-        self.encoder, self.pooling, self.loss = encoder, pooling, loss
+        self.encoder, self.pooling, self.loss_fn = encoder, pooling, loss_function(loss)
         self.similarity, self.tau = similarity, tau if similarity == "cos" else 1.0
-        if loss not in ("softmax", "hinge"):
-            raise ValueError(f"loss must be 'softmax' or 'hinge', got {loss!r}")
 
     def encode(self, ids, mask):                                                   # (B, L)
         return evaluate.text_vectors(self.encoder(ids, mask), mask, self.pooling, self.similarity)  # (B, H)
@@ -184,8 +180,7 @@ class BiEncoder(nn.Module):
         per_query = p.shape[0] // q.shape[0]                                       # 1 + n
         labels = rank * p.shape[0] + torch.arange(q.shape[0], device=q.device) * per_query  # (B,)
         exclude = other_positives(doc_all, batch["q_pos"], labels)                 # (B, N)
-        loss_fn = softmax_loss if self.loss == "softmax" else hinge_loss
-        loss, scores = loss_fn(q, p_all, labels, exclude, self.tau)
+        loss, scores = self.loss_fn(q, p_all, labels, exclude, self.tau)
         accuracy = (scores.argmax(1) == labels).float().mean()
         return loss, {"loss": loss.detach(), "acc": accuracy.detach()}
 
@@ -193,6 +188,16 @@ class BiEncoder(nn.Module):
 # ==============================================================================================
 # Loss
 # ==============================================================================================
+LOSSES = ("softmax", "hinge")
+
+
+def loss_function(name):
+    """The loss --loss names; the one place where --loss is checked."""
+    if name not in LOSSES:
+        raise ValueError(f"--loss must be softmax or hinge, got {name!r}")
+    return softmax_loss if name == "softmax" else hinge_loss
+
+
 def other_positives(candidate_docs, query_positives, labels):
     """(B, N) True where candidate j is a known positive of query i other than its target: another
     query in the batch can share a positive (SciFact does), and it must not count as a negative.
@@ -491,10 +496,9 @@ def train(c):
     main = rank == 0
     torch.manual_seed(c.seed)
     out = Path(c.out_dir)
-    if c.loss not in ("softmax", "hinge"):
-        raise data.DataError(f"--loss must be softmax or hinge, got {c.loss!r}")
+    loss_function(c.loss)                       # a bad --loss stops here, before any work
     if not c.epochs and not c.rounds:
-        raise data.DataError("--epochs 0 skips the BM25 stage, so --rounds must be >= 1 (else nothing trains)")
+        raise ValueError("--epochs 0 skips the BM25 stage, so --rounds must be >= 1 (else nothing trains)")
     check_run_folder(c, RUN_FILES)
     init_name = c.init
     c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
@@ -513,7 +517,7 @@ def train(c):
     c = encoder.config                          # --init brings the checkpoint's model sizes
     for flag in ("query_len", "passage_len"):
         if getattr(c, flag) > c.max_position:
-            raise data.DataError(f"--{flag} {getattr(c, flag)} is more than the {c.max_position} positions of "
+            raise ValueError(f"--{flag} {getattr(c, flag)} is more than the {c.max_position} positions of "
                                  f"the model{f' {c.init}' if c.init else ''} (max_position)")
     encoder = encoder.to(device)
     if main:
@@ -569,7 +573,7 @@ def check_run_folder(c, names):
     """Before any work: a fresh run into a folder holding a run needs --overwrite (--resume continues it)."""
     held = [name for name in names if (Path(c.out_dir) / name).exists()]
     if c.resume and c.overwrite:
-        raise data.DataError("--resume continues the run in out_dir and --overwrite replaces it: give one")
+        raise ValueError("--resume continues the run in out_dir and --overwrite replaces it: give one")
     if held and not (c.resume or c.overwrite):
         raise data.DataError(f"{c.out_dir} already holds a run ({', '.join(held)}); continue it with --resume "
                              f"or replace it with --overwrite")
@@ -653,14 +657,14 @@ def pipeline(c):
     then print every row next to BM25 with paired two-tailed t-tests."""
     t0 = time.time()
     if c.pretrain not in ("costa", "seed", "cpdae"):
-        raise data.DataError(f"--pretrain must be costa, seed or cpdae, got {c.pretrain!r}")
+        raise ValueError(f"--pretrain must be costa, seed or cpdae, got {c.pretrain!r}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # The pre-training script ends its process group; a second one in the same processes can meet
         # the first one's stale rendezvous keys (gloo "connectFullMesh failed"), so refuse instead.
-        raise data.DataError(f"--pretrain runs the whole pipeline in one process; under torchrun run its steps: "
+        raise ValueError(f"--pretrain runs the whole pipeline in one process; under torchrun run its steps: "
                              f"torchrun ... {c.pretrain}.py --out_dir DIR, then torchrun ... finetune.py --init DIR/encoder")
     if not c.eval_split:
-        raise data.DataError("--pretrain compares models on the evaluation split: give --eval_split")
+        raise ValueError("--pretrain compares models on the evaluation split: give --eval_split")
     check_run_folder(c, RUN_FILES + ("pretrain", "zero-shot", "no-pretrain"))  # before any work, not after it
     out, name = Path(c.out_dir), Path(c.init).name if Path(c.init).is_dir() else c.init
     c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
@@ -1042,5 +1046,5 @@ def load_checkpoint(c, model, optimizer, scheduler, main):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except data.DataError as e:
+    except ValueError as e:   # a bad flag (ValueError) or a bad input file (data.DataError, one too)
         sys.exit(f"error: {e}")

@@ -767,7 +767,7 @@ def check_run_folder(c):
     """Before any work: a fresh run into a folder holding a run needs --overwrite (--resume continues it)."""
     held = [name for name in RUN_FILES if (Path(c.out_dir) / name).exists()]
     if c.resume and c.overwrite:
-        raise data.DataError("--resume continues the run in out_dir and --overwrite replaces it: give one")
+        raise ValueError("--resume continues the run in out_dir and --overwrite replaces it: give one")
     if held and not (c.resume or c.overwrite):
         raise data.DataError(f"{c.out_dir} already holds a run ({', '.join(held)}); continue it with --resume "
                              f"or replace it with --overwrite")
@@ -796,7 +796,7 @@ def resolve_vocab(c):
     if n != c.vocab_size:
         raise data.DataError(f"{c.vocab}: {n} entries, but {model} has vocab_size {c.vocab_size}")
     if c.max_len > c.max_position:
-        raise data.DataError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
+        raise ValueError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
                              f"(max_position)")
     return c
 # --- shared: end run setup ---
@@ -809,5 +809,5 @@ if __name__ == "__main__":
             diagnose(c)
         else:
             train(c)
-    except data.DataError as e:
+    except ValueError as e:   # a bad flag (ValueError) or a bad input file (data.DataError, one too)
         sys.exit(f"error: {e}")

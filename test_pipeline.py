@@ -966,7 +966,7 @@ def test_document_recipe_skips_the_bm25_stage_with_epochs_0(tmp_path):
     finetune.main(args + ["--epochs", "0", "--rounds", "1", "--out_dir", str(tmp_path / "doc")])
     assert not (tmp_path / "doc" / "stage1").exists() and not (tmp_path / "doc" / "negatives_bm25.tsv").exists()
     assert (tmp_path / "doc" / "negatives_round1.tsv").is_file() and (tmp_path / "doc" / "encoder").is_dir()
-    with pytest.raises(data.DataError, match="--rounds must be >= 1"):
+    with pytest.raises(ValueError, match="--rounds must be >= 1"):
         finetune.main(args + ["--epochs", "0", "--rounds", "0", "--out_dir", str(tmp_path / "none")])
 
 
@@ -1139,6 +1139,21 @@ def test_class6_flag_domains_and_non_finite_loss(tmp_path, small_corpus):
                               f"so {out} keeps its last good checkpoint")
     state = data.load_training_state(out / "state.pt")
     assert state["step"] == 1 and all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_flag_errors_from_inside_modules_are_value_errors_and_print_one_line(tmp_path):
+    for call, message in ((lambda: costa.parse_granularities("word,word"), "--granularities must be distinct"),
+                          (lambda: costa.Projector(8, "deep"), "--projector must be one of"),
+                          (lambda: finetune.loss_function("ranknet"), "--loss must be softmax or hinge"),
+                          (lambda: evaluate.check_pooling_and_similarity("max", "dot"), "--pooling must be cls")):
+        with pytest.raises(ValueError, match=message) as caught:
+            call()
+        assert not isinstance(caught.value, data.DataError)     # a flag, not a file
+    code, err = run_error([HERE / "costa.py", "--granularities", "word,word", "--out_dir", tmp_path / "o"], tmp_path)
+    assert (code, err) == (1, "error: --granularities must be distinct names from word,phrase,sentence,paragraph, "
+                              "got 'word,word'")
+    code, err = run_error([HERE / "finetune.py", "--loss", "ranknet", "--out_dir", tmp_path / "f"], tmp_path)
+    assert (code, err) == (1, "error: --loss must be softmax or hinge, got 'ranknet'")
 
 
 def test_class7_resume_overwrite_logs_and_flags(tmp_path, small_corpus):
