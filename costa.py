@@ -335,11 +335,11 @@ class Batches(torch.utils.data.Dataset):
         return batch
 
 
-def load_windows(c, main):
+def load_windows(c, is_rank0):
     tokenizer = data.load_tokenizer(c.vocab)        # (resolve_vocab checked its size)
     t0 = time.time()
     windows = data.make_windows(tokenizer, data.read_pretraining_texts(c.corpus), c.max_len)
-    if main:
+    if is_rank0:
         n_tokens = sum(len(w.input_ids) for w in windows)
         print(f"data: {c.corpus}: {len(windows):,} windows, {n_tokens:,} tokens ({time.time() - t0:.1f}s)")
     vocab_tokens = [tokenizer.id_to_token(i) for i in range(tokenizer.get_vocab_size())]
@@ -353,20 +353,20 @@ def load_windows(c, main):
 
 def train(c):
     rank, world, device = setup_distributed()
-    main = rank == 0
+    is_rank0 = rank == 0
     torch.manual_seed(c.seed)
     c = dataclasses.replace(c, init=data.resolve_model(c.init))   # 'minilm' or a hub id -> a local folder
     check_run_folder(c)                             # before any work: a run folder is never overwritten silently
     parse_granularities(c.granularities)            # bad flags fail here, not in a data-loader worker
     encoder = Encoder.from_pretrained(c.init, c) if c.init else Encoder(c)
     c = resolve_vocab(encoder.config)               # --init brings the checkpoint's model sizes and vocab
-    if main and getattr(encoder, "new_mlm_head", False):
+    if is_rank0 and getattr(encoder, "new_mlm_head", False):
         print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
-    windows, special, vocab_tokens = load_windows(c, main)
+    windows, special, vocab_tokens = load_windows(c, is_rank0)
     model = PretrainModel(c, encoder).to(device)
     optimizer, scheduler = make_optimizer(model, c)
-    start_step = load_checkpoint(c, model, optimizer, scheduler, main) if c.resume else 0
-    if main:
+    start_step = load_checkpoint(c, model, optimizer, scheduler, is_rank0) if c.resume else 0
+    if is_rank0:
         prepare_run_folder(c)
         data.atomic_write_json(Path(c.out_dir) / "config.json", dataclasses.asdict(c))
         n_params = sum(p.numel() for p in model.parameters())
@@ -379,7 +379,7 @@ def train(c):
         sampler=range(start_step * c.grad_accum, c.steps * c.grad_accum),
         generator=torch.Generator())  # its own generator: the global RNG (dropout) resumes exactly
     autocast = autocast_bf16(device, c.bf16)
-    progress = Progress(c, start_step, main)
+    progress = Progress(c, start_step, is_rank0)
     batches = iter(loader)
     for step in range(start_step + 1, c.steps + 1):
         for micro in range(c.grad_accum):
@@ -402,10 +402,10 @@ def train(c):
         if step % c.log_every == 0 or step == c.steps:
             progress.report(step, scheduler.get_last_lr()[0], device)
         if step % c.save_every == 0 or step == c.steps or step == c.halt_at:
-            save_checkpoint(c, model, optimizer, scheduler, step, main)
+            save_checkpoint(c, model, optimizer, scheduler, step, is_rank0)
         if step == c.halt_at:
             break
-    if main:
+    if is_rank0:
         print(f"done: {progress.summary(device)}; encoder in {Path(c.out_dir) / 'encoder'}")
     if world > 1:
         dist.destroy_process_group()
@@ -414,11 +414,11 @@ def train(c):
 # ==============================================================================================
 # Checkpoint
 # ==============================================================================================
-def save_checkpoint(c, model, optimizer, scheduler, step, main):
+def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0):
     """Rank 0 writes the encoder (Hugging Face folder, for fine-tuning) and the full training state
     (every module, the projector included, optimizer, scheduler) for --resume (batches, masks and
     dropout are functions of the step: no RNG state is saved). Each file is written atomically."""
-    if main:
+    if is_rank0:
         model.encoder.save_pretrained(Path(c.out_dir) / "encoder", c.vocab)
         data.save_training_state(Path(c.out_dir) / "state.pt", {
             "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -712,13 +712,13 @@ def format_seconds(s):
 class Progress:
     """One line per log interval on rank 0 (step, losses, lr, tokens/s, ETA) and a JSONL log."""
 
-    def __init__(self, c, start_step, main):
-        self.c, self.main, self.start_step = c, main, start_step
+    def __init__(self, c, start_step, is_rank0):
+        self.c, self.is_rank0, self.start_step = c, is_rank0, start_step
         self.t0 = self.t_last = time.time()
         self.tokens = self.tokens_total = 0
         self.sums, self.count = {}, 0
         self.log_path = Path(c.out_dir) / "log.jsonl"
-        if main:
+        if is_rank0:
             keep_log_until(self.log_path, start_step)
 
     def add(self, metrics, n_tokens):
@@ -735,7 +735,7 @@ class Progress:
         self.tokens_total += self.tokens * world
         done = step - self.start_step
         eta = (now - self.t0) / done * (self.c.steps - step)
-        if self.main:
+        if self.is_rank0:
             parts = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
             print(f"step {step:>6}/{self.c.steps} | {parts} | lr {lr:.2e} | {tok_per_s:,.0f} tok/s | "
                   f"elapsed {format_seconds(now - self.t0)} | eta {format_seconds(eta)}", flush=True)
@@ -752,13 +752,13 @@ class Progress:
 
 
 # --- shared: begin resume ---
-def load_checkpoint(c, model, optimizer, scheduler, main):
+def load_checkpoint(c, model, optimizer, scheduler, is_rank0):
     """Restore out_dir/state.pt; returns the step to continue from (0 if there is none yet). Batches,
     masks and dropout are functions of the step, so nothing else needs restoring. The flags in force
     are today's; one that cannot change on resume stops the run (check_resume_flags)."""
     path = Path(c.out_dir) / "state.pt"
     if not path.is_file():
-        if main:
+        if is_rank0:
             print(f"resume: no {path} yet, starting from step 0")
         return 0
     state = data.load_training_state(path)
@@ -767,7 +767,7 @@ def load_checkpoint(c, model, optimizer, scheduler, main):
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     apply_resume_flags(c, optimizer, scheduler)
-    if main:
+    if is_rank0:
         print(f"resume: {path} at step {state['step']}"
               + (f"; changed flags apply from now: {changed}" if changed else ""))
     return state["step"]

@@ -4,7 +4,7 @@ CPDAE Table 4 word distributions). The retrieval layer that finetune.py trains w
 (pooling, BM25, encode, exact search); this file imports nothing from finetune.py. One file, top to
 bottom: config, retrieval, metrics, significance, runs, figures, command line, shared blocks.
 
-    python evaluate.py --bm25 --data data/scifact --split test          # BM25 baseline row
+    python evaluate.py --bm25 --dataset data/scifact --split test          # BM25 baseline row
     python evaluate.py --model runs/finetune/encoder --split test       # any saved encoder (HF BERT folder)
     torchrun --nproc_per_node=4 evaluate.py --model DIR                 # corpus encoding sharded across ranks
     python evaluate.py --compare runs/a/run.trec,runs/b/run.trec        # paired t-tests per metric
@@ -37,16 +37,13 @@ import data
 # ==============================================================================================
 # Config
 # ==============================================================================================
-SCIFACT, VOCAB = str(data.SCIFACT), str(data.VOCAB)  # (inside Config, `data` is the field, not the module)
-
-
 @dataclass
 class Config:
     model: str = ""               # BERT folder to evaluate (ours, any BERT or sentence-transformers one), hub id, or "minilm"
     bm25: bool = False            # evaluate BM25 instead of a model
-    data: str = SCIFACT           # BEIR folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' ok)
+    dataset: str = str(data.SCIFACT)  # BEIR folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' ok)
     split: str = "test"           # qrels/{split}.tsv
-    corpus: str = ""              # explicit corpus (BEIR .jsonl or MS MARCO collection.tsv); overrides data
+    corpus: str = ""              # explicit corpus (BEIR .jsonl or MS MARCO collection.tsv); overrides dataset
     queries: str = ""             # explicit queries file (with corpus)
     qrels: str = ""               # explicit qrels file (with corpus; also the qrels for --compare)
     pooling: str = ""             # "cls" or "mean"; "" = what the folder declares (retriever.json, sentence-transformers), else "cls"
@@ -133,7 +130,7 @@ def passage_text(doc):
 
 
 def load_split(c, split, explicit_queries="", explicit_qrels=""):
-    """(corpus, queries, qrels) from the BEIR folder c.data, or from explicit files when c.corpus is set."""
+    """(corpus, queries, qrels) from the BEIR folder c.dataset, or from explicit files when c.corpus is set."""
     if c.corpus:
         if not (explicit_queries and explicit_qrels):
             raise data.DataError(f"{c.corpus}: with an explicit corpus give the queries and qrels files too")
@@ -141,7 +138,7 @@ def load_split(c, split, explicit_queries="", explicit_qrels=""):
         qrels = data.read_qrels(explicit_qrels)
         data.check_qrels(qrels, queries, corpus, explicit_qrels)
         return corpus, {q: queries[q] for q in qrels}, qrels
-    return data.load_beir(c.data, split)
+    return data.load_beir(c.dataset, split)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -691,7 +688,7 @@ def default_out_dir(c):
     if c.out_dir:
         return Path(c.out_dir)
     if c.bm25:
-        name = Path(c.corpus).parent.name if c.corpus else Path(c.data).name
+        name = Path(c.corpus).parent.name if c.corpus else Path(c.dataset).name
         return Path("runs") / f"bm25-{name}-{c.split}"
     if not Path(c.model).is_dir():   # 'minilm' or a hub id: never write into a package or the hub cache
         return Path("runs") / f"eval-{c.model.replace('/', '--')}-{c.split}"
@@ -702,7 +699,7 @@ def load_qrels_only(c):
     """--qrels, else {data}/qrels/{split}.tsv (or .tsv.gz)."""
     if c.qrels:
         return data.read_qrels(c.qrels)
-    path = Path(c.data) / "qrels" / f"{c.split}.tsv"
+    path = Path(c.dataset) / "qrels" / f"{c.split}.tsv"
     return data.read_qrels(path if path.is_file() or not path.with_suffix(".tsv.gz").is_file()
                            else path.with_suffix(".tsv.gz"))
 

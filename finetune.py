@@ -51,21 +51,18 @@ import evaluate   # the retrieval layer: BM25, encode, exact search, metrics
 # ==============================================================================================
 # Config
 # ==============================================================================================
-SCIFACT, VOCAB = str(data.SCIFACT), str(data.VOCAB)  # (inside Config, `data` is the field, not the module)
-
-
 @dataclass
 class Config:
     # --- data
-    data: str = SCIFACT           # BEIR folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' ok)
-    corpus: str = ""              # explicit corpus (BEIR .jsonl or MS MARCO collection.tsv); overrides data
-    queries: str = ""             # explicit training queries (.jsonl or .tsv); overrides data
-    qrels: str = ""               # explicit training qrels (BEIR .tsv or TREC qrels); overrides data
+    dataset: str = str(data.SCIFACT)  # BEIR folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' ok)
+    corpus: str = ""              # explicit corpus (BEIR .jsonl or MS MARCO collection.tsv); overrides dataset
+    queries: str = ""             # explicit training queries (.jsonl or .tsv); overrides dataset
+    qrels: str = ""               # explicit training qrels (BEIR .tsv or TREC qrels); overrides dataset
     eval_queries: str = ""        # explicit evaluation queries (with corpus/queries/qrels)
     eval_qrels: str = ""          # explicit evaluation qrels; "" with explicit files = no evaluation
     train_split: str = "train"    # qrels/{train_split}.tsv: training queries and their positives
     eval_split: str = "test"      # evaluated at the end with evaluate.py's metrics ("" = skip)
-    vocab: str = VOCAB            # WordPiece vocab.txt, used when the init folder has none
+    vocab: str = str(data.VOCAB)  # WordPiece vocab.txt, used when the init folder has none
     query_len: int = 32           # query tokens incl. [CLS]/[SEP] (papers: 32)
     passage_len: int = 128        # passage tokens incl. [CLS]/[SEP] (papers: 128; documents 512)
     n_queries: int = 0            # low-resource setting: train on this many random training queries (0 = all)
@@ -347,7 +344,7 @@ def write_negatives(path, negatives, doc_ids):
 # ==============================================================================================
 
 
-def shared_decision(flag, device):
+def broadcast_rank0_choice(flag, device):
     """Rank 0's boolean, on every rank (so that all ranks take the same branch around collectives)."""
     if not (dist.is_available() and dist.is_initialized()):
         return flag
@@ -356,13 +353,13 @@ def shared_decision(flag, device):
     return bool(t.item())
 
 
-def bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, path, device, main):
+def bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, path, device, is_rank0):
     """Stage-1 pools: BM25's top bm25_depth for each training query minus its positives. Every rank
     builds the index and searches its own share of the queries; the pools are all-gathered (nobody
     idles in a collective) and rank 0 caches them in `path` for --resume."""
     if c.bm25_negatives:
         ranked = read_negatives(c.bm25_negatives, doc_index)
-    elif shared_decision(c.resume and path.is_file(), device):
+    elif broadcast_rank0_choice(c.resume and path.is_file(), device):
         ranked = read_negatives(path, doc_index)
     else:
         rank, world = rank_and_world()
@@ -373,24 +370,24 @@ def bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, path, device
             parts = [None] * world
             dist.all_gather_object(parts, ranked)
             ranked = {q: r for part in parts for q, r in part.items()}
-        if main:
+        if is_rank0:
             write_negatives(path, ranked, doc_ids)
     return [ex._replace(negatives=negatives_from_ranking(ranked.get(ex.qid, [])[:c.bm25_depth], ex.positives))
             for ex in examples]
 
 
-def hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc_index, path, device, main):
+def hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc_index, path, device, is_rank0):
     """Stage-2 pools, mined once from the current model: its top hard_depth for each training query,
     the first hard_skip ranks skipped, positives removed. Sharded across ranks by evaluate.retrieve();
     rank 0 caches the result in `path` (TSV) for --resume."""
-    if shared_decision(c.resume and path.is_file(), device):
+    if broadcast_rank0_choice(c.resume and path.is_file(), device):
         ranked = read_negatives(path, doc_index)
     else:
         t0 = time.time()
         _, ids = evaluate.retrieve(encoder, c.pooling, tokenizer, doc_texts, [ex.query for ex in examples],
                           c.hard_depth, c, device)
         ranked = {ex.qid: row.tolist() for ex, row in zip(examples, ids)}
-        if main:
+        if is_rank0:
             write_negatives(path, ranked, doc_ids)
             print(f"mined: top-{c.hard_depth} of {len(examples)} queries over {len(doc_texts):,} passages "
                   f"in {format_seconds(time.time() - t0)} -> {path}", flush=True)
@@ -412,22 +409,22 @@ def stage_steps(c, n_examples, epochs, world):
     return max(1, round(epochs * per_epoch / c.grad_accum))
 
 
-def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epochs, main, step_offset=0):
+def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epochs, is_rank0, step_offset=0):
     """One fine-tuning stage on fixed negative pools; resumes from {out_dir}/{stage}/state.pt.
     Returns the trained encoder (also saved in {out_dir}/{stage}/encoder), or None when halted
     (--halt_at, counted from the first stage: step_offset = the steps of the stages before)."""
     rank, world = rank_and_world()
     sc = dataclasses.replace(c, out_dir=str(Path(c.out_dir) / stage),
                              steps=stage_steps(c, len(examples), epochs, world))
-    if shared_decision(c.resume and (Path(sc.out_dir) / "done.json").is_file(), device):
-        if main:
+    if broadcast_rank0_choice(c.resume and (Path(sc.out_dir) / "done.json").is_file(), device):
+        if is_rank0:
             print(f"{stage}: already finished, loading {Path(sc.out_dir) / 'encoder'}")
         return evaluate.load_encoder(Path(sc.out_dir) / "encoder", c).to(device)
     model = BiEncoder(encoder, c.pooling, c.loss, c.similarity, c.tau).to(device)
     optimizer, scheduler = make_optimizer(model, sc)
-    start_step = load_checkpoint(sc, model, optimizer, scheduler, main) if c.resume else 0
+    start_step = load_checkpoint(sc, model, optimizer, scheduler, is_rank0) if c.resume else 0
     global_batch = c.batch_size * world
-    if main:
+    if is_rank0:
         Path(sc.out_dir).mkdir(parents=True, exist_ok=True)
         data.atomic_write_json(Path(sc.out_dir) / "config.json", dataclasses.asdict(sc))
         pools = [len(ex.negatives) for ex in examples]
@@ -442,7 +439,7 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
         TrainBatches(sc, examples, doc_texts, tokenizer, rank, world), batch_size=None, num_workers=c.workers,
         sampler=range(start_step * c.grad_accum, sc.steps * c.grad_accum), generator=torch.Generator())
     autocast = autocast_bf16(device, c.bf16)
-    progress = Progress(sc, start_step, main)
+    progress = Progress(sc, start_step, is_rank0)
     batches = iter(loader)
     model.train()
     for step in range(start_step + 1, sc.steps + 1):
@@ -467,12 +464,12 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
             progress.report(step, scheduler.get_last_lr()[0], device)
         halt = c.halt_at == step_offset + step
         if step % c.save_every == 0 or step == sc.steps or halt:
-            save_checkpoint(sc, model, optimizer, scheduler, step, main, tokenizer_vocab(c))
+            save_checkpoint(sc, model, optimizer, scheduler, step, is_rank0, tokenizer_vocab(c))
         if halt:
-            if main:
+            if is_rank0:
                 print(f"{stage}: halted at step {step} (--halt_at {c.halt_at})")
             return None
-    if main:
+    if is_rank0:
         data.atomic_write_json(Path(sc.out_dir) / "done.json", {"steps": sc.steps})
         print(f"{stage}: done: {progress.summary(device)}", flush=True)
     barrier()
@@ -493,7 +490,7 @@ def tokenizer_vocab(c):
 def train(c):
     """Stage 1 (BM25 negatives), then c.rounds stages of mined hard negatives, then the evaluation."""
     rank, world, device = setup_distributed()
-    main = rank == 0
+    is_rank0 = rank == 0
     torch.manual_seed(c.seed)
     out = Path(c.out_dir)
     loss_function(c.loss)                       # a bad --loss stops here, before any work
@@ -520,7 +517,7 @@ def train(c):
             raise ValueError(f"--{flag} {getattr(c, flag)} is more than the {c.max_position} positions of "
                                  f"the model{f' {c.init}' if c.init else ''} (max_position)")
     encoder = encoder.to(device)
-    if main:
+    if is_rank0:
         out.mkdir(parents=True, exist_ok=True)
         data.remove_stale_temporaries(out)
         if not c.resume:
@@ -534,20 +531,20 @@ def train(c):
     offset = 0                                  # steps of the stages before, for --halt_at
     if c.epochs:                                # --epochs 0: no BM25 stage (the document-ranking recipe)
         examples = bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, out / "negatives_bm25.tsv",
-                                       device, main)
-        encoder = train_stage(c, "stage1", encoder, examples, doc_texts, tokenizer, device, c.epochs, main)
+                                       device, is_rank0)
+        encoder = train_stage(c, "stage1", encoder, examples, doc_texts, tokenizer, device, c.epochs, is_rank0)
         offset = stage_steps(c, len(examples), c.epochs, world)
     for r in range(1, c.rounds + 1):
         if encoder is None:
             break
         examples = hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc_index,
-                                       out / f"negatives_round{r}.tsv", device, main)
+                                       out / f"negatives_round{r}.tsv", device, is_rank0)
         encoder = train_stage(c, f"stage{r + 1}", encoder, examples, doc_texts, tokenizer, device, c.hard_epochs,
-                              main, offset)
+                              is_rank0, offset)
         offset += stage_steps(c, len(examples), c.hard_epochs, world)
     if encoder is None:  # --halt_at
         return None
-    if main:
+    if is_rank0:
         save_encoder(encoder, out / "encoder", c, tokenizer_vocab(c))
         print(f"fine-tuned encoder: {out / 'encoder'}", flush=True)
     barrier()
@@ -603,9 +600,9 @@ def save_encoder(encoder, folder, c, vocab):
     data.write_retriever_settings(folder, c.pooling, c.similarity, c.query_len, c.passage_len)
 
 
-def save_checkpoint(c, model, optimizer, scheduler, step, main, vocab):
+def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, vocab):
     """Rank 0 writes the encoder (Hugging Face folder) and the full training state for --resume."""
-    if main:
+    if is_rank0:
         save_encoder(model.encoder, Path(c.out_dir) / "encoder", c, vocab)
         data.save_training_state(Path(c.out_dir) / "state.pt", {
             "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -622,7 +619,7 @@ def pretrain(c):
     returns its encoder folder. Skipped when a previous run finished it (done.json)."""
     module = importlib.import_module(c.pretrain)
     folder = Path(c.out_dir) / "pretrain"
-    corpus = c.corpus or str(data._find(c.data, "corpus.jsonl"))
+    corpus = c.corpus or str(data._find(c.dataset, "corpus.jsonl"))
     argv = (["--init", c.init, "--corpus", corpus, "--lr", "5e-5", "--steps", str(c.pretrain_steps)]
             + shlex.split(c.pretrain_args) + ["--out_dir", str(folder), "--seed", str(c.seed)]
             + (["--resume"] if c.resume else []) + (["--overwrite"] if c.overwrite else []))
@@ -981,13 +978,13 @@ def format_seconds(s):
 class Progress:
     """One line per log interval on rank 0 (step, losses, lr, tokens/s, ETA) and a JSONL log."""
 
-    def __init__(self, c, start_step, main):
-        self.c, self.main, self.start_step = c, main, start_step
+    def __init__(self, c, start_step, is_rank0):
+        self.c, self.is_rank0, self.start_step = c, is_rank0, start_step
         self.t0 = self.t_last = time.time()
         self.tokens = self.tokens_total = 0
         self.sums, self.count = {}, 0
         self.log_path = Path(c.out_dir) / "log.jsonl"
-        if main:
+        if is_rank0:
             keep_log_until(self.log_path, start_step)
 
     def add(self, metrics, n_tokens):
@@ -1004,7 +1001,7 @@ class Progress:
         self.tokens_total += self.tokens * world
         done = step - self.start_step
         eta = (now - self.t0) / done * (self.c.steps - step)
-        if self.main:
+        if self.is_rank0:
             parts = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
             print(f"step {step:>6}/{self.c.steps} | {parts} | lr {lr:.2e} | {tok_per_s:,.0f} tok/s | "
                   f"elapsed {format_seconds(now - self.t0)} | eta {format_seconds(eta)}", flush=True)
@@ -1021,13 +1018,13 @@ class Progress:
 
 
 # --- shared: begin resume ---
-def load_checkpoint(c, model, optimizer, scheduler, main):
+def load_checkpoint(c, model, optimizer, scheduler, is_rank0):
     """Restore out_dir/state.pt; returns the step to continue from (0 if there is none yet). Batches,
     masks and dropout are functions of the step, so nothing else needs restoring. The flags in force
     are today's; one that cannot change on resume stops the run (check_resume_flags)."""
     path = Path(c.out_dir) / "state.pt"
     if not path.is_file():
-        if main:
+        if is_rank0:
             print(f"resume: no {path} yet, starting from step 0")
         return 0
     state = data.load_training_state(path)
@@ -1036,7 +1033,7 @@ def load_checkpoint(c, model, optimizer, scheduler, main):
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     apply_resume_flags(c, optimizer, scheduler)
-    if main:
+    if is_rank0:
         print(f"resume: {path} at step {state['step']}"
               + (f"; changed flags apply from now: {changed}" if changed else ""))
     return state["step"]

@@ -819,7 +819,7 @@ def test_end_to_end_pretrain_finetune_evaluate(tmp_path, capsys):
     # negatives) with and without it (--baseline), each evaluated, then the table vs BM25.
     finetune.main(["--pretrain", "costa", "--pretrain_steps", "2", "--init", _tiny_init(tmp_path / "tiny"), "--baseline",
                    "--pretrain_args", "--batch_size 4 --max_len 64 --log_every 1",
-                   "--data", str(beir), "--steps", "2", "--batch_size", "4", "--n_negatives", "3",
+                   "--dataset", str(beir), "--steps", "2", "--batch_size", "4", "--n_negatives", "3",
                    "--passage_len", "64", "--hard_depth", "30", "--log_every", "1", "--out_dir", str(out)])
     printed = capsys.readouterr().out
     assert "each query sees 15 negatives" in printed and "BM25 (k1=1.2, b=0.75)" in printed
@@ -834,9 +834,9 @@ def test_end_to_end_pretrain_finetune_evaluate(tmp_path, capsys):
     assert saved["n_queries"] == 16 and set(saved["per_query"]) <= set(data.read_qrels(beir / "qrels" / "test.tsv"))
     assert all(0.0 <= v <= 1.0 for v in saved["metrics"].values())
     # evaluate.py on the saved encoder gives the same numbers as the evaluation at the end of fine-tuning.
-    means, _ = evaluate.main(evaluate.Config(model=str(out / "encoder"), data=str(beir), out_dir=str(tmp_path / "ev")))
+    means, _ = evaluate.main(evaluate.Config(model=str(out / "encoder"), dataset=str(beir), out_dir=str(tmp_path / "ev")))
     assert means == pytest.approx(saved["metrics"])
-    bm25, _ = evaluate.main(evaluate.Config(bm25=True, data=str(beir), out_dir=str(tmp_path / "bm25")))
+    bm25, _ = evaluate.main(evaluate.Config(bm25=True, dataset=str(beir), out_dir=str(tmp_path / "bm25")))
     bm25_saved = json.loads((out / "eval-test-bm25" / "metrics.json").read_text())
     assert bm25 == pytest.approx(bm25_saved["metrics"]) and bm25["Recall@1000"] > 0.9
     # The pools built from the cached rankings never hold a positive of their query.
@@ -882,11 +882,11 @@ def test_hub_id_is_read_from_the_cache_offline_and_a_missing_one_is_one_line(tmp
     pytest.importorskip("huggingface_hub")
     beir = _scifact_subset(tmp_path / "beir", n_train=2, n_test=4, n_other=20)
     env = _fake_hub_cache(tmp_path / "hub", "org/tiny-bert", _tiny_init)
-    ok = subprocess.run([PY, str(HERE / "evaluate.py"), "--model", "org/tiny-bert", "--data", str(beir),
+    ok = subprocess.run([PY, str(HERE / "evaluate.py"), "--model", "org/tiny-bert", "--dataset", str(beir),
                          "--out_dir", str(tmp_path / "ev")], capture_output=True, text=True, timeout=300, env=env)
     assert ok.returncode == 0, ok.stderr
     assert json.loads((tmp_path / "ev" / "metrics.json").read_text())["n_queries"] == 4
-    missing = subprocess.run([PY, str(HERE / "evaluate.py"), "--model", "org/absent", "--data", str(beir)],
+    missing = subprocess.run([PY, str(HERE / "evaluate.py"), "--model", "org/absent", "--dataset", str(beir)],
                              capture_output=True, text=True, timeout=300, env=env)
     assert missing.returncode == 1 and len(missing.stderr.strip().splitlines()) == 1
     assert missing.stderr.startswith("error: 'org/absent': not a local folder, and the hub could not provide it")
@@ -947,7 +947,7 @@ def test_a_checkpoint_without_mlm_head_gets_a_new_tied_one(tmp_path, wiki_texts)
 
 def test_halt_and_resume_equals_uninterrupted_run(tmp_path):
     beir = _scifact_subset(tmp_path / "beir")
-    base = ["--init", "", *FT_TINY_ARGS, "--data", str(beir), "--steps", "3", "--batch_size", "4", "--n_negatives", "3",
+    base = ["--init", "", *FT_TINY_ARGS, "--dataset", str(beir), "--steps", "3", "--batch_size", "4", "--n_negatives", "3",
             "--passage_len", "48", "--hard_depth", "30", "--eval_split", "", "--log_every", "1"]
     finetune.main(base + ["--out_dir", str(tmp_path / "a")])
     finetune.main(base + ["--out_dir", str(tmp_path / "b"), "--halt_at", "4"])  # killed at step 1 of stage 2
@@ -961,7 +961,7 @@ def test_halt_and_resume_equals_uninterrupted_run(tmp_path):
 def test_document_recipe_skips_the_bm25_stage_with_epochs_0(tmp_path):
     """COSTA 4.5.2 / CPDAE 4.1.3: documents start from the passage model and only mine (no BM25 stage)."""
     beir = _scifact_subset(tmp_path / "beir")
-    args = ["--init", _tiny_init(tmp_path / "tiny"), *FT_TINY_ARGS, "--data", str(beir), "--steps", "2",
+    args = ["--init", _tiny_init(tmp_path / "tiny"), *FT_TINY_ARGS, "--dataset", str(beir), "--steps", "2",
             "--batch_size", "4", "--n_negatives", "3", "--passage_len", "48", "--hard_depth", "30", "--eval_split", ""]
     finetune.main(args + ["--epochs", "0", "--rounds", "1", "--out_dir", str(tmp_path / "doc")])
     assert not (tmp_path / "doc" / "stage1").exists() and not (tmp_path / "doc" / "negatives_bm25.tsv").exists()
@@ -1053,7 +1053,7 @@ def test_class1_undecodable_bytes_are_refused_with_file_line_and_offset(tmp_path
                    f"(e.g. iconv -f latin1 -t utf-8)")
     beir = tiny_beir(tmp_path / "beir", corpus_lines=['{"_id": "d1", "text": "ok"}', '{"_id": "d2", "text": "caf\xe9"}'
                                                       .encode("latin-1")])
-    code, err = run_error([HERE / "evaluate.py", "--bm25", "--data", beir, "--out_dir", tmp_path / "ev"], tmp_path)
+    code, err = run_error([HERE / "evaluate.py", "--bm25", "--dataset", beir, "--out_dir", tmp_path / "ev"], tmp_path)
     assert code == 1
     assert err == (f"error: {beir / 'corpus.jsonl'}:2: byte 0xe9 at byte offset 54 is not UTF-8; convert the file "
                    f"to UTF-8 (e.g. iconv -f latin1 -t utf-8)")
@@ -1074,13 +1074,13 @@ def test_class2_truncated_or_fake_gzip_names_the_file(tmp_path):
 def test_class3_duplicate_ids_and_judgments_are_refused(tmp_path):
     beir = tiny_beir(tmp_path / "a", corpus_lines=['{"_id": "d1", "text": "x"}', '{"_id": "d2", "text": "y"}',
                                                    '{"_id": "d1", "text": "z"}'])
-    code, err = run_error([HERE / "evaluate.py", "--bm25", "--data", beir, "--out_dir", tmp_path / "ev"], tmp_path)
+    code, err = run_error([HERE / "evaluate.py", "--bm25", "--dataset", beir, "--out_dir", tmp_path / "ev"], tmp_path)
     assert (code, err) == (1, f"error: {beir / 'corpus.jsonl'}:3: duplicate document id 'd1' (each may appear once)")
     beir = tiny_beir(tmp_path / "b", queries_lines=['{"_id": "q1", "text": "x"}', '{"_id": "q1", "text": "y"}'])
-    code, err = run_error([HERE / "evaluate.py", "--bm25", "--data", beir, "--out_dir", tmp_path / "ev"], tmp_path)
+    code, err = run_error([HERE / "evaluate.py", "--bm25", "--dataset", beir, "--out_dir", tmp_path / "ev"], tmp_path)
     assert (code, err) == (1, f"error: {beir / 'queries.jsonl'}:2: duplicate query id 'q1' (each may appear once)")
     beir = tiny_beir(tmp_path / "c", qrels_text="query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\td1\t0\n")
-    code, err = run_error([HERE / "evaluate.py", "--bm25", "--data", beir, "--out_dir", tmp_path / "ev"], tmp_path)
+    code, err = run_error([HERE / "evaluate.py", "--bm25", "--dataset", beir, "--out_dir", tmp_path / "ev"], tmp_path)
     assert (code, err) == (1, f"error: {beir / 'qrels' / 'test.tsv'}:3: duplicate judgment of document 'd1' "
                               f"for query 'q1' (each may appear once)")
 
@@ -1121,7 +1121,7 @@ def test_class5_lengths_are_checked_against_the_model(tmp_path):
         assert (code, err) == (1, f"error: --max_len must be >= 10, got {bad}")
     beir = tiny_beir(tmp_path / "beir")
     (beir / "qrels" / "train.tsv").write_text("q1\td1\t1\nq2\td2\t1\n")
-    code, err = run_error([HERE / "finetune.py", "--init", "", "--data", beir, "--passage_len", "600",
+    code, err = run_error([HERE / "finetune.py", "--init", "", "--dataset", beir, "--passage_len", "600",
                            "--out_dir", tmp_path / "ft"], tmp_path)
     assert (code, err) == (1, "error: --passage_len 600 is more than the 512 positions of the model (max_position)")
     assert not (tmp_path / "ft").exists()
@@ -1186,7 +1186,7 @@ def test_class7_resume_overwrite_logs_and_flags(tmp_path, small_corpus):
     # finetune.py checks the test qrels before training, not after both stages.
     beir = tiny_beir(tmp_path / "beir", qrels_text="query-id\tcorpus-id\tscore\nq1\td9\t1\n")
     (beir / "qrels" / "train.tsv").write_text("q1\td1\t1\nq2\td2\t1\n")
-    code, err = run_error([HERE / "finetune.py", "--init", "", "--data", beir, "--out_dir", tmp_path / "ft"], tmp_path)
+    code, err = run_error([HERE / "finetune.py", "--init", "", "--dataset", beir, "--out_dir", tmp_path / "ft"], tmp_path)
     assert (code, err) == (1, f"error: {beir / 'qrels' / 'test.tsv'}: document id 'd9' (query 'q1') is not in the corpus")
     assert not (tmp_path / "ft" / "stage1").exists()
 
