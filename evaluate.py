@@ -344,58 +344,23 @@ def compute_metrics(run, qrels):
 
 
 # ---------------------------------------------------------------------------------------------
-# Paired two-tailed t-test (no scipy): Student's t CDF via the regularized incomplete beta
+# Paired two-tailed t-test (scipy.stats.ttest_rel)
 # ---------------------------------------------------------------------------------------------
-def _beta_continued_fraction(a, b, x, max_iter=500, eps=1e-15):
-    """Continued fraction of I_x(a, b) (modified Lentz; Numerical Recipes 6.4 `betacf`)."""
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, max_iter + 1):
-        for aa in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),  # even step
-                   -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):  # odd step
-            d = 1.0 + aa * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + aa / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < eps:
-            break
-    return h
-
-
-def betainc(a, b, x):
-    """Regularized incomplete beta function I_x(a, b) for a, b > 0, 0 <= x <= 1."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    if x < (a + 1.0) / (a + b + 2.0):  # the fraction converges fast on this side
-        return math.exp(log_front) * _beta_continued_fraction(a, b, x) / a
-    return 1.0 - math.exp(log_front) * _beta_continued_fraction(b, a, 1.0 - x) / b
-
-
-def t_two_tailed_p(t, df):
-    """P(|T| >= |t|) for Student's t with df degrees of freedom: I_{df/(df+t^2)}(df/2, 1/2)."""
-    if math.isinf(t):
-        return 0.0
-    return betainc(df / 2.0, 0.5, df / (df + t * t))
-
-
 def paired_t_test(a, b):
-    """Two-tailed paired t-test of per-query values a vs b (same queries, same order) -> (t, p).
-    t = mean(d) / (sd(d) / sqrt(n)), d = a - b, sd with n - 1; df = n - 1."""
+    """Two-tailed paired t-test of per-query values a vs b (same queries, same order) -> (t, p):
+    t = mean(d) / (sd(d) / sqrt(n)), d = a - b, sd with n - 1, df = n - 1 (scipy.stats.ttest_rel).
+    Where scipy answers nan we answer what a table would: identical runs (sd 0) give t 0, p 1; a
+    constant non-zero difference gives t = +-inf, p 0. Fewer than 2 queries: (nan, nan)."""
+    from scipy.stats import ttest_rel   # here: scipy takes a second to import
+
     d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
-    n = len(d)
-    if n < 2:
+    if len(d) < 2:
         return float("nan"), float("nan")
     mean, sd = d.mean(), d.std(ddof=1)
     if sd == 0.0:
         return (0.0, 1.0) if mean == 0.0 else (math.copysign(math.inf, mean), 0.0)
-    t = float(mean / (sd / math.sqrt(n)))
-    return t, t_two_tailed_p(t, n - 1)
+    result = ttest_rel(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
+    return float(result.statistic), float(result.pvalue)
 
 
 def compare_per_query(per_query_a, per_query_b, metrics=METRICS):
