@@ -599,14 +599,16 @@ def _save_figure(fig, path):
 # CPDAE decoder (cpdae.py) for the word-distribution figure
 # ---------------------------------------------------------------------------------------------
 def word_distribution(encoder, decoder, tokenizer, text, max_len, device):
-    """CPDAE eq. 2-3 and 3.2.2: z~ = sigmoid(decoder(h_cls)) / sum, the (V,) word distribution of `text`."""
+    """CPDAE eq. 2-3 and 3.2.2, by cpdae.word_distribution itself: z~ = sigmoid(decoder(h_cls)) / sum,
+    the (V,) word distribution of `text`."""
+    import cpdae   # here: only the Table 4 figure needs it
+
     ids, mask = data.encode_texts(tokenizer, [text], max_len)                          # (1, L)
     encoder.eval()
     decoder.eval()
     with torch.no_grad():
         h_cls = encoder(ids.to(device), mask.to(device))[:, 0]                         # (1, H)
-        z_hat = torch.sigmoid(decoder(h_cls).float())[0]                                # (V,)
-    return (z_hat / z_hat.sum()).cpu().numpy()
+        return cpdae.word_distribution(decoder(h_cls))[0].cpu().numpy()               # (V,)
 
 
 def load_cpdae_decoder(folder):
