@@ -8,8 +8,6 @@ indices, in float64 where the comparison is numerical.
 """
 import dataclasses
 import math
-import os
-import socket
 from functools import partial
 from types import SimpleNamespace
 
@@ -17,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -27,32 +24,6 @@ import data
 import seed
 
 torch.set_num_threads(1)
-
-
-# ==============================================================================================
-# Running a function on two gloo processes
-# ==============================================================================================
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init_and_run(rank, world, port, worker, tmp_path, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        worker(rank, world, tmp_path, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def run_on_two_ranks(worker, tmp_path, *args):
-    """Run worker(rank, world, tmp_path, *args) in 2 gloo processes; return the objects each rank
-    saved with torch.save(obj, tmp_path / f"rank{rank}.pt"), in rank order."""
-    mp.spawn(_init_and_run, args=(2, _free_port(), worker, tmp_path, args), nprocs=2, join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
 # ==============================================================================================
@@ -141,7 +112,7 @@ def _gwc_worker(rank, world, tmp_path, text, spans, tau):
                 "span_grad": local_spans.grad}, tmp_path / f"rank{rank}.pt")
 
 
-def test_gwc_loss_two_processes_equal_one_process_with_both_halves(tmp_path):
+def test_gwc_loss_two_processes_equal_one_process_with_both_halves(tmp_path, run_on_two_ranks):
     text, spans = random_group(N=6, S=4, H=8, dtype=torch.float64)
     results = run_on_two_ranks(_gwc_worker, tmp_path, text, spans, 0.1)
     text.requires_grad_(True)
@@ -224,11 +195,6 @@ def test_short_text_clips_spans_to_the_body():
     assert spans == [(1, 9)] * 10  # 8 body tokens < 16: every span is the whole body
     with pytest.raises(ValueError):
         costa.sample_spans([False, False], 2, span_config(), rng)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return data.load_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -587,7 +553,7 @@ def _one_process(mode, full1, full2):
     return loss.detach(), x1.grad, x2.grad
 
 
-def test_two_processes_equal_one_process_with_both_halves(tmp_path):
+def test_two_processes_equal_one_process_with_both_halves(tmp_path, run_on_two_ranks):
     """Word distributions (CPDAE) and [CLS] vectors (CPDAE_R), 2 gloo ranks x 3 texts."""
     g = torch.Generator().manual_seed(8)
     inputs = {}

@@ -21,15 +21,9 @@ import costa
 import data
 import evaluate
 import finetune
-from test_losses import run_on_two_ranks
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return data.load_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -661,7 +655,7 @@ def _loss_worker(rank, world, tmp_path, loss_name):
 
 
 @pytest.mark.parametrize("loss_name", ["softmax", "hinge"])
-def test_two_process_loss_and_gradients_equal_one_process(tmp_path, loss_name):
+def test_two_process_loss_and_gradients_equal_one_process(tmp_path, loss_name, run_on_two_ranks):
     r0, r1 = run_on_two_ranks(_loss_worker, tmp_path, loss_name)
     model = _tiny_bi_encoder(loss_name)
     loss, _ = model(_toy_batch())
@@ -733,7 +727,7 @@ def _assert_same_topk(scores, ids, full, k):
     np.testing.assert_array_equal(ids[clear], np.argsort(-full, axis=1, kind="stable")[:, :k][clear])
 
 
-def test_retrieve_matches_brute_force_single_and_two_ranks(tmp_path):
+def test_retrieve_matches_brute_force_single_and_two_ranks(tmp_path, run_on_two_ranks):
     torch.manual_seed(0)
     encoder = finetune.Encoder(finetune.Config(**TINY))
     c = finetune.Config(**TINY, encode_batch=8, query_len=16, passage_len=24)
