@@ -265,7 +265,7 @@ def merge_topk_across_ranks(scores, ids, k, device, chunk=16384):
     return np.concatenate(out_s)[:len(scores)], np.concatenate(out_i)[:len(scores)]
 
 
-def retrieve(encoder, pooling, tokenizer, doc_texts, query_texts, k, c, device, timings=None):
+def retrieve(encoder, tokenizer, doc_texts, query_texts, k, c, device, timings=None):
     """Dense retrieval, exact: (scores (Q, k), corpus indices (Q, k)) best first, on EVERY rank.
 
     Under torchrun rank r encodes only its contiguous shard of the corpus (data.shard: no document
@@ -277,10 +277,10 @@ def retrieve(encoder, pooling, tokenizer, doc_texts, query_texts, k, c, device, 
     k = min(k, len(doc_texts))
     shard = data.shard(len(doc_texts), rank, world)
     t0 = time.time()
-    doc_vecs = encode(encoder, pooling, tokenizer, [doc_texts[i] for i in shard], c.passage_len,
+    doc_vecs = encode(encoder, c.pooling, tokenizer, [doc_texts[i] for i in shard], c.passage_len,
                       c.encode_batch, device, c.bf16, c.similarity)                        # (n, H)
     t1 = time.time()
-    query_vecs = encode(encoder, pooling, tokenizer, list(query_texts), c.query_len,
+    query_vecs = encode(encoder, c.pooling, tokenizer, list(query_texts), c.query_len,
                         c.encode_batch, device, c.bf16, c.similarity)                      # (Q, H)
     t2 = time.time()
     if len(shard):
@@ -411,7 +411,7 @@ def evaluate_bm25(corpus, queries, qrels, out_dir, k1=1.2, b=0.75, depth=1000, v
     return result
 
 
-def evaluate_encoder(encoder, pooling, tokenizer, corpus, queries, qrels, out_dir, c, device, tag="dense",
+def evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c, device, tag="dense",
                      tsne="", depth=1000):
     """Dense retrieval with retrieve() (corpus sharded across ranks, exact faiss search), then
     rank 0 saves and scores the run, prints the metrics and returns (means, per_query); other ranks
@@ -422,13 +422,13 @@ def evaluate_encoder(encoder, pooling, tokenizer, corpus, queries, qrels, out_di
     qids = sorted(qrels)
     timings = {}
     t0 = time.time()
-    scores, ids = retrieve(encoder, pooling, tokenizer, doc_texts, [queries[q] for q in qids], depth, c,
+    scores, ids = retrieve(encoder, tokenizer, doc_texts, [queries[q] for q in qids], depth, c,
                            device, timings)
     timings["total_s"] = time.time() - t0
     if rank != 0:
         return None
     run = {q: {doc_ids[j]: float(s) for s, j in zip(scores[r], ids[r])} for r, q in enumerate(qids)}
-    info = {"pooling": pooling, "similarity": c.similarity, "world": world, "device": device.type, "n_docs": len(doc_ids), **timings}
+    info = {"pooling": c.pooling, "similarity": c.similarity, "world": world, "device": device.type, "n_docs": len(doc_ids), **timings}
     means, per_query = save_and_score(run, qrels, out_dir, tag, info)
     print(f"{tag}: encoded {len(doc_ids):,} passages in {timings['encode_docs_s']:.1f}s "
           f"({timings['docs_per_s_per_rank'] * world:,.0f} docs/s over {world} process(es)), "
@@ -440,9 +440,9 @@ def evaluate_encoder(encoder, pooling, tokenizer, corpus, queries, qrels, out_di
         if qid not in run:
             raise data.DataError(f"--tsne {qid}: no such query id in the qrels of this split")
         top = [d for d, _ in trec_order(run[qid])[:100]]
-        vecs = encode(encoder, pooling, tokenizer, [passage_text(corpus[d]) for d in top], c.passage_len,
+        vecs = encode(encoder, c.pooling, tokenizer, [passage_text(corpus[d]) for d in top], c.passage_len,
                       c.encode_batch, device, c.bf16, c.similarity)
-        qvec = encode(encoder, pooling, tokenizer, [queries[qid]], c.query_len, 1, device, c.bf16, c.similarity)[0]
+        qvec = encode(encoder, c.pooling, tokenizer, [queries[qid]], c.query_len, 1, device, c.bf16, c.similarity)[0]
         relevant = [qrels[qid].get(d, 0) > 0 for d in top]
         path = Path(out_dir) / f"tsne-{qid}.png"
         plot_tsne(qvec, vecs, relevant, path, title=f"{tag}: query {qid}, top {len(top)} ({sum(relevant)} relevant)")
@@ -719,7 +719,7 @@ def main(c):
         encoder = load_encoder(c.model).to(device)
         check_lengths(c, encoder.config.max_position)
         tokenizer = data.load_tokenizer(resolve_vocab(c))
-        return evaluate_encoder(encoder, c.pooling, tokenizer, corpus, queries, qrels, out_dir, c,
+        return evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c,
                                 device, tag, c.tsne, c.depth)
     finally:
         if world > 1:

@@ -157,10 +157,10 @@ class BiEncoder(nn.Module):
     """One shared encoder for queries and passages; relevance = dot product of the pooled vectors
     (normalised first for cosine similarity, then divided by the temperature tau)."""
 
-    def __init__(self, encoder, pooling="cls", loss="softmax", similarity="dot", tau=0.05):
+    def __init__(self, encoder, c):
         super().__init__()
-        self.encoder, self.pooling, self.loss_fn = encoder, pooling, loss_function(loss)
-        self.similarity, self.tau = similarity, tau if similarity == "cos" else 1.0
+        self.encoder, self.pooling, self.loss_fn = encoder, c.pooling, loss_function(c.loss)
+        self.similarity, self.tau = c.similarity, c.tau if c.similarity == "cos" else 1.0
 
     def encode(self, ids, mask):                                                   # (B, L)
         return evaluate.text_vectors(self.encoder(ids, mask), mask, self.pooling, self.similarity)  # (B, H)
@@ -384,7 +384,7 @@ def hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc
         ranked = read_negatives(path, doc_index)
     else:
         t0 = time.time()
-        _, ids = evaluate.retrieve(encoder, c.pooling, tokenizer, doc_texts, [ex.query for ex in examples],
+        _, ids = evaluate.retrieve(encoder, tokenizer, doc_texts, [ex.query for ex in examples],
                           c.hard_depth, c, device)
         ranked = {ex.qid: row.tolist() for ex, row in zip(examples, ids)}
         if is_rank0:
@@ -420,7 +420,7 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
         if is_rank0:
             print(f"{stage}: already finished, loading {Path(sc.out_dir) / 'encoder'}")
         return evaluate.load_encoder(Path(sc.out_dir) / "encoder", c).to(device)
-    model = BiEncoder(encoder, c.pooling, c.loss, c.similarity, c.tau).to(device)
+    model = BiEncoder(encoder, c).to(device)
     optimizer, scheduler = make_optimizer(model, sc)
     start_step = load_checkpoint(sc, model, optimizer, scheduler, is_rank0) if c.resume else 0
     global_batch = c.batch_size * world
@@ -551,7 +551,7 @@ def train(c):
     results = None
     if evaluates(c):
         corpus, queries, qrels = evaluate.load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
-        results = evaluate.evaluate_encoder(encoder, c.pooling, tokenizer, corpus, queries, qrels,
+        results = evaluate.evaluate_encoder(encoder, tokenizer, corpus, queries, qrels,
                                             out / f"eval-{c.eval_split}", c, device,
                                             tag=f"finetune-{Path(c.init).parent.name if c.init else 'random'}")
     return results
@@ -641,7 +641,7 @@ def evaluate_folder(c, folder, out_dir, tag):
     if (Path(out_dir) / "metrics.json").is_file() and c.resume:       # done before a crash: reuse it
         return evaluate.compute_metrics(data.read_run(Path(out_dir) / "run.trec"), qrels)
     encoder = evaluate.load_encoder(folder, c)
-    return evaluate.evaluate_encoder(encoder, c.pooling, data.load_tokenizer(tokenizer_vocab(c)), corpus,
+    return evaluate.evaluate_encoder(encoder, data.load_tokenizer(tokenizer_vocab(c)), corpus,
                                      queries, qrels, out_dir, c, setup_distributed()[2], tag=tag)
 
 

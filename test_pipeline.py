@@ -635,7 +635,7 @@ def _local(batch, rank, world):
 
 def _tiny_bi_encoder(loss):
     torch.manual_seed(0)
-    return finetune.BiEncoder(finetune.Encoder(finetune.Config(**TINY)), "cls", loss)
+    return finetune.BiEncoder(finetune.Encoder(finetune.Config(**TINY)), finetune.Config(pooling="cls", loss=loss))
 
 
 def _loss_worker(rank, world, tmp_path, loss_name):
@@ -702,10 +702,10 @@ def _toy_texts(n=37):
 def _retrieve_worker(rank, world, tmp_path):
     torch.manual_seed(0)
     encoder = finetune.Encoder(finetune.Config(**TINY))
-    c = finetune.Config(**TINY, encode_batch=8, query_len=16, passage_len=24)
+    c = finetune.Config(**TINY, encode_batch=8, query_len=16, passage_len=24, pooling="cls")
     texts = _toy_texts()
     shard = data.shard(len(texts), rank, world)
-    s, i = evaluate.retrieve(encoder, "cls", _tokenizer(), texts, texts[:5], len(texts), c, torch.device("cpu"))
+    s, i = evaluate.retrieve(encoder, _tokenizer(), texts, texts[:5], len(texts), c, torch.device("cpu"))
     torch.save({"scores": torch.from_numpy(s), "ids": torch.from_numpy(i), "shard": list(shard)}, tmp_path / f"rank{rank}.pt")
 
 
@@ -730,10 +730,10 @@ def _assert_same_topk(scores, ids, full, k):
 def test_retrieve_matches_brute_force_single_and_two_ranks(tmp_path, run_on_two_ranks):
     torch.manual_seed(0)
     encoder = finetune.Encoder(finetune.Config(**TINY))
-    c = finetune.Config(**TINY, encode_batch=8, query_len=16, passage_len=24)
+    c = finetune.Config(**TINY, encode_batch=8, query_len=16, passage_len=24, pooling="cls")
     texts = _toy_texts()
     full = _brute_force(encoder, texts, texts[:5], c)
-    s, i = evaluate.retrieve(encoder, "cls", _tokenizer(), texts, texts[:5], 10, c, torch.device("cpu"))
+    s, i = evaluate.retrieve(encoder, _tokenizer(), texts, texts[:5], 10, c, torch.device("cpu"))
     _assert_same_topk(s, i, full, 10)
     r0, r1 = run_on_two_ranks(_retrieve_worker, tmp_path)
     assert sorted(r0["shard"] + r1["shard"]) == list(range(len(texts)))               # no document twice or lost
@@ -896,7 +896,8 @@ def test_exported_encoder_declares_its_pooling_and_similarity_for_sentence_trans
 
 def test_cosine_bi_encoder_scores_are_cosines_over_tau():
     torch.manual_seed(0)
-    model = finetune.BiEncoder(finetune.Encoder(finetune.Config(**TINY)), "mean", "softmax", "cos", tau=0.05)
+    model = finetune.BiEncoder(finetune.Encoder(finetune.Config(**TINY)),
+                               finetune.Config(pooling="mean", loss="softmax", similarity="cos", tau=0.05))
     batch = _toy_batch()
     q = model.encode(batch["q_ids"], batch["q_mask"])
     assert torch.allclose(q.norm(dim=1), torch.ones(len(q)), atol=1e-5)
