@@ -135,30 +135,6 @@ def span_vectors(hidden, spans):
     return torch.bmm(weights.to(hidden.dtype), hidden)                          # (B, S, H)
 
 
-class PretrainModel(nn.Module):
-    """The encoder plus what pre-training adds on top of it. Returns the loss and what to log.
-    One forward pass over the masked text gives the MLM logits, h_0 and the span vectors."""
-
-    def __init__(self, c, encoder):
-        super().__init__()
-        self.config, self.encoder = c, encoder
-        # no projector in the MLM-only baseline: DDP rejects parameters that get no gradient
-        self.projector = Projector(c.hidden_size, c.projector) if c.gwc_weight else None
-
-    def forward(self, batch):
-        hidden = self.encoder(batch["input_ids"], batch["attention_mask"])       # (B, L, H)
-        mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)
-        metrics = {"mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1)}
-        if not self.config.gwc_weight:
-            return mlm, metrics
-        with torch.autocast(hidden.device.type, enabled=False):  # the vectors feeding eq. 8 in fp32
-            text_vecs = self.projector(hidden[:, 0].float())                     # (B, H) z_0, eq. 6
-            span_vecs = span_vectors(hidden.float(), batch["spans"])             # (B, S, H) eq. 7
-        gwc, accuracy = gwc_loss_distributed(text_vecs, span_vecs, self.config.tau)
-        total = self.config.gwc_weight * gwc + mlm                               # eq. 10
-        return total, {**metrics, "gwc": gwc.detach(), "gwc_acc": accuracy}
-
-
 # ==============================================================================================
 # Loss
 # ==============================================================================================
@@ -226,6 +202,31 @@ def gwc_loss_distributed(text_vecs, span_vecs, tau):
     all_text = gather_across_ranks(text_vecs)                                    # (N, H)
     all_spans = gather_across_ranks(span_vecs)                                   # (N, S, H)
     return gwc_loss_and_accuracy(text_vecs, all_text, all_spans, rank * text_vecs.shape[0], tau)
+
+
+# The pre-training objective (eq. 10), built from the model pieces and the losses above.
+class PretrainModel(nn.Module):
+    """The encoder plus what pre-training adds on top of it. Returns the loss and what to log.
+    One forward pass over the masked text gives the MLM logits, h_0 and the span vectors."""
+
+    def __init__(self, c, encoder):
+        super().__init__()
+        self.config, self.encoder = c, encoder
+        # no projector in the MLM-only baseline: DDP rejects parameters that get no gradient
+        self.projector = Projector(c.hidden_size, c.projector) if c.gwc_weight else None
+
+    def forward(self, batch):
+        hidden = self.encoder(batch["input_ids"], batch["attention_mask"])       # (B, L, H)
+        mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)
+        metrics = {"mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1)}
+        if not self.config.gwc_weight:
+            return mlm, metrics
+        with torch.autocast(hidden.device.type, enabled=False):  # the vectors feeding eq. 8 in fp32
+            text_vecs = self.projector(hidden[:, 0].float())                     # (B, H) z_0, eq. 6
+            span_vecs = span_vectors(hidden.float(), batch["spans"])             # (B, S, H) eq. 7
+        gwc, accuracy = gwc_loss_distributed(text_vecs, span_vecs, self.config.tau)
+        total = self.config.gwc_weight * gwc + mlm                               # eq. 10
+        return total, {**metrics, "gwc": gwc.detach(), "gwc_acc": accuracy}
 
 
 # ==============================================================================================

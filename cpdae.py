@@ -135,38 +135,6 @@ class Decoder(nn.Module):
         return decoder
 
 
-class PretrainModel(nn.Module):
-    """The encoder plus what pre-training adds on top of it. Returns the loss and what to log.
-    Both masked views of the B texts go through the encoder as one batch of 2B rows."""
-
-    def __init__(self, c, encoder, idf=None):
-        super().__init__()
-        self.config, self.encoder = c, encoder
-        self.decoder = Decoder(c.hidden_size, c.vocab_size, c.layer_norm_eps)
-        self.register_buffer("idf", idf)                                         # (V,) or None: IDF-REC
-
-    def forward(self, batch):
-        c = self.config
-        attention_mask = batch["attention_mask"].repeat(2, 1)                    # (2B, L) views share padding
-        hidden = self.encoder(batch["input_ids"], attention_mask)                # (2B, L, H) [d'; d'']
-        mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)  # MLM on both views
-        h_cls = hidden[:, 0]                                                     # (2B, H) eq. 1
-        logits = self.decoder(h_cls)                                             # (2B, V) eq. 2
-        rec = reconstruction_loss(logits, batch["bag"].repeat(2, 1), self.idf)   # each view rebuilds its text
-        metrics = {"rec": rec.detach(), "mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1)}
-        if not c.cl_weight:                                                      # Table 2 "w/o CL"
-            return rec + mlm, metrics
-        if c.cl_mode == "js":                                                    # CPDAE, eq. 5
-            view1, view2 = word_distribution(logits).chunk(2)                    # (B, V) each, z_tilde
-            similarity = partial(js_similarity, chunk_size=c.js_chunk)
-        else:                                                                    # CPDAE_R
-            view1, view2 = h_cls.chunk(2)                                        # (B, H) each
-            similarity = partial(cosine_similarity, temperature=c.cls_temperature)
-        cl, accuracy = gathered_contrastive_loss(view1, view2, similarity)
-        total = rec + mlm + c.cl_weight * cl                                     # eq. 6
-        return total, {**metrics, "cl": cl.detach(), "cl_acc": accuracy}
-
-
 # ==============================================================================================
 # Loss
 # ==============================================================================================
@@ -303,6 +271,39 @@ def gathered_contrastive_loss(view1, view2, similarity):
     rank, _ = rank_and_world()
     candidates = torch.cat([gather_across_ranks(view1), gather_across_ranks(view2)])  # (2M, D)
     return two_view_contrastive_loss(similarity(view1, candidates), offset=rank * view1.shape[0])
+
+
+# The pre-training objective (eq. 6), built from the model pieces and the losses above.
+class PretrainModel(nn.Module):
+    """The encoder plus what pre-training adds on top of it. Returns the loss and what to log.
+    Both masked views of the B texts go through the encoder as one batch of 2B rows."""
+
+    def __init__(self, c, encoder, idf=None):
+        super().__init__()
+        self.config, self.encoder = c, encoder
+        self.decoder = Decoder(c.hidden_size, c.vocab_size, c.layer_norm_eps)
+        self.register_buffer("idf", idf)                                         # (V,) or None: IDF-REC
+
+    def forward(self, batch):
+        c = self.config
+        attention_mask = batch["attention_mask"].repeat(2, 1)                    # (2B, L) views share padding
+        hidden = self.encoder(batch["input_ids"], attention_mask)                # (2B, L, H) [d'; d'']
+        mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)  # MLM on both views
+        h_cls = hidden[:, 0]                                                     # (2B, H) eq. 1
+        logits = self.decoder(h_cls)                                             # (2B, V) eq. 2
+        rec = reconstruction_loss(logits, batch["bag"].repeat(2, 1), self.idf)   # each view rebuilds its text
+        metrics = {"rec": rec.detach(), "mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1)}
+        if not c.cl_weight:                                                      # Table 2 "w/o CL"
+            return rec + mlm, metrics
+        if c.cl_mode == "js":                                                    # CPDAE, eq. 5
+            view1, view2 = word_distribution(logits).chunk(2)                    # (B, V) each, z_tilde
+            similarity = partial(js_similarity, chunk_size=c.js_chunk)
+        else:                                                                    # CPDAE_R
+            view1, view2 = h_cls.chunk(2)                                        # (B, H) each
+            similarity = partial(cosine_similarity, temperature=c.cls_temperature)
+        cl, accuracy = gathered_contrastive_loss(view1, view2, similarity)
+        total = rec + mlm + c.cl_weight * cl                                     # eq. 6
+        return total, {**metrics, "cl": cl.detach(), "cl_acc": accuracy}
 
 
 # ==============================================================================================

@@ -184,29 +184,6 @@ class WeakDecoder(nn.Module):
             return hidden.float() @ self.word_embedding[0].weight.float().T    # (N, V)
 
 
-class PretrainModel(nn.Module):
-    """The encoder plus what pre-training adds on top of it. Returns the loss and what to log."""
-
-    def __init__(self, c, encoder):
-        super().__init__()
-        self.config, self.encoder = c, encoder
-        self.decoder = WeakDecoder(c, encoder.embeddings.word)
-
-    def forward(self, batch):
-        hidden = self.encoder(batch["input_ids"], batch["attention_mask"])       # (B, L, H) masked text
-        mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)
-        states = self.decoder(batch["decoder_input"], hidden)                    # (B, L-1, H)
-        kept = batch["decoder_targets"] != -100                                  # (B, L-1) every real token
-        logits = self.decoder.logits(states[kept])                               # (N, V) fp32
-        targets = batch["decoder_targets"][kept]                                 # (N,)
-        dec = decoder_loss(logits, targets)
-        dec_correct = (logits.argmax(-1) == targets).sum()
-        # Eq. 10, weights 1/1. The authors' 0.5/0.5 only halves the gradient: AdamW's update is
-        # unchanged by that (up to eps), the clip norm (1.0) just binds later.
-        return mlm + dec, {"mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
-                           "dec": dec.detach(), "dec_acc": dec_correct / max(targets.numel(), 1)}
-
-
 # ==============================================================================================
 # Loss
 # ==============================================================================================
@@ -238,6 +215,30 @@ def decoder_loss(logits, targets, ignore_index=-100):
     so the loss does not grow with text length. fp32. logits (B, L, V) or (N, V); targets (B, L) or (N,)."""
     logits = logits.float().reshape(-1, logits.shape[-1])                       # (B*L, V)
     return F.cross_entropy(logits, targets.reshape(-1), ignore_index=ignore_index)  # (), mean over tokens
+
+
+# The pre-training objective (eq. 10), built from the model pieces and the losses above.
+class PretrainModel(nn.Module):
+    """The encoder plus what pre-training adds on top of it. Returns the loss and what to log."""
+
+    def __init__(self, c, encoder):
+        super().__init__()
+        self.config, self.encoder = c, encoder
+        self.decoder = WeakDecoder(c, encoder.embeddings.word)
+
+    def forward(self, batch):
+        hidden = self.encoder(batch["input_ids"], batch["attention_mask"])       # (B, L, H) masked text
+        mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)
+        states = self.decoder(batch["decoder_input"], hidden)                    # (B, L-1, H)
+        kept = batch["decoder_targets"] != -100                                  # (B, L-1) every real token
+        logits = self.decoder.logits(states[kept])                               # (N, V) fp32
+        targets = batch["decoder_targets"][kept]                                 # (N,)
+        dec = decoder_loss(logits, targets)
+        dec_correct = (logits.argmax(-1) == targets).sum()
+        # Eq. 10, weights 1/1. The authors' 0.5/0.5 only halves the gradient: AdamW's update is
+        # unchanged by that (up to eps), the clip norm (1.0) just binds later.
+        return mlm + dec, {"mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
+                           "dec": dec.detach(), "dec_acc": dec_correct / max(targets.numel(), 1)}
 
 
 # ==============================================================================================
