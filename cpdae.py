@@ -785,7 +785,11 @@ def load_checkpoint(c, model, optimizer, scheduler, is_rank0):
         return 0
     state = data.load_training_state(path)
     changed = check_resume_flags(c, state["config"], path)
-    model.load_state_dict(state["model"])
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:     # same flags, other weights: a state.pt from an older layout of the model
+        raise data.DataError(f"{path}: its weights do not fit this model ({str(e).splitlines()[-1].strip()}); "
+                             f"start again with --overwrite") from None
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     apply_resume_flags(c, optimizer, scheduler)

@@ -784,6 +784,17 @@ def test_decoder_is_pre_ln_with_a_final_layer_norm():
     torch.testing.assert_close(decoder.decode(x, h0), decoder.final_norm(expected))
 
 
+def test_resuming_a_state_of_another_decoder_layout_is_one_clear_error(tmp_path):
+    c = dataclasses.replace(small_config(), out_dir=str(tmp_path))
+    model = seed.PretrainModel(c, seed.Encoder(c))
+    optimizer, scheduler = seed.make_optimizer(model, c)
+    old = {k: v for k, v in model.state_dict().items() if not k.startswith("decoder.final_norm.")}  # post-LN days
+    data.save_training_state(tmp_path / "state.pt", {"step": 1, "model": old, "optimizer": optimizer.state_dict(),
+                                                     "scheduler": scheduler.state_dict(), "config": dataclasses.asdict(c)})
+    with pytest.raises(data.DataError, match=r"state\.pt: its weights do not fit this model \(Missing key"):
+        seed.load_checkpoint(c, model, optimizer, scheduler, True)
+
+
 def test_seed_uses_the_papers_adam_epsilon():
     c = small_config()
     model = seed.PretrainModel(c, seed.Encoder(c))
