@@ -1,7 +1,8 @@
 """COSTA: pre-train a discriminative text encoder by contrastive span prediction.
 
-Ma et al., SIGIR 2022 (papers/costa.md). One file, top to bottom: config, model, loss, data,
-distributed setup, training loop, checkpoint. With --gwc_weight 0 it is the papers' BERT/MLM baseline.
+Ma et al., SIGIR 2022 (arXiv:2204.10641, section 3.2-3.3, eq. 1-10, Algorithm 1). One file, top to
+bottom: config, model, loss, data, training loop, checkpoint; then the blocks every method shares (the
+BERT encoder, distributed and training helpers). With --gwc_weight 0 it is the papers' BERT/MLM baseline.
 
     python costa.py                                  # small model, bundled Wikipedia slice, CPU
     python costa.py --steps 1000 --lr 3e-4           # any Config field can be overridden by name
@@ -15,7 +16,6 @@ The encoder is written to {out_dir}/encoder as a Hugging Face BERT folder for fi
 """
 import contextlib
 import dataclasses
-import inspect
 import json
 import os
 import resource
@@ -81,13 +81,14 @@ class Config:
     granularities: str = "word,phrase,sentence,paragraph"  # which span levels; drop one for Table 4
     span_alpha: float = 4.0       # span length p ~ Beta(alpha, beta) (eq. 1): 4, 2 favours long spans
     span_beta: float = 2.0        # see span_alpha
+    span_resample: bool = False   # fresh spans at every step (ours); default: Algorithm 1's, once per window, seeded
     projector: str = "nonlinear"  # text vector head (eq. 5): nonlinear = Tanh(Linear), linear, none (Table 6)
 
 
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=5e-5)
 
 
-# The domain of each numeric flag, checked by parse_config before any work.
+# The domain of each numeric flag, checked by data.parse_config before any work.
 FLAG_RULES = {
     "max_len": ">= 10",  # 8 tokens between [CLS] and [SEP]: shorter windows are dropped (data.make_windows)
     "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
@@ -99,63 +100,339 @@ FLAG_RULES = {
 }
 
 
-# --- shared: begin config parsing ---
-BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+# ==============================================================================================
+# Model
+# ==============================================================================================
+# (The BERT encoder itself, Encoder, is a shared block at the end of this file.)
 
 
-def parse_config(argv):
-    """Config from the command line: '--field value' for any field, '--flag' alone for a bool.
-    Every value is checked here, before any work: its type, its domain (FLAG_RULES) and the preset."""
-    if argv[:1] in (["-h"], ["--help"]):               # the docstring, then every field with its comment
-        try:
-            print(__doc__, inspect.getsource(Config), sep="\n", flush=True)
-        except BrokenPipeError:                         # `x.py --help | head` stopped reading: fine
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(0)
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    overrides, i = {}, 0
-    while i < len(argv):
-        name = argv[i].removeprefix("--").replace("-", "_")
-        if not argv[i].startswith("--") or name not in fields:
-            sys.exit(f"error: unknown argument {argv[i]!r}; fields are: {', '.join(fields)}")
-        kind = type(fields[name].default)
-        if kind is bool and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
-            overrides[name], i = True, i + 1
-            continue
-        if i + 1 == len(argv):
-            sys.exit(f"error: --{name} needs a value")
-        value = argv[i + 1]
-        if kind is bool and value.lower() not in BOOLEANS:
-            sys.exit(f"error: --{name} expects true or false (also 1/0, yes/no), got {value!r}")
-        try:
-            overrides[name] = BOOLEANS[value.lower()] if kind is bool else kind(value)
-        except ValueError:
-            sys.exit(f"error: --{name} expects {kind.__name__}, got {value!r}")
-        i += 2
-    if overrides.get("preset", "") not in ("", "paper"):
-        sys.exit(f"error: --preset must be paper (or empty), got {overrides['preset']!r}")
-    preset = PAPER_PRESET if overrides.get("preset") == "paper" else {}
-    c = Config(**{**preset, **overrides})
-    for name, rule in FLAG_RULES.items():
-        if not satisfies(getattr(c, name), rule):
-            sys.exit(f"error: --{name} must be {rule}, got {getattr(c, name)!r}")
-    return c
+PROJECTORS = ("nonlinear", "linear", "none")
 
 
-def satisfies(value, rule):
-    """A FLAG_RULES rule: '> 0', '>= 1', '0 or >= 3', 'in [0, 1]' or 'in [0, 1)'. NaN satisfies none."""
-    if rule.startswith("0 or "):
-        return value == 0 or satisfies(value, rule.removeprefix("0 or "))
-    if rule.startswith("in "):
-        low, high = (float(x) for x in rule[4:-1].split(","))
-        return low <= value and (value <= high if rule.endswith("]") else value < high)
-    op, bound = rule.split()
-    return value >= float(bound) if op == ">=" else value > float(bound)
-# --- shared: end config parsing ---
+class Projector(nn.Module):
+    """Text vector z_0 = projector(h_0) (eq. 5-6). kind "nonlinear" = Tanh(Linear(H, H)), the paper's;
+    "linear" = Linear(H, H); "none" = identity (the Table 6 ablations). Pre-training only: it is saved
+    in the training state, not in the encoder folder."""
+
+    def __init__(self, hidden_size, kind="nonlinear"):
+        super().__init__()
+        if kind not in PROJECTORS:
+            raise ValueError(f"--projector must be one of {', '.join(PROJECTORS)}, got {kind!r}")
+        self.net = {"nonlinear": lambda: nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.Tanh()),
+                    "linear": lambda: nn.Linear(hidden_size, hidden_size),
+                    "none": nn.Identity}[kind]()
+
+    def forward(self, h0):                                                       # (B, H)
+        return self.net(h0)                                                      # (B, H)
+
+
+def span_vectors(hidden, spans):
+    """Span vector = mean of the output token vectors over [start, end) (eq. 7), all spans at once:
+    a (B, S, L) averaging matrix times the hidden states. hidden (B, L, H); spans (B, S, 2) long."""
+    positions = torch.arange(hidden.shape[1], device=hidden.device)            # (L,)
+    start, end = spans[..., :1], spans[..., 1:]                                 # (B, S, 1) each
+    weights = ((positions >= start) & (positions < end)) / (end - start)        # (B, S, L) rows sum to 1
+    return torch.bmm(weights.to(hidden.dtype), hidden)                          # (B, S, H)
 
 
 # ==============================================================================================
-# Model
+# Loss
+# ==============================================================================================
+# --- shared: begin mlm loss ---
+def mlm_loss(hidden, labels, head):
+    """Masked language modelling, the loss every method shares (BERT's; COSTA eq. 9, CPDAE eq. 6's
+    L_MLM, SEED eq. 10's L_MLM):
+
+        L_MLM = -1/|m(x)| * sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = masked positions
+
+    The papers write a sum; we take the mean over the masked tokens, as BERT's and SEED's code do, so
+    that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
+    positions go through `head` (the vocabulary projection is most of the cost). hidden (B, L, H),
+    labels (B, L) with -100 where nothing is predicted, head: MLMHead. Returns (loss, n_correct,
+    n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
+    chosen = labels != -100                                     # (B, L)
+    if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
+        return head(hidden[:1, 0]).sum() * 0.0, 0, 0
+    logits = head(hidden[chosen]).float()                       # (M, V) fp32 for the softmax
+    targets = labels[chosen]                                    # (M,)
+    n_correct = (logits.argmax(-1) == targets).sum()            # () a tensor: no GPU sync here
+    return F.cross_entropy(logits, targets), n_correct, targets.numel()
+# --- shared: end mlm loss ---
+
+
+def gwc_loss_and_accuracy(anchors, all_text_vecs, all_span_vecs, first, tau):
+    """Group-wise contrastive loss (eq. 8) of local anchors against every vector of the batch:
+
+        L_GWC = sum_{i=1..N} -1/(4T) sum_{p in S(i)} log( exp(sim(z_i, z_p) / tau)
+                                                          / sum_{j=1..N(4T+1)} 1[i != j] exp(sim(z_i, z_j) / tau) )
+
+    S(i): the 4T spans of text i; j runs over the batch's N text vectors and N*4T span vectors.
+    anchors (n, H): text vectors z_i, rows first .. first+n-1 of all_text_vecs (N, H); all_span_vecs
+    (N, S, H). For anchor i the S spans of text i are positives; the denominator runs over all N (S + 1)
+    vectors except z_i itself (other texts, every span, its own spans). sim = dot product / tau.
+    Eq. 8 sums over texts; we take the mean (over the S positives, as eq. 8, then over texts), so that
+    lambda does not scale with the batch size.
+    Logits in fp32 with autocast off (under autocast a matmul runs in bf16 even on fp32 inputs).
+    accuracy: fraction of anchors whose best candidate (itself excluded) is one of its own spans.
+    """
+    n, N, S = anchors.shape[0], all_text_vecs.shape[0], all_span_vecs.shape[1]
+    dtype = torch.promote_types(anchors.dtype, torch.float32)                  # fp32 (fp64 stays, for tests)
+    with torch.autocast(anchors.device.type, enabled=False):
+        candidates = torch.cat([all_text_vecs, all_span_vecs.reshape(N * S, -1)]).to(dtype)  # (N(S+1), H)
+        logits = anchors.to(dtype) @ candidates.T / tau                          # (n, N(S+1))
+    rows = torch.arange(n, device=anchors.device)                               # (n,)
+    logits[rows, first + rows] = float("-inf")                                   # 1[i != j]: drop z_i itself
+    positives = N + (first + rows)[:, None] * S + torch.arange(S, device=anchors.device)  # (n, S) columns
+    log_prob = logits.gather(1, positives) - logits.logsumexp(dim=1, keepdim=True)  # (n, S)
+    best = logits.argmax(dim=1)                                                  # (n,)
+    accuracy = ((best >= positives[:, 0]) & (best <= positives[:, -1])).float().mean()
+    return -log_prob.mean(), accuracy
+
+
+def gwc_loss(text_vecs, span_vecs, tau):
+    """Eq. 8 in one process: text_vecs (N, H), span_vecs (N, S, H) -> scalar loss."""
+    return gwc_loss_and_accuracy(text_vecs, text_vecs, span_vecs, 0, tau)[0]
+
+
+def gwc_loss_distributed(text_vecs, span_vecs, tau):
+    """Eq. 8 with the negatives of every rank: local anchors, candidates all-gathered (differentiable),
+    own rows offset by rank * local batch. (loss, accuracy) over the local anchors; in one process
+    exactly gwc_loss. Gradient accumulation adds no negatives."""
+    rank, _ = rank_and_world()
+    all_text = gather_across_ranks(text_vecs)                                    # (N, H)
+    all_spans = gather_across_ranks(span_vecs)                                   # (N, S, H)
+    return gwc_loss_and_accuracy(text_vecs, all_text, all_spans, rank * text_vecs.shape[0], tau)
+
+
+# The pre-training objective (eq. 10), built from the model pieces and the losses above.
+class PretrainModel(nn.Module):
+    """The encoder plus what pre-training adds on top of it. Returns the loss and what to log.
+    One forward pass over the masked text gives the MLM logits, h_0 and the span vectors."""
+
+    def __init__(self, c, encoder):
+        super().__init__()
+        self.config, self.encoder = c, encoder
+        # no projector in the MLM-only baseline: DDP rejects parameters that get no gradient
+        self.projector = Projector(c.hidden_size, c.projector) if c.gwc_weight else None
+
+    def forward(self, batch):
+        hidden = self.encoder(batch["input_ids"], batch["attention_mask"])       # (B, L, H)
+        mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)
+        metrics = {"mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1)}
+        if not self.config.gwc_weight:
+            return mlm, metrics
+        with torch.autocast(hidden.device.type, enabled=False):  # the vectors feeding eq. 8 in fp32
+            text_vecs = self.projector(hidden[:, 0].float())                     # (B, H) z_0, eq. 6
+            span_vecs = span_vectors(hidden.float(), batch["spans"])             # (B, S, H) eq. 7
+        gwc, accuracy = gwc_loss_distributed(text_vecs, span_vecs, self.config.tau)
+        total = self.config.gwc_weight * gwc + mlm                               # eq. 10
+        return total, {**metrics, "gwc": gwc.detach(), "gwc_acc": accuracy}
+
+
+# ==============================================================================================
+# Data
+# ==============================================================================================
+SPAN_LENGTHS = {"phrase": (4, 16), "sentence": (16, 64), "paragraph": (64, 128)}  # (l_min, l_max), 4.5.1
+GRANULARITIES = ("word", *SPAN_LENGTHS)
+
+
+def parse_granularities(text):
+    """"word,phrase,sentence,paragraph" -> a list of distinct known names (Table 4 drops one)."""
+    names = [g.strip() for g in text.split(",") if g.strip()]
+    if not names or len(set(names)) != len(names) or not set(names) <= set(GRANULARITIES):
+        raise ValueError(f"--granularities must be distinct names from {','.join(GRANULARITIES)}, "
+                             f"got {text!r}")
+    return names
+
+
+def skip_word_mask(input_ids, word_starts, vocab_tokens):
+    """True at the start of each word that must not be a word-level span: an English stopword
+    (scikit-learn's list, checked on the whole word, pieces joined) or a word with no letter or digit.
+    The paper filters stopwords only; punctuation ("," ".") makes an equally empty positive."""
+    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS  # here: sklearn takes seconds to import
+    mask = [False] * len(input_ids)
+    starts = [i for i, start in enumerate(word_starts) if start] + [len(input_ids)]
+    for start, end in zip(starts, starts[1:]):
+        pieces = [vocab_tokens[t] for t in input_ids[start:end]]
+        word = pieces[0] + "".join(p[2:] for p in pieces[1:] if p.startswith("##"))  # not [SEP]
+        mask[start] = word in ENGLISH_STOP_WORDS or not any(ch.isalnum() for ch in word)
+    return mask
+
+
+def word_spans(word_starts, n_tokens, stopword_mask=None):
+    """Candidate word-level spans [start, end): the whole words between [CLS] and [SEP]."""
+    sep = n_tokens - 1
+    starts = [i for i in range(1, sep) if word_starts[i]]
+    words = list(zip(starts, starts[1:] + [sep]))   # a leading "##" run (before starts[0]) is left out
+    content = [w for w in words if stopword_mask is None or not stopword_mask[w[0]]]
+    return content or words or [(1, sep)]           # all stopwords: any word; no word start: the fragment
+
+
+def sample_spans(word_starts, n_tokens, config, rng, stopword_mask=None):
+    """Multi-granularity span sampling for one window [CLS] x_1 .. x_m [SEP] (eq. 1-3).
+
+    Returns exactly config.span_T spans (start, end), end exclusive, per granularity in
+    config.granularities, in that order (S = T x granularities, so batches stack). Every span lies in
+    1 .. n_tokens - 2: never [CLS], [SEP] or padding. rng: numpy Generator; draws are independent.
+    - phrase / sentence / paragraph: l = l_min + p (l_max - l_min), p ~ Beta(span_alpha, span_beta)
+      (eq. 1), rounded to the nearest integer; start ~ U(1, n_tokens - 1 - l) inclusive (eq. 2, the
+      paper's n being m + 1); span [start, start + l) (eq. 3). Short text: l is clipped to m, so a body
+      shorter than l gives the whole body.
+    - word: one whole word (first piece and its "##" pieces), uniform over the words whose
+      stopword_mask is False (mask[i] is for the word starting at token i; None = keep all). All
+      stopwords: any whole word. A window cut inside a word may start with "##" pieces: that fragment
+      is not a whole word (its start is in the previous window) and is skipped, unless the window has no
+      word start at all, then the fragment is the word. (A last word cut by the window's end ends at [SEP].)
+    Raises DataError if the body is empty (n_tokens < 3).
+    """
+    body = n_tokens - 2                                                          # m
+    if body < 1:
+        raise data.DataError("span sampling needs a window with a token between [CLS] and [SEP]")
+    T, spans = config.span_T, []
+    for name in parse_granularities(config.granularities):
+        if name == "word":
+            words = word_spans(word_starts, n_tokens, stopword_mask)
+            spans += [words[k] for k in rng.integers(len(words), size=T)]
+            continue
+        l_min, l_max = SPAN_LENGTHS[name]
+        p = rng.beta(config.span_alpha, config.span_beta, size=T)              # eq. 1
+        lengths = np.minimum(np.rint(l_min + p * (l_max - l_min)).astype(int), body)
+        starts = rng.integers(1, n_tokens - lengths)                             # eq. 2: 1 .. n_tokens-1-l
+        spans += list(zip(starts, starts + lengths))                             # eq. 3
+    return [(int(start), int(end)) for start, end in spans]
+
+
+class Batches(torch.utils.data.Dataset):
+    """Item m is this rank's batch at micro-step m: a pure function of (seed, rank, m), so data-loader
+    workers can build batches ahead on the CPU and a resumed run sees exactly the same batches.
+    With gwc_weight > 0 a batch also holds "spans" (B, S, 2): COSTA's sampled spans of each window,
+    as Algorithm 1 samples them: once per window before training, reused in every epoch (here a pure
+    function of (seed, window), the same thing without holding them all); --span_resample draws fresh
+    spans at every step instead."""
+
+    def __init__(self, c, windows, special, rank, world, vocab_tokens):
+        self.c, self.windows, self.special, self.rank, self.world = c, windows, special, rank, world
+        self.vocab_tokens = vocab_tokens   # id -> WordPiece string, to find stopwords
+
+    def __len__(self):
+        return self.c.steps * self.c.grad_accum
+
+    def __getitem__(self, micro_step):
+        c = self.c
+        rows = data.batch_indices(len(self.windows), c.batch_size, self.rank, self.world, c.seed, micro_step)
+        generator = data.batch_generator(c.seed, self.rank, micro_step)
+        ids, attention_mask = data.pad_batch([self.windows[i].input_ids for i in rows])   # (B, L)
+        maskable = attention_mask.bool() & (ids != self.special["cls"]) & (ids != self.special["sep"])
+        masked, labels = data.mask_tokens(ids, maskable, c.vocab_size, self.special["mask"],
+                                          generator, c.mask_prob)
+        batch = {"input_ids": masked, "attention_mask": attention_mask, "labels": labels}
+        if c.gwc_weight:  # spans on the unmasked windows' words; the model sees the masked text
+            step_rng = np.random.default_rng([c.seed, self.rank, micro_step])
+            rng = lambda i: step_rng if c.span_resample else np.random.default_rng([c.seed, i])  # per window
+            batch["spans"] = torch.tensor([                                      # (B, S, 2)
+                sample_spans(w.word_starts, len(w.input_ids), c, rng(i),
+                             skip_word_mask(w.input_ids, w.word_starts, self.vocab_tokens))
+                for i, w in ((i, self.windows[i]) for i in rows)])
+        return batch
+
+
+def load_windows(c, is_rank0):
+    tokenizer = data.load_tokenizer(c.vocab)        # (resolve_vocab checked its size)
+    t0 = time.time()
+    windows = data.make_windows(tokenizer, data.read_pretraining_texts(c.corpus), c.max_len)
+    if is_rank0:
+        n_tokens = sum(len(w.input_ids) for w in windows)
+        print(f"data: {c.corpus}: {len(windows):,} windows, {n_tokens:,} tokens ({time.time() - t0:.1f}s)")
+    vocab_tokens = [tokenizer.id_to_token(i) for i in range(tokenizer.get_vocab_size())]
+    return windows, data.special_ids(tokenizer), vocab_tokens
+
+
+# ==============================================================================================
+# Training loop
+# ==============================================================================================
+
+
+def train(c):
+    rank, world, device = setup_distributed()
+    is_rank0 = rank == 0
+    torch.manual_seed(c.seed)
+    c = dataclasses.replace(c, init=data.resolve_model(c.init))   # 'minilm' or a hub id -> a local folder
+    check_run_folder(c)                             # before any work: a run folder is never overwritten silently
+    parse_granularities(c.granularities)            # bad flags fail here, not in a data-loader worker
+    encoder = Encoder.from_pretrained(c.init, c) if c.init else Encoder(c)
+    c = resolve_vocab(encoder.config)               # --init brings the checkpoint's model sizes and vocab
+    if is_rank0 and getattr(encoder, "new_mlm_head", False):
+        print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
+    windows, special, vocab_tokens = load_windows(c, is_rank0)
+    model = PretrainModel(c, encoder).to(device)
+    optimizer, scheduler = make_optimizer(model, c)
+    start_step = load_checkpoint(c, model, optimizer, scheduler, is_rank0) if c.resume else 0
+    if is_rank0:
+        prepare_run_folder(c)
+        data.atomic_write_json(Path(c.out_dir) / "config.json", dataclasses.asdict(c))
+        n_params = sum(p.numel() for p in model.parameters())
+        left_out = len(windows) % (c.batch_size * world)
+        print(f"model: {n_params / 1e6:.1f}M parameters | {world} process(es) on {device.type} | "
+              f"global batch {c.batch_size * world * c.grad_accum} | {left_out} windows sit out each epoch")
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    loader = torch.utils.data.DataLoader(
+        Batches(c, windows, special, rank, world, vocab_tokens), batch_size=None, num_workers=c.workers,
+        sampler=range(start_step * c.grad_accum, c.steps * c.grad_accum),
+        generator=torch.Generator())  # its own generator: the global RNG (dropout) resumes exactly
+    autocast = autocast_bf16(device, c.bf16)
+    progress = Progress(c, start_step, is_rank0)
+    batches = iter(loader)
+    for step in range(start_step + 1, c.steps + 1):
+        for micro in range(c.grad_accum):
+            micro_step = (step - 1) * c.grad_accum + micro
+            batch = next(batches)
+            progress_tokens = int(batch["attention_mask"].sum())
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            # dropout, like the batch, is a function of the step: resume is exact without saving RNG state
+            torch.manual_seed(data.step_seed(c.seed, rank, micro_step))
+            last = micro == c.grad_accum - 1
+            with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
+                with autocast:
+                    loss, metrics = ddp(batch)
+                (loss / c.grad_accum).backward()
+            progress.add(metrics, progress_tokens)
+        stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, c)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % c.log_every == 0 or step == c.steps:
+            progress.report(step, scheduler.get_last_lr()[0], device)
+        if step % c.save_every == 0 or step == c.steps or step == c.halt_at:
+            save_checkpoint(c, model, optimizer, scheduler, step, is_rank0)
+        if step == c.halt_at:
+            break
+    if is_rank0:
+        print(f"done: {progress.summary(device)}; encoder in {Path(c.out_dir) / 'encoder'}")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+# ==============================================================================================
+# Checkpoint
+# ==============================================================================================
+def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0):
+    """Rank 0 writes the encoder (Hugging Face folder, for fine-tuning) and the full training state
+    (every module, the projector included, optimizer, scheduler) for --resume (batches, masks and
+    dropout are functions of the step: no RNG state is saved). Each file is written atomically."""
+    if is_rank0:
+        model.encoder.save_pretrained(Path(c.out_dir) / "encoder", c.vocab)
+        data.save_training_state(Path(c.out_dir) / "state.pt", {
+            "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "config": dataclasses.asdict(c)})
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()   # short: nobody races ahead of a checkpoint being written
+
+
+# ==============================================================================================
+# Shared blocks, below the method: the BERT encoder, distributed helpers, bf16 autocast, training
+# helpers, resume and run setup. Byte-identical in every file that has them (a test checks, and
+# `diff costa.py cpdae.py` skips them): read them once, in costa.py.
 # ==============================================================================================
 # --- shared: begin encoder ---
 class Embeddings(nn.Module):
@@ -227,41 +504,6 @@ class MLMHead(nn.Module):
         return h @ self.word_embedding[0].weight.T + self.bias                   # (M, V)
 
 
-# Our parameter names -> Hugging Face BertForMaskedLM names (both directions use this table).
-HF_NAMES = [("embeddings.word.", "bert.embeddings.word_embeddings."),
-            ("embeddings.position.", "bert.embeddings.position_embeddings."),
-            ("embeddings.token_type.", "bert.embeddings.token_type_embeddings."),
-            ("embeddings.norm.", "bert.embeddings.LayerNorm."),
-            ("attn.query.", "attention.self.query."), ("attn.key.", "attention.self.key."),
-            ("attn.value.", "attention.self.value."), ("attn.out.", "attention.output.dense."),
-            ("attn_norm.", "attention.output.LayerNorm."), ("ffn_in.", "intermediate.dense."),
-            ("ffn_out.", "output.dense."), ("ffn_norm.", "output.LayerNorm."),
-            ("blocks.", "bert.encoder.layer."),
-            ("mlm_head.dense.", "cls.predictions.transform.dense."),
-            ("mlm_head.norm.", "cls.predictions.transform.LayerNorm."),
-            ("mlm_head.bias", "cls.predictions.bias")]
-HF_CONFIG_KEYS = dict(vocab_size="vocab_size", hidden_size="hidden_size", num_layers="num_hidden_layers",
-                      num_heads="num_attention_heads", ffn_size="intermediate_size",
-                      max_position="max_position_embeddings", type_vocab_size="type_vocab_size",
-                      dropout="hidden_dropout_prob", layer_norm_eps="layer_norm_eps")
-
-
-def to_hf_name(name):
-    for ours, theirs in HF_NAMES:
-        name = name.replace(ours, theirs)
-    return name
-
-
-def from_hf_name(name):
-    """Accepts 'bert.'-prefixed or bare names and the old LayerNorm gamma/beta spelling."""
-    name = name.removeprefix("bert.").replace("LayerNorm.gamma", "LayerNorm.weight")
-    name = name.replace("LayerNorm.beta", "LayerNorm.bias")
-    name = name if name.startswith("cls.") else "bert." + name
-    for ours, theirs in HF_NAMES:           # this order: "attention.output.dense" before "output.dense"
-        name = name.replace(theirs, ours)
-    return name
-
-
 class Encoder(nn.Module):
     """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
     forward returns the last hidden states; the text vector is position 0 ([CLS])."""
@@ -289,27 +531,15 @@ class Encoder(nn.Module):
             x = block(x, attend)
         return x                                                    # (B, L, H)
 
-    def mlm_loss(self, hidden, labels):
-        """Eq. 9 of COSTA / BERT's MLM: mean cross-entropy over the masked positions only (the
-        vocabulary projection is most of the cost). Returns (loss, n_correct, n_masked). Under torchrun
-        the mean is over this rank's masked tokens and DDP averages the ranks, as BERT's code does."""
-        chosen = labels != -100                                     # (B, L)
-        if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
-            return self.mlm_head(hidden[:1, 0]).sum() * 0.0, 0, 0
-        logits = self.mlm_head(hidden[chosen]).float()              # (M, V)
-        targets = labels[chosen]                                    # (M,)
-        n_correct = (logits.argmax(-1) == targets).sum()            # a tensor: no GPU sync here
-        return F.cross_entropy(logits, targets), n_correct, targets.numel()
-
     def hf_config(self):
-        c = {theirs: getattr(self.config, ours) for ours, theirs in HF_CONFIG_KEYS.items()}
+        c = {theirs: getattr(self.config, ours) for ours, theirs in data.HF_CONFIG_KEYS.items()}
         return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
                 "attention_probs_dropout_prob": self.config.dropout, "initializer_range": 0.02,
                 "pad_token_id": 0, "position_embedding_type": "absolute", **c}
 
     def save_pretrained(self, folder, vocab=data.VOCAB):
         """Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
-        state = {to_hf_name(k): v for k, v in self.state_dict().items()}
+        state = {data.to_hf_name(k): v for k, v in self.state_dict().items()}
         data.save_encoder_folder(folder, state, self.hf_config(), vocab)
 
     @classmethod
@@ -317,237 +547,24 @@ class Encoder(nn.Module):
         """Load a Hugging Face BERT folder (ours, or e.g. bert-base-uncased downloaded by the user).
         config: a Config whose model fields are replaced by the folder's config.json."""
         hf_config, hf_state = data.load_encoder_folder(folder)
-        sizes = {ours: hf_config[theirs] for ours, theirs in HF_CONFIG_KEYS.items() if theirs in hf_config}
+        sizes = {ours: hf_config[theirs] for ours, theirs in data.HF_CONFIG_KEYS.items() if theirs in hf_config}
         model = cls(dataclasses.replace(config or Config(), **sizes))
-        state = {from_hf_name(k): v for k, v in hf_state.items()}
+        state = {data.from_hf_name(k): v for k, v in hf_state.items()}
         ours = model.state_dict()
         for name, tensor in state.items():
             if name in ours and ours[name].shape != tensor.shape:
-                raise data.DataError(f"{folder}: {to_hf_name(name)} has shape {tuple(tensor.shape)}, "
+                raise data.DataError(f"{folder}: {data.to_hf_name(name)} has shape {tuple(tensor.shape)}, "
                                      f"the model expects {tuple(ours[name].shape)}")
         state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
         missing = [k for k in ours if k not in state]
         if [k for k in missing if not k.startswith("mlm_head.")]:
-            raise data.DataError(f"{folder}: missing encoder weights, e.g. {to_hf_name(missing[0])}")
+            raise data.DataError(f"{folder}: missing encoder weights, e.g. {data.to_hf_name(missing[0])}")
         model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
         model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
         return model
 # --- shared: end encoder ---
 
 
-PROJECTORS = ("nonlinear", "linear", "none")
-
-
-class Projector(nn.Module):
-    """Text vector z_0 = projector(h_0) (eq. 5-6). kind "nonlinear" = Tanh(Linear(H, H)), the paper's;
-    "linear" = Linear(H, H); "none" = identity (the Table 6 ablations). Pre-training only: it is saved
-    in the training state, not in the encoder folder."""
-
-    def __init__(self, hidden_size, kind="nonlinear"):
-        super().__init__()
-        if kind not in PROJECTORS:
-            raise data.DataError(f"--projector must be one of {', '.join(PROJECTORS)}, got {kind!r}")
-        self.net = {"nonlinear": lambda: nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.Tanh()),
-                    "linear": lambda: nn.Linear(hidden_size, hidden_size),
-                    "none": nn.Identity}[kind]()
-
-    def forward(self, h0):                                                       # (B, H)
-        return self.net(h0)                                                      # (B, H)
-
-
-def span_vectors(hidden, spans):
-    """Span vector = mean of the output token vectors over [start, end) (eq. 7), all spans at once:
-    a (B, S, L) averaging matrix times the hidden states. hidden (B, L, H); spans (B, S, 2) long."""
-    positions = torch.arange(hidden.shape[1], device=hidden.device)            # (L,)
-    start, end = spans[..., :1], spans[..., 1:]                                 # (B, S, 1) each
-    weights = ((positions >= start) & (positions < end)) / (end - start)        # (B, S, L) rows sum to 1
-    return torch.bmm(weights.to(hidden.dtype), hidden)                          # (B, S, H)
-
-
-class PretrainModel(nn.Module):
-    """The encoder plus what pre-training adds on top of it. Returns the loss and what to log.
-    One forward pass over the masked text gives the MLM logits, h_0 and the span vectors."""
-
-    def __init__(self, c, encoder):
-        super().__init__()
-        self.config, self.encoder = c, encoder
-        # no projector in the MLM-only baseline: DDP rejects parameters that get no gradient
-        self.projector = Projector(c.hidden_size, c.projector) if c.gwc_weight else None
-
-    def forward(self, batch):
-        hidden = self.encoder(batch["input_ids"], batch["attention_mask"])       # (B, L, H)
-        mlm, n_correct, n_masked = self.encoder.mlm_loss(hidden, batch["labels"])
-        metrics = {"mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1)}
-        if not self.config.gwc_weight:
-            return mlm, metrics
-        with torch.autocast(hidden.device.type, enabled=False):  # the vectors feeding eq. 8 in fp32
-            text_vecs = self.projector(hidden[:, 0].float())                     # (B, H) z_0, eq. 6
-            span_vecs = span_vectors(hidden.float(), batch["spans"])             # (B, S, H) eq. 7
-        gwc, accuracy = gwc_loss_distributed(text_vecs, span_vecs, self.config.tau)
-        total = self.config.gwc_weight * gwc + mlm                               # eq. 10
-        return total, {**metrics, "gwc": gwc.detach(), "gwc_acc": accuracy}
-
-
-# ==============================================================================================
-# Loss
-# ==============================================================================================
-# The MLM loss (eq. 9) is Encoder.mlm_loss above.
-def gwc_loss_and_accuracy(anchors, all_text_vecs, all_span_vecs, first, tau):
-    """Group-wise contrastive loss (eq. 8) of local anchors against every vector of the batch.
-
-    anchors (n, H): text vectors z_i, rows first .. first+n-1 of all_text_vecs (N, H); all_span_vecs
-    (N, S, H). For anchor i the S spans of text i are positives; the denominator runs over all N (S + 1)
-    vectors except z_i itself (other texts, every span, its own spans). sim = dot product / tau.
-    Eq. 8 sums over texts; we take the mean (over the S positives, as eq. 8, then over texts).
-    Logits in fp32 with autocast off (under autocast a matmul runs in bf16 even on fp32 inputs).
-    accuracy: fraction of anchors whose best candidate (itself excluded) is one of its own spans.
-    """
-    n, N, S = anchors.shape[0], all_text_vecs.shape[0], all_span_vecs.shape[1]
-    dtype = torch.promote_types(anchors.dtype, torch.float32)                  # fp32 (fp64 stays, for tests)
-    with torch.autocast(anchors.device.type, enabled=False):
-        candidates = torch.cat([all_text_vecs, all_span_vecs.reshape(N * S, -1)]).to(dtype)  # (N(S+1), H)
-        logits = anchors.to(dtype) @ candidates.T / tau                          # (n, N(S+1))
-    rows = torch.arange(n, device=anchors.device)                               # (n,)
-    logits[rows, first + rows] = float("-inf")                                   # 1[i != j]: drop z_i itself
-    positives = N + (first + rows)[:, None] * S + torch.arange(S, device=anchors.device)  # (n, S) columns
-    log_prob = logits.gather(1, positives) - logits.logsumexp(dim=1, keepdim=True)  # (n, S)
-    best = logits.argmax(dim=1)                                                  # (n,)
-    accuracy = ((best >= positives[:, 0]) & (best <= positives[:, -1])).float().mean()
-    return -log_prob.mean(), accuracy
-
-
-def gwc_loss(text_vecs, span_vecs, tau):
-    """Eq. 8 in one process: text_vecs (N, H), span_vecs (N, S, H) -> scalar loss."""
-    return gwc_loss_and_accuracy(text_vecs, text_vecs, span_vecs, 0, tau)[0]
-
-
-def gwc_loss_distributed(text_vecs, span_vecs, tau):
-    """Eq. 8 with the negatives of every rank: local anchors, candidates all-gathered (differentiable),
-    own rows offset by rank * local batch. (loss, accuracy) over the local anchors; in one process
-    exactly gwc_loss. Gradient accumulation adds no negatives."""
-    rank, _ = rank_and_world()
-    all_text = gather_across_ranks(text_vecs)                                    # (N, H)
-    all_spans = gather_across_ranks(span_vecs)                                   # (N, S, H)
-    return gwc_loss_and_accuracy(text_vecs, all_text, all_spans, rank * text_vecs.shape[0], tau)
-
-
-# ==============================================================================================
-# Data
-# ==============================================================================================
-SPAN_LENGTHS = {"phrase": (4, 16), "sentence": (16, 64), "paragraph": (64, 128)}  # (l_min, l_max), 4.5.1
-GRANULARITIES = ("word", *SPAN_LENGTHS)
-
-
-def parse_granularities(text):
-    """"word,phrase,sentence,paragraph" -> a list of distinct known names (Table 4 drops one)."""
-    names = [g.strip() for g in text.split(",") if g.strip()]
-    if not names or len(set(names)) != len(names) or not set(names) <= set(GRANULARITIES):
-        raise data.DataError(f"--granularities must be distinct names from {','.join(GRANULARITIES)}, "
-                             f"got {text!r}")
-    return names
-
-
-def skip_word_mask(input_ids, word_starts, vocab_tokens):
-    """True at the start of each word that must not be a word-level span: an English stopword
-    (scikit-learn's list, checked on the whole word, pieces joined) or a word with no letter or digit.
-    The paper filters stopwords only; punctuation ("," ".") makes an equally empty positive."""
-    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS  # here: sklearn takes seconds to import
-    mask = [False] * len(input_ids)
-    starts = [i for i, start in enumerate(word_starts) if start] + [len(input_ids)]
-    for start, end in zip(starts, starts[1:]):
-        pieces = [vocab_tokens[t] for t in input_ids[start:end]]
-        word = pieces[0] + "".join(p[2:] for p in pieces[1:] if p.startswith("##"))  # not [SEP]
-        mask[start] = word in ENGLISH_STOP_WORDS or not any(ch.isalnum() for ch in word)
-    return mask
-
-
-def word_spans(word_starts, n_tokens, stopword_mask=None):
-    """Candidate word-level spans [start, end): the whole words between [CLS] and [SEP]."""
-    sep = n_tokens - 1
-    starts = [i for i in range(1, sep) if word_starts[i]]
-    words = list(zip(starts, starts[1:] + [sep]))   # a leading "##" run (before starts[0]) is left out
-    content = [w for w in words if stopword_mask is None or not stopword_mask[w[0]]]
-    return content or words or [(1, sep)]           # all stopwords: any word; no word start: the fragment
-
-
-def sample_spans(word_starts, n_tokens, config, rng, stopword_mask=None):
-    """Multi-granularity span sampling for one window [CLS] x_1 .. x_m [SEP] (eq. 1-3).
-
-    Returns exactly config.span_T spans (start, end), end exclusive, per granularity in
-    config.granularities, in that order (S = T x granularities, so batches stack). Every span lies in
-    1 .. n_tokens - 2: never [CLS], [SEP] or padding. rng: numpy Generator; draws are independent.
-    - phrase / sentence / paragraph: l = l_min + p (l_max - l_min), p ~ Beta(span_alpha, span_beta)
-      (eq. 1), rounded to the nearest integer; start ~ U(1, n_tokens - 1 - l) inclusive (eq. 2, the
-      paper's n being m + 1); span [start, start + l) (eq. 3). Short text: l is clipped to m, so a body
-      shorter than l gives the whole body.
-    - word: one whole word (first piece and its "##" pieces), uniform over the words whose
-      stopword_mask is False (mask[i] is for the word starting at token i; None = keep all). All
-      stopwords: any whole word. A window cut inside a word may start with "##" pieces: that fragment
-      is not a whole word (its start is in the previous window) and is skipped, unless the window has no
-      word start at all, then the fragment is the word. (A last word cut by the window's end ends at [SEP].)
-    Raises DataError if the body is empty (n_tokens < 3).
-    """
-    body = n_tokens - 2                                                          # m
-    if body < 1:
-        raise data.DataError("span sampling needs a window with a token between [CLS] and [SEP]")
-    T, spans = config.span_T, []
-    for name in parse_granularities(config.granularities):
-        if name == "word":
-            words = word_spans(word_starts, n_tokens, stopword_mask)
-            spans += [words[k] for k in rng.integers(len(words), size=T)]
-            continue
-        l_min, l_max = SPAN_LENGTHS[name]
-        p = rng.beta(config.span_alpha, config.span_beta, size=T)              # eq. 1
-        lengths = np.minimum(np.rint(l_min + p * (l_max - l_min)).astype(int), body)
-        starts = rng.integers(1, n_tokens - lengths)                             # eq. 2: 1 .. n_tokens-1-l
-        spans += list(zip(starts, starts + lengths))                             # eq. 3
-    return [(int(start), int(end)) for start, end in spans]
-
-
-class Batches(torch.utils.data.Dataset):
-    """Item m is this rank's batch at micro-step m: a pure function of (seed, rank, m), so data-loader
-    workers can build batches ahead on the CPU and a resumed run sees exactly the same batches.
-    With gwc_weight > 0 a batch also holds "spans" (B, S, 2): COSTA's sampled spans of each window."""
-
-    def __init__(self, c, windows, special, rank, world, vocab_tokens):
-        self.c, self.windows, self.special, self.rank, self.world = c, windows, special, rank, world
-        self.vocab_tokens = vocab_tokens   # id -> WordPiece string, to find stopwords
-
-    def __len__(self):
-        return self.c.steps * self.c.grad_accum
-
-    def __getitem__(self, micro_step):
-        c = self.c
-        rows = data.batch_indices(len(self.windows), c.batch_size, self.rank, self.world, c.seed, micro_step)
-        generator = data.batch_generator(c.seed, self.rank, micro_step)
-        ids, attention_mask = data.pad_batch([self.windows[i].input_ids for i in rows])   # (B, L)
-        maskable = attention_mask.bool() & (ids != self.special["cls"]) & (ids != self.special["sep"])
-        masked, labels = data.mask_tokens(ids, maskable, c.vocab_size, self.special["mask"],
-                                          generator, c.mask_prob)
-        batch = {"input_ids": masked, "attention_mask": attention_mask, "labels": labels}
-        if c.gwc_weight:  # spans on the unmasked windows' words; the model sees the masked text
-            rng = np.random.default_rng([c.seed, self.rank, micro_step])
-            windows = [self.windows[i] for i in rows]
-            batch["spans"] = torch.tensor([                                      # (B, S, 2)
-                sample_spans(w.word_starts, len(w.input_ids), c, rng,
-                             skip_word_mask(w.input_ids, w.word_starts, self.vocab_tokens)) for w in windows])
-        return batch
-
-
-def load_windows(c, main):
-    tokenizer = data.load_tokenizer(c.vocab)        # (resolve_vocab checked its size)
-    t0 = time.time()
-    windows = data.make_windows(tokenizer, data.read_pretraining_texts(c.corpus), c.max_len)
-    if main:
-        n_tokens = sum(len(w.input_ids) for w in windows)
-        print(f"data: {c.corpus}: {len(windows):,} windows, {n_tokens:,} tokens ({time.time() - t0:.1f}s)")
-    vocab_tokens = [tokenizer.id_to_token(i) for i in range(tokenizer.get_vocab_size())]
-    return windows, data.special_ids(tokenizer), vocab_tokens
-
-
-# ==============================================================================================
-# Distributed setup
-# ==============================================================================================
 # --- shared: begin distributed ---
 def setup_distributed():
     """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
@@ -605,24 +622,25 @@ def average_across_ranks(values, device):
 # --- shared: end distributed ---
 
 
-# ==============================================================================================
-# Training loop
-# ==============================================================================================
-# --- shared: begin training helpers ---
+# --- shared: begin autocast ---
 def autocast_bf16(device, enabled=True):
     """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
     as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
     cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
     native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
+# --- shared: end autocast ---
 
 
-def make_optimizer(model, c):
-    """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0."""
+# --- shared: begin training helpers ---
+def make_optimizer(model, c, eps=1e-8):
+    """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
+    (COSTA and CPDAE say only "Adam with warm-up": weight decay and linear decay are BERT's and SEED's
+    recipe, kept for every method so that they differ only in their losses.) eps: Adam's epsilon."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=c.lr)
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=c.lr, eps=eps)
     warmup = max(1, int(c.warmup * c.steps))
     schedule = lambda step: min((step + 1) / warmup, max(0.0, (c.steps - step) / max(1, c.steps - warmup)))
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -695,13 +713,13 @@ def format_seconds(s):
 class Progress:
     """One line per log interval on rank 0 (step, losses, lr, tokens/s, ETA) and a JSONL log."""
 
-    def __init__(self, c, start_step, main):
-        self.c, self.main, self.start_step = c, main, start_step
+    def __init__(self, c, start_step, is_rank0):
+        self.c, self.is_rank0, self.start_step = c, is_rank0, start_step
         self.t0 = self.t_last = time.time()
         self.tokens = self.tokens_total = 0
         self.sums, self.count = {}, 0
         self.log_path = Path(c.out_dir) / "log.jsonl"
-        if main:
+        if is_rank0:
             keep_log_until(self.log_path, start_step)
 
     def add(self, metrics, n_tokens):
@@ -718,7 +736,7 @@ class Progress:
         self.tokens_total += self.tokens * world
         done = step - self.start_step
         eta = (now - self.t0) / done * (self.c.steps - step)
-        if self.main:
+        if self.is_rank0:
             parts = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
             print(f"step {step:>6}/{self.c.steps} | {parts} | lr {lr:.2e} | {tok_per_s:,.0f} tok/s | "
                   f"elapsed {format_seconds(now - self.t0)} | eta {format_seconds(eta)}", flush=True)
@@ -734,99 +752,27 @@ class Progress:
 # --- shared: end training helpers ---
 
 
-def train(c):
-    rank, world, device = setup_distributed()
-    main = rank == 0
-    torch.manual_seed(c.seed)
-    c = dataclasses.replace(c, init=data.resolve_model(c.init))   # 'minilm' or a hub id -> a local folder
-    check_run_folder(c)                             # before any work: a run folder is never overwritten silently
-    parse_granularities(c.granularities)            # bad flags fail here, not in a data-loader worker
-    encoder = Encoder.from_pretrained(c.init, c) if c.init else Encoder(c)
-    c = resolve_vocab(encoder.config)               # --init brings the checkpoint's model sizes and vocab
-    if main and getattr(encoder, "new_mlm_head", False):
-        print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
-    windows, special, vocab_tokens = load_windows(c, main)
-    model = PretrainModel(c, encoder).to(device)
-    optimizer, scheduler = make_optimizer(model, c)
-    start_step = load_checkpoint(c, model, optimizer, scheduler, main) if c.resume else 0
-    if main:
-        prepare_run_folder(c)
-        data.atomic_write_json(Path(c.out_dir) / "config.json", dataclasses.asdict(c))
-        n_params = sum(p.numel() for p in model.parameters())
-        left_out = len(windows) % (c.batch_size * world)
-        print(f"model: {n_params / 1e6:.1f}M parameters | {world} process(es) on {device.type} | "
-              f"global batch {c.batch_size * world * c.grad_accum} | {left_out} windows sit out each epoch")
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    loader = torch.utils.data.DataLoader(
-        Batches(c, windows, special, rank, world, vocab_tokens), batch_size=None, num_workers=c.workers,
-        sampler=range(start_step * c.grad_accum, c.steps * c.grad_accum),
-        generator=torch.Generator())  # its own generator: the global RNG (dropout) resumes exactly
-    autocast = autocast_bf16(device, c.bf16)
-    progress = Progress(c, start_step, main)
-    batches = iter(loader)
-    for step in range(start_step + 1, c.steps + 1):
-        for micro in range(c.grad_accum):
-            micro_step = (step - 1) * c.grad_accum + micro
-            batch = next(batches)
-            progress_tokens = int(batch["attention_mask"].sum())
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            torch.manual_seed(data.step_seed(c.seed, rank, micro_step))  # dropout, like the batch, is a
-            last = micro == c.grad_accum - 1               # function of the step: resume is exact
-            with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
-                with autocast:
-                    loss, metrics = ddp(batch)
-                (loss / c.grad_accum).backward()
-            progress.add(metrics, progress_tokens)
-        stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, c)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % c.log_every == 0 or step == c.steps:
-            progress.report(step, scheduler.get_last_lr()[0], device)
-        if step % c.save_every == 0 or step == c.steps or step == c.halt_at:
-            save_checkpoint(c, model, optimizer, scheduler, step, main)
-        if step == c.halt_at:
-            break
-    if main:
-        print(f"done: {progress.summary(device)}; encoder in {Path(c.out_dir) / 'encoder'}")
-    if world > 1:
-        dist.destroy_process_group()
-
-
-# ==============================================================================================
-# Checkpoint
-# ==============================================================================================
-def save_checkpoint(c, model, optimizer, scheduler, step, main):
-    """Rank 0 writes the encoder (Hugging Face folder, for fine-tuning) and the full training state
-    (every module, the projector included, optimizer, scheduler, RNG) for --resume. Each file is
-    written atomically."""
-    if main:
-        model.encoder.save_pretrained(Path(c.out_dir) / "encoder", c.vocab)
-        data.save_training_state(Path(c.out_dir) / "state.pt", {
-            "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "config": dataclasses.asdict(c)})
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()   # short: nobody races ahead of a checkpoint being written
-
-
 # --- shared: begin resume ---
-def load_checkpoint(c, model, optimizer, scheduler, main):
+def load_checkpoint(c, model, optimizer, scheduler, is_rank0):
     """Restore out_dir/state.pt; returns the step to continue from (0 if there is none yet). Batches,
     masks and dropout are functions of the step, so nothing else needs restoring. The flags in force
     are today's; one that cannot change on resume stops the run (check_resume_flags)."""
     path = Path(c.out_dir) / "state.pt"
     if not path.is_file():
-        if main:
+        if is_rank0:
             print(f"resume: no {path} yet, starting from step 0")
         return 0
     state = data.load_training_state(path)
     changed = check_resume_flags(c, state["config"], path)
-    model.load_state_dict(state["model"])
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:     # same flags, other weights: a state.pt from an older layout of the model
+        raise data.DataError(f"{path}: its weights do not fit this model ({str(e).splitlines()[-1].strip()}); "
+                             f"start again with --overwrite") from None
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     apply_resume_flags(c, optimizer, scheduler)
-    if main:
+    if is_rank0:
         print(f"resume: {path} at step {state['step']}"
               + (f"; changed flags apply from now: {changed}" if changed else ""))
     return state["step"]
@@ -842,7 +788,7 @@ def check_run_folder(c):
     """Before any work: a fresh run into a folder holding a run needs --overwrite (--resume continues it)."""
     held = [name for name in RUN_FILES if (Path(c.out_dir) / name).exists()]
     if c.resume and c.overwrite:
-        raise data.DataError("--resume continues the run in out_dir and --overwrite replaces it: give one")
+        raise ValueError("--resume continues the run in out_dir and --overwrite replaces it: give one")
     if held and not (c.resume or c.overwrite):
         raise data.DataError(f"{c.out_dir} already holds a run ({', '.join(held)}); continue it with --resume "
                              f"or replace it with --overwrite")
@@ -871,7 +817,7 @@ def resolve_vocab(c):
     if n != c.vocab_size:
         raise data.DataError(f"{c.vocab}: {n} entries, but {model} has vocab_size {c.vocab_size}")
     if c.max_len > c.max_position:
-        raise data.DataError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
+        raise ValueError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
                              f"(max_position)")
     return c
 # --- shared: end run setup ---
@@ -879,6 +825,6 @@ def resolve_vocab(c):
 
 if __name__ == "__main__":
     try:
-        train(parse_config(sys.argv[1:]))
-    except data.DataError as e:
+        train(data.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES))
+    except ValueError as e:   # a bad flag (ValueError) or a bad input file (data.DataError, one too)
         sys.exit(f"error: {e}")

@@ -1,7 +1,8 @@
 """CPDAE: contrastive pre-training of a discriminative autoencoder with an MLP decoder.
 
-Ma et al., CIKM 2022 (papers/cpdae.md, section 3, eq. 1-6). One file, top to bottom: config, model, loss,
-data, distributed setup, training loop, checkpoint. It is costa.py's MLM skeleton plus: two masked views
+Ma et al., CIKM 2022 (arXiv:2208.09846, section 3, eq. 1-6). One file, top to bottom: config, model, loss,
+data, training loop, checkpoint; then the blocks every method shares (the BERT encoder, distributed and
+training helpers). It is costa.py's MLM skeleton plus: two masked views
 of every text, an MLP decoder from [CLS] to a word distribution, a bag-of-words reconstruction loss and a
 contrastive loss between the views' word distributions. `diff costa.py cpdae.py` shows exactly that.
 
@@ -17,7 +18,6 @@ decoder beside it in decoder.safetensors (Decoder.from_pretrained; the Table 4 f
 """
 import contextlib
 import dataclasses
-import inspect
 import json
 import os
 import resource
@@ -91,7 +91,7 @@ PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072,
                     batch_size=64)
 
 
-# The domain of each numeric flag, checked by parse_config before any work.
+# The domain of each numeric flag, checked by data.parse_config before any work.
 FLAG_RULES = {
     "max_len": ">= 10",  # 8 tokens between [CLS] and [SEP]: shorter windows are dropped (data.make_windows)
     "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
@@ -103,240 +103,10 @@ FLAG_RULES = {
 }
 
 
-# --- shared: begin config parsing ---
-BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
-
-
-def parse_config(argv):
-    """Config from the command line: '--field value' for any field, '--flag' alone for a bool.
-    Every value is checked here, before any work: its type, its domain (FLAG_RULES) and the preset."""
-    if argv[:1] in (["-h"], ["--help"]):               # the docstring, then every field with its comment
-        try:
-            print(__doc__, inspect.getsource(Config), sep="\n", flush=True)
-        except BrokenPipeError:                         # `x.py --help | head` stopped reading: fine
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(0)
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    overrides, i = {}, 0
-    while i < len(argv):
-        name = argv[i].removeprefix("--").replace("-", "_")
-        if not argv[i].startswith("--") or name not in fields:
-            sys.exit(f"error: unknown argument {argv[i]!r}; fields are: {', '.join(fields)}")
-        kind = type(fields[name].default)
-        if kind is bool and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
-            overrides[name], i = True, i + 1
-            continue
-        if i + 1 == len(argv):
-            sys.exit(f"error: --{name} needs a value")
-        value = argv[i + 1]
-        if kind is bool and value.lower() not in BOOLEANS:
-            sys.exit(f"error: --{name} expects true or false (also 1/0, yes/no), got {value!r}")
-        try:
-            overrides[name] = BOOLEANS[value.lower()] if kind is bool else kind(value)
-        except ValueError:
-            sys.exit(f"error: --{name} expects {kind.__name__}, got {value!r}")
-        i += 2
-    if overrides.get("preset", "") not in ("", "paper"):
-        sys.exit(f"error: --preset must be paper (or empty), got {overrides['preset']!r}")
-    preset = PAPER_PRESET if overrides.get("preset") == "paper" else {}
-    c = Config(**{**preset, **overrides})
-    for name, rule in FLAG_RULES.items():
-        if not satisfies(getattr(c, name), rule):
-            sys.exit(f"error: --{name} must be {rule}, got {getattr(c, name)!r}")
-    return c
-
-
-def satisfies(value, rule):
-    """A FLAG_RULES rule: '> 0', '>= 1', '0 or >= 3', 'in [0, 1]' or 'in [0, 1)'. NaN satisfies none."""
-    if rule.startswith("0 or "):
-        return value == 0 or satisfies(value, rule.removeprefix("0 or "))
-    if rule.startswith("in "):
-        low, high = (float(x) for x in rule[4:-1].split(","))
-        return low <= value and (value <= high if rule.endswith("]") else value < high)
-    op, bound = rule.split()
-    return value >= float(bound) if op == ">=" else value > float(bound)
-# --- shared: end config parsing ---
-
-
 # ==============================================================================================
 # Model
 # ==============================================================================================
-# --- shared: begin encoder ---
-class Embeddings(nn.Module):
-    """Token + learned absolute position + token-type embeddings, then LayerNorm and dropout."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.word = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.position = nn.Embedding(c.max_position, c.hidden_size)
-        self.token_type = nn.Embedding(c.type_vocab_size, c.hidden_size)
-        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.dropout = nn.Dropout(c.dropout)
-
-    def forward(self, input_ids):                                               # (B, L)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
-        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]  # (B, L, H)
-        return self.dropout(self.norm(x))
-
-
-class SelfAttention(nn.Module):
-    """Multi-head self-attention through scaled_dot_product_attention (fused kernels on GPU)."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.heads, self.dropout = c.num_heads, c.dropout
-        self.query = nn.Linear(c.hidden_size, c.hidden_size)
-        self.key = nn.Linear(c.hidden_size, c.hidden_size)
-        self.value = nn.Linear(c.hidden_size, c.hidden_size)
-        self.out = nn.Linear(c.hidden_size, c.hidden_size)
-
-    def forward(self, x, attend):                       # x (B, L, H); attend (B, 1, 1, L) True = key visible
-        B, L, H = x.shape
-        split = lambda t: t.view(B, L, self.heads, H // self.heads).transpose(1, 2)  # (B, heads, L, H/heads)
-        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return self.out(y.transpose(1, 2).reshape(B, L, H))                      # (B, L, H)
-
-
-class Block(nn.Module):
-    """Post-LN Transformer block, as in BERT: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.attn = SelfAttention(c)
-        self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
-        self.ffn_out = nn.Linear(c.ffn_size, c.hidden_size)
-        self.ffn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.dropout = nn.Dropout(c.dropout)
-
-    def forward(self, x, attend):                                                    # (B, L, H)
-        x = self.attn_norm(x + self.dropout(self.attn(x, attend)))
-        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))  # (B, L, H)
-
-
-class MLMHead(nn.Module):
-    """BERT's MLM head: dense, GELU, LayerNorm, then the token embedding matrix (tied) plus a bias."""
-
-    def __init__(self, c, word_embedding):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
-        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.bias = nn.Parameter(torch.zeros(c.vocab_size))
-        self.word_embedding = [word_embedding]  # a list, so the tied matrix is not registered twice
-
-    def forward(self, h):                                                        # (M, H)
-        h = self.norm(F.gelu(self.dense(h)))                                     # (M, H)
-        return h @ self.word_embedding[0].weight.T + self.bias                   # (M, V)
-
-
-# Our parameter names -> Hugging Face BertForMaskedLM names (both directions use this table).
-HF_NAMES = [("embeddings.word.", "bert.embeddings.word_embeddings."),
-            ("embeddings.position.", "bert.embeddings.position_embeddings."),
-            ("embeddings.token_type.", "bert.embeddings.token_type_embeddings."),
-            ("embeddings.norm.", "bert.embeddings.LayerNorm."),
-            ("attn.query.", "attention.self.query."), ("attn.key.", "attention.self.key."),
-            ("attn.value.", "attention.self.value."), ("attn.out.", "attention.output.dense."),
-            ("attn_norm.", "attention.output.LayerNorm."), ("ffn_in.", "intermediate.dense."),
-            ("ffn_out.", "output.dense."), ("ffn_norm.", "output.LayerNorm."),
-            ("blocks.", "bert.encoder.layer."),
-            ("mlm_head.dense.", "cls.predictions.transform.dense."),
-            ("mlm_head.norm.", "cls.predictions.transform.LayerNorm."),
-            ("mlm_head.bias", "cls.predictions.bias")]
-HF_CONFIG_KEYS = dict(vocab_size="vocab_size", hidden_size="hidden_size", num_layers="num_hidden_layers",
-                      num_heads="num_attention_heads", ffn_size="intermediate_size",
-                      max_position="max_position_embeddings", type_vocab_size="type_vocab_size",
-                      dropout="hidden_dropout_prob", layer_norm_eps="layer_norm_eps")
-
-
-def to_hf_name(name):
-    for ours, theirs in HF_NAMES:
-        name = name.replace(ours, theirs)
-    return name
-
-
-def from_hf_name(name):
-    """Accepts 'bert.'-prefixed or bare names and the old LayerNorm gamma/beta spelling."""
-    name = name.removeprefix("bert.").replace("LayerNorm.gamma", "LayerNorm.weight")
-    name = name.replace("LayerNorm.beta", "LayerNorm.bias")
-    name = name if name.startswith("cls.") else "bert." + name
-    for ours, theirs in HF_NAMES:           # this order: "attention.output.dense" before "output.dense"
-        name = name.replace(theirs, ours)
-    return name
-
-
-class Encoder(nn.Module):
-    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
-    forward returns the last hidden states; the text vector is position 0 ([CLS])."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.config = c
-        self.embeddings = Embeddings(c)
-        self.blocks = nn.ModuleList(Block(c) for _ in range(c.num_layers))
-        self.mlm_head = MLMHead(c, self.embeddings.word)
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(m):
-        """BERT's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm."""
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
-
-    def forward(self, input_ids, attention_mask):                  # (B, L), (B, L) 1 = token, 0 = pad
-        attend = attention_mask.bool()[:, None, None, :]            # (B, 1, 1, L)
-        x = self.embeddings(input_ids)                              # (B, L, H)
-        for block in self.blocks:
-            x = block(x, attend)
-        return x                                                    # (B, L, H)
-
-    def mlm_loss(self, hidden, labels):
-        """Eq. 9 of COSTA / BERT's MLM: mean cross-entropy over the masked positions only (the
-        vocabulary projection is most of the cost). Returns (loss, n_correct, n_masked). Under torchrun
-        the mean is over this rank's masked tokens and DDP averages the ranks, as BERT's code does."""
-        chosen = labels != -100                                     # (B, L)
-        if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
-            return self.mlm_head(hidden[:1, 0]).sum() * 0.0, 0, 0
-        logits = self.mlm_head(hidden[chosen]).float()              # (M, V)
-        targets = labels[chosen]                                    # (M,)
-        n_correct = (logits.argmax(-1) == targets).sum()            # a tensor: no GPU sync here
-        return F.cross_entropy(logits, targets), n_correct, targets.numel()
-
-    def hf_config(self):
-        c = {theirs: getattr(self.config, ours) for ours, theirs in HF_CONFIG_KEYS.items()}
-        return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
-                "attention_probs_dropout_prob": self.config.dropout, "initializer_range": 0.02,
-                "pad_token_id": 0, "position_embedding_type": "absolute", **c}
-
-    def save_pretrained(self, folder, vocab=data.VOCAB):
-        """Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
-        state = {to_hf_name(k): v for k, v in self.state_dict().items()}
-        data.save_encoder_folder(folder, state, self.hf_config(), vocab)
-
-    @classmethod
-    def from_pretrained(cls, folder, config=None):
-        """Load a Hugging Face BERT folder (ours, or e.g. bert-base-uncased downloaded by the user).
-        config: a Config whose model fields are replaced by the folder's config.json."""
-        hf_config, hf_state = data.load_encoder_folder(folder)
-        sizes = {ours: hf_config[theirs] for ours, theirs in HF_CONFIG_KEYS.items() if theirs in hf_config}
-        model = cls(dataclasses.replace(config or Config(), **sizes))
-        state = {from_hf_name(k): v for k, v in hf_state.items()}
-        ours = model.state_dict()
-        for name, tensor in state.items():
-            if name in ours and ours[name].shape != tensor.shape:
-                raise data.DataError(f"{folder}: {to_hf_name(name)} has shape {tuple(tensor.shape)}, "
-                                     f"the model expects {tuple(ours[name].shape)}")
-        state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
-        missing = [k for k in ours if k not in state]
-        if [k for k in missing if not k.startswith("mlm_head.")]:
-            raise data.DataError(f"{folder}: missing encoder weights, e.g. {to_hf_name(missing[0])}")
-        model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
-        model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
-        return model
-# --- shared: end encoder ---
+# (The BERT encoder itself, Encoder, is a shared block at the end of this file.)
 
 
 class Decoder(nn.Module):
@@ -365,42 +135,31 @@ class Decoder(nn.Module):
         return decoder
 
 
-class PretrainModel(nn.Module):
-    """The encoder plus what pre-training adds on top of it. Returns the loss and what to log.
-    Both masked views of the B texts go through the encoder as one batch of 2B rows."""
-
-    def __init__(self, c, encoder, idf=None):
-        super().__init__()
-        self.config, self.encoder = c, encoder
-        self.decoder = Decoder(c.hidden_size, c.vocab_size, c.layer_norm_eps)
-        self.register_buffer("idf", idf)                                         # (V,) or None: IDF-REC
-
-    def forward(self, batch):
-        c = self.config
-        attention_mask = batch["attention_mask"].repeat(2, 1)                    # (2B, L) views share padding
-        hidden = self.encoder(batch["input_ids"], attention_mask)                # (2B, L, H) [d'; d'']
-        mlm, n_correct, n_masked = self.encoder.mlm_loss(hidden, batch["labels"])  # MLM on both views
-        h_cls = hidden[:, 0]                                                     # (2B, H) eq. 1
-        logits = self.decoder(h_cls)                                             # (2B, V) eq. 2
-        rec = reconstruction_loss(logits, batch["bag"].repeat(2, 1), self.idf)   # each view rebuilds its text
-        metrics = {"rec": rec.detach(), "mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1)}
-        if not c.cl_weight:                                                      # Table 2 "w/o CL"
-            return rec + mlm, metrics
-        if c.cl_mode == "js":                                                    # CPDAE, eq. 5
-            view1, view2 = word_distribution(logits).chunk(2)                    # (B, V) each, z_tilde
-            similarity = partial(js_similarity, chunk_size=c.js_chunk)
-        else:                                                                    # CPDAE_R
-            view1, view2 = h_cls.chunk(2)                                        # (B, H) each
-            similarity = partial(cosine_similarity, temperature=c.cls_temperature)
-        cl, accuracy = gathered_contrastive_loss(view1, view2, similarity)
-        total = rec + mlm + c.cl_weight * cl                                     # eq. 6
-        return total, {**metrics, "cl": cl.detach(), "cl_acc": accuracy}
-
-
 # ==============================================================================================
 # Loss
 # ==============================================================================================
-# The MLM loss is Encoder.mlm_loss above.
+# --- shared: begin mlm loss ---
+def mlm_loss(hidden, labels, head):
+    """Masked language modelling, the loss every method shares (BERT's; COSTA eq. 9, CPDAE eq. 6's
+    L_MLM, SEED eq. 10's L_MLM):
+
+        L_MLM = -1/|m(x)| * sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = masked positions
+
+    The papers write a sum; we take the mean over the masked tokens, as BERT's and SEED's code do, so
+    that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
+    positions go through `head` (the vocabulary projection is most of the cost). hidden (B, L, H),
+    labels (B, L) with -100 where nothing is predicted, head: MLMHead. Returns (loss, n_correct,
+    n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
+    chosen = labels != -100                                     # (B, L)
+    if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
+        return head(hidden[:1, 0]).sum() * 0.0, 0, 0
+    logits = head(hidden[chosen]).float()                       # (M, V) fp32 for the softmax
+    targets = labels[chosen]                                    # (M,)
+    n_correct = (logits.argmax(-1) == targets).sum()            # () a tensor: no GPU sync here
+    return F.cross_entropy(logits, targets), n_correct, targets.numel()
+# --- shared: end mlm loss ---
+
+
 def reconstruction_loss(logits, bag, idf=None):
     """Non-autoregressive reconstruction, eq. 3-4 (multi-label binary cross-entropy):
 
@@ -514,6 +273,39 @@ def gathered_contrastive_loss(view1, view2, similarity):
     return two_view_contrastive_loss(similarity(view1, candidates), offset=rank * view1.shape[0])
 
 
+# The pre-training objective (eq. 6), built from the model pieces and the losses above.
+class PretrainModel(nn.Module):
+    """The encoder plus what pre-training adds on top of it. Returns the loss and what to log.
+    Both masked views of the B texts go through the encoder as one batch of 2B rows."""
+
+    def __init__(self, c, encoder, idf=None):
+        super().__init__()
+        self.config, self.encoder = c, encoder
+        self.decoder = Decoder(c.hidden_size, c.vocab_size, c.layer_norm_eps)
+        self.register_buffer("idf", idf)                                         # (V,) or None: IDF-REC
+
+    def forward(self, batch):
+        c = self.config
+        attention_mask = batch["attention_mask"].repeat(2, 1)                    # (2B, L) views share padding
+        hidden = self.encoder(batch["input_ids"], attention_mask)                # (2B, L, H) [d'; d'']
+        mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)  # MLM on both views
+        h_cls = hidden[:, 0]                                                     # (2B, H) eq. 1
+        logits = self.decoder(h_cls)                                             # (2B, V) eq. 2
+        rec = reconstruction_loss(logits, batch["bag"].repeat(2, 1), self.idf)   # each view rebuilds its text
+        metrics = {"rec": rec.detach(), "mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1)}
+        if not c.cl_weight:                                                      # Table 2 "w/o CL"
+            return rec + mlm, metrics
+        if c.cl_mode == "js":                                                    # CPDAE, eq. 5
+            view1, view2 = word_distribution(logits).chunk(2)                    # (B, V) each, z_tilde
+            similarity = partial(js_similarity, chunk_size=c.js_chunk)
+        else:                                                                    # CPDAE_R
+            view1, view2 = h_cls.chunk(2)                                        # (B, H) each
+            similarity = partial(cosine_similarity, temperature=c.cls_temperature)
+        cl, accuracy = gathered_contrastive_loss(view1, view2, similarity)
+        total = rec + mlm + c.cl_weight * cl                                     # eq. 6
+        return total, {**metrics, "cl": cl.detach(), "cl_acc": accuracy}
+
+
 # ==============================================================================================
 # Data
 # ==============================================================================================
@@ -562,19 +354,238 @@ class Batches(torch.utils.data.Dataset):
                 "attention_mask": attention_mask, "bag": bag_of_words(ids, c.vocab_size, self.special.values())}
 
 
-def load_windows(c, main):
+def load_windows(c, is_rank0):
     tokenizer = data.load_tokenizer(c.vocab)        # (resolve_vocab checked its size)
     t0 = time.time()
     windows = data.make_windows(tokenizer, data.read_pretraining_texts(c.corpus), c.max_len)
-    if main:
+    if is_rank0:
         n_tokens = sum(len(w.input_ids) for w in windows)
         print(f"data: {c.corpus}: {len(windows):,} windows, {n_tokens:,} tokens ({time.time() - t0:.1f}s)")
     return windows, data.special_ids(tokenizer)
 
 
 # ==============================================================================================
-# Distributed setup
+# Training loop
 # ==============================================================================================
+
+
+def train(c):
+    rank, world, device = setup_distributed()
+    is_rank0 = rank == 0
+    torch.manual_seed(c.seed)
+    c = dataclasses.replace(c, init=data.resolve_model(c.init))   # 'minilm' or a hub id -> a local folder
+    check_run_folder(c)                             # before any work: a run folder is never overwritten silently
+    encoder = Encoder.from_pretrained(c.init, c) if c.init else Encoder(c)
+    c = resolve_vocab(encoder.config)               # --init brings the checkpoint's model sizes and vocab
+    if is_rank0 and getattr(encoder, "new_mlm_head", False):
+        print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
+    windows, special = load_windows(c, is_rank0)
+    if c.cl_mode not in ("js", "cls"):
+        raise ValueError(f"--cl_mode must be js or cls, got {c.cl_mode!r}")
+    idf = compute_idf(windows, c.vocab_size) if c.idf_rec else None            # once, on the corpus
+    model = PretrainModel(c, encoder, idf).to(device)
+    optimizer, scheduler = make_optimizer(model, c)
+    start_step = load_checkpoint(c, model, optimizer, scheduler, is_rank0) if c.resume else 0
+    if is_rank0:
+        prepare_run_folder(c)
+        data.atomic_write_json(Path(c.out_dir) / "config.json", dataclasses.asdict(c))
+        n_params = sum(p.numel() for p in model.parameters())
+        left_out = len(windows) % (c.batch_size * world)
+        print(f"model: {n_params / 1e6:.1f}M parameters | {world} process(es) on {device.type} | "
+              f"global batch {c.batch_size * world * c.grad_accum} | {left_out} windows sit out each epoch")
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    loader = torch.utils.data.DataLoader(
+        Batches(c, windows, special, rank, world), batch_size=None, num_workers=c.workers,
+        sampler=range(start_step * c.grad_accum, c.steps * c.grad_accum),
+        generator=torch.Generator())  # its own generator: the global RNG (dropout) resumes exactly
+    autocast = autocast_bf16(device, c.bf16)
+    progress = Progress(c, start_step, is_rank0)
+    batches = iter(loader)
+    for step in range(start_step + 1, c.steps + 1):
+        for micro in range(c.grad_accum):
+            micro_step = (step - 1) * c.grad_accum + micro
+            batch = next(batches)
+            progress_tokens = int(batch["attention_mask"].sum())
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            # dropout, like the batch, is a function of the step: resume is exact without saving RNG state
+            torch.manual_seed(data.step_seed(c.seed, rank, micro_step))
+            last = micro == c.grad_accum - 1
+            with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
+                with autocast:
+                    loss, metrics = ddp(batch)
+                (loss / c.grad_accum).backward()
+            progress.add(metrics, progress_tokens)
+        stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, c)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % c.log_every == 0 or step == c.steps:
+            progress.report(step, scheduler.get_last_lr()[0], device)
+        if step % c.save_every == 0 or step == c.steps or step == c.halt_at:
+            save_checkpoint(c, model, optimizer, scheduler, step, is_rank0)
+        if step == c.halt_at:
+            break
+    if is_rank0:
+        print(f"done: {progress.summary(device)}; encoder in {Path(c.out_dir) / 'encoder'}")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+# ==============================================================================================
+# Checkpoint
+# ==============================================================================================
+def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0):
+    """Rank 0 writes the encoder (Hugging Face folder, for fine-tuning) with the MLP decoder beside it
+    (decoder.safetensors, for the Table 4 figure), and the full training state (every module, the
+    decoder included, optimizer, scheduler) for --resume (batches, masks and dropout are functions
+    of the step: no RNG state is saved). Each file is written atomically."""
+    if is_rank0:
+        model.encoder.save_pretrained(Path(c.out_dir) / "encoder", c.vocab)
+        data.save_tensors(Path(c.out_dir) / "encoder" / "decoder.safetensors", model.decoder.state_dict())
+        data.save_training_state(Path(c.out_dir) / "state.pt", {
+            "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "config": dataclasses.asdict(c)})
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()   # short: nobody races ahead of a checkpoint being written
+
+
+# ==============================================================================================
+# Shared blocks, below the method: the BERT encoder, distributed helpers, bf16 autocast, training
+# helpers, resume and run setup. Byte-identical in every file that has them (a test checks, and
+# `diff costa.py cpdae.py` skips them): read them once, in costa.py.
+# ==============================================================================================
+# --- shared: begin encoder ---
+class Embeddings(nn.Module):
+    """Token + learned absolute position + token-type embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.word = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.position = nn.Embedding(c.max_position, c.hidden_size)
+        self.token_type = nn.Embedding(c.type_vocab_size, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, input_ids):                                               # (B, L)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
+        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]  # (B, L, H)
+        return self.dropout(self.norm(x))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention through scaled_dot_product_attention (fused kernels on GPU)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.heads, self.dropout = c.num_heads, c.dropout
+        self.query = nn.Linear(c.hidden_size, c.hidden_size)
+        self.key = nn.Linear(c.hidden_size, c.hidden_size)
+        self.value = nn.Linear(c.hidden_size, c.hidden_size)
+        self.out = nn.Linear(c.hidden_size, c.hidden_size)
+
+    def forward(self, x, attend):                       # x (B, L, H); attend (B, 1, 1, L) True = key visible
+        B, L, H = x.shape
+        split = lambda t: t.view(B, L, self.heads, H // self.heads).transpose(1, 2)  # (B, heads, L, H/heads)
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(B, L, H))                      # (B, L, H)
+
+
+class Block(nn.Module):
+    """Post-LN Transformer block, as in BERT: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.attn = SelfAttention(c)
+        self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
+        self.ffn_out = nn.Linear(c.ffn_size, c.hidden_size)
+        self.ffn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, x, attend):                                                    # (B, L, H)
+        x = self.attn_norm(x + self.dropout(self.attn(x, attend)))
+        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))  # (B, L, H)
+
+
+class MLMHead(nn.Module):
+    """BERT's MLM head: dense, GELU, LayerNorm, then the token embedding matrix (tied) plus a bias."""
+
+    def __init__(self, c, word_embedding):
+        super().__init__()
+        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(c.vocab_size))
+        self.word_embedding = [word_embedding]  # a list, so the tied matrix is not registered twice
+
+    def forward(self, h):                                                        # (M, H)
+        h = self.norm(F.gelu(self.dense(h)))                                     # (M, H)
+        return h @ self.word_embedding[0].weight.T + self.bias                   # (M, V)
+
+
+class Encoder(nn.Module):
+    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
+    forward returns the last hidden states; the text vector is position 0 ([CLS])."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.config = c
+        self.embeddings = Embeddings(c)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.num_layers))
+        self.mlm_head = MLMHead(c, self.embeddings.word)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m):
+        """BERT's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm."""
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, input_ids, attention_mask):                  # (B, L), (B, L) 1 = token, 0 = pad
+        attend = attention_mask.bool()[:, None, None, :]            # (B, 1, 1, L)
+        x = self.embeddings(input_ids)                              # (B, L, H)
+        for block in self.blocks:
+            x = block(x, attend)
+        return x                                                    # (B, L, H)
+
+    def hf_config(self):
+        c = {theirs: getattr(self.config, ours) for ours, theirs in data.HF_CONFIG_KEYS.items()}
+        return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
+                "attention_probs_dropout_prob": self.config.dropout, "initializer_range": 0.02,
+                "pad_token_id": 0, "position_embedding_type": "absolute", **c}
+
+    def save_pretrained(self, folder, vocab=data.VOCAB):
+        """Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
+        state = {data.to_hf_name(k): v for k, v in self.state_dict().items()}
+        data.save_encoder_folder(folder, state, self.hf_config(), vocab)
+
+    @classmethod
+    def from_pretrained(cls, folder, config=None):
+        """Load a Hugging Face BERT folder (ours, or e.g. bert-base-uncased downloaded by the user).
+        config: a Config whose model fields are replaced by the folder's config.json."""
+        hf_config, hf_state = data.load_encoder_folder(folder)
+        sizes = {ours: hf_config[theirs] for ours, theirs in data.HF_CONFIG_KEYS.items() if theirs in hf_config}
+        model = cls(dataclasses.replace(config or Config(), **sizes))
+        state = {data.from_hf_name(k): v for k, v in hf_state.items()}
+        ours = model.state_dict()
+        for name, tensor in state.items():
+            if name in ours and ours[name].shape != tensor.shape:
+                raise data.DataError(f"{folder}: {data.to_hf_name(name)} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(ours[name].shape)}")
+        state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
+        missing = [k for k in ours if k not in state]
+        if [k for k in missing if not k.startswith("mlm_head.")]:
+            raise data.DataError(f"{folder}: missing encoder weights, e.g. {data.to_hf_name(missing[0])}")
+        model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
+        model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
+        return model
+# --- shared: end encoder ---
+
+
 # --- shared: begin distributed ---
 def setup_distributed():
     """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
@@ -632,24 +643,25 @@ def average_across_ranks(values, device):
 # --- shared: end distributed ---
 
 
-# ==============================================================================================
-# Training loop
-# ==============================================================================================
-# --- shared: begin training helpers ---
+# --- shared: begin autocast ---
 def autocast_bf16(device, enabled=True):
     """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
     as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
     cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
     native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
+# --- shared: end autocast ---
 
 
-def make_optimizer(model, c):
-    """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0."""
+# --- shared: begin training helpers ---
+def make_optimizer(model, c, eps=1e-8):
+    """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
+    (COSTA and CPDAE say only "Adam with warm-up": weight decay and linear decay are BERT's and SEED's
+    recipe, kept for every method so that they differ only in their losses.) eps: Adam's epsilon."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=c.lr)
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=c.lr, eps=eps)
     warmup = max(1, int(c.warmup * c.steps))
     schedule = lambda step: min((step + 1) / warmup, max(0.0, (c.steps - step) / max(1, c.steps - warmup)))
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -722,13 +734,13 @@ def format_seconds(s):
 class Progress:
     """One line per log interval on rank 0 (step, losses, lr, tokens/s, ETA) and a JSONL log."""
 
-    def __init__(self, c, start_step, main):
-        self.c, self.main, self.start_step = c, main, start_step
+    def __init__(self, c, start_step, is_rank0):
+        self.c, self.is_rank0, self.start_step = c, is_rank0, start_step
         self.t0 = self.t_last = time.time()
         self.tokens = self.tokens_total = 0
         self.sums, self.count = {}, 0
         self.log_path = Path(c.out_dir) / "log.jsonl"
-        if main:
+        if is_rank0:
             keep_log_until(self.log_path, start_step)
 
     def add(self, metrics, n_tokens):
@@ -745,7 +757,7 @@ class Progress:
         self.tokens_total += self.tokens * world
         done = step - self.start_step
         eta = (now - self.t0) / done * (self.c.steps - step)
-        if self.main:
+        if self.is_rank0:
             parts = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
             print(f"step {step:>6}/{self.c.steps} | {parts} | lr {lr:.2e} | {tok_per_s:,.0f} tok/s | "
                   f"elapsed {format_seconds(now - self.t0)} | eta {format_seconds(eta)}", flush=True)
@@ -761,102 +773,27 @@ class Progress:
 # --- shared: end training helpers ---
 
 
-def train(c):
-    rank, world, device = setup_distributed()
-    main = rank == 0
-    torch.manual_seed(c.seed)
-    c = dataclasses.replace(c, init=data.resolve_model(c.init))   # 'minilm' or a hub id -> a local folder
-    check_run_folder(c)                             # before any work: a run folder is never overwritten silently
-    encoder = Encoder.from_pretrained(c.init, c) if c.init else Encoder(c)
-    c = resolve_vocab(encoder.config)               # --init brings the checkpoint's model sizes and vocab
-    if main and getattr(encoder, "new_mlm_head", False):
-        print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
-    windows, special = load_windows(c, main)
-    if c.cl_mode not in ("js", "cls"):
-        raise data.DataError(f"--cl_mode must be js or cls, got {c.cl_mode!r}")
-    idf = compute_idf(windows, c.vocab_size) if c.idf_rec else None            # once, on the corpus
-    model = PretrainModel(c, encoder, idf).to(device)
-    optimizer, scheduler = make_optimizer(model, c)
-    start_step = load_checkpoint(c, model, optimizer, scheduler, main) if c.resume else 0
-    if main:
-        prepare_run_folder(c)
-        data.atomic_write_json(Path(c.out_dir) / "config.json", dataclasses.asdict(c))
-        n_params = sum(p.numel() for p in model.parameters())
-        left_out = len(windows) % (c.batch_size * world)
-        print(f"model: {n_params / 1e6:.1f}M parameters | {world} process(es) on {device.type} | "
-              f"global batch {c.batch_size * world * c.grad_accum} | {left_out} windows sit out each epoch")
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    loader = torch.utils.data.DataLoader(
-        Batches(c, windows, special, rank, world), batch_size=None, num_workers=c.workers,
-        sampler=range(start_step * c.grad_accum, c.steps * c.grad_accum),
-        generator=torch.Generator())  # its own generator: the global RNG (dropout) resumes exactly
-    autocast = autocast_bf16(device, c.bf16)
-    progress = Progress(c, start_step, main)
-    batches = iter(loader)
-    for step in range(start_step + 1, c.steps + 1):
-        for micro in range(c.grad_accum):
-            micro_step = (step - 1) * c.grad_accum + micro
-            batch = next(batches)
-            progress_tokens = int(batch["attention_mask"].sum())
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            torch.manual_seed(data.step_seed(c.seed, rank, micro_step))  # dropout, like the batch, is a
-            last = micro == c.grad_accum - 1               # function of the step: resume is exact
-            with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
-                with autocast:
-                    loss, metrics = ddp(batch)
-                (loss / c.grad_accum).backward()
-            progress.add(metrics, progress_tokens)
-        stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, c)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % c.log_every == 0 or step == c.steps:
-            progress.report(step, scheduler.get_last_lr()[0], device)
-        if step % c.save_every == 0 or step == c.steps or step == c.halt_at:
-            save_checkpoint(c, model, optimizer, scheduler, step, main)
-        if step == c.halt_at:
-            break
-    if main:
-        print(f"done: {progress.summary(device)}; encoder in {Path(c.out_dir) / 'encoder'}")
-    if world > 1:
-        dist.destroy_process_group()
-
-
-# ==============================================================================================
-# Checkpoint
-# ==============================================================================================
-def save_checkpoint(c, model, optimizer, scheduler, step, main):
-    """Rank 0 writes the encoder (Hugging Face folder, for fine-tuning) with the MLP decoder beside it
-    (decoder.safetensors, for the Table 4 figure), and the full training state (every module, the
-    decoder included, optimizer, scheduler, RNG) for --resume. Each file is written atomically."""
-    if main:
-        model.encoder.save_pretrained(Path(c.out_dir) / "encoder", c.vocab)
-        data.save_tensors(Path(c.out_dir) / "encoder" / "decoder.safetensors", model.decoder.state_dict())
-        data.save_training_state(Path(c.out_dir) / "state.pt", {
-            "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "config": dataclasses.asdict(c)})
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()   # short: nobody races ahead of a checkpoint being written
-
-
 # --- shared: begin resume ---
-def load_checkpoint(c, model, optimizer, scheduler, main):
+def load_checkpoint(c, model, optimizer, scheduler, is_rank0):
     """Restore out_dir/state.pt; returns the step to continue from (0 if there is none yet). Batches,
     masks and dropout are functions of the step, so nothing else needs restoring. The flags in force
     are today's; one that cannot change on resume stops the run (check_resume_flags)."""
     path = Path(c.out_dir) / "state.pt"
     if not path.is_file():
-        if main:
+        if is_rank0:
             print(f"resume: no {path} yet, starting from step 0")
         return 0
     state = data.load_training_state(path)
     changed = check_resume_flags(c, state["config"], path)
-    model.load_state_dict(state["model"])
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:     # same flags, other weights: a state.pt from an older layout of the model
+        raise data.DataError(f"{path}: its weights do not fit this model ({str(e).splitlines()[-1].strip()}); "
+                             f"start again with --overwrite") from None
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     apply_resume_flags(c, optimizer, scheduler)
-    if main:
+    if is_rank0:
         print(f"resume: {path} at step {state['step']}"
               + (f"; changed flags apply from now: {changed}" if changed else ""))
     return state["step"]
@@ -872,7 +809,7 @@ def check_run_folder(c):
     """Before any work: a fresh run into a folder holding a run needs --overwrite (--resume continues it)."""
     held = [name for name in RUN_FILES if (Path(c.out_dir) / name).exists()]
     if c.resume and c.overwrite:
-        raise data.DataError("--resume continues the run in out_dir and --overwrite replaces it: give one")
+        raise ValueError("--resume continues the run in out_dir and --overwrite replaces it: give one")
     if held and not (c.resume or c.overwrite):
         raise data.DataError(f"{c.out_dir} already holds a run ({', '.join(held)}); continue it with --resume "
                              f"or replace it with --overwrite")
@@ -901,7 +838,7 @@ def resolve_vocab(c):
     if n != c.vocab_size:
         raise data.DataError(f"{c.vocab}: {n} entries, but {model} has vocab_size {c.vocab_size}")
     if c.max_len > c.max_position:
-        raise data.DataError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
+        raise ValueError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
                              f"(max_position)")
     return c
 # --- shared: end run setup ---
@@ -909,6 +846,6 @@ def resolve_vocab(c):
 
 if __name__ == "__main__":
     try:
-        train(parse_config(sys.argv[1:]))
-    except data.DataError as e:
+        train(data.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES))
+    except ValueError as e:   # a bad flag (ValueError) or a bad input file (data.DataError, one too)
         sys.exit(f"error: {e}")

@@ -7,12 +7,16 @@ Read top to bottom:
   4. windows         documents -> [CLS] ... [SEP] windows of at most max_len tokens, with word starts
   5. batches         BERT masking, padding, and which examples each rank gets at each step
   6. checkpoints     Hugging Face BERT folders and training state, written atomically
+  7. command line    a script's Config from '--field value' flags, each checked before any work
 """
+import dataclasses
 import functools
 import gzip
+import inspect
 import json
 import os
 import shutil
+import sys
 import tempfile
 import zlib
 from pathlib import Path
@@ -347,7 +351,9 @@ def make_windows(tokenizer, texts, max_len, min_tokens=8):
     """Tokenize documents and cut each into windows '[CLS] ... [SEP]' of at most max_len tokens.
 
     Windows end on word boundaries where possible. A document's last window shorter than min_tokens
-    is dropped unless it is the whole document (it would cost a padded row and teach little).
+    is dropped unless it is the whole document (it would cost a padded row and teach little). A
+    document that normalises to no token at all (e.g. only zero-width characters) gives no window:
+    a bare '[CLS] [SEP]' has nothing to mask and no span to sample.
     """
     ids = special_ids(tokenizer)
     body = max_len - 2
@@ -355,6 +361,8 @@ def make_windows(tokenizer, texts, max_len, min_tokens=8):
     for encoding in _encode_in_chunks(tokenizer, texts):
         word_ids = encoding.word_ids
         tokens = encoding.ids
+        if not tokens:
+            continue
         word_start = [i == 0 or word_ids[i] != word_ids[i - 1] for i in range(len(tokens))]
         cuts = _cut_points(word_start, body)
         for a, b in zip(cuts[:-1], cuts[1:]):
@@ -509,6 +517,42 @@ def load_tensors(path):
 
 def vocab_size_of(vocab_path):
     return sum(1 for _ in read_lines(vocab_path))  # (read_lines: a non-UTF-8 byte is one clear line)
+
+
+# The scripts' Encoder parameter names -> Hugging Face BertForMaskedLM names (both directions use this
+# table), and Config's model fields -> config.json keys.
+HF_NAMES = [("embeddings.word.", "bert.embeddings.word_embeddings."),
+            ("embeddings.position.", "bert.embeddings.position_embeddings."),
+            ("embeddings.token_type.", "bert.embeddings.token_type_embeddings."),
+            ("embeddings.norm.", "bert.embeddings.LayerNorm."),
+            ("attn.query.", "attention.self.query."), ("attn.key.", "attention.self.key."),
+            ("attn.value.", "attention.self.value."), ("attn.out.", "attention.output.dense."),
+            ("attn_norm.", "attention.output.LayerNorm."), ("ffn_in.", "intermediate.dense."),
+            ("ffn_out.", "output.dense."), ("ffn_norm.", "output.LayerNorm."),
+            ("blocks.", "bert.encoder.layer."),
+            ("mlm_head.dense.", "cls.predictions.transform.dense."),
+            ("mlm_head.norm.", "cls.predictions.transform.LayerNorm."),
+            ("mlm_head.bias", "cls.predictions.bias")]
+HF_CONFIG_KEYS = dict(vocab_size="vocab_size", hidden_size="hidden_size", num_layers="num_hidden_layers",
+                      num_heads="num_attention_heads", ffn_size="intermediate_size",
+                      max_position="max_position_embeddings", type_vocab_size="type_vocab_size",
+                      dropout="hidden_dropout_prob", layer_norm_eps="layer_norm_eps")
+
+
+def to_hf_name(name):
+    for ours, theirs in HF_NAMES:
+        name = name.replace(ours, theirs)
+    return name
+
+
+def from_hf_name(name):
+    """Accepts 'bert.'-prefixed or bare names and the old LayerNorm gamma/beta spelling."""
+    name = name.removeprefix("bert.").replace("LayerNorm.gamma", "LayerNorm.weight")
+    name = name.replace("LayerNorm.beta", "LayerNorm.bias")
+    name = name if name.startswith("cls.") else "bert." + name
+    for ours, theirs in HF_NAMES:           # this order: "attention.output.dense" before "output.dense"
+        name = name.replace(theirs, ours)
+    return name
 
 
 def save_encoder_folder(folder, hf_state_dict, hf_config, vocab=VOCAB):
@@ -670,7 +714,8 @@ def read_json(path):
 
 
 def save_training_state(path, state):
-    """Everything needed to resume (model, optimizer, scheduler, step, RNG) in one file (atomic)."""
+    """Everything needed to resume (model, optimizer, scheduler, step) in one file (atomic); no
+    RNG state: batches, masks and dropout are functions of (seed, rank, micro-step)."""
     atomic_torch_save(path, state)
 
 
@@ -687,3 +732,61 @@ def load_training_state(path):
     if not isinstance(state, dict) or not {"step", "model", "optimizer", "scheduler", "config"} <= set(state):
         raise DataError(f"{path}: not a training state written by these scripts")
     return state
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. Command line
+# ----------------------------------------------------------------------------------------------
+BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+def parse_config(Config, argv, doc="", preset=None, rules=None):
+    """A script's Config from the command line: '--field value' for any field, '--flag' alone for a
+    bool. Every value is checked here, before any work: its type, its domain (rules, the script's
+    FLAG_RULES) and --preset paper (the script's PAPER_PRESET). --help prints `doc` and Config's source.
+    A bad flag exits with one line 'error: ...'."""
+    if argv[:1] in (["-h"], ["--help"]):               # the docstring, then every field with its comment
+        try:
+            print(doc, inspect.getsource(Config), sep="\n", flush=True)
+        except BrokenPipeError:                         # `x.py --help | head` stopped reading: fine
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    overrides, i = {}, 0
+    while i < len(argv):
+        name = argv[i].removeprefix("--").replace("-", "_")
+        if not argv[i].startswith("--") or name not in fields:
+            sys.exit(f"error: unknown argument {argv[i]!r}; fields are: {', '.join(fields)}")
+        kind = type(fields[name].default)
+        if kind is bool and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+            overrides[name], i = True, i + 1
+            continue
+        if i + 1 == len(argv):
+            sys.exit(f"error: --{name} needs a value")
+        value = argv[i + 1]
+        if kind is bool and value.lower() not in BOOLEANS:
+            sys.exit(f"error: --{name} expects true or false (also 1/0, yes/no), got {value!r}")
+        try:
+            overrides[name] = BOOLEANS[value.lower()] if kind is bool else kind(value)
+        except ValueError:
+            sys.exit(f"error: --{name} expects {kind.__name__}, got {value!r}")
+        i += 2
+    if overrides.get("preset", "") not in ("", "paper"):
+        sys.exit(f"error: --preset must be paper (or empty), got {overrides['preset']!r}")
+    chosen = (preset or {}) if overrides.get("preset") == "paper" else {}
+    c = Config(**{**chosen, **overrides})
+    for name, rule in (rules or {}).items():
+        if not satisfies(getattr(c, name), rule):
+            sys.exit(f"error: --{name} must be {rule}, got {getattr(c, name)!r}")
+    return c
+
+
+def satisfies(value, rule):
+    """A FLAG_RULES rule: '> 0', '>= 1', '0 or >= 3', 'in [0, 1]' or 'in [0, 1)'. NaN satisfies none."""
+    if rule.startswith("0 or "):
+        return value == 0 or satisfies(value, rule.removeprefix("0 or "))
+    if rule.startswith("in "):
+        low, high = (float(x) for x in rule[4:-1].split(","))
+        return low <= value and (value <= high if rule.endswith("]") else value < high)
+    op, bound = rule.split()
+    return value >= float(bound) if op == ">=" else value > float(bound)

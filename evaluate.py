@@ -1,9 +1,10 @@
 """Evaluate a dense retriever or BM25 the way the papers report it: metrics as trec_eval computes
 them, TREC run files, paired two-tailed t-tests, and the papers' figures (COSTA Figure 3 t-SNE,
-CPDAE Table 4 word distributions). One file, top to bottom: config, metrics, significance, retrieval
-runs, figures, command line.
+CPDAE Table 4 word distributions). The retrieval layer that finetune.py trains with lives here too
+(pooling, BM25, encode, exact search); this file imports nothing from finetune.py. One file, top to
+bottom: config, retrieval, metrics, significance, runs, figures, command line, shared blocks.
 
-    python evaluate.py --bm25 --data data/scifact --split test          # BM25 baseline row
+    python evaluate.py --bm25 --dataset data/scifact --split test          # BM25 baseline row
     python evaluate.py --model runs/finetune/encoder --split test       # any saved encoder (HF BERT folder)
     torchrun --nproc_per_node=4 evaluate.py --model DIR                 # corpus encoding sharded across ranks
     python evaluate.py --compare runs/a/run.trec,runs/b/run.trec        # paired t-tests per metric
@@ -12,11 +13,10 @@ runs, figures, command line.
     python evaluate.py --corpus collection.tsv --queries queries.dev.small.tsv --qrels qrels.dev.small.tsv --bm25
 
 Outputs in out_dir: run.trec (qid Q0 docid rank score tag), metrics.json (means, per-query values,
-timings), and the figures as PNG. The encoder comes from finetune.py (the shared BERT block, the same
-bytes as costa.py's), so any Hugging Face BERT folder loads.
+timings), and the figures as PNG. The encoder is the shared BERT block (the same bytes as
+costa.py's, at the end of this file), so any Hugging Face BERT folder loads.
 """
 import dataclasses
-import inspect
 import json
 import math
 import os
@@ -27,25 +27,23 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
 import data
-from finetune import (BM25, encode, load_encoder, load_split, passage_text, rank_and_world,
-                      retrieve, setup_distributed)
 
 
 # ==============================================================================================
 # Config
 # ==============================================================================================
-SCIFACT, VOCAB = str(data.SCIFACT), str(data.VOCAB)  # (inside Config, `data` is the field, not the module)
-
-
 @dataclass
 class Config:
     model: str = ""               # BERT folder to evaluate (ours, any BERT or sentence-transformers one), hub id, or "minilm"
     bm25: bool = False            # evaluate BM25 instead of a model
-    data: str = SCIFACT           # BEIR folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' ok)
+    dataset: str = str(data.SCIFACT)  # BEIR folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' ok)
     split: str = "test"           # qrels/{split}.tsv
-    corpus: str = ""              # explicit corpus (BEIR .jsonl or MS MARCO collection.tsv); overrides data
+    corpus: str = ""              # explicit corpus (BEIR .jsonl or MS MARCO collection.tsv); overrides dataset
     queries: str = ""             # explicit queries file (with corpus)
     qrels: str = ""               # explicit qrels file (with corpus; also the qrels for --compare)
     pooling: str = ""             # "cls" or "mean"; "" = what the folder declares (retriever.json, sentence-transformers), else "cls"
@@ -64,70 +62,239 @@ class Config:
     tsne: str = ""                # query id for the COSTA Figure 3 t-SNE, or "auto" (first query with a hit)
     words: str = ""               # text for the CPDAE Table 4 figure (needs the CPDAE decoder)
     decoder: str = ""             # folder with cpdae.py's decoder.safetensors; "" = the model folder
-    preset: str = ""              # unused here; the shared config parser knows this field
 
 
-PAPER_PRESET = {}
-
-
-# The domain of each numeric flag, checked by parse_config before any work.
+# The domain of each numeric flag, checked by data.parse_config before any work.
 FLAG_RULES = {"query_len": "0 or >= 3", "passage_len": "0 or >= 3", "depth": ">= 1", "encode_batch": ">= 1",
               "k1": ">= 0", "b": "in [0, 1]"}
 
 
-# --- shared: begin config parsing ---
-BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+# ==============================================================================================
+# Retrieval: the text vector, the split, BM25, encode (sharded across ranks), exact search
+# (finetune.py trains with these; this file imports nothing from it)
+# ==============================================================================================
+POOLINGS, SIMILARITIES = ("cls", "mean"), ("dot", "cos")
 
 
-def parse_config(argv):
-    """Config from the command line: '--field value' for any field, '--flag' alone for a bool.
-    Every value is checked here, before any work: its type, its domain (FLAG_RULES) and the preset."""
-    if argv[:1] in (["-h"], ["--help"]):               # the docstring, then every field with its comment
-        try:
-            print(__doc__, inspect.getsource(Config), sep="\n", flush=True)
-        except BrokenPipeError:                         # `x.py --help | head` stopped reading: fine
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(0)
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    overrides, i = {}, 0
-    while i < len(argv):
-        name = argv[i].removeprefix("--").replace("-", "_")
-        if not argv[i].startswith("--") or name not in fields:
-            sys.exit(f"error: unknown argument {argv[i]!r}; fields are: {', '.join(fields)}")
-        kind = type(fields[name].default)
-        if kind is bool and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
-            overrides[name], i = True, i + 1
-            continue
-        if i + 1 == len(argv):
-            sys.exit(f"error: --{name} needs a value")
-        value = argv[i + 1]
-        if kind is bool and value.lower() not in BOOLEANS:
-            sys.exit(f"error: --{name} expects true or false (also 1/0, yes/no), got {value!r}")
-        try:
-            overrides[name] = BOOLEANS[value.lower()] if kind is bool else kind(value)
-        except ValueError:
-            sys.exit(f"error: --{name} expects {kind.__name__}, got {value!r}")
-        i += 2
-    if overrides.get("preset", "") not in ("", "paper"):
-        sys.exit(f"error: --preset must be paper (or empty), got {overrides['preset']!r}")
-    preset = PAPER_PRESET if overrides.get("preset") == "paper" else {}
-    c = Config(**{**preset, **overrides})
-    for name, rule in FLAG_RULES.items():
-        if not satisfies(getattr(c, name), rule):
-            sys.exit(f"error: --{name} must be {rule}, got {getattr(c, name)!r}")
-    return c
+def check_pooling_and_similarity(pooling, similarity):
+    """The one place where --pooling and --similarity are checked (for finetune.py too)."""
+    if pooling not in POOLINGS or similarity not in SIMILARITIES:
+        raise ValueError(f"--pooling must be cls or mean and --similarity dot or cos, got {pooling!r}, "
+                         f"{similarity!r}")
 
 
-def satisfies(value, rule):
-    """A FLAG_RULES rule: '> 0', '>= 1', '0 or >= 3', 'in [0, 1]' or 'in [0, 1)'. NaN satisfies none."""
-    if rule.startswith("0 or "):
-        return value == 0 or satisfies(value, rule.removeprefix("0 or "))
-    if rule.startswith("in "):
-        low, high = (float(x) for x in rule[4:-1].split(","))
-        return low <= value and (value <= high if rule.endswith("]") else value < high)
-    op, bound = rule.split()
-    return value >= float(bound) if op == ">=" else value > float(bound)
-# --- shared: end config parsing ---
+def pool(hidden, attention_mask, pooling):
+    """Text vectors from last hidden states (B, L, H): [CLS] (position 0) or the mean over real tokens."""
+    if pooling == "cls":
+        return hidden[:, 0]                                                        # (B, H)
+    if pooling == "mean":
+        m = attention_mask.unsqueeze(-1).to(hidden.dtype)                          # (B, L, 1)
+        return (hidden * m).sum(1) / m.sum(1).clamp(min=1)                         # (B, H)
+    raise ValueError(f"pooling must be 'cls' or 'mean', got {pooling!r}")
+
+
+def text_vectors(hidden, attention_mask, pooling, similarity):
+    """Pooled text vectors, L2-normalised for cosine similarity (so that a dot product is the cosine)."""
+    vecs = pool(hidden, attention_mask, pooling)                                   # (B, H)
+    return F.normalize(vecs.float(), dim=-1) if similarity == "cos" else vecs      # (B, H)
+
+
+@dataclass
+class EncoderConfig:
+    """The shared Encoder's fields (the method files' Config names them the same); load_encoder fills
+    them in from the folder's config.json."""
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    ffn_size: int = 3072
+    max_position: int = 512
+    type_vocab_size: int = 2
+    dropout: float = 0.1
+    layer_norm_eps: float = 1e-12
+
+
+def load_encoder(folder, c=None):
+    """Encoder from a Hugging Face BERT folder, without the MLM head: fine-tuning never uses it, and
+    unused parameters would make DistributedDataParallel fail. Saved folders then have no MLM head;
+    transformers.AutoModel still loads them. c: a Config with the encoder's fields (finetune.py's),
+    else EncoderConfig; the folder's config.json replaces its sizes."""
+    encoder = Encoder.from_pretrained(folder, c or EncoderConfig())
+    encoder.mlm_head = None
+    return encoder
+
+
+def passage_text(doc):
+    """A BEIR document as one string: title then text (BEIR's and Tevatron's convention)."""
+    return f"{doc['title']} {doc['text']}".strip() if doc.get("title") else doc["text"]
+
+
+def load_split(c, split, explicit_queries="", explicit_qrels=""):
+    """(corpus, queries, qrels) from the BEIR folder c.dataset, or from explicit files when c.corpus is set."""
+    if c.corpus:
+        if not (explicit_queries and explicit_qrels):
+            raise data.DataError(f"{c.corpus}: with an explicit corpus give the queries and qrels files too")
+        corpus, queries = data.read_corpus(c.corpus), data.read_queries(explicit_queries)
+        qrels = data.read_qrels(explicit_qrels)
+        data.check_qrels(qrels, queries, corpus, explicit_qrels)
+        return corpus, {q: queries[q] for q in qrels}, qrels
+    return data.load_beir(c.dataset, split)
+
+
+# ---------------------------------------------------------------------------------------------
+# BM25 (the papers' first baseline row, and finetune.py's stage-1 negatives)
+# ---------------------------------------------------------------------------------------------
+class BM25:
+    """Okapi BM25 over a fixed corpus, scored the way Lucene (Elasticsearch, Anserini, BEIR) does:
+
+        score(q, d) = sum_{t in q} idf(t) * tf(t, d) / (tf(t, d) + k1 * (1 - b + b * |d| / avgdl))
+        idf(t)      = log(1 + (N - df(t) + 0.5) / (df(t) + 0.5))
+
+    Tokenizer: lowercase, tokens of 2+ word characters (scikit-learn's default pattern), scikit-learn's
+    English stopword list removed, NO stemming. |d| counts the tokens left after stopword removal.
+    A repeated query term counts once per occurrence, as in a Lucene BooleanQuery of the terms.
+    Departures from Lucene: no (k1 + 1) factor in the numerator (it changes no ranking; Lucene 8+ dropped
+    it too); exact document lengths instead of Lucene's lossy one-byte length norm (can swap near-ties).
+    Defaults k1 = 1.2, b = 0.75 are Elasticsearch's (the BEIR paper's BM25 row); Anserini / Pyserini
+    use k1 = 0.9, b = 0.4.
+    """
+
+    def __init__(self, doc_texts, k1=1.2, b=0.75):
+        from sklearn.feature_extraction.text import CountVectorizer
+
+        if k1 < 0 or not 0 <= b <= 1:
+            raise ValueError(f"BM25 needs k1 >= 0 and 0 <= b <= 1, got k1={k1}, b={b}")
+        self.k1, self.b = k1, b
+        self.vectorizer = CountVectorizer(lowercase=True, stop_words="english", dtype=np.float32)
+        tf = self.vectorizer.fit_transform(doc_texts).tocsr()  # (N, T) term counts
+        n_docs = tf.shape[0]
+        doc_len = np.asarray(tf.sum(axis=1)).ravel()  # (N,) tokens per document
+        df = np.bincount(tf.indices, minlength=tf.shape[1])  # (T,) documents containing each term
+        self.idf = np.log1p((n_docs - df + 0.5) / (df + 0.5)).astype(np.float32)  # (T,)
+        # Precompute each (document, term) contribution once; a query then only sums columns.
+        rows = np.repeat(np.arange(n_docs), np.diff(tf.indptr))  # (nnz,) document of each entry
+        norm = k1 * (1 - b + b * doc_len / max(doc_len.mean(), 1e-9))  # (N,)
+        weights = tf.copy()
+        weights.data = self.idf[tf.indices] * tf.data / (tf.data + norm[rows])  # (nnz,)
+        self.weights_t = weights.T.tocsr()  # (T, N): query (M, T) @ weights_t -> (M, N)
+        self.n_docs = n_docs
+
+    def score(self, query_texts):
+        """Dense (M, N) float32 score matrix; use search() for large corpora."""
+        q = self.vectorizer.transform(query_texts)  # (M, T) query term counts
+        return np.asarray((q @ self.weights_t).todense(), dtype=np.float32)  # (M, N)
+
+    def search(self, query_texts, k):
+        """Top-k documents per query: (scores (M, k) float32, indices (M, k) int64), best first.
+        Documents with score 0 (no query term) fill the tail when fewer than k match."""
+        k = min(k, self.n_docs)
+        chunk = max(1, int(2e7 // max(self.n_docs, 1)))  # bound the dense block to ~80 MB
+        all_scores, all_ids = [np.zeros((0, k), np.float32)], [np.zeros((0, k), np.int64)]
+        for start in range(0, len(query_texts), chunk):
+            s = self.score(query_texts[start:start + chunk])  # (m, N)
+            top = np.argpartition(-s, k - 1, axis=1)[:, :k] if k < self.n_docs else np.tile(np.arange(k), (len(s), 1))
+            top_s = np.take_along_axis(s, top, axis=1)  # (m, k)
+            order = np.argsort(-top_s, axis=1, kind="stable")  # (m, k)
+            all_ids.append(np.take_along_axis(top, order, axis=1).astype(np.int64))
+            all_scores.append(np.take_along_axis(top_s, order, axis=1))
+        return np.concatenate(all_scores), np.concatenate(all_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense retrieval: encode, exact search, the cross-rank top-k merge
+# ---------------------------------------------------------------------------------------------
+def exact_search(query_vecs, doc_vecs, k, batch=1024):
+    """Exact maximum inner product search with faiss.IndexFlatIP.
+    query_vecs (M, H), doc_vecs (N, H) float32 -> (scores (M, k), indices (M, k) int64), best first."""
+    import faiss
+
+    doc_vecs = np.ascontiguousarray(doc_vecs, dtype=np.float32)
+    query_vecs = np.ascontiguousarray(query_vecs, dtype=np.float32)
+    k = min(k, len(doc_vecs))
+    index = faiss.IndexFlatIP(doc_vecs.shape[1])
+    index.add(doc_vecs)
+    scores, ids = [np.zeros((0, k), np.float32)], [np.zeros((0, k), np.int64)]
+    for start in range(0, len(query_vecs), batch):
+        s, i = index.search(query_vecs[start:start + batch], k)  # (m, k) each
+        scores.append(s)
+        ids.append(i.astype(np.int64))
+    return np.concatenate(scores), np.concatenate(ids)
+
+
+@torch.no_grad()
+def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16=True, similarity="dot"):
+    """(len(texts), H) float32 numpy vectors (unit length for "cos"). Texts are encoded sorted by
+    length (less padding)."""
+    was_training = encoder.training
+    encoder.eval()
+    autocast = autocast_bf16(device, bf16)
+    order = np.argsort([len(t) for t in texts], kind="stable")
+    out = np.zeros((len(texts), encoder.config.hidden_size), dtype=np.float32)
+    for start in range(0, len(texts), batch_size):
+        rows = order[start:start + batch_size]
+        ids, mask = data.encode_texts(tokenizer, [texts[i] for i in rows], max_len)          # (b, L)
+        ids, mask = ids.to(device), mask.to(device)
+        with autocast:
+            vecs = text_vectors(encoder(ids, mask), mask, pooling, similarity)                 # (b, H)
+        out[rows] = vecs.float().cpu().numpy()
+    encoder.train(was_training)
+    return out
+
+
+def _all_gather(t, device):
+    """Non-differentiable all-gather of equal-shaped tensors along a new first dimension -> (W, ...)."""
+    parts = [torch.empty_like(t.to(device)) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.to(device).contiguous())
+    return torch.stack(parts).cpu()
+
+
+def merge_topk_across_ranks(scores, ids, k, device, chunk=16384):
+    """Every rank holds the top-k of its own corpus shard for the same queries; all-gather them and keep
+    the global top-k. scores (Q, k') float32, ids (Q, k') global corpus indices, k' <= k."""
+    pad = k - scores.shape[1]  # a shard smaller than k
+    scores = np.pad(scores, ((0, 0), (0, pad)), constant_values=-np.inf)
+    ids = np.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
+    out_s, out_i = [], []
+    for start in range(0, max(len(scores), 1), chunk):  # bounded all-gather messages
+        s = _all_gather(torch.from_numpy(scores[start:start + chunk]), device)             # (W, q, k)
+        i = _all_gather(torch.from_numpy(ids[start:start + chunk]), device)                # (W, q, k)
+        s, i = s.permute(1, 0, 2).flatten(1), i.permute(1, 0, 2).flatten(1)               # (q, W*k)
+        top_s, top = s.topk(k, dim=1)                                                      # (q, k)
+        out_s.append(top_s.numpy())
+        out_i.append(i.gather(1, top).numpy())
+    return np.concatenate(out_s)[:len(scores)], np.concatenate(out_i)[:len(scores)]
+
+
+def retrieve(encoder, tokenizer, doc_texts, query_texts, k, c, device, timings=None):
+    """Dense retrieval, exact: (scores (Q, k), corpus indices (Q, k)) best first, on EVERY rank.
+
+    Under torchrun rank r encodes only its contiguous shard of the corpus (data.shard: no document
+    twice, none dropped), searches it exactly with faiss, and the per-shard top-k lists are all-gathered
+    and merged. So every rank does the same amount of work and no rank waits in a collective while
+    another searches alone (NCCL's timeout), and no rank ever holds the whole corpus' vectors.
+    Every rank encodes all the queries: they are few and short."""
+    rank, world = rank_and_world()
+    k = min(k, len(doc_texts))
+    shard = data.shard(len(doc_texts), rank, world)
+    t0 = time.time()
+    doc_vecs = encode(encoder, c.pooling, tokenizer, [doc_texts[i] for i in shard], c.passage_len,
+                      c.encode_batch, device, c.bf16, c.similarity)                        # (n, H)
+    t1 = time.time()
+    query_vecs = encode(encoder, c.pooling, tokenizer, list(query_texts), c.query_len,
+                        c.encode_batch, device, c.bf16, c.similarity)                      # (Q, H)
+    t2 = time.time()
+    if len(shard):
+        scores, ids = exact_search(query_vecs, doc_vecs, k)
+        ids = ids + shard.start
+    else:
+        scores, ids = np.zeros((len(query_texts), 0), np.float32), np.zeros((len(query_texts), 0), np.int64)
+    t3 = time.time()
+    if world > 1:
+        scores, ids = merge_topk_across_ranks(scores, ids, k, device)
+    if timings is not None:
+        timings.update(encode_docs_s=t1 - t0, docs_per_s_per_rank=len(shard) / max(t1 - t0, 1e-9),
+                       encode_queries_s=t2 - t1, search_s=t3 - t2, merge_s=time.time() - t3)
+    return scores, ids
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,58 +344,23 @@ def compute_metrics(run, qrels):
 
 
 # ---------------------------------------------------------------------------------------------
-# Paired two-tailed t-test (no scipy): Student's t CDF via the regularized incomplete beta
+# Paired two-tailed t-test (scipy.stats.ttest_rel)
 # ---------------------------------------------------------------------------------------------
-def _beta_continued_fraction(a, b, x, max_iter=500, eps=1e-15):
-    """Continued fraction of I_x(a, b) (modified Lentz; Numerical Recipes 6.4 `betacf`)."""
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, max_iter + 1):
-        for aa in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),  # even step
-                   -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):  # odd step
-            d = 1.0 + aa * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + aa / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < eps:
-            break
-    return h
-
-
-def betainc(a, b, x):
-    """Regularized incomplete beta function I_x(a, b) for a, b > 0, 0 <= x <= 1."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    if x < (a + 1.0) / (a + b + 2.0):  # the fraction converges fast on this side
-        return math.exp(log_front) * _beta_continued_fraction(a, b, x) / a
-    return 1.0 - math.exp(log_front) * _beta_continued_fraction(b, a, 1.0 - x) / b
-
-
-def t_two_tailed_p(t, df):
-    """P(|T| >= |t|) for Student's t with df degrees of freedom: I_{df/(df+t^2)}(df/2, 1/2)."""
-    if math.isinf(t):
-        return 0.0
-    return betainc(df / 2.0, 0.5, df / (df + t * t))
-
-
 def paired_t_test(a, b):
-    """Two-tailed paired t-test of per-query values a vs b (same queries, same order) -> (t, p).
-    t = mean(d) / (sd(d) / sqrt(n)), d = a - b, sd with n - 1; df = n - 1."""
+    """Two-tailed paired t-test of per-query values a vs b (same queries, same order) -> (t, p):
+    t = mean(d) / (sd(d) / sqrt(n)), d = a - b, sd with n - 1, df = n - 1 (scipy.stats.ttest_rel).
+    Where scipy answers nan we answer what a table would: identical runs (sd 0) give t 0, p 1; a
+    constant non-zero difference gives t = +-inf, p 0. Fewer than 2 queries: (nan, nan)."""
+    from scipy.stats import ttest_rel   # here: scipy takes a second to import
+
     d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
-    n = len(d)
-    if n < 2:
+    if len(d) < 2:
         return float("nan"), float("nan")
     mean, sd = d.mean(), d.std(ddof=1)
     if sd == 0.0:
         return (0.0, 1.0) if mean == 0.0 else (math.copysign(math.inf, mean), 0.0)
-    t = float(mean / (sd / math.sqrt(n)))
-    return t, t_two_tailed_p(t, n - 1)
+    result = ttest_rel(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64))
+    return float(result.statistic), float(result.pvalue)
 
 
 def compare_per_query(per_query_a, per_query_b, metrics=METRICS):
@@ -261,7 +393,7 @@ def save_and_score(run, qrels, out_dir, tag, info=None):
 
 
 def evaluate_bm25(corpus, queries, qrels, out_dir, k1=1.2, b=0.75, depth=1000, verbose=True):
-    """The papers' BM25 row: finetune.BM25 over the corpus, top `depth` per judged query.
+    """The papers' BM25 row: BM25 over the corpus, top `depth` per judged query.
     Documents sharing no term with the query (score 0) are not retrieved, as in Lucene."""
     doc_ids = list(corpus)
     qids = sorted(qrels)
@@ -279,9 +411,9 @@ def evaluate_bm25(corpus, queries, qrels, out_dir, k1=1.2, b=0.75, depth=1000, v
     return result
 
 
-def evaluate_encoder(encoder, pooling, tokenizer, corpus, queries, qrels, out_dir, c, device, tag="dense",
+def evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c, device, tag="dense",
                      tsne="", depth=1000):
-    """Dense retrieval with finetune.retrieve (corpus sharded across ranks, exact faiss search), then
+    """Dense retrieval with retrieve() (corpus sharded across ranks, exact faiss search), then
     rank 0 saves and scores the run, prints the metrics and returns (means, per_query); other ranks
     return None. tsne: a query id or "auto" for the COSTA Figure 3 plot. Every rank must call this."""
     rank, world = rank_and_world()
@@ -290,13 +422,13 @@ def evaluate_encoder(encoder, pooling, tokenizer, corpus, queries, qrels, out_di
     qids = sorted(qrels)
     timings = {}
     t0 = time.time()
-    scores, ids = retrieve(encoder, pooling, tokenizer, doc_texts, [queries[q] for q in qids], depth, c,
+    scores, ids = retrieve(encoder, tokenizer, doc_texts, [queries[q] for q in qids], depth, c,
                            device, timings)
     timings["total_s"] = time.time() - t0
     if rank != 0:
         return None
     run = {q: {doc_ids[j]: float(s) for s, j in zip(scores[r], ids[r])} for r, q in enumerate(qids)}
-    info = {"pooling": pooling, "similarity": c.similarity, "world": world, "device": device.type, "n_docs": len(doc_ids), **timings}
+    info = {"pooling": c.pooling, "similarity": c.similarity, "world": world, "device": device.type, "n_docs": len(doc_ids), **timings}
     means, per_query = save_and_score(run, qrels, out_dir, tag, info)
     print(f"{tag}: encoded {len(doc_ids):,} passages in {timings['encode_docs_s']:.1f}s "
           f"({timings['docs_per_s_per_rank'] * world:,.0f} docs/s over {world} process(es)), "
@@ -308,9 +440,9 @@ def evaluate_encoder(encoder, pooling, tokenizer, corpus, queries, qrels, out_di
         if qid not in run:
             raise data.DataError(f"--tsne {qid}: no such query id in the qrels of this split")
         top = [d for d, _ in trec_order(run[qid])[:100]]
-        vecs = encode(encoder, pooling, tokenizer, [passage_text(corpus[d]) for d in top], c.passage_len,
+        vecs = encode(encoder, c.pooling, tokenizer, [passage_text(corpus[d]) for d in top], c.passage_len,
                       c.encode_batch, device, c.bf16, c.similarity)
-        qvec = encode(encoder, pooling, tokenizer, [queries[qid]], c.query_len, 1, device, c.bf16, c.similarity)[0]
+        qvec = encode(encoder, c.pooling, tokenizer, [queries[qid]], c.query_len, 1, device, c.bf16, c.similarity)[0]
         relevant = [qrels[qid].get(d, 0) > 0 for d in top]
         path = Path(out_dir) / f"tsne-{qid}.png"
         plot_tsne(qvec, vecs, relevant, path, title=f"{tag}: query {qid}, top {len(top)} ({sum(relevant)} relevant)")
@@ -467,14 +599,16 @@ def _save_figure(fig, path):
 # CPDAE decoder (cpdae.py) for the word-distribution figure
 # ---------------------------------------------------------------------------------------------
 def word_distribution(encoder, decoder, tokenizer, text, max_len, device):
-    """CPDAE eq. 2-3 and 3.2.2: z~ = sigmoid(decoder(h_cls)) / sum, the (V,) word distribution of `text`."""
+    """CPDAE eq. 2-3 and 3.2.2, by cpdae.word_distribution itself: z~ = sigmoid(decoder(h_cls)) / sum,
+    the (V,) word distribution of `text`."""
+    import cpdae   # here: only the Table 4 figure needs it
+
     ids, mask = data.encode_texts(tokenizer, [text], max_len)                          # (1, L)
     encoder.eval()
     decoder.eval()
     with torch.no_grad():
         h_cls = encoder(ids.to(device), mask.to(device))[:, 0]                         # (1, H)
-        z_hat = torch.sigmoid(decoder(h_cls).float())[0]                                # (V,)
-    return (z_hat / z_hat.sum()).cpu().numpy()
+        return cpdae.word_distribution(decoder(h_cls))[0].cpu().numpy()               # (V,)
 
 
 def load_cpdae_decoder(folder):
@@ -498,9 +632,7 @@ def resolve_retriever(c):
                             similarity=c.similarity or saved.get("similarity", "dot"),
                             query_len=c.query_len or saved.get("query_len", 32),
                             passage_len=c.passage_len or saved.get("passage_len", 128))
-    if c.pooling not in ("cls", "mean") or c.similarity not in ("dot", "cos"):
-        raise data.DataError(f"--pooling must be cls or mean and --similarity dot or cos, got "
-                             f"{c.pooling!r}, {c.similarity!r}")
+    check_pooling_and_similarity(c.pooling, c.similarity)
     return c
 
 
@@ -515,7 +647,7 @@ def check_lengths(c, max_position):
     """Before any work: queries and passages are cut to these lengths, which must fit the model's positions."""
     for flag in ("query_len", "passage_len"):
         if getattr(c, flag) > max_position:
-            raise data.DataError(f"--{flag} {getattr(c, flag)} is more than the {max_position} positions of the "
+            raise ValueError(f"--{flag} {getattr(c, flag)} is more than the {max_position} positions of the "
                                  f"model {c.model} (max_position)")
 
 
@@ -523,7 +655,7 @@ def default_out_dir(c):
     if c.out_dir:
         return Path(c.out_dir)
     if c.bm25:
-        name = Path(c.corpus).parent.name if c.corpus else Path(c.data).name
+        name = Path(c.corpus).parent.name if c.corpus else Path(c.dataset).name
         return Path("runs") / f"bm25-{name}-{c.split}"
     if not Path(c.model).is_dir():   # 'minilm' or a hub id: never write into a package or the hub cache
         return Path("runs") / f"eval-{c.model.replace('/', '--')}-{c.split}"
@@ -534,7 +666,7 @@ def load_qrels_only(c):
     """--qrels, else {data}/qrels/{split}.tsv (or .tsv.gz)."""
     if c.qrels:
         return data.read_qrels(c.qrels)
-    path = Path(c.data) / "qrels" / f"{c.split}.tsv"
+    path = Path(c.dataset) / "qrels" / f"{c.split}.tsv"
     return data.read_qrels(path if path.is_file() or not path.with_suffix(".tsv.gz").is_file()
                            else path.with_suffix(".tsv.gz"))
 
@@ -543,7 +675,7 @@ def compare_command(c):
     """--compare A,B: per-metric means and paired two-tailed t-tests of run A against run B."""
     paths = [p for p in c.compare.split(",") if p]
     if len(paths) != 2:
-        raise data.DataError(f"--compare expects two run files 'A.trec,B.trec', got {c.compare!r}")
+        raise ValueError(f"--compare expects two run files 'A.trec,B.trec', got {c.compare!r}")
     qrels = load_qrels_only(c)
     (_, a), (_, b) = (compute_metrics(data.read_run(p), qrels) for p in paths)
     tests = compare_per_query(a, b)
@@ -558,7 +690,7 @@ def main(c):
     if c.compare:
         return compare_command(c)
     if not c.bm25 and not c.model:
-        raise data.DataError("give --model FOLDER (a saved encoder) or --bm25")
+        raise ValueError("give --model FOLDER (a saved encoder) or --bm25")
     rank, world, device = setup_distributed()
     out_dir = default_out_dir(c)
     tag = c.tag or (Path(c.model).resolve().parent.name if Path(c.model).is_dir() else c.model)
@@ -587,15 +719,217 @@ def main(c):
         encoder = load_encoder(c.model).to(device)
         check_lengths(c, encoder.config.max_position)
         tokenizer = data.load_tokenizer(resolve_vocab(c))
-        return evaluate_encoder(encoder, c.pooling, tokenizer, corpus, queries, qrels, out_dir, c,
+        return evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c,
                                 device, tag, c.tsne, c.depth)
     finally:
         if world > 1:
             torch.distributed.destroy_process_group()
 
 
+# ==============================================================================================
+# Shared blocks: the BERT encoder, distributed helpers and bf16 autocast, byte-identical in every
+# file that has them (a test checks); read them once in costa.py
+# ==============================================================================================
+# --- shared: begin encoder ---
+class Embeddings(nn.Module):
+    """Token + learned absolute position + token-type embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.word = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.position = nn.Embedding(c.max_position, c.hidden_size)
+        self.token_type = nn.Embedding(c.type_vocab_size, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, input_ids):                                               # (B, L)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
+        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]  # (B, L, H)
+        return self.dropout(self.norm(x))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention through scaled_dot_product_attention (fused kernels on GPU)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.heads, self.dropout = c.num_heads, c.dropout
+        self.query = nn.Linear(c.hidden_size, c.hidden_size)
+        self.key = nn.Linear(c.hidden_size, c.hidden_size)
+        self.value = nn.Linear(c.hidden_size, c.hidden_size)
+        self.out = nn.Linear(c.hidden_size, c.hidden_size)
+
+    def forward(self, x, attend):                       # x (B, L, H); attend (B, 1, 1, L) True = key visible
+        B, L, H = x.shape
+        split = lambda t: t.view(B, L, self.heads, H // self.heads).transpose(1, 2)  # (B, heads, L, H/heads)
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(B, L, H))                      # (B, L, H)
+
+
+class Block(nn.Module):
+    """Post-LN Transformer block, as in BERT: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.attn = SelfAttention(c)
+        self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
+        self.ffn_out = nn.Linear(c.ffn_size, c.hidden_size)
+        self.ffn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, x, attend):                                                    # (B, L, H)
+        x = self.attn_norm(x + self.dropout(self.attn(x, attend)))
+        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))  # (B, L, H)
+
+
+class MLMHead(nn.Module):
+    """BERT's MLM head: dense, GELU, LayerNorm, then the token embedding matrix (tied) plus a bias."""
+
+    def __init__(self, c, word_embedding):
+        super().__init__()
+        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(c.vocab_size))
+        self.word_embedding = [word_embedding]  # a list, so the tied matrix is not registered twice
+
+    def forward(self, h):                                                        # (M, H)
+        h = self.norm(F.gelu(self.dense(h)))                                     # (M, H)
+        return h @ self.word_embedding[0].weight.T + self.bias                   # (M, V)
+
+
+class Encoder(nn.Module):
+    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
+    forward returns the last hidden states; the text vector is position 0 ([CLS])."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.config = c
+        self.embeddings = Embeddings(c)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.num_layers))
+        self.mlm_head = MLMHead(c, self.embeddings.word)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m):
+        """BERT's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm."""
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, input_ids, attention_mask):                  # (B, L), (B, L) 1 = token, 0 = pad
+        attend = attention_mask.bool()[:, None, None, :]            # (B, 1, 1, L)
+        x = self.embeddings(input_ids)                              # (B, L, H)
+        for block in self.blocks:
+            x = block(x, attend)
+        return x                                                    # (B, L, H)
+
+    def hf_config(self):
+        c = {theirs: getattr(self.config, ours) for ours, theirs in data.HF_CONFIG_KEYS.items()}
+        return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
+                "attention_probs_dropout_prob": self.config.dropout, "initializer_range": 0.02,
+                "pad_token_id": 0, "position_embedding_type": "absolute", **c}
+
+    def save_pretrained(self, folder, vocab=data.VOCAB):
+        """Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
+        state = {data.to_hf_name(k): v for k, v in self.state_dict().items()}
+        data.save_encoder_folder(folder, state, self.hf_config(), vocab)
+
+    @classmethod
+    def from_pretrained(cls, folder, config=None):
+        """Load a Hugging Face BERT folder (ours, or e.g. bert-base-uncased downloaded by the user).
+        config: a Config whose model fields are replaced by the folder's config.json."""
+        hf_config, hf_state = data.load_encoder_folder(folder)
+        sizes = {ours: hf_config[theirs] for ours, theirs in data.HF_CONFIG_KEYS.items() if theirs in hf_config}
+        model = cls(dataclasses.replace(config or Config(), **sizes))
+        state = {data.from_hf_name(k): v for k, v in hf_state.items()}
+        ours = model.state_dict()
+        for name, tensor in state.items():
+            if name in ours and ours[name].shape != tensor.shape:
+                raise data.DataError(f"{folder}: {data.to_hf_name(name)} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(ours[name].shape)}")
+        state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
+        missing = [k for k in ours if k not in state]
+        if [k for k in missing if not k.startswith("mlm_head.")]:
+            raise data.DataError(f"{folder}: missing encoder weights, e.g. {data.to_hf_name(missing[0])}")
+        model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
+        model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
+        return model
+# --- shared: end encoder ---
+
+
+# --- shared: begin distributed ---
+def setup_distributed():
+    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
+    CPU. Plain `python x.py` runs one process. Returns (rank, world, device)."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def rank_and_world():
+    """(global rank, world size); (0, 1) outside torchrun."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class GatherWithGrad(torch.autograd.Function):
+    """all_gather that keeps gradients: every rank's loss used this rank's vectors as candidates, so
+    backward hands each rank the sum over ranks of the gradient of its own slice. (The same as the
+    deprecated torch.distributed.nn.functional.all_gather; equal sizes on every rank.)"""
+
+    @staticmethod
+    def forward(ctx, t):                                                  # (n, ...)
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t)
+        return torch.cat(parts, dim=0)                                    # (world * n, ...)
+
+    @staticmethod
+    def backward(ctx, grad):                                              # (world * n, ...)
+        grad = grad.contiguous()
+        dist.all_reduce(grad)                                             # sum over every rank's loss
+        return grad.chunk(dist.get_world_size(), dim=0)[dist.get_rank()]  # (n, ...)
+
+
+def gather_across_ranks(t):
+    """Concatenate `t` from every rank along dim 0, keeping the autograd graph (candidates)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    return GatherWithGrad.apply(t.contiguous())
+
+
+def average_across_ranks(values, device):
+    """Mean of a dict of floats over ranks, for logging (every rank must call it)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return dict(zip(values, (t / dist.get_world_size()).tolist()))
+# --- shared: end distributed ---
+
+
+# --- shared: begin autocast ---
+def autocast_bf16(device, enabled=True):
+    """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
+    as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
+    cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
+    native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
+# --- shared: end autocast ---
+
+
 if __name__ == "__main__":
     try:
-        main(parse_config(sys.argv[1:]))
-    except data.DataError as e:
+        main(data.parse_config(Config, sys.argv[1:], __doc__, rules=FLAG_RULES))
+    except ValueError as e:   # a bad flag (ValueError) or a bad input file (data.DataError, one too)
         sys.exit(f"error: {e}")

@@ -1,19 +1,24 @@
 """Fine-tune a pre-trained encoder into a dense retriever, as the papers do (COSTA 4.5.2, CPDAE 4.1.3,
 SEED-Encoder 4.2): a bi-encoder with ONE shared BERT, [CLS] vectors, dot product, softmax over the
-positive, 7 negatives and every other passage of the global batch. One file, top to bottom: config,
-model, loss, data (BM25, negatives), retrieval (encode, search, mine), distributed setup, training loop,
-checkpoint, pipeline.
+positive, 7 negatives and every other passage of the global batch (CPDAE 4.1.3 uses a pairwise loss
+instead: --loss hinge). One file, top to bottom: config, model, loss, data (examples, negatives,
+batches), mining (BM25 and dense negatives through evaluate.py, the retrieval layer: this file imports
+it, never the reverse), training loop, checkpoint, pipeline; then the shared blocks (BERT encoder,
+distributed and training helpers, the same bytes as costa.py's).
 
     python finetune.py --init runs/costa/encoder          # stage 1 (BM25 negatives), stage 2 (hard negatives), test metrics
     python finetune.py --pretrain costa                   # whole pipeline: pre-train, fine-tune, evaluate, table vs BM25
     python finetune.py --init X --rounds 0                # stage 1 only (BM25 negatives)
-    python finetune.py --init X --rounds 2                # the document-ranking recipe: mine twice
+    python finetune.py --init X --rounds 2                # mine twice after the BM25 stage
+    python finetune.py --init PASSAGE_MODEL --epochs 0 --rounds 2 --hard_epochs 1   # the document-ranking recipe
     python finetune.py --init X --n_queries 100 --seed 1  # low-resource setting: 100 random training queries
     torchrun --nproc_per_node=4 finetune.py --preset paper --init bert-base-uncased/
     python finetune.py --init X --resume                  # continue where a killed run stopped
     python finetune.py --init X --overwrite               # start again in an out_dir that holds a run (else refused)
 
 Stage 1: each epoch, every query's negatives are sampled from BM25's top `bm25_depth` minus its positives.
+`--epochs 0` skips it: COSTA 4.5.2 and CPDAE 4.1.3 fine-tune documents from the passage-tuned model, mining
+twice, 1 epoch each, because more BM25 negatives "decreases the performance greatly" (COSTA).
 Stage 2 (`rounds` times): static hard negatives are mined ONCE per round with faiss from the current
 model (top `hard_depth`, first `hard_skip` ranks skipped, positives removed); training continues from the
 previous stage's encoder with a fresh optimizer and warm-up, as Tevatron's two-stage recipe does.
@@ -23,7 +28,6 @@ files, the final encoder in encoder/ and the test evaluation in eval-{split}/ (s
 import contextlib
 import dataclasses
 import importlib
-import inspect
 import json
 import os
 import resource
@@ -41,26 +45,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import data
+import evaluate   # the retrieval layer: BM25, encode, exact search, metrics
 
 
 # ==============================================================================================
 # Config
 # ==============================================================================================
-SCIFACT, VOCAB = str(data.SCIFACT), str(data.VOCAB)  # (inside Config, `data` is the field, not the module)
-
-
 @dataclass
 class Config:
     # --- data
-    data: str = SCIFACT           # BEIR folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' ok)
-    corpus: str = ""              # explicit corpus (BEIR .jsonl or MS MARCO collection.tsv); overrides data
-    queries: str = ""             # explicit training queries (.jsonl or .tsv); overrides data
-    qrels: str = ""               # explicit training qrels (BEIR .tsv or TREC qrels); overrides data
+    dataset: str = str(data.SCIFACT)  # BEIR folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' ok)
+    corpus: str = ""              # explicit corpus (BEIR .jsonl or MS MARCO collection.tsv); overrides dataset
+    queries: str = ""             # explicit training queries (.jsonl or .tsv); overrides dataset
+    qrels: str = ""               # explicit training qrels (BEIR .tsv or TREC qrels); overrides dataset
     eval_queries: str = ""        # explicit evaluation queries (with corpus/queries/qrels)
     eval_qrels: str = ""          # explicit evaluation qrels; "" with explicit files = no evaluation
     train_split: str = "train"    # qrels/{train_split}.tsv: training queries and their positives
     eval_split: str = "test"      # evaluated at the end with evaluate.py's metrics ("" = skip)
-    vocab: str = VOCAB            # WordPiece vocab.txt, used when the init folder has none
+    vocab: str = str(data.VOCAB)  # WordPiece vocab.txt, used when the init folder has none
     query_len: int = 32           # query tokens incl. [CLS]/[SEP] (papers: 32)
     passage_len: int = 128        # passage tokens incl. [CLS]/[SEP] (papers: 128; documents 512)
     n_queries: int = 0            # low-resource setting: train on this many random training queries (0 = all)
@@ -92,6 +94,7 @@ class Config:
     k1: float = 1.2               # BM25 term-frequency saturation (Elasticsearch / BEIR)
     b: float = 0.75               # BM25 document-length normalisation
     rounds: int = 1               # hard-negative rounds after stage 1 (passages: 1; documents: 2; 0 = BM25 only)
+    # (--epochs 0 skips stage 1: the document-ranking recipe starts mining from a passage-tuned --init)
     hard_depth: int = 200         # hard negatives come from the model's top-k minus the positives
     hard_skip: int = 0            # skip the first ranks of that list (likely unlabelled positives)
     # --- optimisation
@@ -121,269 +124,23 @@ class Config:
 PAPER_PRESET = dict(lr=5e-6, batch_size=64, epochs=3.0, hard_epochs=2.0, n_negatives=7)
 
 
-# The domain of each numeric flag, checked by parse_config before any work.
+# The domain of each numeric flag, checked by data.parse_config before any work.
 FLAG_RULES = {
     "query_len": ">= 3", "passage_len": ">= 3", "n_queries": ">= 0",  # lengths: [CLS], a token, [SEP]
     "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
     "max_position": ">= 1", "type_vocab_size": ">= 1", "dropout": "in [0, 1)", "layer_norm_eps": "> 0",
     "pretrain_steps": ">= 0", "n_negatives": ">= 0", "bm25_depth": ">= 1", "k1": ">= 0", "b": "in [0, 1]",
-    "rounds": ">= 0", "hard_depth": ">= 1", "hard_skip": ">= 0", "epochs": "> 0", "hard_epochs": "> 0",
+    "rounds": ">= 0", "hard_depth": ">= 1", "hard_skip": ">= 0", "epochs": ">= 0", "hard_epochs": "> 0",
     "steps": ">= 0", "batch_size": ">= 1", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
     "warmup": "in [0, 1]", "clip": "> 0", "workers": ">= 0", "encode_batch": ">= 1", "log_every": ">= 1",
     "save_every": ">= 1", "halt_at": ">= 0",
 }
 
 
-# --- shared: begin config parsing ---
-BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
-
-
-def parse_config(argv):
-    """Config from the command line: '--field value' for any field, '--flag' alone for a bool.
-    Every value is checked here, before any work: its type, its domain (FLAG_RULES) and the preset."""
-    if argv[:1] in (["-h"], ["--help"]):               # the docstring, then every field with its comment
-        try:
-            print(__doc__, inspect.getsource(Config), sep="\n", flush=True)
-        except BrokenPipeError:                         # `x.py --help | head` stopped reading: fine
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(0)
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    overrides, i = {}, 0
-    while i < len(argv):
-        name = argv[i].removeprefix("--").replace("-", "_")
-        if not argv[i].startswith("--") or name not in fields:
-            sys.exit(f"error: unknown argument {argv[i]!r}; fields are: {', '.join(fields)}")
-        kind = type(fields[name].default)
-        if kind is bool and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
-            overrides[name], i = True, i + 1
-            continue
-        if i + 1 == len(argv):
-            sys.exit(f"error: --{name} needs a value")
-        value = argv[i + 1]
-        if kind is bool and value.lower() not in BOOLEANS:
-            sys.exit(f"error: --{name} expects true or false (also 1/0, yes/no), got {value!r}")
-        try:
-            overrides[name] = BOOLEANS[value.lower()] if kind is bool else kind(value)
-        except ValueError:
-            sys.exit(f"error: --{name} expects {kind.__name__}, got {value!r}")
-        i += 2
-    if overrides.get("preset", "") not in ("", "paper"):
-        sys.exit(f"error: --preset must be paper (or empty), got {overrides['preset']!r}")
-    preset = PAPER_PRESET if overrides.get("preset") == "paper" else {}
-    c = Config(**{**preset, **overrides})
-    for name, rule in FLAG_RULES.items():
-        if not satisfies(getattr(c, name), rule):
-            sys.exit(f"error: --{name} must be {rule}, got {getattr(c, name)!r}")
-    return c
-
-
-def satisfies(value, rule):
-    """A FLAG_RULES rule: '> 0', '>= 1', '0 or >= 3', 'in [0, 1]' or 'in [0, 1)'. NaN satisfies none."""
-    if rule.startswith("0 or "):
-        return value == 0 or satisfies(value, rule.removeprefix("0 or "))
-    if rule.startswith("in "):
-        low, high = (float(x) for x in rule[4:-1].split(","))
-        return low <= value and (value <= high if rule.endswith("]") else value < high)
-    op, bound = rule.split()
-    return value >= float(bound) if op == ">=" else value > float(bound)
-# --- shared: end config parsing ---
-
-
 # ==============================================================================================
 # Model
 # ==============================================================================================
-# --- shared: begin encoder ---
-class Embeddings(nn.Module):
-    """Token + learned absolute position + token-type embeddings, then LayerNorm and dropout."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.word = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.position = nn.Embedding(c.max_position, c.hidden_size)
-        self.token_type = nn.Embedding(c.type_vocab_size, c.hidden_size)
-        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.dropout = nn.Dropout(c.dropout)
-
-    def forward(self, input_ids):                                               # (B, L)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
-        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]  # (B, L, H)
-        return self.dropout(self.norm(x))
-
-
-class SelfAttention(nn.Module):
-    """Multi-head self-attention through scaled_dot_product_attention (fused kernels on GPU)."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.heads, self.dropout = c.num_heads, c.dropout
-        self.query = nn.Linear(c.hidden_size, c.hidden_size)
-        self.key = nn.Linear(c.hidden_size, c.hidden_size)
-        self.value = nn.Linear(c.hidden_size, c.hidden_size)
-        self.out = nn.Linear(c.hidden_size, c.hidden_size)
-
-    def forward(self, x, attend):                       # x (B, L, H); attend (B, 1, 1, L) True = key visible
-        B, L, H = x.shape
-        split = lambda t: t.view(B, L, self.heads, H // self.heads).transpose(1, 2)  # (B, heads, L, H/heads)
-        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return self.out(y.transpose(1, 2).reshape(B, L, H))                      # (B, L, H)
-
-
-class Block(nn.Module):
-    """Post-LN Transformer block, as in BERT: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.attn = SelfAttention(c)
-        self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
-        self.ffn_out = nn.Linear(c.ffn_size, c.hidden_size)
-        self.ffn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.dropout = nn.Dropout(c.dropout)
-
-    def forward(self, x, attend):                                                    # (B, L, H)
-        x = self.attn_norm(x + self.dropout(self.attn(x, attend)))
-        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))  # (B, L, H)
-
-
-class MLMHead(nn.Module):
-    """BERT's MLM head: dense, GELU, LayerNorm, then the token embedding matrix (tied) plus a bias."""
-
-    def __init__(self, c, word_embedding):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
-        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.bias = nn.Parameter(torch.zeros(c.vocab_size))
-        self.word_embedding = [word_embedding]  # a list, so the tied matrix is not registered twice
-
-    def forward(self, h):                                                        # (M, H)
-        h = self.norm(F.gelu(self.dense(h)))                                     # (M, H)
-        return h @ self.word_embedding[0].weight.T + self.bias                   # (M, V)
-
-
-# Our parameter names -> Hugging Face BertForMaskedLM names (both directions use this table).
-HF_NAMES = [("embeddings.word.", "bert.embeddings.word_embeddings."),
-            ("embeddings.position.", "bert.embeddings.position_embeddings."),
-            ("embeddings.token_type.", "bert.embeddings.token_type_embeddings."),
-            ("embeddings.norm.", "bert.embeddings.LayerNorm."),
-            ("attn.query.", "attention.self.query."), ("attn.key.", "attention.self.key."),
-            ("attn.value.", "attention.self.value."), ("attn.out.", "attention.output.dense."),
-            ("attn_norm.", "attention.output.LayerNorm."), ("ffn_in.", "intermediate.dense."),
-            ("ffn_out.", "output.dense."), ("ffn_norm.", "output.LayerNorm."),
-            ("blocks.", "bert.encoder.layer."),
-            ("mlm_head.dense.", "cls.predictions.transform.dense."),
-            ("mlm_head.norm.", "cls.predictions.transform.LayerNorm."),
-            ("mlm_head.bias", "cls.predictions.bias")]
-HF_CONFIG_KEYS = dict(vocab_size="vocab_size", hidden_size="hidden_size", num_layers="num_hidden_layers",
-                      num_heads="num_attention_heads", ffn_size="intermediate_size",
-                      max_position="max_position_embeddings", type_vocab_size="type_vocab_size",
-                      dropout="hidden_dropout_prob", layer_norm_eps="layer_norm_eps")
-
-
-def to_hf_name(name):
-    for ours, theirs in HF_NAMES:
-        name = name.replace(ours, theirs)
-    return name
-
-
-def from_hf_name(name):
-    """Accepts 'bert.'-prefixed or bare names and the old LayerNorm gamma/beta spelling."""
-    name = name.removeprefix("bert.").replace("LayerNorm.gamma", "LayerNorm.weight")
-    name = name.replace("LayerNorm.beta", "LayerNorm.bias")
-    name = name if name.startswith("cls.") else "bert." + name
-    for ours, theirs in HF_NAMES:           # this order: "attention.output.dense" before "output.dense"
-        name = name.replace(theirs, ours)
-    return name
-
-
-class Encoder(nn.Module):
-    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
-    forward returns the last hidden states; the text vector is position 0 ([CLS])."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.config = c
-        self.embeddings = Embeddings(c)
-        self.blocks = nn.ModuleList(Block(c) for _ in range(c.num_layers))
-        self.mlm_head = MLMHead(c, self.embeddings.word)
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(m):
-        """BERT's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm."""
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
-
-    def forward(self, input_ids, attention_mask):                  # (B, L), (B, L) 1 = token, 0 = pad
-        attend = attention_mask.bool()[:, None, None, :]            # (B, 1, 1, L)
-        x = self.embeddings(input_ids)                              # (B, L, H)
-        for block in self.blocks:
-            x = block(x, attend)
-        return x                                                    # (B, L, H)
-
-    def mlm_loss(self, hidden, labels):
-        """Eq. 9 of COSTA / BERT's MLM: mean cross-entropy over the masked positions only (the
-        vocabulary projection is most of the cost). Returns (loss, n_correct, n_masked). Under torchrun
-        the mean is over this rank's masked tokens and DDP averages the ranks, as BERT's code does."""
-        chosen = labels != -100                                     # (B, L)
-        if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
-            return self.mlm_head(hidden[:1, 0]).sum() * 0.0, 0, 0
-        logits = self.mlm_head(hidden[chosen]).float()              # (M, V)
-        targets = labels[chosen]                                    # (M,)
-        n_correct = (logits.argmax(-1) == targets).sum()            # a tensor: no GPU sync here
-        return F.cross_entropy(logits, targets), n_correct, targets.numel()
-
-    def hf_config(self):
-        c = {theirs: getattr(self.config, ours) for ours, theirs in HF_CONFIG_KEYS.items()}
-        return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
-                "attention_probs_dropout_prob": self.config.dropout, "initializer_range": 0.02,
-                "pad_token_id": 0, "position_embedding_type": "absolute", **c}
-
-    def save_pretrained(self, folder, vocab=data.VOCAB):
-        """Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
-        state = {to_hf_name(k): v for k, v in self.state_dict().items()}
-        data.save_encoder_folder(folder, state, self.hf_config(), vocab)
-
-    @classmethod
-    def from_pretrained(cls, folder, config=None):
-        """Load a Hugging Face BERT folder (ours, or e.g. bert-base-uncased downloaded by the user).
-        config: a Config whose model fields are replaced by the folder's config.json."""
-        hf_config, hf_state = data.load_encoder_folder(folder)
-        sizes = {ours: hf_config[theirs] for ours, theirs in HF_CONFIG_KEYS.items() if theirs in hf_config}
-        model = cls(dataclasses.replace(config or Config(), **sizes))
-        state = {from_hf_name(k): v for k, v in hf_state.items()}
-        ours = model.state_dict()
-        for name, tensor in state.items():
-            if name in ours and ours[name].shape != tensor.shape:
-                raise data.DataError(f"{folder}: {to_hf_name(name)} has shape {tuple(tensor.shape)}, "
-                                     f"the model expects {tuple(ours[name].shape)}")
-        state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
-        missing = [k for k in ours if k not in state]
-        if [k for k in missing if not k.startswith("mlm_head.")]:
-            raise data.DataError(f"{folder}: missing encoder weights, e.g. {to_hf_name(missing[0])}")
-        model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
-        model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
-        return model
-# --- shared: end encoder ---
-
-
-def pool(hidden, attention_mask, pooling):
-    """Text vectors from last hidden states (B, L, H): [CLS] (position 0) or the mean over real tokens."""
-    if pooling == "cls":
-        return hidden[:, 0]                                                        # (B, H)
-    if pooling == "mean":
-        m = attention_mask.unsqueeze(-1).to(hidden.dtype)                          # (B, L, 1)
-        return (hidden * m).sum(1) / m.sum(1).clamp(min=1)                         # (B, H)
-    raise ValueError(f"pooling must be 'cls' or 'mean', got {pooling!r}")
-
-
-def text_vectors(hidden, attention_mask, pooling, similarity):
-    """Pooled text vectors, L2-normalised for cosine similarity (so that a dot product is the cosine)."""
-    vecs = pool(hidden, attention_mask, pooling)                                   # (B, H)
-    return F.normalize(vecs.float(), dim=-1) if similarity == "cos" else vecs      # (B, H)
+# (The BERT encoder itself, Encoder, is a shared block at the end of this file.)
 
 
 def retriever_settings(c):
@@ -392,34 +149,21 @@ def retriever_settings(c):
     declared = data.read_retriever_settings(c.init) if c.init else {}
     c = dataclasses.replace(c, pooling=c.pooling or declared.get("pooling", "cls"),
                             similarity=c.similarity or declared.get("similarity", "dot"))
-    if c.pooling not in ("cls", "mean") or c.similarity not in ("dot", "cos"):
-        raise data.DataError(f"--pooling must be cls or mean and --similarity dot or cos, got "
-                             f"{c.pooling!r}, {c.similarity!r}")
+    evaluate.check_pooling_and_similarity(c.pooling, c.similarity)
     return c
-
-
-def load_encoder(folder, c=None):
-    """Encoder from a Hugging Face BERT folder, without the MLM head: fine-tuning never uses it, and
-    unused parameters would make DistributedDataParallel fail. Saved folders then have no MLM head;
-    transformers.AutoModel still loads them."""
-    encoder = Encoder.from_pretrained(folder, c)
-    encoder.mlm_head = None
-    return encoder
 
 
 class BiEncoder(nn.Module):
     """One shared encoder for queries and passages; relevance = dot product of the pooled vectors
     (normalised first for cosine similarity, then divided by the temperature tau)."""
 
-    def __init__(self, encoder, pooling="cls", loss="softmax", similarity="dot", tau=0.05):
+    def __init__(self, encoder, c):
         super().__init__()
-        self.encoder, self.pooling, self.loss = encoder, pooling, loss
-        self.similarity, self.tau = similarity, tau if similarity == "cos" else 1.0
-        if loss not in ("softmax", "hinge"):
-            raise ValueError(f"loss must be 'softmax' or 'hinge', got {loss!r}")
+        self.encoder, self.pooling, self.loss_fn = encoder, c.pooling, loss_function(c.loss)
+        self.similarity, self.tau = c.similarity, c.tau if c.similarity == "cos" else 1.0
 
     def encode(self, ids, mask):                                                   # (B, L)
-        return text_vectors(self.encoder(ids, mask), mask, self.pooling, self.similarity)  # (B, H)
+        return evaluate.text_vectors(self.encoder(ids, mask), mask, self.pooling, self.similarity)  # (B, H)
 
     def forward(self, batch):
         """batch: q_ids/q_mask (B, Lq); p_ids/p_mask (B*(1+n), Lp), query i's passages at rows
@@ -433,8 +177,7 @@ class BiEncoder(nn.Module):
         per_query = p.shape[0] // q.shape[0]                                       # 1 + n
         labels = rank * p.shape[0] + torch.arange(q.shape[0], device=q.device) * per_query  # (B,)
         exclude = other_positives(doc_all, batch["q_pos"], labels)                 # (B, N)
-        loss_fn = softmax_loss if self.loss == "softmax" else hinge_loss
-        loss, scores = loss_fn(q, p_all, labels, exclude, self.tau)
+        loss, scores = self.loss_fn(q, p_all, labels, exclude, self.tau)
         accuracy = (scores.argmax(1) == labels).float().mean()
         return loss, {"loss": loss.detach(), "acc": accuracy.detach()}
 
@@ -442,6 +185,16 @@ class BiEncoder(nn.Module):
 # ==============================================================================================
 # Loss
 # ==============================================================================================
+LOSSES = ("softmax", "hinge")
+
+
+def loss_function(name):
+    """The loss --loss names; the one place where --loss is checked."""
+    if name not in LOSSES:
+        raise ValueError(f"--loss must be softmax or hinge, got {name!r}")
+    return softmax_loss if name == "softmax" else hinge_loss
+
+
 def other_positives(candidate_docs, query_positives, labels):
     """(B, N) True where candidate j is a known positive of query i other than its target: another
     query in the batch can share a positive (SciFact does), and it must not count as a negative.
@@ -452,8 +205,8 @@ def other_positives(candidate_docs, query_positives, labels):
 
 
 def softmax_loss(q, p, labels, exclude=None, tau=1.0):
-    """Contrastive cross-entropy of dense retrieval (DPR; Tevatron's loss, used by COSTA 4.5.2 and
-    CPDAE 4.1.3, which give no equation):
+    """Contrastive cross-entropy of dense retrieval (DPR; Tevatron's loss; COSTA 4.5.2 gives no
+    equation). The default; departure for CPDAE, whose 4.1.3 fine-tunes with a pairwise loss: --loss hinge.
         L = -1/B sum_i log( exp(q_i . p_i+ / tau) / sum_j exp(q_i . p_j / tau) ),
     j over the global batch's passages: the query's positive, its own negatives and every other
     query's passages. The papers: dot product, tau = 1. Cosine (unit vectors) needs a small tau
@@ -468,7 +221,8 @@ def softmax_loss(q, p, labels, exclude=None, tau=1.0):
 
 
 def hinge_loss(q, p, labels, exclude=None, tau=1.0, margin=1.0):
-    """SEED-Encoder 4.2 (unnumbered equation): L = sum relu(1 - (s(q, d+) - s(q, d-))) over triples.
+    """SEED-Encoder 4.2 (unnumbered equation), and the pairwise loss of CPDAE 4.1.3 (which gives no
+    equation): L = sum relu(1 - (s(q, d+) - s(q, d-))) over triples.
     Here: mean over each query's negatives (its own and the batch's, as softmax_loss sees them), then
     over queries (the paper sums; a mean keeps the learning rate independent of the batch size).
     Same arguments and returns as softmax_loss; tau is unused (the margin sets the scale)."""
@@ -484,23 +238,8 @@ def hinge_loss(q, p, labels, exclude=None, tau=1.0, margin=1.0):
 
 
 # ==============================================================================================
-# Data: corpus and queries, BM25, negatives, batches
+# Data: training examples, negatives, batches
 # ==============================================================================================
-def passage_text(doc):
-    """A BEIR document as one string: title then text (BEIR's and Tevatron's convention)."""
-    return f"{doc['title']} {doc['text']}".strip() if doc.get("title") else doc["text"]
-
-
-def load_split(c, split, explicit_queries="", explicit_qrels=""):
-    """(corpus, queries, qrels) from the BEIR folder c.data, or from explicit files when c.corpus is set."""
-    if c.corpus:
-        if not (explicit_queries and explicit_qrels):
-            raise data.DataError(f"{c.corpus}: with an explicit corpus give the queries and qrels files too")
-        corpus, queries = data.read_corpus(c.corpus), data.read_queries(explicit_queries)
-        qrels = data.read_qrels(explicit_qrels)
-        data.check_qrels(qrels, queries, corpus, explicit_qrels)
-        return corpus, {q: queries[q] for q in qrels}, qrels
-    return data.load_beir(c.data, split)
 
 
 class Example(NamedTuple):
@@ -583,65 +322,6 @@ class TrainBatches(torch.utils.data.Dataset):
                 "p_doc": torch.tensor(docs, dtype=torch.long), "q_pos": q_pos}
 
 
-# ---------------------------------------------------------------------------------------------
-# BM25 (stage-1 negatives, and the papers' first baseline row in evaluate.py)
-# ---------------------------------------------------------------------------------------------
-class BM25:
-    """Okapi BM25 over a fixed corpus, scored the way Lucene (Elasticsearch, Anserini, BEIR) does:
-
-        score(q, d) = sum_{t in q} idf(t) * tf(t, d) / (tf(t, d) + k1 * (1 - b + b * |d| / avgdl))
-        idf(t)      = log(1 + (N - df(t) + 0.5) / (df(t) + 0.5))
-
-    Tokenizer: lowercase, tokens of 2+ word characters (scikit-learn's default pattern), scikit-learn's
-    English stopword list removed, NO stemming. |d| counts the tokens left after stopword removal.
-    A repeated query term counts once per occurrence, as in a Lucene BooleanQuery of the terms.
-    Departures from Lucene: no (k1 + 1) factor in the numerator (it changes no ranking; Lucene 8+ dropped
-    it too); exact document lengths instead of Lucene's lossy one-byte length norm (can swap near-ties).
-    Defaults k1 = 1.2, b = 0.75 are Elasticsearch's (the BEIR paper's BM25 row); Anserini / Pyserini
-    use k1 = 0.9, b = 0.4.
-    """
-
-    def __init__(self, doc_texts, k1=1.2, b=0.75):
-        from sklearn.feature_extraction.text import CountVectorizer
-
-        if k1 < 0 or not 0 <= b <= 1:
-            raise ValueError(f"BM25 needs k1 >= 0 and 0 <= b <= 1, got k1={k1}, b={b}")
-        self.k1, self.b = k1, b
-        self.vectorizer = CountVectorizer(lowercase=True, stop_words="english", dtype=np.float32)
-        tf = self.vectorizer.fit_transform(doc_texts).tocsr()  # (N, T) term counts
-        n_docs = tf.shape[0]
-        doc_len = np.asarray(tf.sum(axis=1)).ravel()  # (N,) tokens per document
-        df = np.bincount(tf.indices, minlength=tf.shape[1])  # (T,) documents containing each term
-        self.idf = np.log1p((n_docs - df + 0.5) / (df + 0.5)).astype(np.float32)  # (T,)
-        # Precompute each (document, term) contribution once; a query then only sums columns.
-        rows = np.repeat(np.arange(n_docs), np.diff(tf.indptr))  # (nnz,) document of each entry
-        norm = k1 * (1 - b + b * doc_len / max(doc_len.mean(), 1e-9))  # (N,)
-        weights = tf.copy()
-        weights.data = self.idf[tf.indices] * tf.data / (tf.data + norm[rows])  # (nnz,)
-        self.weights_t = weights.T.tocsr()  # (T, N): query (M, T) @ weights_t -> (M, N)
-        self.n_docs = n_docs
-
-    def score(self, query_texts):
-        """Dense (M, N) float32 score matrix; use search() for large corpora."""
-        q = self.vectorizer.transform(query_texts)  # (M, T) query term counts
-        return np.asarray((q @ self.weights_t).todense(), dtype=np.float32)  # (M, N)
-
-    def search(self, query_texts, k):
-        """Top-k documents per query: (scores (M, k) float32, indices (M, k) int64), best first.
-        Documents with score 0 (no query term) fill the tail when fewer than k match."""
-        k = min(k, self.n_docs)
-        chunk = max(1, int(2e7 // max(self.n_docs, 1)))  # bound the dense block to ~80 MB
-        all_scores, all_ids = [np.zeros((0, k), np.float32)], [np.zeros((0, k), np.int64)]
-        for start in range(0, len(query_texts), chunk):
-            s = self.score(query_texts[start:start + chunk])  # (m, N)
-            top = np.argpartition(-s, k - 1, axis=1)[:, :k] if k < self.n_docs else np.tile(np.arange(k), (len(s), 1))
-            top_s = np.take_along_axis(s, top, axis=1)  # (m, k)
-            order = np.argsort(-top_s, axis=1, kind="stable")  # (m, k)
-            all_ids.append(np.take_along_axis(top, order, axis=1).astype(np.int64))
-            all_scores.append(np.take_along_axis(top_s, order, axis=1))
-        return np.concatenate(all_scores), np.concatenate(all_ids)
-
-
 def read_negatives(path, doc_index):
     """{qid: [corpus index]} from a TSV 'qid<TAB>docid,docid,...' (what this script writes)."""
     out = {}
@@ -660,103 +340,11 @@ def write_negatives(path, negatives, doc_ids):
 
 
 # ==============================================================================================
-# Retrieval: encode (sharded across ranks), exact search, mining
+# Mining: negatives from BM25 and from the current model (evaluate.py's retrieval layer)
 # ==============================================================================================
-def exact_search(query_vecs, doc_vecs, k, batch=1024):
-    """Exact maximum inner product search with faiss.IndexFlatIP.
-    query_vecs (M, H), doc_vecs (N, H) float32 -> (scores (M, k), indices (M, k) int64), best first."""
-    import faiss
-
-    doc_vecs = np.ascontiguousarray(doc_vecs, dtype=np.float32)
-    query_vecs = np.ascontiguousarray(query_vecs, dtype=np.float32)
-    k = min(k, len(doc_vecs))
-    index = faiss.IndexFlatIP(doc_vecs.shape[1])
-    index.add(doc_vecs)
-    scores, ids = [np.zeros((0, k), np.float32)], [np.zeros((0, k), np.int64)]
-    for start in range(0, len(query_vecs), batch):
-        s, i = index.search(query_vecs[start:start + batch], k)  # (m, k) each
-        scores.append(s)
-        ids.append(i.astype(np.int64))
-    return np.concatenate(scores), np.concatenate(ids)
 
 
-@torch.no_grad()
-def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16=True, similarity="dot"):
-    """(len(texts), H) float32 numpy vectors (unit length for "cos"). Texts are encoded sorted by
-    length (less padding)."""
-    was_training = encoder.training
-    encoder.eval()
-    autocast = autocast_bf16(device, bf16)
-    order = np.argsort([len(t) for t in texts], kind="stable")
-    out = np.zeros((len(texts), encoder.config.hidden_size), dtype=np.float32)
-    for start in range(0, len(texts), batch_size):
-        rows = order[start:start + batch_size]
-        ids, mask = data.encode_texts(tokenizer, [texts[i] for i in rows], max_len)          # (b, L)
-        ids, mask = ids.to(device), mask.to(device)
-        with autocast:
-            vecs = text_vectors(encoder(ids, mask), mask, pooling, similarity)                 # (b, H)
-        out[rows] = vecs.float().cpu().numpy()
-    encoder.train(was_training)
-    return out
-
-
-def _all_gather(t, device):
-    """Non-differentiable all-gather of equal-shaped tensors along a new first dimension -> (W, ...)."""
-    parts = [torch.empty_like(t.to(device)) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.to(device).contiguous())
-    return torch.stack(parts).cpu()
-
-
-def merge_topk_across_ranks(scores, ids, k, device, chunk=16384):
-    """Every rank holds the top-k of its own corpus shard for the same queries; all-gather them and keep
-    the global top-k. scores (Q, k') float32, ids (Q, k') global corpus indices, k' <= k."""
-    pad = k - scores.shape[1]  # a shard smaller than k
-    scores = np.pad(scores, ((0, 0), (0, pad)), constant_values=-np.inf)
-    ids = np.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
-    out_s, out_i = [], []
-    for start in range(0, max(len(scores), 1), chunk):  # bounded all-gather messages
-        s = _all_gather(torch.from_numpy(scores[start:start + chunk]), device)             # (W, q, k)
-        i = _all_gather(torch.from_numpy(ids[start:start + chunk]), device)                # (W, q, k)
-        s, i = s.permute(1, 0, 2).flatten(1), i.permute(1, 0, 2).flatten(1)               # (q, W*k)
-        top_s, top = s.topk(k, dim=1)                                                      # (q, k)
-        out_s.append(top_s.numpy())
-        out_i.append(i.gather(1, top).numpy())
-    return np.concatenate(out_s)[:len(scores)], np.concatenate(out_i)[:len(scores)]
-
-
-def retrieve(encoder, pooling, tokenizer, doc_texts, query_texts, k, c, device, timings=None):
-    """Dense retrieval, exact: (scores (Q, k), corpus indices (Q, k)) best first, on EVERY rank.
-
-    Under torchrun rank r encodes only its contiguous shard of the corpus (data.shard: no document
-    twice, none dropped), searches it exactly with faiss, and the per-shard top-k lists are all-gathered
-    and merged. So every rank does the same amount of work and no rank waits in a collective while
-    another searches alone (NCCL's timeout), and no rank ever holds the whole corpus' vectors.
-    Every rank encodes all the queries: they are few and short."""
-    rank, world = rank_and_world()
-    k = min(k, len(doc_texts))
-    shard = data.shard(len(doc_texts), rank, world)
-    t0 = time.time()
-    doc_vecs = encode(encoder, pooling, tokenizer, [doc_texts[i] for i in shard], c.passage_len,
-                      c.encode_batch, device, c.bf16, c.similarity)                        # (n, H)
-    t1 = time.time()
-    query_vecs = encode(encoder, pooling, tokenizer, list(query_texts), c.query_len,
-                        c.encode_batch, device, c.bf16, c.similarity)                      # (Q, H)
-    t2 = time.time()
-    if len(shard):
-        scores, ids = exact_search(query_vecs, doc_vecs, k)
-        ids = ids + shard.start
-    else:
-        scores, ids = np.zeros((len(query_texts), 0), np.float32), np.zeros((len(query_texts), 0), np.int64)
-    t3 = time.time()
-    if world > 1:
-        scores, ids = merge_topk_across_ranks(scores, ids, k, device)
-    if timings is not None:
-        timings.update(encode_docs_s=t1 - t0, docs_per_s_per_rank=len(shard) / max(t1 - t0, 1e-9),
-                       encode_queries_s=t2 - t1, search_s=t3 - t2, merge_s=time.time() - t3)
-    return scores, ids
-
-
-def shared_decision(flag, device):
+def broadcast_rank0_choice(flag, device):
     """Rank 0's boolean, on every rank (so that all ranks take the same branch around collectives)."""
     if not (dist.is_available() and dist.is_initialized()):
         return flag
@@ -765,41 +353,41 @@ def shared_decision(flag, device):
     return bool(t.item())
 
 
-def bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, path, device, main):
+def bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, path, device, is_rank0):
     """Stage-1 pools: BM25's top bm25_depth for each training query minus its positives. Every rank
     builds the index and searches its own share of the queries; the pools are all-gathered (nobody
     idles in a collective) and rank 0 caches them in `path` for --resume."""
     if c.bm25_negatives:
         ranked = read_negatives(c.bm25_negatives, doc_index)
-    elif shared_decision(c.resume and path.is_file(), device):
+    elif broadcast_rank0_choice(c.resume and path.is_file(), device):
         ranked = read_negatives(path, doc_index)
     else:
         rank, world = rank_and_world()
         mine = [examples[i] for i in data.shard(len(examples), rank, world)]
-        _, ids = BM25(doc_texts, c.k1, c.b).search([ex.query for ex in mine], c.bm25_depth)
+        _, ids = evaluate.BM25(doc_texts, c.k1, c.b).search([ex.query for ex in mine], c.bm25_depth)
         ranked = {ex.qid: row.tolist() for ex, row in zip(mine, ids)}
         if world > 1:
             parts = [None] * world
             dist.all_gather_object(parts, ranked)
             ranked = {q: r for part in parts for q, r in part.items()}
-        if main:
+        if is_rank0:
             write_negatives(path, ranked, doc_ids)
     return [ex._replace(negatives=negatives_from_ranking(ranked.get(ex.qid, [])[:c.bm25_depth], ex.positives))
             for ex in examples]
 
 
-def hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc_index, path, device, main):
+def hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc_index, path, device, is_rank0):
     """Stage-2 pools, mined once from the current model: its top hard_depth for each training query,
-    the first hard_skip ranks skipped, positives removed. Sharded across ranks by retrieve();
+    the first hard_skip ranks skipped, positives removed. Sharded across ranks by evaluate.retrieve();
     rank 0 caches the result in `path` (TSV) for --resume."""
-    if shared_decision(c.resume and path.is_file(), device):
+    if broadcast_rank0_choice(c.resume and path.is_file(), device):
         ranked = read_negatives(path, doc_index)
     else:
         t0 = time.time()
-        _, ids = retrieve(encoder, c.pooling, tokenizer, doc_texts, [ex.query for ex in examples],
+        _, ids = evaluate.retrieve(encoder, tokenizer, doc_texts, [ex.query for ex in examples],
                           c.hard_depth, c, device)
         ranked = {ex.qid: row.tolist() for ex, row in zip(examples, ids)}
-        if main:
+        if is_rank0:
             write_negatives(path, ranked, doc_ids)
             print(f"mined: top-{c.hard_depth} of {len(examples)} queries over {len(doc_texts):,} passages "
                   f"in {format_seconds(time.time() - t0)} -> {path}", flush=True)
@@ -809,8 +397,439 @@ def hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc
 
 
 # ==============================================================================================
-# Distributed setup
+# Training loop
 # ==============================================================================================
+
+
+def stage_steps(c, n_examples, epochs, world):
+    """Optimizer steps of a stage: c.steps when set, else epochs over the training queries."""
+    if c.steps:
+        return c.steps
+    per_epoch = data.batches_per_epoch(n_examples, c.batch_size, world)
+    return max(1, round(epochs * per_epoch / c.grad_accum))
+
+
+def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epochs, is_rank0, step_offset=0):
+    """One fine-tuning stage on fixed negative pools; resumes from {out_dir}/{stage}/state.pt.
+    Returns the trained encoder (also saved in {out_dir}/{stage}/encoder), or None when halted
+    (--halt_at, counted from the first stage: step_offset = the steps of the stages before)."""
+    rank, world = rank_and_world()
+    sc = dataclasses.replace(c, out_dir=str(Path(c.out_dir) / stage),
+                             steps=stage_steps(c, len(examples), epochs, world))
+    if broadcast_rank0_choice(c.resume and (Path(sc.out_dir) / "done.json").is_file(), device):
+        if is_rank0:
+            print(f"{stage}: already finished, loading {Path(sc.out_dir) / 'encoder'}")
+        return evaluate.load_encoder(Path(sc.out_dir) / "encoder", c).to(device)
+    model = BiEncoder(encoder, c).to(device)
+    optimizer, scheduler = make_optimizer(model, sc)
+    start_step = load_checkpoint(sc, model, optimizer, scheduler, is_rank0) if c.resume else 0
+    global_batch = c.batch_size * world
+    if is_rank0:
+        Path(sc.out_dir).mkdir(parents=True, exist_ok=True)
+        data.atomic_write_json(Path(sc.out_dir) / "config.json", dataclasses.asdict(sc))
+        pools = [len(ex.negatives) for ex in examples]
+        print(f"{stage}: {len(examples)} queries | {sc.steps} steps ({sc.steps * global_batch * c.grad_accum / len(examples):.1f} "
+              f"epochs) | global batch {global_batch} queries x (1 + {c.n_negatives}) passages | "
+              f"negative pools: median {int(np.median(pools))}, min {min(pools)}", flush=True)
+        print(f"{stage}: each query sees {global_batch * (1 + c.n_negatives) - 1} negatives: its {c.n_negatives} "
+              f"sampled + {(global_batch - 1) * (1 + c.n_negatives)} in-batch (known positives of the query "
+              f"are left out of the softmax)", flush=True)
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    loader = torch.utils.data.DataLoader(
+        TrainBatches(sc, examples, doc_texts, tokenizer, rank, world), batch_size=None, num_workers=c.workers,
+        sampler=range(start_step * c.grad_accum, sc.steps * c.grad_accum), generator=torch.Generator())
+    autocast = autocast_bf16(device, c.bf16)
+    progress = Progress(sc, start_step, is_rank0)
+    batches = iter(loader)
+    model.train()
+    for step in range(start_step + 1, sc.steps + 1):
+        for micro in range(c.grad_accum):
+            micro_step = (step_offset + step - 1) * c.grad_accum + micro   # counted across stages
+            batch = next(batches)
+            n_tokens = int(batch["q_mask"].sum() + batch["p_mask"].sum())
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            # dropout, like the batch, is a function of the step: resume is exact without saving RNG state
+            torch.manual_seed(data.step_seed(c.seed, rank, micro_step))
+            last = micro == c.grad_accum - 1
+            with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
+                with autocast:
+                    loss, metrics = ddp(batch)
+                (loss / c.grad_accum).backward()
+            progress.add(metrics, n_tokens)
+        stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, sc)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % c.log_every == 0 or step == sc.steps:
+            progress.report(step, scheduler.get_last_lr()[0], device)
+        halt = c.halt_at == step_offset + step
+        if step % c.save_every == 0 or step == sc.steps or halt:
+            save_checkpoint(sc, model, optimizer, scheduler, step, is_rank0, tokenizer_vocab(c))
+        if halt:
+            if is_rank0:
+                print(f"{stage}: halted at step {step} (--halt_at {c.halt_at})")
+            return None
+    if is_rank0:
+        data.atomic_write_json(Path(sc.out_dir) / "done.json", {"steps": sc.steps})
+        print(f"{stage}: done: {progress.summary(device)}", flush=True)
+    barrier()
+    return model.encoder
+
+
+def barrier():
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def tokenizer_vocab(c):
+    """The init folder's vocab.txt when it has one (it matches the embedding), else c.vocab."""
+    own = Path(c.init) / "vocab.txt" if c.init else None
+    return str(own) if own and own.is_file() else c.vocab
+
+
+def train(c):
+    """Stage 1 (BM25 negatives), then c.rounds stages of mined hard negatives, then the evaluation."""
+    rank, world, device = setup_distributed()
+    is_rank0 = rank == 0
+    torch.manual_seed(c.seed)
+    out = Path(c.out_dir)
+    loss_function(c.loss)                       # a bad --loss stops here, before any work
+    if not c.epochs and not c.rounds:
+        raise ValueError("--epochs 0 skips the BM25 stage, so --rounds must be >= 1 (else nothing trains)")
+    check_run_folder(c, RUN_FILES)
+    init_name = c.init
+    c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
+    tokenizer = data.load_tokenizer(tokenizer_vocab(c))
+    corpus, queries, qrels = evaluate.load_split(c, c.train_split, c.queries, c.qrels)
+    if evaluates(c):                            # a bad test file stops the run now, not after training
+        evaluate.load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
+    doc_ids = list(corpus)
+    doc_index = {d: i for i, d in enumerate(doc_ids)}
+    doc_texts = [evaluate.passage_text(corpus[d]) for d in doc_ids]
+    examples = make_examples(queries, qrels, doc_index, c.n_queries, c.seed)
+    encoder = evaluate.load_encoder(c.init, c) if c.init else _random_encoder(c)
+    if encoder.config.vocab_size != tokenizer.get_vocab_size():
+        raise data.DataError(f"{tokenizer_vocab(c)}: {tokenizer.get_vocab_size()} entries but the encoder "
+                             f"has vocab_size {encoder.config.vocab_size}")
+    c = encoder.config                          # --init brings the checkpoint's model sizes
+    for flag in ("query_len", "passage_len"):
+        if getattr(c, flag) > c.max_position:
+            raise ValueError(f"--{flag} {getattr(c, flag)} is more than the {c.max_position} positions of "
+                                 f"the model{f' {c.init}' if c.init else ''} (max_position)")
+    encoder = encoder.to(device)
+    if is_rank0:
+        out.mkdir(parents=True, exist_ok=True)
+        data.remove_stale_temporaries(out)
+        if not c.resume:
+            clear_stale_outputs(out)
+        data.atomic_write_json(out / "config.json", dataclasses.asdict(c))
+        n_params = sum(p.numel() for p in encoder.parameters())
+        print(f"model: {init_name or 'random init'} ({n_params / 1e6:.1f}M parameters, {c.pooling} pooling, "
+              f"{c.similarity}{f' / tau {c.tau}' if c.similarity == 'cos' else ''}) | "
+              f"{world} process(es) on {device.type} | data: {len(doc_texts):,} passages, {len(examples)} "
+              f"training queries{f' (a sample, seed {c.seed})' if c.n_queries else ''}", flush=True)
+    offset = 0                                  # steps of the stages before, for --halt_at
+    if c.epochs:                                # --epochs 0: no BM25 stage (the document-ranking recipe)
+        examples = bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, out / "negatives_bm25.tsv",
+                                       device, is_rank0)
+        encoder = train_stage(c, "stage1", encoder, examples, doc_texts, tokenizer, device, c.epochs, is_rank0)
+        offset = stage_steps(c, len(examples), c.epochs, world)
+    for r in range(1, c.rounds + 1):
+        if encoder is None:
+            break
+        examples = hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc_index,
+                                       out / f"negatives_round{r}.tsv", device, is_rank0)
+        encoder = train_stage(c, f"stage{r + 1}", encoder, examples, doc_texts, tokenizer, device, c.hard_epochs,
+                              is_rank0, offset)
+        offset += stage_steps(c, len(examples), c.hard_epochs, world)
+    if encoder is None:  # --halt_at
+        return None
+    if is_rank0:
+        save_encoder(encoder, out / "encoder", c, tokenizer_vocab(c))
+        print(f"fine-tuned encoder: {out / 'encoder'}", flush=True)
+    barrier()
+    results = None
+    if evaluates(c):
+        corpus, queries, qrels = evaluate.load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
+        results = evaluate.evaluate_encoder(encoder, tokenizer, corpus, queries, qrels,
+                                            out / f"eval-{c.eval_split}", c, device,
+                                            tag=f"finetune-{Path(c.init).parent.name if c.init else 'random'}")
+    return results
+
+
+def evaluates(c):
+    """Whether the run ends with an evaluation: an eval split, and its files when the corpus is explicit."""
+    return bool(c.eval_split and (not c.corpus or (c.eval_queries and c.eval_qrels)))
+
+
+# What shows that a folder holds a fine-tuning run (the pipeline adds pretrain/).
+RUN_FILES = ("config.json", "encoder", "stage1")
+
+
+def check_run_folder(c, names):
+    """Before any work: a fresh run into a folder holding a run needs --overwrite (--resume continues it)."""
+    held = [name for name in names if (Path(c.out_dir) / name).exists()]
+    if c.resume and c.overwrite:
+        raise ValueError("--resume continues the run in out_dir and --overwrite replaces it: give one")
+    if held and not (c.resume or c.overwrite):
+        raise data.DataError(f"{c.out_dir} already holds a run ({', '.join(held)}); continue it with --resume "
+                             f"or replace it with --overwrite")
+
+
+def clear_stale_outputs(out):
+    """A fresh (not --resume) run must not mistake an older run's finished stages, checkpoints or mined
+    negatives for its own if it is resumed later: remove those (rank 0, before any use)."""
+    for path in [*out.glob("stage*/done.json"), *out.glob("stage*/state.pt"), *out.glob("negatives_*.tsv")]:
+        path.unlink()
+
+
+def _random_encoder(c):
+    encoder = Encoder(c)
+    encoder.mlm_head = None
+    return encoder
+
+
+# ==============================================================================================
+# Checkpoint
+# ==============================================================================================
+def save_encoder(encoder, folder, c, vocab):
+    """Hugging Face BERT folder plus retriever.json recording how to use it as a retriever (pooling,
+    similarity, lengths): evaluate.py reads it, so evaluating the folder repeats the fine-tuning's own
+    evaluation. The sentence-transformers files next to it make SentenceTransformer(folder) agree."""
+    encoder.save_pretrained(folder, vocab)
+    data.write_retriever_settings(folder, c.pooling, c.similarity, c.query_len, c.passage_len)
+
+
+def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, vocab):
+    """Rank 0 writes the encoder (Hugging Face folder) and the full training state for --resume."""
+    if is_rank0:
+        save_encoder(model.encoder, Path(c.out_dir) / "encoder", c, vocab)
+        data.save_training_state(Path(c.out_dir) / "state.pt", {
+            "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "config": dataclasses.asdict(c)})
+    barrier()  # short: nobody races ahead of a checkpoint being written
+
+
+# ==============================================================================================
+# Pipeline: pre-train, fine-tune, evaluate, compare with BM25
+# ==============================================================================================
+def pretrain(c):
+    """Continue pre-training c.init with {c.pretrain}.py (costa, seed or cpdae) on the fine-tuning
+    corpus (domain-adaptive, as the papers continue from BERT's checkpoint) into {out_dir}/pretrain;
+    returns its encoder folder. Skipped when a previous run finished it (done.json)."""
+    module = importlib.import_module(c.pretrain)
+    folder = Path(c.out_dir) / "pretrain"
+    corpus = c.corpus or str(data._find(c.dataset, "corpus.jsonl"))
+    argv = (["--init", c.init, "--corpus", corpus, "--lr", "5e-5", "--steps", str(c.pretrain_steps)]
+            + shlex.split(c.pretrain_args) + ["--out_dir", str(folder), "--seed", str(c.seed)]
+            + (["--resume"] if c.resume else []) + (["--overwrite"] if c.overwrite else []))
+    pc = data.parse_config(module.Config, argv, module.__doc__, module.PAPER_PRESET, module.FLAG_RULES)
+    if not (c.resume and (folder / "done.json").is_file()):
+        if (folder / "done.json").is_file() and os.environ.get("RANK", "0") == "0":
+            (folder / "done.json").unlink()  # a fresh run: an older run's marker must not survive a crash
+        module.train(pc)
+        if rank_and_world()[0] == 0 and (folder / "encoder").is_dir():
+            data.atomic_write_json(folder / "done.json", {"method": c.pretrain, "steps": pc.steps})
+    elif rank_and_world()[0] == 0:
+        print(f"pretrain: already finished, using {folder / 'encoder'}")
+    return str(folder / "encoder")
+
+
+def evaluate_folder(c, folder, out_dir, tag):
+    """Evaluate a model folder as it is (zero-shot), with c's settings: (means, per_query)."""
+    corpus, queries, qrels = evaluate.load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
+    if (Path(out_dir) / "metrics.json").is_file() and c.resume:       # done before a crash: reuse it
+        return evaluate.compute_metrics(data.read_run(Path(out_dir) / "run.trec"), qrels)
+    encoder = evaluate.load_encoder(folder, c)
+    return evaluate.evaluate_encoder(encoder, data.load_tokenizer(tokenizer_vocab(c)), corpus,
+                                     queries, qrels, out_dir, c, setup_distributed()[2], tag=tag)
+
+
+def pipeline(c):
+    """--pretrain METHOD, the quick start: from the starting checkpoint c.init,
+      1. evaluate it zero-shot;
+      2. continue pre-training it with METHOD on the corpus (pretrain_steps steps);
+      3. fine-tune that (BM25 negatives, then mined hard negatives) and evaluate it;
+      4. with --baseline, also fine-tune c.init without step 2, identically;
+    then print every row next to BM25 with paired two-tailed t-tests."""
+    t0 = time.time()
+    if c.pretrain not in ("costa", "seed", "cpdae"):
+        raise ValueError(f"--pretrain must be costa, seed or cpdae, got {c.pretrain!r}")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # The pre-training script ends its process group; a second one in the same processes can meet
+        # the first one's stale rendezvous keys (gloo "connectFullMesh failed"), so refuse instead.
+        raise ValueError(f"--pretrain runs the whole pipeline in one process; under torchrun run its steps: "
+                             f"torchrun ... {c.pretrain}.py --out_dir DIR, then torchrun ... finetune.py --init DIR/encoder")
+    if not c.eval_split:
+        raise ValueError("--pretrain compares models on the evaluation split: give --eval_split")
+    check_run_folder(c, RUN_FILES + ("pretrain", "zero-shot", "no-pretrain"))  # before any work, not after it
+    out, name = Path(c.out_dir), Path(c.init).name if Path(c.init).is_dir() else c.init
+    c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
+    rows = {f"{name} zero-shot": evaluate_folder(c, c.init, out / f"zero-shot/eval-{c.eval_split}", f"{name}-zero-shot")}
+    if c.baseline:
+        rows[f"{name} + fine-tune"] = train(dataclasses.replace(c, out_dir=str(out / "no-pretrain")))
+    pretrained = pretrain(c)
+    rows[f"{name} + {c.pretrain} + fine-tune"] = train(dataclasses.replace(c, init=pretrained))
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    if any(r is None for r in rows.values()):  # halted
+        return
+    corpus, queries, qrels = evaluate.load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
+    bm25_name = f"BM25 (k1={c.k1}, b={c.b})"
+    rows = {bm25_name: evaluate.evaluate_bm25(corpus, queries, qrels, out / f"eval-{c.eval_split}-bm25",
+                                              c.k1, c.b, verbose=False), **rows}
+    print()
+    print(evaluate.format_table(rows, title=f"{c.eval_split} split, {len(qrels)} queries", baseline=bm25_name))
+    print(evaluate.format_pairs(rows, list(rows)[1:]))
+    print(f"pipeline: {format_seconds(time.time() - t0)} in all; outputs in {c.out_dir}")
+
+
+def main(argv):
+    c = data.parse_config(Config, argv, __doc__, PAPER_PRESET, FLAG_RULES)
+    if c.pretrain:
+        pipeline(c)
+        return
+    train(c)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ==============================================================================================
+# Shared blocks, below the method: the BERT encoder, distributed helpers, bf16 autocast, training
+# helpers, resume and run setup. Byte-identical in every file that has them (a test checks, and
+# `diff costa.py cpdae.py` skips them): read them once, in costa.py.
+# ==============================================================================================
+# --- shared: begin encoder ---
+class Embeddings(nn.Module):
+    """Token + learned absolute position + token-type embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.word = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.position = nn.Embedding(c.max_position, c.hidden_size)
+        self.token_type = nn.Embedding(c.type_vocab_size, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, input_ids):                                               # (B, L)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
+        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]  # (B, L, H)
+        return self.dropout(self.norm(x))
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention through scaled_dot_product_attention (fused kernels on GPU)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.heads, self.dropout = c.num_heads, c.dropout
+        self.query = nn.Linear(c.hidden_size, c.hidden_size)
+        self.key = nn.Linear(c.hidden_size, c.hidden_size)
+        self.value = nn.Linear(c.hidden_size, c.hidden_size)
+        self.out = nn.Linear(c.hidden_size, c.hidden_size)
+
+    def forward(self, x, attend):                       # x (B, L, H); attend (B, 1, 1, L) True = key visible
+        B, L, H = x.shape
+        split = lambda t: t.view(B, L, self.heads, H // self.heads).transpose(1, 2)  # (B, heads, L, H/heads)
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(B, L, H))                      # (B, L, H)
+
+
+class Block(nn.Module):
+    """Post-LN Transformer block, as in BERT: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.attn = SelfAttention(c)
+        self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
+        self.ffn_out = nn.Linear(c.ffn_size, c.hidden_size)
+        self.ffn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, x, attend):                                                    # (B, L, H)
+        x = self.attn_norm(x + self.dropout(self.attn(x, attend)))
+        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))  # (B, L, H)
+
+
+class MLMHead(nn.Module):
+    """BERT's MLM head: dense, GELU, LayerNorm, then the token embedding matrix (tied) plus a bias."""
+
+    def __init__(self, c, word_embedding):
+        super().__init__()
+        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(c.vocab_size))
+        self.word_embedding = [word_embedding]  # a list, so the tied matrix is not registered twice
+
+    def forward(self, h):                                                        # (M, H)
+        h = self.norm(F.gelu(self.dense(h)))                                     # (M, H)
+        return h @ self.word_embedding[0].weight.T + self.bias                   # (M, V)
+
+
+class Encoder(nn.Module):
+    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
+    forward returns the last hidden states; the text vector is position 0 ([CLS])."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.config = c
+        self.embeddings = Embeddings(c)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.num_layers))
+        self.mlm_head = MLMHead(c, self.embeddings.word)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m):
+        """BERT's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm."""
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, input_ids, attention_mask):                  # (B, L), (B, L) 1 = token, 0 = pad
+        attend = attention_mask.bool()[:, None, None, :]            # (B, 1, 1, L)
+        x = self.embeddings(input_ids)                              # (B, L, H)
+        for block in self.blocks:
+            x = block(x, attend)
+        return x                                                    # (B, L, H)
+
+    def hf_config(self):
+        c = {theirs: getattr(self.config, ours) for ours, theirs in data.HF_CONFIG_KEYS.items()}
+        return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
+                "attention_probs_dropout_prob": self.config.dropout, "initializer_range": 0.02,
+                "pad_token_id": 0, "position_embedding_type": "absolute", **c}
+
+    def save_pretrained(self, folder, vocab=data.VOCAB):
+        """Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
+        state = {data.to_hf_name(k): v for k, v in self.state_dict().items()}
+        data.save_encoder_folder(folder, state, self.hf_config(), vocab)
+
+    @classmethod
+    def from_pretrained(cls, folder, config=None):
+        """Load a Hugging Face BERT folder (ours, or e.g. bert-base-uncased downloaded by the user).
+        config: a Config whose model fields are replaced by the folder's config.json."""
+        hf_config, hf_state = data.load_encoder_folder(folder)
+        sizes = {ours: hf_config[theirs] for ours, theirs in data.HF_CONFIG_KEYS.items() if theirs in hf_config}
+        model = cls(dataclasses.replace(config or Config(), **sizes))
+        state = {data.from_hf_name(k): v for k, v in hf_state.items()}
+        ours = model.state_dict()
+        for name, tensor in state.items():
+            if name in ours and ours[name].shape != tensor.shape:
+                raise data.DataError(f"{folder}: {data.to_hf_name(name)} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(ours[name].shape)}")
+        state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
+        missing = [k for k in ours if k not in state]
+        if [k for k in missing if not k.startswith("mlm_head.")]:
+            raise data.DataError(f"{folder}: missing encoder weights, e.g. {data.to_hf_name(missing[0])}")
+        model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
+        model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
+        return model
+# --- shared: end encoder ---
+
+
 # --- shared: begin distributed ---
 def setup_distributed():
     """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
@@ -868,24 +887,25 @@ def average_across_ranks(values, device):
 # --- shared: end distributed ---
 
 
-# ==============================================================================================
-# Training loop
-# ==============================================================================================
-# --- shared: begin training helpers ---
+# --- shared: begin autocast ---
 def autocast_bf16(device, enabled=True):
     """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
     as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
     cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
     native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
+# --- shared: end autocast ---
 
 
-def make_optimizer(model, c):
-    """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0."""
+# --- shared: begin training helpers ---
+def make_optimizer(model, c, eps=1e-8):
+    """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
+    (COSTA and CPDAE say only "Adam with warm-up": weight decay and linear decay are BERT's and SEED's
+    recipe, kept for every method so that they differ only in their losses.) eps: Adam's epsilon."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=c.lr)
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=c.lr, eps=eps)
     warmup = max(1, int(c.warmup * c.steps))
     schedule = lambda step: min((step + 1) / warmup, max(0.0, (c.steps - step) / max(1, c.steps - warmup)))
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -958,13 +978,13 @@ def format_seconds(s):
 class Progress:
     """One line per log interval on rank 0 (step, losses, lr, tokens/s, ETA) and a JSONL log."""
 
-    def __init__(self, c, start_step, main):
-        self.c, self.main, self.start_step = c, main, start_step
+    def __init__(self, c, start_step, is_rank0):
+        self.c, self.is_rank0, self.start_step = c, is_rank0, start_step
         self.t0 = self.t_last = time.time()
         self.tokens = self.tokens_total = 0
         self.sums, self.count = {}, 0
         self.log_path = Path(c.out_dir) / "log.jsonl"
-        if main:
+        if is_rank0:
             keep_log_until(self.log_path, start_step)
 
     def add(self, metrics, n_tokens):
@@ -981,7 +1001,7 @@ class Progress:
         self.tokens_total += self.tokens * world
         done = step - self.start_step
         eta = (now - self.t0) / done * (self.c.steps - step)
-        if self.main:
+        if self.is_rank0:
             parts = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
             print(f"step {step:>6}/{self.c.steps} | {parts} | lr {lr:.2e} | {tok_per_s:,.0f} tok/s | "
                   f"elapsed {format_seconds(now - self.t0)} | eta {format_seconds(eta)}", flush=True)
@@ -997,318 +1017,35 @@ class Progress:
 # --- shared: end training helpers ---
 
 
-def stage_steps(c, n_examples, epochs, world):
-    """Optimizer steps of a stage: c.steps when set, else epochs over the training queries."""
-    if c.steps:
-        return c.steps
-    per_epoch = data.batches_per_epoch(n_examples, c.batch_size, world)
-    return max(1, round(epochs * per_epoch / c.grad_accum))
-
-
-def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epochs, main, step_offset=0):
-    """One fine-tuning stage on fixed negative pools; resumes from {out_dir}/{stage}/state.pt.
-    Returns the trained encoder (also saved in {out_dir}/{stage}/encoder), or None when halted
-    (--halt_at, counted from the first stage: step_offset = the steps of the stages before)."""
-    rank, world = rank_and_world()
-    sc = dataclasses.replace(c, out_dir=str(Path(c.out_dir) / stage),
-                             steps=stage_steps(c, len(examples), epochs, world))
-    if shared_decision(c.resume and (Path(sc.out_dir) / "done.json").is_file(), device):
-        if main:
-            print(f"{stage}: already finished, loading {Path(sc.out_dir) / 'encoder'}")
-        return load_encoder(Path(sc.out_dir) / "encoder", c).to(device)
-    model = BiEncoder(encoder, c.pooling, c.loss, c.similarity, c.tau).to(device)
-    optimizer, scheduler = make_optimizer(model, sc)
-    start_step = load_checkpoint(sc, model, optimizer, scheduler, main) if c.resume else 0
-    global_batch = c.batch_size * world
-    if main:
-        Path(sc.out_dir).mkdir(parents=True, exist_ok=True)
-        data.atomic_write_json(Path(sc.out_dir) / "config.json", dataclasses.asdict(sc))
-        pools = [len(ex.negatives) for ex in examples]
-        print(f"{stage}: {len(examples)} queries | {sc.steps} steps ({sc.steps * global_batch * c.grad_accum / len(examples):.1f} "
-              f"epochs) | global batch {global_batch} queries x (1 + {c.n_negatives}) passages | "
-              f"negative pools: median {int(np.median(pools))}, min {min(pools)}", flush=True)
-        print(f"{stage}: each query sees {global_batch * (1 + c.n_negatives) - 1} negatives: its {c.n_negatives} "
-              f"sampled + {(global_batch - 1) * (1 + c.n_negatives)} in-batch (known positives of the query "
-              f"are left out of the softmax)", flush=True)
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    loader = torch.utils.data.DataLoader(
-        TrainBatches(sc, examples, doc_texts, tokenizer, rank, world), batch_size=None, num_workers=c.workers,
-        sampler=range(start_step * c.grad_accum, sc.steps * c.grad_accum), generator=torch.Generator())
-    autocast = autocast_bf16(device, c.bf16)
-    progress = Progress(sc, start_step, main)
-    batches = iter(loader)
-    model.train()
-    for step in range(start_step + 1, sc.steps + 1):
-        for micro in range(c.grad_accum):
-            batch = next(batches)
-            n_tokens = int(batch["q_mask"].sum() + batch["p_mask"].sum())
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            last = micro == c.grad_accum - 1               # DDP all-reduces gradients only then
-            with autocast, (contextlib.nullcontext() if last or world == 1 else ddp.no_sync()):
-                loss, metrics = ddp(batch)
-                (loss / c.grad_accum).backward()
-            progress.add(metrics, n_tokens)
-        stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, sc)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % c.log_every == 0 or step == sc.steps:
-            progress.report(step, scheduler.get_last_lr()[0], device)
-        halt = c.halt_at == step_offset + step
-        if step % c.save_every == 0 or step == sc.steps or halt:
-            save_checkpoint(sc, model, optimizer, scheduler, step, main, tokenizer_vocab(c))
-        if halt:
-            if main:
-                print(f"{stage}: halted at step {step} (--halt_at {c.halt_at})")
-            return None
-    if main:
-        data.atomic_write_json(Path(sc.out_dir) / "done.json", {"steps": sc.steps})
-        print(f"{stage}: done: {progress.summary(device)}", flush=True)
-    barrier()
-    return model.encoder
-
-
-def barrier():
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def tokenizer_vocab(c):
-    """The init folder's vocab.txt when it has one (it matches the embedding), else c.vocab."""
-    own = Path(c.init) / "vocab.txt" if c.init else None
-    return str(own) if own and own.is_file() else c.vocab
-
-
-def train(c):
-    """Stage 1 (BM25 negatives), then c.rounds stages of mined hard negatives, then the evaluation."""
-    rank, world, device = setup_distributed()
-    main = rank == 0
-    torch.manual_seed(c.seed)
-    out = Path(c.out_dir)
-    if c.loss not in ("softmax", "hinge"):
-        raise data.DataError(f"--loss must be softmax or hinge, got {c.loss!r}")
-    check_run_folder(c, RUN_FILES)
-    init_name = c.init
-    c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
-    tokenizer = data.load_tokenizer(tokenizer_vocab(c))
-    corpus, queries, qrels = load_split(c, c.train_split, c.queries, c.qrels)
-    if evaluates(c):                            # a bad test file stops the run now, not after training
-        load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
-    doc_ids = list(corpus)
-    doc_index = {d: i for i, d in enumerate(doc_ids)}
-    doc_texts = [passage_text(corpus[d]) for d in doc_ids]
-    examples = make_examples(queries, qrels, doc_index, c.n_queries, c.seed)
-    encoder = load_encoder(c.init, c) if c.init else _random_encoder(c)
-    if encoder.config.vocab_size != tokenizer.get_vocab_size():
-        raise data.DataError(f"{tokenizer_vocab(c)}: {tokenizer.get_vocab_size()} entries but the encoder "
-                             f"has vocab_size {encoder.config.vocab_size}")
-    c = encoder.config                          # --init brings the checkpoint's model sizes
-    for flag in ("query_len", "passage_len"):
-        if getattr(c, flag) > c.max_position:
-            raise data.DataError(f"--{flag} {getattr(c, flag)} is more than the {c.max_position} positions of "
-                                 f"the model{f' {c.init}' if c.init else ''} (max_position)")
-    encoder = encoder.to(device)
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        data.remove_stale_temporaries(out)
-        if not c.resume:
-            clear_stale_outputs(out)
-        data.atomic_write_json(out / "config.json", dataclasses.asdict(c))
-        n_params = sum(p.numel() for p in encoder.parameters())
-        print(f"model: {init_name or 'random init'} ({n_params / 1e6:.1f}M parameters, {c.pooling} pooling, "
-              f"{c.similarity}{f' / tau {c.tau}' if c.similarity == 'cos' else ''}) | "
-              f"{world} process(es) on {device.type} | data: {len(doc_texts):,} passages, {len(examples)} "
-              f"training queries{f' (a sample, seed {c.seed})' if c.n_queries else ''}", flush=True)
-    examples = bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, out / "negatives_bm25.tsv", device, main)
-    encoder = train_stage(c, "stage1", encoder, examples, doc_texts, tokenizer, device, c.epochs, main)
-    offset = stage_steps(c, len(examples), c.epochs, world)
-    for r in range(1, c.rounds + 1):
-        if encoder is None:
-            break
-        examples = hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc_index,
-                                       out / f"negatives_round{r}.tsv", device, main)
-        encoder = train_stage(c, f"stage{r + 1}", encoder, examples, doc_texts, tokenizer, device, c.hard_epochs,
-                              main, offset)
-        offset += stage_steps(c, len(examples), c.hard_epochs, world)
-    if encoder is None:  # --halt_at
-        return None
-    if main:
-        save_encoder(encoder, out / "encoder", c, tokenizer_vocab(c))
-        print(f"fine-tuned encoder: {out / 'encoder'}", flush=True)
-    barrier()
-    results = None
-    if evaluates(c):
-        import evaluate  # here, not at the top: evaluate.py imports this file
-
-        corpus, queries, qrels = load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
-        results = evaluate.evaluate_encoder(encoder, c.pooling, tokenizer, corpus, queries, qrels,
-                                            out / f"eval-{c.eval_split}", c, device,
-                                            tag=f"finetune-{Path(c.init).parent.name if c.init else 'random'}")
-    return results
-
-
-def evaluates(c):
-    """Whether the run ends with an evaluation: an eval split, and its files when the corpus is explicit."""
-    return bool(c.eval_split and (not c.corpus or (c.eval_queries and c.eval_qrels)))
-
-
-# What shows that a folder holds a fine-tuning run (the pipeline adds pretrain/).
-RUN_FILES = ("config.json", "encoder", "stage1")
-
-
-def check_run_folder(c, names):
-    """Before any work: a fresh run into a folder holding a run needs --overwrite (--resume continues it)."""
-    held = [name for name in names if (Path(c.out_dir) / name).exists()]
-    if c.resume and c.overwrite:
-        raise data.DataError("--resume continues the run in out_dir and --overwrite replaces it: give one")
-    if held and not (c.resume or c.overwrite):
-        raise data.DataError(f"{c.out_dir} already holds a run ({', '.join(held)}); continue it with --resume "
-                             f"or replace it with --overwrite")
-
-
-def clear_stale_outputs(out):
-    """A fresh (not --resume) run must not mistake an older run's finished stages, checkpoints or mined
-    negatives for its own if it is resumed later: remove those (rank 0, before any use)."""
-    for path in [*out.glob("stage*/done.json"), *out.glob("stage*/state.pt"), *out.glob("negatives_*.tsv")]:
-        path.unlink()
-
-
-def _random_encoder(c):
-    encoder = Encoder(c)
-    encoder.mlm_head = None
-    return encoder
-
-
-# ==============================================================================================
-# Checkpoint
-# ==============================================================================================
-def save_encoder(encoder, folder, c, vocab):
-    """Hugging Face BERT folder plus retriever.json recording how to use it as a retriever (pooling,
-    similarity, lengths): evaluate.py reads it, so evaluating the folder repeats the fine-tuning's own
-    evaluation. The sentence-transformers files next to it make SentenceTransformer(folder) agree."""
-    encoder.save_pretrained(folder, vocab)
-    data.write_retriever_settings(folder, c.pooling, c.similarity, c.query_len, c.passage_len)
-
-
-def save_checkpoint(c, model, optimizer, scheduler, step, main, vocab):
-    """Rank 0 writes the encoder (Hugging Face folder) and the full training state for --resume."""
-    if main:
-        save_encoder(model.encoder, Path(c.out_dir) / "encoder", c, vocab)
-        data.save_training_state(Path(c.out_dir) / "state.pt", {
-            "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
-            "config": dataclasses.asdict(c)})
-    barrier()  # short: nobody races ahead of a checkpoint being written
-
-
-def load_checkpoint(c, model, optimizer, scheduler, main):
+# --- shared: begin resume ---
+def load_checkpoint(c, model, optimizer, scheduler, is_rank0):
+    """Restore out_dir/state.pt; returns the step to continue from (0 if there is none yet). Batches,
+    masks and dropout are functions of the step, so nothing else needs restoring. The flags in force
+    are today's; one that cannot change on resume stops the run (check_resume_flags)."""
     path = Path(c.out_dir) / "state.pt"
     if not path.is_file():
-        if main:
-            print(f"resume: no {path} yet, starting this stage from step 0")
+        if is_rank0:
+            print(f"resume: no {path} yet, starting from step 0")
         return 0
     state = data.load_training_state(path)
     changed = check_resume_flags(c, state["config"], path)
-    model.load_state_dict(state["model"])
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:     # same flags, other weights: a state.pt from an older layout of the model
+        raise data.DataError(f"{path}: its weights do not fit this model ({str(e).splitlines()[-1].strip()}); "
+                             f"start again with --overwrite") from None
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     apply_resume_flags(c, optimizer, scheduler)
-    torch.set_rng_state(state["torch_rng"])
-    if main:
+    if is_rank0:
         print(f"resume: {path} at step {state['step']}"
               + (f"; changed flags apply from now: {changed}" if changed else ""))
     return state["step"]
-
-
-# ==============================================================================================
-# Pipeline: pre-train, fine-tune, evaluate, compare with BM25
-# ==============================================================================================
-def pretrain(c):
-    """Continue pre-training c.init with {c.pretrain}.py (costa, seed or cpdae) on the fine-tuning
-    corpus (domain-adaptive, as the papers continue from BERT's checkpoint) into {out_dir}/pretrain;
-    returns its encoder folder. Skipped when a previous run finished it (done.json)."""
-    module = importlib.import_module(c.pretrain)
-    folder = Path(c.out_dir) / "pretrain"
-    corpus = c.corpus or str(data._find(c.data, "corpus.jsonl"))
-    pc = module.parse_config(["--init", c.init, "--corpus", corpus, "--lr", "5e-5", "--steps", str(c.pretrain_steps)]
-                             + shlex.split(c.pretrain_args) + ["--out_dir", str(folder), "--seed", str(c.seed)]
-                             + (["--resume"] if c.resume else []) + (["--overwrite"] if c.overwrite else []))
-    if not (c.resume and (folder / "done.json").is_file()):
-        if (folder / "done.json").is_file() and os.environ.get("RANK", "0") == "0":
-            (folder / "done.json").unlink()  # a fresh run: an older run's marker must not survive a crash
-        module.train(pc)
-        if rank_and_world()[0] == 0 and (folder / "encoder").is_dir():
-            data.atomic_write_json(folder / "done.json", {"method": c.pretrain, "steps": pc.steps})
-    elif rank_and_world()[0] == 0:
-        print(f"pretrain: already finished, using {folder / 'encoder'}")
-    return str(folder / "encoder")
-
-
-def evaluate_folder(c, folder, out_dir, tag):
-    """Evaluate a model folder as it is (zero-shot), with c's settings: (means, per_query)."""
-    import evaluate  # here, not at the top: evaluate.py imports this file
-
-    corpus, queries, qrels = load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
-    if (Path(out_dir) / "metrics.json").is_file() and c.resume:       # done before a crash: reuse it
-        return evaluate.compute_metrics(data.read_run(Path(out_dir) / "run.trec"), qrels)
-    encoder = load_encoder(folder, c)
-    return evaluate.evaluate_encoder(encoder, c.pooling, data.load_tokenizer(tokenizer_vocab(c)), corpus,
-                                     queries, qrels, out_dir, c, setup_distributed()[2], tag=tag)
-
-
-def pipeline(c):
-    """--pretrain METHOD, the quick start: from the starting checkpoint c.init,
-      1. evaluate it zero-shot;
-      2. continue pre-training it with METHOD on the corpus (pretrain_steps steps);
-      3. fine-tune that (BM25 negatives, then mined hard negatives) and evaluate it;
-      4. with --baseline, also fine-tune c.init without step 2, identically;
-    then print every row next to BM25 with paired two-tailed t-tests."""
-    import evaluate
-
-    t0 = time.time()
-    if c.pretrain not in ("costa", "seed", "cpdae"):
-        raise data.DataError(f"--pretrain must be costa, seed or cpdae, got {c.pretrain!r}")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # The pre-training script ends its process group; a second one in the same processes can meet
-        # the first one's stale rendezvous keys (gloo "connectFullMesh failed"), so refuse instead.
-        raise data.DataError(f"--pretrain runs the whole pipeline in one process; under torchrun run its steps: "
-                             f"torchrun ... {c.pretrain}.py --out_dir DIR, then torchrun ... finetune.py --init DIR/encoder")
-    if not c.eval_split:
-        raise data.DataError("--pretrain compares models on the evaluation split: give --eval_split")
-    check_run_folder(c, RUN_FILES + ("pretrain", "zero-shot", "no-pretrain"))  # before any work, not after it
-    out, name = Path(c.out_dir), Path(c.init).name if Path(c.init).is_dir() else c.init
-    c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
-    rows = {f"{name} zero-shot": evaluate_folder(c, c.init, out / f"zero-shot/eval-{c.eval_split}", f"{name}-zero-shot")}
-    if c.baseline:
-        rows[f"{name} + fine-tune"] = train(dataclasses.replace(c, out_dir=str(out / "no-pretrain")))
-    pretrained = pretrain(c)
-    rows[f"{name} + {c.pretrain} + fine-tune"] = train(dataclasses.replace(c, init=pretrained))
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    if any(r is None for r in rows.values()):  # halted
-        return
-    corpus, queries, qrels = load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
-    bm25_name = f"BM25 (k1={c.k1}, b={c.b})"
-    rows = {bm25_name: evaluate.evaluate_bm25(corpus, queries, qrels, out / f"eval-{c.eval_split}-bm25",
-                                              c.k1, c.b, verbose=False), **rows}
-    print()
-    print(evaluate.format_table(rows, title=f"{c.eval_split} split, {len(qrels)} queries", baseline=bm25_name))
-    print(evaluate.format_pairs(rows, list(rows)[1:]))
-    print(f"pipeline: {format_seconds(time.time() - t0)} in all; outputs in {c.out_dir}")
-
-
-def main(argv):
-    c = parse_config(argv)
-    if c.pretrain:
-        pipeline(c)
-        return
-    train(c)
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+# --- shared: end resume ---
 
 
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except data.DataError as e:
+    except ValueError as e:   # a bad flag (ValueError) or a bad input file (data.DataError, one too)
         sys.exit(f"error: {e}")

@@ -1,7 +1,8 @@
 """SEED-Encoder: pre-train a text encoder whose [CLS] vector must feed a weak decoder.
 
-Lu et al., EMNLP 2021 (papers/seed-encoder.md, section 3.4, eq. 9-10). One file, top to bottom: config,
-model, loss, data, distributed setup, training loop, checkpoint, and the Figure 5 diagnostic. It is
+Lu et al., EMNLP 2021 (arXiv:2102.09206, section 3.4, eq. 9-10). One file, top to bottom: config,
+model, loss, data, training loop, checkpoint, the Figure 5 diagnostic; then the blocks every method
+shares (the BERT encoder, distributed and training helpers). It is
 costa.py's MLM skeleton plus a weak decoder: `diff costa.py seed.py` shows exactly what SEED adds.
 
     python seed.py                                   # small model, bundled Wikipedia slice, CPU
@@ -17,7 +18,6 @@ lives only in {out_dir}/state.pt (the training state). To compare with an MLM-on
 """
 import contextlib
 import dataclasses
-import inspect
 import json
 import os
 import resource
@@ -64,9 +64,6 @@ class Config:
     warmup: float = 0.1           # fraction of steps of linear warm-up, then linear decay to 0
     clip: float = 1.0             # max gradient norm
     mask_prob: float = 0.15       # MLM: fraction of tokens chosen
-    # --- SEED-Encoder's weak decoder (section 3.4; Figure 3 ablations)
-    dec_layers: int = 3           # decoder Transformer blocks (paper: 3; Figure 3 also tries 1 and 5)
-    dec_span: int = 2             # self-attention span k of eq. 9 (paper: 2); 0 = full causal, the "strong decoder"
     seed: int = 0                 # model init, data order and masks
     bf16: bool = True             # bf16 autocast on GPU and on CPUs with native bf16 (AVX512-BF16, AMX)
     workers: int = 0              # data-loader worker processes building batches
@@ -78,6 +75,9 @@ class Config:
     overwrite: bool = False       # replace a run already in out_dir (without it or --resume: refused)
     halt_at: int = 0              # stop after this step as if killed (0 = never); to test --resume
     preset: str = ""              # "paper": BERT-base sizes and the paper's hyper-parameters
+    # --- SEED-Encoder's weak decoder (section 3.4; Figure 3 ablations)
+    dec_layers: int = 3           # decoder Transformer blocks (paper: 3; Figure 3 also tries 1 and 5)
+    dec_span: int = 2             # self-attention span k of eq. 9 (paper: 2); 0 = full causal, the "strong decoder"
     diagnose: str = ""            # encoder folder: print Figure 5's [CLS] cosine by length, then exit (no training)
 
 
@@ -85,7 +85,7 @@ class Config:
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=1e-4, warmup=0.01)
 
 
-# The domain of each numeric flag, checked by parse_config before any work.
+# The domain of each numeric flag, checked by data.parse_config before any work.
 FLAG_RULES = {
     "max_len": ">= 10",  # 8 tokens between [CLS] and [SEP]: shorter windows are dropped (data.make_windows)
     "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
@@ -97,63 +97,326 @@ FLAG_RULES = {
 }
 
 
-# --- shared: begin config parsing ---
-BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+# ==============================================================================================
+# Model
+# ==============================================================================================
+# (The BERT encoder itself, Encoder, is a shared block at the end of this file.)
 
 
-def parse_config(argv):
-    """Config from the command line: '--field value' for any field, '--flag' alone for a bool.
-    Every value is checked here, before any work: its type, its domain (FLAG_RULES) and the preset."""
-    if argv[:1] in (["-h"], ["--help"]):               # the docstring, then every field with its comment
-        try:
-            print(__doc__, inspect.getsource(Config), sep="\n", flush=True)
-        except BrokenPipeError:                         # `x.py --help | head` stopped reading: fine
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(0)
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    overrides, i = {}, 0
-    while i < len(argv):
-        name = argv[i].removeprefix("--").replace("-", "_")
-        if not argv[i].startswith("--") or name not in fields:
-            sys.exit(f"error: unknown argument {argv[i]!r}; fields are: {', '.join(fields)}")
-        kind = type(fields[name].default)
-        if kind is bool and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
-            overrides[name], i = True, i + 1
-            continue
-        if i + 1 == len(argv):
-            sys.exit(f"error: --{name} needs a value")
-        value = argv[i + 1]
-        if kind is bool and value.lower() not in BOOLEANS:
-            sys.exit(f"error: --{name} expects true or false (also 1/0, yes/no), got {value!r}")
-        try:
-            overrides[name] = BOOLEANS[value.lower()] if kind is bool else kind(value)
-        except ValueError:
-            sys.exit(f"error: --{name} expects {kind.__name__}, got {value!r}")
-        i += 2
-    if overrides.get("preset", "") not in ("", "paper"):
-        sys.exit(f"error: --preset must be paper (or empty), got {overrides['preset']!r}")
-    preset = PAPER_PRESET if overrides.get("preset") == "paper" else {}
-    c = Config(**{**preset, **overrides})
-    for name, rule in FLAG_RULES.items():
-        if not satisfies(getattr(c, name), rule):
-            sys.exit(f"error: --{name} must be {rule}, got {getattr(c, name)!r}")
-    return c
+def window_mask(length, k=2, device=None):
+    """The weak decoder's self-attention mask (eq. 9), True = may attend: query i sees keys
+    {0} U {i-k+1, ..., i}, i.e. itself, the k-1 previous positions and the start symbol at 0 (as the
+    authors' code does). k = 0, None or "full" gives the plain causal mask: Figure 3's "strong decoder".
+    Applied in every layer, so the receptive field grows with depth (3 layers, k = 2: 0 and i-3..i)."""
+    query = torch.arange(length, device=device)[:, None]                        # (L, 1)
+    key = torch.arange(length, device=device)[None, :]                          # (1, L)
+    causal = key <= query                                                       # (L, L)
+    if k in (0, None, "full"):
+        return causal
+    if int(k) < 1:
+        raise ValueError(f"span k must be >= 1, or 0 / None / 'full' for causal; got {k!r}")
+    return causal & ((key > query - int(k)) | (key == 0))                       # (L, L)
 
 
-def satisfies(value, rule):
-    """A FLAG_RULES rule: '> 0', '>= 1', '0 or >= 3', 'in [0, 1]' or 'in [0, 1)'. NaN satisfies none."""
-    if rule.startswith("0 or "):
-        return value == 0 or satisfies(value, rule.removeprefix("0 or "))
-    if rule.startswith("in "):
-        low, high = (float(x) for x in rule[4:-1].split(","))
-        return low <= value and (value <= high if rule.endswith("]") else value < high)
-    op, bound = rule.split()
-    return value >= float(bound) if op == ">=" else value > float(bound)
-# --- shared: end config parsing ---
+class DecoderBlock(nn.Module):
+    """Pre-LN block, as the authors' fairseq decoder (decoder_normalize_before=True): restricted
+    self-attention, cross-attention to the encoder's [CLS], GELU FFN, each x + f(LN(x)). The final
+    LayerNorm that pre-LN needs is WeakDecoder's."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.attn = SelfAttention(c)                  # the encoder's attention, given the window mask
+        self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        # Cross-attention to a memory of ONE vector, [CLS]: softmax over a single key is exactly 1, so
+        # every position receives out(value(h0)) whatever the query and key projections (those would
+        # only ever get zero gradient). We compute that directly (test_losses.py checks the equality),
+        # without the attention-probability dropout that would zero the single weight 10% of the time.
+        self.cross_value = nn.Linear(c.hidden_size, c.hidden_size)
+        self.cross_out = nn.Linear(c.hidden_size, c.hidden_size)
+        self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
+        self.ffn_out = nn.Linear(c.ffn_size, c.hidden_size)
+        self.ffn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+
+    def forward(self, x, h0, attend):                    # x (B, L, H); h0 (B, H); attend (L, L) bool
+        x = x + self.dropout(self.attn(self.attn_norm(x), attend))                       # (B, L, H)
+        cross = self.cross_out(self.cross_value(h0))[:, None, :].expand_as(x)            # (B, L, H)
+        x = x + self.dropout(cross)   # no LayerNorm here: it would only feed the query, which one key ignores
+        return x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(self.ffn_norm(x)))))     # (B, L, H)
+
+
+class WeakDecoder(nn.Module):
+    """SEED's weak decoder (section 3.4): `dec_layers` blocks with self-attention span `dec_span`;
+    its only view of the encoder is the last-layer [CLS] vector h0, in every block. It shares the
+    encoder's token embedding for its input and its output projection (as the authors do) and has
+    its own learned positions. Departure: its embedded input goes through a LayerNorm, as BERT's does
+    (fairseq's pre-LN decoder has none by default); kept for training stability at our small sizes.
+    Dropped after pre-training."""
+
+    def __init__(self, c, word_embedding):
+        super().__init__()
+        self.span = c.dec_span
+        self.position = nn.Embedding(c.max_position, c.hidden_size)
+        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
+        self.dropout = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(DecoderBlock(c) for _ in range(c.dec_layers))
+        self.final_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)   # pre-LN's last LayerNorm
+        self.word_embedding = [word_embedding]  # a list, so the tied matrix is not registered twice
+        self.apply(Encoder._init_weights)
+
+    def embed(self, input_ids):                                                 # (B, L)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
+        x = self.word_embedding[0](input_ids) + self.position(positions)        # (B, L, H)
+        return self.dropout(self.norm(x))
+
+    def decode(self, x, h0):                                 # x (B, L, H) embedded input; h0 (B, H)
+        attend = window_mask(x.shape[1], self.span, x.device)                   # (L, L)
+        for block in self.blocks:
+            x = block(x, h0, attend)
+        return self.final_norm(x)                                               # (B, L, H)
+
+    def forward(self, input_ids, encoder_hidden):     # (B, L) shifted-right text; (B, L_enc, H)
+        return self.decode(self.embed(input_ids), encoder_hidden[:, 0])  # [CLS] is the only bridge
+
+    def logits(self, hidden):                                                   # (N, H)
+        """Projection on the shared embedding, in fp32 even under autocast (it feeds the loss)."""
+        with torch.autocast(hidden.device.type, enabled=False):
+            return hidden.float() @ self.word_embedding[0].weight.float().T    # (N, V)
 
 
 # ==============================================================================================
-# Model
+# Loss
+# ==============================================================================================
+# --- shared: begin mlm loss ---
+def mlm_loss(hidden, labels, head):
+    """Masked language modelling, the loss every method shares (BERT's; COSTA eq. 9, CPDAE eq. 6's
+    L_MLM, SEED eq. 10's L_MLM):
+
+        L_MLM = -1/|m(x)| * sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = masked positions
+
+    The papers write a sum; we take the mean over the masked tokens, as BERT's and SEED's code do, so
+    that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
+    positions go through `head` (the vocabulary projection is most of the cost). hidden (B, L, H),
+    labels (B, L) with -100 where nothing is predicted, head: MLMHead. Returns (loss, n_correct,
+    n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
+    chosen = labels != -100                                     # (B, L)
+    if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
+        return head(hidden[:1, 0]).sum() * 0.0, 0, 0
+    logits = head(hidden[chosen]).float()                       # (M, V) fp32 for the softmax
+    targets = labels[chosen]                                    # (M,)
+    n_correct = (logits.argmax(-1) == targets).sum()            # () a tensor: no GPU sync here
+    return F.cross_entropy(logits, targets), n_correct, targets.numel()
+# --- shared: end mlm loss ---
+
+
+def decoder_loss(logits, targets, ignore_index=-100):
+    """Weak-decoder reconstruction loss, eq. 9: -log P(x_t | x_{t-k..t-1}, h0), over every target
+    token. Eq. 9 sums over t; we take the mean over the batch's tokens (as the authors' code does),
+    so the loss does not grow with text length. fp32. logits (B, L, V) or (N, V); targets (B, L) or (N,)."""
+    logits = logits.float().reshape(-1, logits.shape[-1])                       # (B*L, V)
+    return F.cross_entropy(logits, targets.reshape(-1), ignore_index=ignore_index)  # (), mean over tokens
+
+
+# The pre-training objective (eq. 10), built from the model pieces and the losses above.
+class PretrainModel(nn.Module):
+    """The encoder plus what pre-training adds on top of it. Returns the loss and what to log."""
+
+    def __init__(self, c, encoder):
+        super().__init__()
+        self.config, self.encoder = c, encoder
+        self.decoder = WeakDecoder(c, encoder.embeddings.word)
+
+    def forward(self, batch):
+        hidden = self.encoder(batch["input_ids"], batch["attention_mask"])       # (B, L, H) masked text
+        mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)
+        states = self.decoder(batch["decoder_input"], hidden)                    # (B, L-1, H)
+        kept = batch["decoder_targets"] != -100                                  # (B, L-1) every real token
+        logits = self.decoder.logits(states[kept])                               # (N, V) fp32
+        targets = batch["decoder_targets"][kept]                                 # (N,)
+        dec = decoder_loss(logits, targets)
+        dec_correct = (logits.argmax(-1) == targets).sum()
+        # Eq. 10, weights 1/1. The authors' 0.5/0.5 only halves the gradient: AdamW's update is
+        # unchanged by that (up to eps), the clip norm (1.0) just binds later.
+        return mlm + dec, {"mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
+                           "dec": dec.detach(), "dec_acc": dec_correct / max(targets.numel(), 1)}
+
+
+# ==============================================================================================
+# Data
+# ==============================================================================================
+class Batches(torch.utils.data.Dataset):
+    """Item m is this rank's batch at micro-step m: a pure function of (seed, rank, m), so data-loader
+    workers can build batches ahead on the CPU and a resumed run sees exactly the same batches."""
+
+    def __init__(self, c, windows, special, rank, world):
+        self.c, self.windows, self.special, self.rank, self.world = c, windows, special, rank, world
+
+    def __len__(self):
+        return self.c.steps * self.c.grad_accum
+
+    def __getitem__(self, micro_step):
+        c = self.c
+        rows = data.batch_indices(len(self.windows), c.batch_size, self.rank, self.world, c.seed, micro_step)
+        generator = data.batch_generator(c.seed, self.rank, micro_step)
+        ids, attention_mask = data.pad_batch([self.windows[i].input_ids for i in rows])   # (B, L)
+        maskable = attention_mask.bool() & (ids != self.special["cls"]) & (ids != self.special["sep"])
+        masked, labels = data.mask_tokens(ids, maskable, c.vocab_size, self.special["mask"],
+                                          generator, c.mask_prob)
+        decoder_input, decoder_targets = decoder_inputs_and_targets(ids, attention_mask)  # unmasked text
+        return {"input_ids": masked, "attention_mask": attention_mask, "labels": labels,
+                "decoder_input": decoder_input, "decoder_targets": decoder_targets}
+
+
+def decoder_inputs_and_targets(input_ids, attention_mask, ignore_index=-100):
+    """`[CLS] x1..xn [SEP] [PAD]..` (unmasked) -> the decoder's input `[CLS] x1..xn`, the text shifted
+    right with [CLS] as start symbol, and its target `x1..xn [SEP]`; padding targets = ignore_index.
+    A shorter row's input keeps its [SEP]/[PAD] tail: the mask is causal, so no real position sees it."""
+    decoder_input = input_ids[:, :-1]                                                 # (B, L-1)
+    targets = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, ignore_index)  # (B, L-1)
+    return decoder_input, targets
+
+
+def load_windows(c, is_rank0):
+    tokenizer = data.load_tokenizer(c.vocab)        # (resolve_vocab checked its size)
+    t0 = time.time()
+    windows = data.make_windows(tokenizer, data.read_pretraining_texts(c.corpus), c.max_len)
+    if is_rank0:
+        n_tokens = sum(len(w.input_ids) for w in windows)
+        print(f"data: {c.corpus}: {len(windows):,} windows, {n_tokens:,} tokens ({time.time() - t0:.1f}s)")
+    return windows, data.special_ids(tokenizer)
+
+
+# ==============================================================================================
+# Training loop
+# ==============================================================================================
+
+
+def train(c):
+    rank, world, device = setup_distributed()
+    is_rank0 = rank == 0
+    torch.manual_seed(c.seed)
+    c = dataclasses.replace(c, init=data.resolve_model(c.init))   # 'minilm' or a hub id -> a local folder
+    check_run_folder(c)                             # before any work: a run folder is never overwritten silently
+    encoder = Encoder.from_pretrained(c.init, c) if c.init else Encoder(c)
+    c = resolve_vocab(encoder.config)               # --init brings the checkpoint's model sizes and vocab
+    if is_rank0 and getattr(encoder, "new_mlm_head", False):
+        print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
+    windows, special = load_windows(c, is_rank0)
+    model = PretrainModel(c, encoder).to(device)
+    optimizer, scheduler = make_optimizer(model, c, eps=1e-6)        # SEED 4.1: Adam epsilon 1e-6
+    start_step = load_checkpoint(c, model, optimizer, scheduler, is_rank0) if c.resume else 0
+    if is_rank0:
+        prepare_run_folder(c)
+        data.atomic_write_json(Path(c.out_dir) / "config.json", dataclasses.asdict(c))
+        n_params = sum(p.numel() for p in model.parameters())
+        left_out = len(windows) % (c.batch_size * world)
+        print(f"model: {n_params / 1e6:.1f}M parameters | {world} process(es) on {device.type} | "
+              f"global batch {c.batch_size * world * c.grad_accum} | {left_out} windows sit out each epoch")
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    loader = torch.utils.data.DataLoader(
+        Batches(c, windows, special, rank, world), batch_size=None, num_workers=c.workers,
+        sampler=range(start_step * c.grad_accum, c.steps * c.grad_accum),
+        generator=torch.Generator())  # its own generator: the global RNG (dropout) resumes exactly
+    autocast = autocast_bf16(device, c.bf16)
+    progress = Progress(c, start_step, is_rank0)
+    batches = iter(loader)
+    for step in range(start_step + 1, c.steps + 1):
+        for micro in range(c.grad_accum):
+            micro_step = (step - 1) * c.grad_accum + micro
+            batch = next(batches)
+            progress_tokens = int(batch["attention_mask"].sum())
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            # dropout, like the batch, is a function of the step: resume is exact without saving RNG state
+            torch.manual_seed(data.step_seed(c.seed, rank, micro_step))
+            last = micro == c.grad_accum - 1
+            with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
+                with autocast:
+                    loss, metrics = ddp(batch)
+                (loss / c.grad_accum).backward()
+            progress.add(metrics, progress_tokens)
+        stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, c)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % c.log_every == 0 or step == c.steps:
+            progress.report(step, scheduler.get_last_lr()[0], device)
+        if step % c.save_every == 0 or step == c.steps or step == c.halt_at:
+            save_checkpoint(c, model, optimizer, scheduler, step, is_rank0)
+        if step == c.halt_at:
+            break
+    if is_rank0:
+        print(f"done: {progress.summary(device)}; encoder in {Path(c.out_dir) / 'encoder'}")
+    if world > 1:
+        dist.destroy_process_group()
+
+
+# ==============================================================================================
+# Checkpoint
+# ==============================================================================================
+def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0):
+    """Rank 0 writes the encoder (Hugging Face folder, for fine-tuning) and the full training state
+    (every module, the decoder included, optimizer, scheduler) for --resume (batches, masks and
+    dropout are functions of the step: no RNG state is saved). Each file is written atomically."""
+    if is_rank0:
+        model.encoder.save_pretrained(Path(c.out_dir) / "encoder", c.vocab)
+        data.save_training_state(Path(c.out_dir) / "state.pt", {
+            "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "config": dataclasses.asdict(c)})
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()   # short: nobody races ahead of a checkpoint being written
+
+
+# ==============================================================================================
+# Diagnostic: Figure 5
+# ==============================================================================================
+@torch.no_grad()
+def cls_similarity_by_length(encoder, tokenizer, texts, lengths=(32, 64, 128, 256, 512), n_pairs=200, seed=0,
+                             batch_size=16):
+    """Section 4.6.2 / Figure 5: mean cosine similarity of the [CLS] vectors of random pairs of
+    different texts, each cut to exactly `length` tokens ([CLS] + length-2 pieces + [SEP]). A
+    collapsed encoder (Optimus in Figure 1b) gives values near 1 for long texts. Returns {length: cos}.
+    Only texts with >= length-2 pieces take part at a length; a length with < 2 of them is left out."""
+    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    pieces = [e.ids for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+    device, was_training = next(encoder.parameters()).device, encoder.training
+    encoder.eval()
+    generator = torch.Generator().manual_seed(seed)
+    result = {}
+    for length in lengths:
+        eligible = [ids for ids in pieces if len(ids) >= length - 2]
+        if len(eligible) < 2:
+            continue
+        first = torch.randint(len(eligible), (n_pairs,), generator=generator)            # (P,)
+        second = (first + torch.randint(1, len(eligible), (n_pairs,), generator=generator)) % len(eligible)
+        used = torch.cat([first, second]).unique()                                       # (U,) sorted
+        rows = torch.tensor([[cls_id] + eligible[i][:length - 2] + [sep_id] for i in used.tolist()])  # (U, len)
+        vectors = torch.cat([encoder(chunk.to(device), torch.ones_like(chunk, device=device))[:, 0].float().cpu()
+                             for chunk in rows.split(batch_size)])                       # (U, H)
+        a, b = vectors[torch.searchsorted(used, first)], vectors[torch.searchsorted(used, second)]  # (P, H)
+        result[length] = F.cosine_similarity(a, b, dim=-1).mean().item()
+    encoder.train(was_training)
+    return result
+
+
+def diagnose(c):
+    """`python seed.py --diagnose FOLDER`: Figure 5 for an exported encoder on texts of c.corpus,
+    lengths 32, 64, ... up to --max_len (default 128, the small model's training length)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    encoder = Encoder.from_pretrained(c.diagnose, c).to(device)
+    lengths = [n for n in (32, 64, 128, 256, 512) if n <= min(c.max_len, encoder.config.max_position)]
+    texts = data.read_pretraining_texts(c.corpus)
+    n_pairs = 200
+    result = cls_similarity_by_length(encoder, data.load_tokenizer(c.vocab), texts, lengths, n_pairs, c.seed)
+    print(f"{c.diagnose}: mean cosine of [CLS] vectors of {n_pairs} random text pairs (seed {c.seed})")
+    for length, cosine in result.items():
+        print(f"  length {length:>4}: {cosine:.3f}")
+
+
+# ==============================================================================================
+# Shared blocks, below the method: the BERT encoder, distributed helpers, bf16 autocast, training
+# helpers, resume and run setup. Byte-identical in every file that has them (a test checks, and
+# `diff costa.py cpdae.py` skips them): read them once, in costa.py.
 # ==============================================================================================
 # --- shared: begin encoder ---
 class Embeddings(nn.Module):
@@ -225,41 +488,6 @@ class MLMHead(nn.Module):
         return h @ self.word_embedding[0].weight.T + self.bias                   # (M, V)
 
 
-# Our parameter names -> Hugging Face BertForMaskedLM names (both directions use this table).
-HF_NAMES = [("embeddings.word.", "bert.embeddings.word_embeddings."),
-            ("embeddings.position.", "bert.embeddings.position_embeddings."),
-            ("embeddings.token_type.", "bert.embeddings.token_type_embeddings."),
-            ("embeddings.norm.", "bert.embeddings.LayerNorm."),
-            ("attn.query.", "attention.self.query."), ("attn.key.", "attention.self.key."),
-            ("attn.value.", "attention.self.value."), ("attn.out.", "attention.output.dense."),
-            ("attn_norm.", "attention.output.LayerNorm."), ("ffn_in.", "intermediate.dense."),
-            ("ffn_out.", "output.dense."), ("ffn_norm.", "output.LayerNorm."),
-            ("blocks.", "bert.encoder.layer."),
-            ("mlm_head.dense.", "cls.predictions.transform.dense."),
-            ("mlm_head.norm.", "cls.predictions.transform.LayerNorm."),
-            ("mlm_head.bias", "cls.predictions.bias")]
-HF_CONFIG_KEYS = dict(vocab_size="vocab_size", hidden_size="hidden_size", num_layers="num_hidden_layers",
-                      num_heads="num_attention_heads", ffn_size="intermediate_size",
-                      max_position="max_position_embeddings", type_vocab_size="type_vocab_size",
-                      dropout="hidden_dropout_prob", layer_norm_eps="layer_norm_eps")
-
-
-def to_hf_name(name):
-    for ours, theirs in HF_NAMES:
-        name = name.replace(ours, theirs)
-    return name
-
-
-def from_hf_name(name):
-    """Accepts 'bert.'-prefixed or bare names and the old LayerNorm gamma/beta spelling."""
-    name = name.removeprefix("bert.").replace("LayerNorm.gamma", "LayerNorm.weight")
-    name = name.replace("LayerNorm.beta", "LayerNorm.bias")
-    name = name if name.startswith("cls.") else "bert." + name
-    for ours, theirs in HF_NAMES:           # this order: "attention.output.dense" before "output.dense"
-        name = name.replace(theirs, ours)
-    return name
-
-
 class Encoder(nn.Module):
     """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
     forward returns the last hidden states; the text vector is position 0 ([CLS])."""
@@ -287,27 +515,15 @@ class Encoder(nn.Module):
             x = block(x, attend)
         return x                                                    # (B, L, H)
 
-    def mlm_loss(self, hidden, labels):
-        """Eq. 9 of COSTA / BERT's MLM: mean cross-entropy over the masked positions only (the
-        vocabulary projection is most of the cost). Returns (loss, n_correct, n_masked). Under torchrun
-        the mean is over this rank's masked tokens and DDP averages the ranks, as BERT's code does."""
-        chosen = labels != -100                                     # (B, L)
-        if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
-            return self.mlm_head(hidden[:1, 0]).sum() * 0.0, 0, 0
-        logits = self.mlm_head(hidden[chosen]).float()              # (M, V)
-        targets = labels[chosen]                                    # (M,)
-        n_correct = (logits.argmax(-1) == targets).sum()            # a tensor: no GPU sync here
-        return F.cross_entropy(logits, targets), n_correct, targets.numel()
-
     def hf_config(self):
-        c = {theirs: getattr(self.config, ours) for ours, theirs in HF_CONFIG_KEYS.items()}
+        c = {theirs: getattr(self.config, ours) for ours, theirs in data.HF_CONFIG_KEYS.items()}
         return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
                 "attention_probs_dropout_prob": self.config.dropout, "initializer_range": 0.02,
                 "pad_token_id": 0, "position_embedding_type": "absolute", **c}
 
     def save_pretrained(self, folder, vocab=data.VOCAB):
         """Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
-        state = {to_hf_name(k): v for k, v in self.state_dict().items()}
+        state = {data.to_hf_name(k): v for k, v in self.state_dict().items()}
         data.save_encoder_folder(folder, state, self.hf_config(), vocab)
 
     @classmethod
@@ -315,184 +531,24 @@ class Encoder(nn.Module):
         """Load a Hugging Face BERT folder (ours, or e.g. bert-base-uncased downloaded by the user).
         config: a Config whose model fields are replaced by the folder's config.json."""
         hf_config, hf_state = data.load_encoder_folder(folder)
-        sizes = {ours: hf_config[theirs] for ours, theirs in HF_CONFIG_KEYS.items() if theirs in hf_config}
+        sizes = {ours: hf_config[theirs] for ours, theirs in data.HF_CONFIG_KEYS.items() if theirs in hf_config}
         model = cls(dataclasses.replace(config or Config(), **sizes))
-        state = {from_hf_name(k): v for k, v in hf_state.items()}
+        state = {data.from_hf_name(k): v for k, v in hf_state.items()}
         ours = model.state_dict()
         for name, tensor in state.items():
             if name in ours and ours[name].shape != tensor.shape:
-                raise data.DataError(f"{folder}: {to_hf_name(name)} has shape {tuple(tensor.shape)}, "
+                raise data.DataError(f"{folder}: {data.to_hf_name(name)} has shape {tuple(tensor.shape)}, "
                                      f"the model expects {tuple(ours[name].shape)}")
         state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
         missing = [k for k in ours if k not in state]
         if [k for k in missing if not k.startswith("mlm_head.")]:
-            raise data.DataError(f"{folder}: missing encoder weights, e.g. {to_hf_name(missing[0])}")
+            raise data.DataError(f"{folder}: missing encoder weights, e.g. {data.to_hf_name(missing[0])}")
         model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
         model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
         return model
 # --- shared: end encoder ---
 
 
-def window_mask(length, k=2, device=None):
-    """The weak decoder's self-attention mask (eq. 9), True = may attend: query i sees keys
-    {0} U {i-k+1, ..., i}, i.e. itself, the k-1 previous positions and the start symbol at 0 (as the
-    authors' code does). k = 0, None or "full" gives the plain causal mask: Figure 3's "strong decoder".
-    Applied in every layer, so the receptive field grows with depth (3 layers, k = 2: 0 and i-3..i)."""
-    query = torch.arange(length, device=device)[:, None]                        # (L, 1)
-    key = torch.arange(length, device=device)[None, :]                          # (1, L)
-    causal = key <= query                                                       # (L, L)
-    if k in (0, None, "full"):
-        return causal
-    if int(k) < 1:
-        raise ValueError(f"span k must be >= 1, or 0 / None / 'full' for causal; got {k!r}")
-    return causal & ((key > query - int(k)) | (key == 0))                       # (L, L)
-
-
-class DecoderBlock(nn.Module):
-    """Post-LN block: restricted self-attention, cross-attention to the encoder's [CLS], GELU FFN."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.attn = SelfAttention(c)                  # the encoder's attention, given the window mask
-        self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        # Cross-attention to a memory of ONE vector, [CLS]: softmax over a single key is exactly 1, so
-        # every position receives out(value(h0)) whatever the query and key projections (those would
-        # only ever get zero gradient). We compute that directly (test_losses.py checks the equality),
-        # without the attention-probability dropout that would zero the single weight 10% of the time.
-        self.cross_value = nn.Linear(c.hidden_size, c.hidden_size)
-        self.cross_out = nn.Linear(c.hidden_size, c.hidden_size)
-        self.cross_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
-        self.ffn_out = nn.Linear(c.ffn_size, c.hidden_size)
-        self.ffn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.dropout = nn.Dropout(c.dropout)
-
-    def forward(self, x, h0, attend):                    # x (B, L, H); h0 (B, H); attend (L, L) bool
-        x = self.attn_norm(x + self.dropout(self.attn(x, attend)))                       # (B, L, H)
-        cross = self.cross_out(self.cross_value(h0))[:, None, :].expand_as(x)            # (B, L, H)
-        x = self.cross_norm(x + self.dropout(cross))
-        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))     # (B, L, H)
-
-
-class WeakDecoder(nn.Module):
-    """SEED's weak decoder (section 3.4): `dec_layers` blocks with self-attention span `dec_span`;
-    its only view of the encoder is the last-layer [CLS] vector h0, in every block. It shares the
-    encoder's token embedding for its input and its output projection (as the authors do) and has
-    its own learned positions. Dropped after pre-training."""
-
-    def __init__(self, c, word_embedding):
-        super().__init__()
-        self.span = c.dec_span
-        self.position = nn.Embedding(c.max_position, c.hidden_size)
-        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.dropout = nn.Dropout(c.dropout)
-        self.blocks = nn.ModuleList(DecoderBlock(c) for _ in range(c.dec_layers))
-        self.word_embedding = [word_embedding]  # a list, so the tied matrix is not registered twice
-        self.apply(Encoder._init_weights)
-
-    def embed(self, input_ids):                                                 # (B, L)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
-        x = self.word_embedding[0](input_ids) + self.position(positions)        # (B, L, H)
-        return self.dropout(self.norm(x))
-
-    def decode(self, x, h0):                                 # x (B, L, H) embedded input; h0 (B, H)
-        attend = window_mask(x.shape[1], self.span, x.device)                   # (L, L)
-        for block in self.blocks:
-            x = block(x, h0, attend)
-        return x                                                                # (B, L, H)
-
-    def forward(self, input_ids, encoder_hidden):     # (B, L) shifted-right text; (B, L_enc, H)
-        return self.decode(self.embed(input_ids), encoder_hidden[:, 0])  # [CLS] is the only bridge
-
-    def logits(self, hidden):                                                   # (N, H)
-        """Projection on the shared embedding, in fp32 even under autocast (it feeds the loss)."""
-        with torch.autocast(hidden.device.type, enabled=False):
-            return hidden.float() @ self.word_embedding[0].weight.float().T    # (N, V)
-
-
-class PretrainModel(nn.Module):
-    """The encoder plus what pre-training adds on top of it. Returns the loss and what to log."""
-
-    def __init__(self, c, encoder):
-        super().__init__()
-        self.config, self.encoder = c, encoder
-        self.decoder = WeakDecoder(c, encoder.embeddings.word)
-
-    def forward(self, batch):
-        hidden = self.encoder(batch["input_ids"], batch["attention_mask"])       # (B, L, H) masked text
-        mlm, n_correct, n_masked = self.encoder.mlm_loss(hidden, batch["labels"])
-        states = self.decoder(batch["decoder_input"], hidden)                    # (B, L-1, H)
-        kept = batch["decoder_targets"] != -100                                  # (B, L-1) every real token
-        logits = self.decoder.logits(states[kept])                               # (N, V) fp32
-        targets = batch["decoder_targets"][kept]                                 # (N,)
-        dec = decoder_loss(logits, targets)
-        dec_correct = (logits.argmax(-1) == targets).sum()
-        # Eq. 10, weights 1/1. The authors' 0.5/0.5 only halves the gradient: AdamW's update is
-        # unchanged by that (up to eps), the clip norm (1.0) just binds later.
-        return mlm + dec, {"mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
-                           "dec": dec.detach(), "dec_acc": dec_correct / max(targets.numel(), 1)}
-
-
-# ==============================================================================================
-# Loss
-# ==============================================================================================
-# The MLM loss is Encoder.mlm_loss above.
-def decoder_loss(logits, targets, ignore_index=-100):
-    """Weak-decoder reconstruction loss, eq. 9: -log P(x_t | x_{t-k..t-1}, h0), over every target
-    token. Eq. 9 sums over t; we take the mean over the batch's tokens (as the authors' code does),
-    so the loss does not grow with text length. fp32. logits (B, L, V) or (N, V); targets (B, L) or (N,)."""
-    logits = logits.float().reshape(-1, logits.shape[-1])                       # (B*L, V)
-    return F.cross_entropy(logits, targets.reshape(-1), ignore_index=ignore_index)  # (), mean over tokens
-
-
-# ==============================================================================================
-# Data
-# ==============================================================================================
-class Batches(torch.utils.data.Dataset):
-    """Item m is this rank's batch at micro-step m: a pure function of (seed, rank, m), so data-loader
-    workers can build batches ahead on the CPU and a resumed run sees exactly the same batches."""
-
-    def __init__(self, c, windows, special, rank, world):
-        self.c, self.windows, self.special, self.rank, self.world = c, windows, special, rank, world
-
-    def __len__(self):
-        return self.c.steps * self.c.grad_accum
-
-    def __getitem__(self, micro_step):
-        c = self.c
-        rows = data.batch_indices(len(self.windows), c.batch_size, self.rank, self.world, c.seed, micro_step)
-        generator = data.batch_generator(c.seed, self.rank, micro_step)
-        ids, attention_mask = data.pad_batch([self.windows[i].input_ids for i in rows])   # (B, L)
-        maskable = attention_mask.bool() & (ids != self.special["cls"]) & (ids != self.special["sep"])
-        masked, labels = data.mask_tokens(ids, maskable, c.vocab_size, self.special["mask"],
-                                          generator, c.mask_prob)
-        decoder_input, decoder_targets = decoder_inputs_and_targets(ids, attention_mask)  # unmasked text
-        return {"input_ids": masked, "attention_mask": attention_mask, "labels": labels,
-                "decoder_input": decoder_input, "decoder_targets": decoder_targets}
-
-
-def decoder_inputs_and_targets(input_ids, attention_mask, ignore_index=-100):
-    """`[CLS] x1..xn [SEP] [PAD]..` (unmasked) -> the decoder's input `[CLS] x1..xn`, the text shifted
-    right with [CLS] as start symbol, and its target `x1..xn [SEP]`; padding targets = ignore_index.
-    A shorter row's input keeps its [SEP]/[PAD] tail: the mask is causal, so no real position sees it."""
-    decoder_input = input_ids[:, :-1]                                                 # (B, L-1)
-    targets = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, ignore_index)  # (B, L-1)
-    return decoder_input, targets
-
-
-def load_windows(c, main):
-    tokenizer = data.load_tokenizer(c.vocab)        # (resolve_vocab checked its size)
-    t0 = time.time()
-    windows = data.make_windows(tokenizer, data.read_pretraining_texts(c.corpus), c.max_len)
-    if main:
-        n_tokens = sum(len(w.input_ids) for w in windows)
-        print(f"data: {c.corpus}: {len(windows):,} windows, {n_tokens:,} tokens ({time.time() - t0:.1f}s)")
-    return windows, data.special_ids(tokenizer)
-
-
-# ==============================================================================================
-# Distributed setup
-# ==============================================================================================
 # --- shared: begin distributed ---
 def setup_distributed():
     """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
@@ -550,24 +606,25 @@ def average_across_ranks(values, device):
 # --- shared: end distributed ---
 
 
-# ==============================================================================================
-# Training loop
-# ==============================================================================================
-# --- shared: begin training helpers ---
+# --- shared: begin autocast ---
 def autocast_bf16(device, enabled=True):
     """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
     as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
     cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
     native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
+# --- shared: end autocast ---
 
 
-def make_optimizer(model, c):
-    """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0."""
+# --- shared: begin training helpers ---
+def make_optimizer(model, c, eps=1e-8):
+    """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
+    (COSTA and CPDAE say only "Adam with warm-up": weight decay and linear decay are BERT's and SEED's
+    recipe, kept for every method so that they differ only in their losses.) eps: Adam's epsilon."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=c.lr)
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=c.lr, eps=eps)
     warmup = max(1, int(c.warmup * c.steps))
     schedule = lambda step: min((step + 1) / warmup, max(0.0, (c.steps - step) / max(1, c.steps - warmup)))
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -640,13 +697,13 @@ def format_seconds(s):
 class Progress:
     """One line per log interval on rank 0 (step, losses, lr, tokens/s, ETA) and a JSONL log."""
 
-    def __init__(self, c, start_step, main):
-        self.c, self.main, self.start_step = c, main, start_step
+    def __init__(self, c, start_step, is_rank0):
+        self.c, self.is_rank0, self.start_step = c, is_rank0, start_step
         self.t0 = self.t_last = time.time()
         self.tokens = self.tokens_total = 0
         self.sums, self.count = {}, 0
         self.log_path = Path(c.out_dir) / "log.jsonl"
-        if main:
+        if is_rank0:
             keep_log_until(self.log_path, start_step)
 
     def add(self, metrics, n_tokens):
@@ -663,7 +720,7 @@ class Progress:
         self.tokens_total += self.tokens * world
         done = step - self.start_step
         eta = (now - self.t0) / done * (self.c.steps - step)
-        if self.main:
+        if self.is_rank0:
             parts = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
             print(f"step {step:>6}/{self.c.steps} | {parts} | lr {lr:.2e} | {tok_per_s:,.0f} tok/s | "
                   f"elapsed {format_seconds(now - self.t0)} | eta {format_seconds(eta)}", flush=True)
@@ -679,98 +736,27 @@ class Progress:
 # --- shared: end training helpers ---
 
 
-def train(c):
-    rank, world, device = setup_distributed()
-    main = rank == 0
-    torch.manual_seed(c.seed)
-    c = dataclasses.replace(c, init=data.resolve_model(c.init))   # 'minilm' or a hub id -> a local folder
-    check_run_folder(c)                             # before any work: a run folder is never overwritten silently
-    encoder = Encoder.from_pretrained(c.init, c) if c.init else Encoder(c)
-    c = resolve_vocab(encoder.config)               # --init brings the checkpoint's model sizes and vocab
-    if main and getattr(encoder, "new_mlm_head", False):
-        print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
-    windows, special = load_windows(c, main)
-    model = PretrainModel(c, encoder).to(device)
-    optimizer, scheduler = make_optimizer(model, c)
-    start_step = load_checkpoint(c, model, optimizer, scheduler, main) if c.resume else 0
-    if main:
-        prepare_run_folder(c)
-        data.atomic_write_json(Path(c.out_dir) / "config.json", dataclasses.asdict(c))
-        n_params = sum(p.numel() for p in model.parameters())
-        left_out = len(windows) % (c.batch_size * world)
-        print(f"model: {n_params / 1e6:.1f}M parameters | {world} process(es) on {device.type} | "
-              f"global batch {c.batch_size * world * c.grad_accum} | {left_out} windows sit out each epoch")
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    loader = torch.utils.data.DataLoader(
-        Batches(c, windows, special, rank, world), batch_size=None, num_workers=c.workers,
-        sampler=range(start_step * c.grad_accum, c.steps * c.grad_accum),
-        generator=torch.Generator())  # its own generator: the global RNG (dropout) resumes exactly
-    autocast = autocast_bf16(device, c.bf16)
-    progress = Progress(c, start_step, main)
-    batches = iter(loader)
-    for step in range(start_step + 1, c.steps + 1):
-        for micro in range(c.grad_accum):
-            micro_step = (step - 1) * c.grad_accum + micro
-            batch = next(batches)
-            progress_tokens = int(batch["attention_mask"].sum())
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            torch.manual_seed(data.step_seed(c.seed, rank, micro_step))  # dropout, like the batch, is a
-            last = micro == c.grad_accum - 1               # function of the step: resume is exact
-            with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
-                with autocast:
-                    loss, metrics = ddp(batch)
-                (loss / c.grad_accum).backward()
-            progress.add(metrics, progress_tokens)
-        stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, c)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % c.log_every == 0 or step == c.steps:
-            progress.report(step, scheduler.get_last_lr()[0], device)
-        if step % c.save_every == 0 or step == c.steps or step == c.halt_at:
-            save_checkpoint(c, model, optimizer, scheduler, step, main)
-        if step == c.halt_at:
-            break
-    if main:
-        print(f"done: {progress.summary(device)}; encoder in {Path(c.out_dir) / 'encoder'}")
-    if world > 1:
-        dist.destroy_process_group()
-
-
-# ==============================================================================================
-# Checkpoint
-# ==============================================================================================
-def save_checkpoint(c, model, optimizer, scheduler, step, main):
-    """Rank 0 writes the encoder (Hugging Face folder, for fine-tuning) and the full training state
-    (every module, the decoder included, optimizer, scheduler, RNG) for --resume. Each file is
-    written atomically."""
-    if main:
-        model.encoder.save_pretrained(Path(c.out_dir) / "encoder", c.vocab)
-        data.save_training_state(Path(c.out_dir) / "state.pt", {
-            "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "config": dataclasses.asdict(c)})
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()   # short: nobody races ahead of a checkpoint being written
-
-
 # --- shared: begin resume ---
-def load_checkpoint(c, model, optimizer, scheduler, main):
+def load_checkpoint(c, model, optimizer, scheduler, is_rank0):
     """Restore out_dir/state.pt; returns the step to continue from (0 if there is none yet). Batches,
     masks and dropout are functions of the step, so nothing else needs restoring. The flags in force
     are today's; one that cannot change on resume stops the run (check_resume_flags)."""
     path = Path(c.out_dir) / "state.pt"
     if not path.is_file():
-        if main:
+        if is_rank0:
             print(f"resume: no {path} yet, starting from step 0")
         return 0
     state = data.load_training_state(path)
     changed = check_resume_flags(c, state["config"], path)
-    model.load_state_dict(state["model"])
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:     # same flags, other weights: a state.pt from an older layout of the model
+        raise data.DataError(f"{path}: its weights do not fit this model ({str(e).splitlines()[-1].strip()}); "
+                             f"start again with --overwrite") from None
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     apply_resume_flags(c, optimizer, scheduler)
-    if main:
+    if is_rank0:
         print(f"resume: {path} at step {state['step']}"
               + (f"; changed flags apply from now: {changed}" if changed else ""))
     return state["step"]
@@ -786,7 +772,7 @@ def check_run_folder(c):
     """Before any work: a fresh run into a folder holding a run needs --overwrite (--resume continues it)."""
     held = [name for name in RUN_FILES if (Path(c.out_dir) / name).exists()]
     if c.resume and c.overwrite:
-        raise data.DataError("--resume continues the run in out_dir and --overwrite replaces it: give one")
+        raise ValueError("--resume continues the run in out_dir and --overwrite replaces it: give one")
     if held and not (c.resume or c.overwrite):
         raise data.DataError(f"{c.out_dir} already holds a run ({', '.join(held)}); continue it with --resume "
                              f"or replace it with --overwrite")
@@ -815,64 +801,18 @@ def resolve_vocab(c):
     if n != c.vocab_size:
         raise data.DataError(f"{c.vocab}: {n} entries, but {model} has vocab_size {c.vocab_size}")
     if c.max_len > c.max_position:
-        raise data.DataError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
+        raise ValueError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
                              f"(max_position)")
     return c
 # --- shared: end run setup ---
 
 
-# ==============================================================================================
-# Diagnostic: Figure 5
-# ==============================================================================================
-@torch.no_grad()
-def cls_similarity_by_length(encoder, tokenizer, texts, lengths=(32, 64, 128, 256, 512), n_pairs=200, seed=0,
-                             batch_size=16):
-    """Section 4.6.2 / Figure 5: mean cosine similarity of the [CLS] vectors of random pairs of
-    different texts, each cut to exactly `length` tokens ([CLS] + length-2 pieces + [SEP]). A
-    collapsed encoder (Optimus in Figure 1b) gives values near 1 for long texts. Returns {length: cos}.
-    Only texts with >= length-2 pieces take part at a length; a length with < 2 of them is left out."""
-    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
-    pieces = [e.ids for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
-    device, was_training = next(encoder.parameters()).device, encoder.training
-    encoder.eval()
-    generator = torch.Generator().manual_seed(seed)
-    result = {}
-    for length in lengths:
-        eligible = [ids for ids in pieces if len(ids) >= length - 2]
-        if len(eligible) < 2:
-            continue
-        first = torch.randint(len(eligible), (n_pairs,), generator=generator)            # (P,)
-        second = (first + torch.randint(1, len(eligible), (n_pairs,), generator=generator)) % len(eligible)
-        used = torch.cat([first, second]).unique()                                       # (U,) sorted
-        rows = torch.tensor([[cls_id] + eligible[i][:length - 2] + [sep_id] for i in used.tolist()])  # (U, len)
-        vectors = torch.cat([encoder(chunk.to(device), torch.ones_like(chunk, device=device))[:, 0].float().cpu()
-                             for chunk in rows.split(batch_size)])                       # (U, H)
-        a, b = vectors[torch.searchsorted(used, first)], vectors[torch.searchsorted(used, second)]  # (P, H)
-        result[length] = F.cosine_similarity(a, b, dim=-1).mean().item()
-    encoder.train(was_training)
-    return result
-
-
-def diagnose(c):
-    """`python seed.py --diagnose FOLDER`: Figure 5 for an exported encoder on texts of c.corpus,
-    lengths 32, 64, ... up to --max_len (default 128, the small model's training length)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    encoder = Encoder.from_pretrained(c.diagnose, c).to(device)
-    lengths = [n for n in (32, 64, 128, 256, 512) if n <= min(c.max_len, encoder.config.max_position)]
-    texts = data.read_pretraining_texts(c.corpus)
-    n_pairs = 200
-    result = cls_similarity_by_length(encoder, data.load_tokenizer(c.vocab), texts, lengths, n_pairs, c.seed)
-    print(f"{c.diagnose}: mean cosine of [CLS] vectors of {n_pairs} random text pairs (seed {c.seed})")
-    for length, cosine in result.items():
-        print(f"  length {length:>4}: {cosine:.3f}")
-
-
 if __name__ == "__main__":
     try:
-        c = parse_config(sys.argv[1:])
+        c = data.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES)
         if c.diagnose:
             diagnose(c)
         else:
             train(c)
-    except data.DataError as e:
+    except ValueError as e:   # a bad flag (ValueError) or a bad input file (data.DataError, one too)
         sys.exit(f"error: {e}")

@@ -2,22 +2,18 @@
 
     pytest -q test_losses.py
 
-Sections: COSTA (papers/costa.md eq. 1-10), CPDAE (papers/cpdae.md eq. 3-6), SEED-Encoder
-(papers/seed-encoder.md 3.4, eq. 9-10). Naive references are plain Python loops over the equations'
+Sections: COSTA (arXiv:2204.10641 eq. 1-10), CPDAE (arXiv:2208.09846 eq. 3-6), SEED-Encoder
+(arXiv:2102.09206 3.4, eq. 9-10). Naive references are plain Python loops over the equations'
 indices, in float64 where the comparison is numerical.
 """
 import dataclasses
 import math
-import os
-import socket
 from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -27,32 +23,6 @@ import data
 import seed
 
 torch.set_num_threads(1)
-
-
-# ==============================================================================================
-# Running a function on two gloo processes
-# ==============================================================================================
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init_and_run(rank, world, port, worker, tmp_path, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        worker(rank, world, tmp_path, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def run_on_two_ranks(worker, tmp_path, *args):
-    """Run worker(rank, world, tmp_path, *args) in 2 gloo processes; return the objects each rank
-    saved with torch.save(obj, tmp_path / f"rank{rank}.pt"), in rank order."""
-    mp.spawn(_init_and_run, args=(2, _free_port(), worker, tmp_path, args), nprocs=2, join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
 # ==============================================================================================
@@ -141,7 +111,7 @@ def _gwc_worker(rank, world, tmp_path, text, spans, tau):
                 "span_grad": local_spans.grad}, tmp_path / f"rank{rank}.pt")
 
 
-def test_gwc_loss_two_processes_equal_one_process_with_both_halves(tmp_path):
+def test_gwc_loss_two_processes_equal_one_process_with_both_halves(tmp_path, run_on_two_ranks):
     text, spans = random_group(N=6, S=4, H=8, dtype=torch.float64)
     results = run_on_two_ranks(_gwc_worker, tmp_path, text, spans, 0.1)
     text.requires_grad_(True)
@@ -227,11 +197,6 @@ def test_short_text_clips_spans_to_the_body():
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return data.load_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def vocab_tokens(tokenizer):
     return [tokenizer.id_to_token(i) for i in range(tokenizer.get_vocab_size())]
 
@@ -307,6 +272,23 @@ def test_batches_carry_spans_inside_each_window(windows, tokenizer, vocab_tokens
     assert not torch.equal(batches[2]["spans"], batch["spans"])
     baseline = costa.Batches(tiny_costa_config(gwc_weight=0.0), windows, data.special_ids(tokenizer), 0, 1, vocab_tokens)
     assert "spans" not in baseline[1]
+
+
+def test_spans_are_sampled_once_per_window_unless_resampled(windows, tokenizer, vocab_tokens):
+    """Algorithm 1 samples each text's 4T spans once, before training, and reuses them every epoch."""
+    few, special = windows[:4], data.special_ids(tokenizer)
+
+    def spans_by_window(c, micro_step):
+        rows = data.batch_indices(len(few), c.batch_size, 0, 1, c.seed, micro_step)
+        spans = costa.Batches(c, few, special, 0, 1, vocab_tokens)[micro_step]["spans"]
+        return {int(r): s for r, s in zip(rows, spans)}
+
+    once = tiny_costa_config(batch_size=4)
+    a, b = spans_by_window(once, 0), spans_by_window(once, 2)            # every window in both batches
+    assert a.keys() == b.keys() and all(torch.equal(a[i], b[i]) for i in a)
+    redraw = tiny_costa_config(batch_size=4, span_resample=True)
+    a, b = spans_by_window(redraw, 0), spans_by_window(redraw, 2)
+    assert not all(torch.equal(a[i], b[i]) for i in a)
 
 
 def test_model_total_loss_is_lambda_gwc_plus_mlm(windows, tokenizer, vocab_tokens):
@@ -570,7 +552,7 @@ def _one_process(mode, full1, full2):
     return loss.detach(), x1.grad, x2.grad
 
 
-def test_two_processes_equal_one_process_with_both_halves(tmp_path):
+def test_two_processes_equal_one_process_with_both_halves(tmp_path, run_on_two_ranks):
     """Word distributions (CPDAE) and [CLS] vectors (CPDAE_R), 2 gloo ranks x 3 texts."""
     g = torch.Generator().manual_seed(8)
     inputs = {}
@@ -786,6 +768,39 @@ def test_cross_attention_shortcut_equals_attention_over_one_key():
     literal = layer.cross_out(attended)
     shortcut = layer.cross_out(layer.cross_value(h0))[:, None, :].expand(2, 5, 32)
     torch.testing.assert_close(literal, shortcut)
+
+
+def test_decoder_is_pre_ln_with_a_final_layer_norm():
+    """The authors' fairseq decoder (decoder_normalize_before=True): x + f(LN(x)) per sub-layer, then a
+    final LayerNorm."""
+    decoder = make_decoder()
+    x, h0 = torch.randn(2, 6, 32), torch.randn(2, 32)
+    attend = seed.window_mask(6, decoder.span, x.device)
+    expected = x
+    for b in decoder.blocks:
+        expected = expected + b.attn(b.attn_norm(expected), attend)
+        expected = expected + b.cross_out(b.cross_value(h0))[:, None, :]
+        expected = expected + b.ffn_out(F.gelu(b.ffn_in(b.ffn_norm(expected))))
+    torch.testing.assert_close(decoder.decode(x, h0), decoder.final_norm(expected))
+
+
+def test_resuming_a_state_of_another_decoder_layout_is_one_clear_error(tmp_path):
+    c = dataclasses.replace(small_config(), out_dir=str(tmp_path))
+    model = seed.PretrainModel(c, seed.Encoder(c))
+    optimizer, scheduler = seed.make_optimizer(model, c)
+    old = {k: v for k, v in model.state_dict().items() if not k.startswith("decoder.final_norm.")}  # post-LN days
+    data.save_training_state(tmp_path / "state.pt", {"step": 1, "model": old, "optimizer": optimizer.state_dict(),
+                                                     "scheduler": scheduler.state_dict(), "config": dataclasses.asdict(c)})
+    with pytest.raises(data.DataError, match=r"state\.pt: its weights do not fit this model \(Missing key"):
+        seed.load_checkpoint(c, model, optimizer, scheduler, True)
+
+
+def test_seed_uses_the_papers_adam_epsilon():
+    c = small_config()
+    model = seed.PretrainModel(c, seed.Encoder(c))
+    source = __import__("inspect").getsource(seed.train)
+    assert "make_optimizer(model, c, eps=1e-6)" in source                  # SEED 4.1
+    assert seed.make_optimizer(model, c, eps=1e-6)[0].defaults["eps"] == 1e-6
 
 
 def test_padding_does_not_change_real_positions():

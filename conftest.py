@@ -1,0 +1,45 @@
+"""Helpers shared by test_losses.py and test_pipeline.py: the BERT tokenizer, and running a function
+on two gloo processes (the check that a 2-process run equals one process holding both halves)."""
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import data
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return data.load_tokenizer()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_and_run(rank, world, port, worker, tmp_path, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        worker(rank, world, tmp_path, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_on_two_ranks(worker, tmp_path, *args):
+    """Run worker(rank, world, tmp_path, *args) in 2 gloo processes; return the objects each rank
+    saved with torch.save(obj, tmp_path / f"rank{rank}.pt"), in rank order."""
+    mp.spawn(_init_and_run, args=(2, _free_port(), worker, tmp_path, args), nprocs=2, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+@pytest.fixture
+def run_on_two_ranks():
+    """run_on_two_ranks(worker, tmp_path, *args): worker must be a module-level function (it is pickled)."""
+    return _run_on_two_ranks
