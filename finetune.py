@@ -1,18 +1,19 @@
 """Fine-tune a pre-trained encoder into a dense retriever, as the papers do (COSTA 4.5.2, CPDAE 4.1.3,
-SEED-Encoder 4.2): a bi-encoder with ONE shared BERT, [CLS] vectors, dot product, softmax over the
-positive, 7 negatives and every other passage of the global batch (CPDAE 4.1.3 uses a pairwise loss
-instead: --loss hinge). One file, top to bottom: config, model, loss, data (examples, negatives,
-batches), mining (BM25 and dense negatives through evaluate.py, the retrieval layer: this file imports
-it, never the reverse), training loop, checkpoint, pipeline; then the shared blocks (BERT encoder,
-distributed and training helpers, the same bytes as costa.py's).
+SEED-Encoder 4.2): a bi-encoder with ONE shared BERT, softmax over the positive, its sampled negatives
+and every other passage of the global batch (CPDAE 4.1.3 uses a pairwise loss instead: --loss hinge).
+The papers use [CLS] vectors and a dot product; a sentence-transformers starting point (--init minilm)
+brings its own mean pooling and cosine similarity. One file, top to bottom: config, model, loss, data
+(examples, negatives, batches), mining (BM25 and dense negatives through evaluate.py, the retrieval
+layer: this file imports it, never the reverse), training loop, checkpoint, pipeline; then the shared
+blocks (BERT encoder, distributed and training helpers, the same bytes as costa.py's).
 
-    python finetune.py --init runs/costa/encoder          # stage 1 (BM25 negatives), stage 2 (hard negatives), test metrics
-    python finetune.py --pretrain costa                   # whole pipeline: pre-train, fine-tune, evaluate, table vs BM25
-    python finetune.py --init X --rounds 0                # stage 1 only (BM25 negatives)
+    python finetune.py --pretrain costa                   # the quick start: minilm zero-shot, fine-tuned, + costa + fine-tuned
+    python finetune.py --init runs/costa/encoder          # stage 1 (BM25 negatives), test metrics
+    python finetune.py --init X --rounds 1                # then one stage of mined hard negatives (the papers' passage recipe)
     python finetune.py --init X --rounds 2                # mine twice after the BM25 stage
     python finetune.py --init PASSAGE_MODEL --epochs 0 --rounds 2 --hard_epochs 1   # the document-ranking recipe
     python finetune.py --init X --n_queries 100 --seed 1  # low-resource setting: 100 random training queries
-    torchrun --nproc_per_node=4 finetune.py --preset paper --init bert-base-uncased/
+    torchrun --nproc_per_node=4 finetune.py --preset paper --init bert-base-uncased
     python finetune.py --init X --resume                  # continue where a killed run stopped
     python finetune.py --init X --overwrite               # start again in an out_dir that holds a run (else refused)
 
@@ -487,8 +488,9 @@ def tokenizer_vocab(c):
     return str(own) if own and own.is_file() else c.vocab
 
 
-def train(c):
-    """Stage 1 (BM25 negatives), then c.rounds stages of mined hard negatives, then the evaluation."""
+def train(c, name=""):
+    """Stage 1 (BM25 negatives), then c.rounds stages of mined hard negatives, then the evaluation.
+    name: what the printouts call the starting model ("" = the init folder's parent or the hub id)."""
     rank, world, device = setup_distributed()
     is_rank0 = rank == 0
     torch.manual_seed(c.seed)
@@ -497,7 +499,7 @@ def train(c):
     if not c.epochs and not c.rounds:
         raise ValueError("--epochs 0 skips the BM25 stage, so --rounds must be >= 1 (else nothing trains)")
     check_run_folder(c, RUN_FILES)
-    init_name = c.init
+    name = name or (Path(c.init).parent.name if Path(c.init).is_dir() else c.init) or "random init"  # for the printouts
     c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
     tokenizer = data.load_tokenizer(tokenizer_vocab(c))
     corpus, queries, qrels = evaluate.load_split(c, c.train_split, c.queries, c.qrels)
@@ -524,7 +526,7 @@ def train(c):
             clear_stale_outputs(out)
         data.atomic_write_json(out / "config.json", dataclasses.asdict(c))
         n_params = sum(p.numel() for p in encoder.parameters())
-        print(f"model: {init_name or 'random init'} ({n_params / 1e6:.1f}M parameters, {c.pooling} pooling, "
+        print(f"model: {name} ({n_params / 1e6:.1f}M parameters, {c.pooling} pooling, "
               f"{c.similarity}{f' / tau {c.tau}' if c.similarity == 'cos' else ''}) | "
               f"{world} process(es) on {device.type} | data: {len(doc_texts):,} passages, {len(examples)} "
               f"training queries{f' (a sample, seed {c.seed})' if c.n_queries else ''}", flush=True)
@@ -553,7 +555,7 @@ def train(c):
         corpus, queries, qrels = evaluate.load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
         results = evaluate.evaluate_encoder(encoder, tokenizer, corpus, queries, qrels,
                                             out / f"eval-{c.eval_split}", c, device,
-                                            tag=f"finetune-{Path(c.init).parent.name if c.init else 'random'}")
+                                            tag=f"finetune-{name.replace(' ', '-')}")
     return results
 
 
@@ -667,9 +669,9 @@ def pipeline(c):
     c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
     rows = {f"{name} zero-shot": evaluate_folder(c, c.init, out / f"zero-shot/eval-{c.eval_split}", f"{name}-zero-shot")}
     if c.baseline:
-        rows[f"{name} + fine-tune"] = train(dataclasses.replace(c, out_dir=str(out / "no-pretrain")))
+        rows[f"{name} + fine-tune"] = train(dataclasses.replace(c, out_dir=str(out / "no-pretrain")), name)
     pretrained = pretrain(c)
-    rows[f"{name} + {c.pretrain} + fine-tune"] = train(dataclasses.replace(c, init=pretrained))
+    rows[f"{name} + {c.pretrain} + fine-tune"] = train(dataclasses.replace(c, init=pretrained), f"{name}-{c.pretrain}")
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     if any(r is None for r in rows.values()):  # halted

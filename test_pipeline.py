@@ -795,7 +795,7 @@ def test_end_to_end_pretrain_finetune_evaluate(tmp_path, capsys):
     finetune.main(["--pretrain", "costa", "--pretrain_steps", "2", "--init", _tiny_init(tmp_path / "tiny"), "--baseline",
                    "--pretrain_args", "--batch_size 4 --max_len 64 --log_every 1",
                    "--dataset", str(beir), "--steps", "2", "--batch_size", "4", "--n_negatives", "3",
-                   "--passage_len", "64", "--hard_depth", "30", "--log_every", "1", "--out_dir", str(out)])
+                   "--passage_len", "64", "--rounds", "1", "--hard_depth", "30", "--log_every", "1", "--out_dir", str(out)])
     printed = capsys.readouterr().out
     assert "each query sees 15 negatives" in printed and "BM25 (k1=1.2, b=0.75)" in printed
     for row in ("tiny zero-shot", "tiny + fine-tune", "tiny + costa + fine-tune"):
@@ -924,7 +924,7 @@ def test_a_checkpoint_without_mlm_head_gets_a_new_tied_one(tmp_path, wiki_texts)
 def test_halt_and_resume_equals_uninterrupted_run(tmp_path):
     beir = _scifact_subset(tmp_path / "beir")
     base = ["--init", "", *FT_TINY_ARGS, "--dataset", str(beir), "--steps", "3", "--batch_size", "4", "--n_negatives", "3",
-            "--passage_len", "48", "--hard_depth", "30", "--eval_split", "", "--log_every", "1"]
+            "--passage_len", "48", "--rounds", "1", "--hard_depth", "30", "--eval_split", "", "--log_every", "1"]
     finetune.main(base + ["--out_dir", str(tmp_path / "a")])
     finetune.main(base + ["--out_dir", str(tmp_path / "b"), "--halt_at", "4"])  # killed at step 1 of stage 2
     assert not (tmp_path / "b" / "encoder").exists() and (tmp_path / "b" / "stage2" / "state.pt").is_file()
