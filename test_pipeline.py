@@ -1183,3 +1183,35 @@ def test_class8_all_zero_judged_queries_count_as_zero_like_trec_eval(tmp_path):
     assert rows["MRR@10"] == pytest.approx([(1 + 0) / 2, (1 + 0) / 2])
     assert rows["Recall@10"] == pytest.approx([(1 + 0) / 2, (0.5 + 0) / 2])
     assert rows["NDCG@10"] == pytest.approx([ndcg_a / 2, ndcg_b / 2], abs=1e-4)
+
+
+# ------------------------------------------------------------------ the study (study.py)
+def test_study_runs_every_arm_writes_table_and_figures_and_resumes(tmp_path, capsys):
+    import study
+
+    beir = _scifact_subset(tmp_path / "beir", n_train=12, n_test=8, n_other=40)
+    out = tmp_path / "study"
+    argv = ["--init", _tiny_init(tmp_path / "tiny"), "--arms", "none,mlm,costa", "--seeds", "0,1",
+            "--pretrain_steps", "2", "--pretrain_args", "--batch_size 4 --max_len 64 --log_every 1",
+            "--finetune_args", f"--dataset {beir} --steps 2 --batch_size 4 --passage_len 64 --log_every 1",
+            "--low_resource", "4", "--samples", "2", "--out_dir", str(out)]
+    study.main(argv)
+    runs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    # 3 arms x 2 seeds, then the curve for none, mlm and the best method (costa): 3 x 1 count x 2 samples.
+    assert [r["key"] for r in runs[:6]] == ["none/seed0", "none/seed1", "mlm/seed0", "mlm/seed1", "costa/seed0", "costa/seed1"]
+    assert sorted(r["key"] for r in runs[6:]) == sorted(f"{a}/n4/sample{s}" for a in ("none", "mlm", "costa") for s in (0, 1))
+    assert (out / "mlm" / "seed1" / "pretrain" / "encoder" / "config.json").is_file()
+    assert json.loads((out / "mlm" / "seed0" / "pretrain" / "config.json").read_text())["gwc_weight"] == 0.0
+    table = (out / "table.md").read_text()
+    for arm in ("none", "mlm", "costa"):
+        assert re.search(rf"^\| {arm} \| 0\.\d{{4}} \+- 0\.\d{{4}} \|", table, re.M), arm
+    assert (out / "bars.png").stat().st_size > 1000 and (out / "low_resource.png").stat().st_size > 1000
+    # Resumable: a run missing from results.jsonl is the only one run again.
+    kept = (out / "results.jsonl").read_text().splitlines()
+    (out / "results.jsonl").write_text("\n".join(kept[:-1]) + "\n")
+    before = (out / "none" / "seed0" / "eval-test" / "metrics.json").stat().st_mtime_ns
+    capsys.readouterr()
+    study.main(argv)
+    assert len((out / "results.jsonl").read_text().splitlines()) == len(kept)
+    assert (out / "none" / "seed0" / "eval-test" / "metrics.json").stat().st_mtime_ns == before
+    assert capsys.readouterr().out.count("stage1: done") == 1
