@@ -651,8 +651,8 @@ def pipeline(c):
     """--pretrain METHOD, the quick start: from the starting checkpoint c.init,
       1. evaluate it zero-shot;
       2. continue pre-training it with METHOD on the corpus (pretrain_steps steps);
-      3. fine-tune that (BM25 negatives, then mined hard negatives) and evaluate it;
-      4. with --baseline, also fine-tune c.init without step 2, identically;
+      3. fine-tune that (BM25 negatives; --rounds N adds rounds of mined hard negatives) and evaluate it;
+      4. unless --baseline false, also fine-tune c.init without step 2, identically;
     then print every row next to BM25 with paired two-tailed t-tests."""
     t0 = time.time()
     if c.pretrain not in ("costa", "seed", "cpdae"):
