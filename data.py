@@ -655,9 +655,10 @@ def resolve_model(name):
 
 
 def read_retriever_settings(folder):
-    """{'pooling': ..., 'similarity': 'dot' | 'cos'} a model folder declares, from what finetune.py wrote
-    (retriever.json) or from a sentence-transformers layout (modules.json, 1_Pooling/config.json,
-    a Normalize module = cosine). {} when it declares nothing."""
+    """{'pooling': ..., 'similarity': 'dot' | 'cos', 'query_len': .., 'passage_len': ..} as a model folder
+    declares them: what finetune.py wrote (retriever.json), or a sentence-transformers layout
+    (modules.json, 1_Pooling/config.json, a Normalize module = cosine, sentence_bert_config.json's
+    max_seq_length for both lengths). {} when it declares nothing."""
     folder = Path(folder)
     if (folder / "retriever.json").is_file():
         return read_json(folder / "retriever.json")
@@ -675,6 +676,9 @@ def read_retriever_settings(folder):
             if active not in (["cls_token"], ["mean_tokens"]):
                 raise DataError(f"{path}: only cls or mean pooling is supported, the folder declares {active}")
             settings["pooling"] = {"cls_token": "cls", "mean_tokens": "mean"}[active[0]]
+    bert_config = folder / "sentence_bert_config.json"        # its length, for queries and passages alike
+    if bert_config.is_file() and read_json(bert_config).get("max_seq_length"):
+        settings["query_len"] = settings["passage_len"] = int(read_json(bert_config)["max_seq_length"])
     declared = folder / "config_sentence_transformers.json"    # newer sentence-transformers say it here
     if declared.is_file() and read_json(declared).get("similarity_fn_name") in ("cosine", "dot"):
         settings.setdefault("similarity", {"cosine": "cos", "dot": "dot"}[read_json(declared)["similarity_fn_name"]])

@@ -828,7 +828,8 @@ def test_minilm_short_name_is_the_checked_offline_package():
     folder = data.resolve_model("minilm")
     assert Path(folder).is_dir() and (Path(folder) / "model.safetensors").is_file()
     # A sentence-transformers folder: its declared mean pooling and Normalize module (= cosine) are read.
-    assert data.read_retriever_settings(folder) == {"pooling": "mean", "similarity": "cos"}
+    assert data.read_retriever_settings(folder) == {"pooling": "mean", "similarity": "cos", "query_len": 256,
+                                                    "passage_len": 256}
     encoder = evaluate.load_encoder("minilm")
     assert (encoder.config.hidden_size, encoder.config.num_layers, encoder.new_mlm_head) == (384, 6, True)
 
@@ -883,9 +884,9 @@ def test_exported_encoder_declares_its_pooling_and_similarity_for_sentence_trans
     c = finetune.Config(pooling="mean", similarity="cos", passage_len=96)
     finetune.save_encoder(encoder, tmp_path / "out", c, data.VOCAB)
     out = tmp_path / "out"
-    assert data.read_retriever_settings(out) == {"pooling": "mean", "similarity": "cos", "query_len": 32, "passage_len": 96}
+    assert data.read_retriever_settings(out) == {"pooling": "mean", "similarity": "cos", "query_len": 64, "passage_len": 96}
     (out / "retriever.json").unlink()          # what sentence-transformers reads says the same
-    assert data.read_retriever_settings(out) == {"pooling": "mean", "similarity": "cos"}
+    assert data.read_retriever_settings(out) == {"pooling": "mean", "similarity": "cos", "query_len": 96, "passage_len": 96}
     assert [m["type"].rsplit(".", 1)[1] for m in json.loads((out / "modules.json").read_text())] == \
         ["Transformer", "Pooling", "Normalize"]
     assert json.loads((out / "1_Pooling" / "config.json").read_text())["word_embedding_dimension"] == 32
