@@ -45,7 +45,7 @@ class Config:
     vocab: str = str(data.VOCAB)  # WordPiece vocab.txt (BERT uncased, 30,522 entries)
     max_len: int = 128            # tokens per window incl. [CLS] and [SEP] (paper: 512)
     # --- model (CPU default is small; --preset paper gives BERT-base)
-    vocab_size: int = 30522       # rows of the token embedding; must match the vocab file
+    vocab_size: int = 30522       # rows of the token embedding; must match the vocab file (paper: 32,768)
     hidden_size: int = 256        # H (paper: 768)
     num_layers: int = 4           # Transformer blocks (paper: 12)
     num_heads: int = 4            # attention heads (paper: 12)
@@ -56,12 +56,14 @@ class Config:
     layer_norm_eps: float = 1e-12  # BERT's LayerNorm epsilon
     init: str = ""                # start from: a BERT folder, a hub id, or "minilm" (offline package); "" = random
     # --- optimisation
-    steps: int = 300              # optimizer steps (paper: 6 epochs of Wikipedia)
+    steps: int = 300              # optimizer steps (paper: 1M steps, 4.1)
+    epochs: float = 0.0           # > 0: passes over the windows; sets steps from windows and global batch
     batch_size: int = 32          # texts per rank per micro-step
+    global_batch: int = 0         # > 0: texts per optimizer step on all ranks; sets batch_size (paper: 256, 4.1)
     grad_accum: int = 1           # micro-steps per optimizer step (adds no negatives to the contrastive loss)
-    lr: float = 5e-4              # peak learning rate (paper: 5e-5 from BERT's checkpoint)
+    lr: float = 5e-4              # peak learning rate (paper: 1e-4, from scratch, 4.1)
     weight_decay: float = 0.01    # AdamW weight decay (not on biases and LayerNorm)
-    warmup: float = 0.1           # fraction of steps of linear warm-up, then linear decay to 0
+    warmup: float = 0.1           # fraction of steps of linear warm-up, then linear decay to 0 (paper: 10k of 1M)
     clip: float = 1.0             # max gradient norm
     mask_prob: float = 0.15       # MLM: fraction of tokens chosen
     seed: int = 0                 # model init, data order and masks
@@ -82,7 +84,15 @@ class Config:
 
 
 # Section 4.1: from scratch, peak lr 1e-4, 10k of 1M steps warm-up. 12 heads as in BERT-base (the text says 8).
-PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=1e-4, warmup=0.01)
+# --preset paper: section 4.1 "Pre-training Details". From scratch (no --init), BERT-base sizes, 1M steps
+# at batch 256 over all ranks (global_batch: batch_size = 256 / processes), maximum length 512, 15% masks,
+# Adam eps 1e-6 (make_optimizer's call in train) and betas (0.9, 0.999), peak lr 1e-4 after 10k warm-up
+# steps (0.01 of 1M; with --steps or --epochs the fraction stays 1%), then linear decay to zero, dropout
+# 0.1, clip 1.0, weight decay 0.01 (Config's defaults). Departure: the paper's 32,768-token vocabulary
+# (Ke et al., 2020) is not available; we use BERT's 30,522.
+PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=1e-4,
+                    warmup=0.01, steps=1_000_000, global_batch=256, mask_prob=0.15, dropout=0.1, clip=1.0,
+                    weight_decay=0.01)
 
 
 # The domain of each numeric flag, checked by data.parse_config before any work.
@@ -90,7 +100,7 @@ FLAG_RULES = {
     "max_len": ">= 10",  # 8 tokens between [CLS] and [SEP]: shorter windows are dropped (data.make_windows)
     "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
     "max_position": ">= 1", "type_vocab_size": ">= 1", "dropout": "in [0, 1)", "layer_norm_eps": "> 0",
-    "steps": ">= 1", "batch_size": ">= 1", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
+    "steps": ">= 1", "epochs": ">= 0", "batch_size": ">= 1", "global_batch": ">= 0", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
     "warmup": "in [0, 1]", "clip": "> 0", "mask_prob": "in [0, 1]", "workers": ">= 0", "log_every": ">= 1",
     "save_every": ">= 1", "halt_at": ">= 0",
     "dec_layers": ">= 1", "dec_span": ">= 0",
@@ -302,6 +312,7 @@ def train(c):
     if is_rank0 and getattr(encoder, "new_mlm_head", False):
         print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
     windows, special = load_windows(c, is_rank0)
+    c = data.resolve_schedule(c, world, len(windows))   # --global_batch, --epochs -> batch_size, steps
     model = PretrainModel(c, encoder).to(device)
     optimizer, scheduler = make_optimizer(model, c, eps=1e-6)        # SEED 4.1: Adam epsilon 1e-6
     start_step = load_checkpoint(c, model, optimizer, scheduler, is_rank0) if c.resume else 0

@@ -3,6 +3,7 @@ shared blocks, fine-tuning and evaluation. Loss equations are proven in test_los
 
     pytest -q test_pipeline.py
 """
+import dataclasses
 import gzip
 import json
 import math
@@ -315,6 +316,39 @@ def test_config_overrides_by_field_name():
         parse(["--steps", "many"])
 
 
+@pytest.mark.parametrize("script, expected", [
+    # COSTA 4.5.1: 6 epochs, lr 5e-5, 10% warm-up, length 512 (batch not given: no global_batch)
+    ("costa", dict(epochs=6.0, lr=5e-5, warmup=0.1, max_len=512, global_batch=0, steps=300)),
+    # CPDAE 4.1.3: 3 epochs at m = 64, lr 5e-5, 10% warm-up
+    ("cpdae", dict(epochs=3.0, lr=5e-5, warmup=0.1, max_len=512, global_batch=64)),
+    # SEED 4.1: 1M steps at 256, lr 1e-4, 10k warm-up steps, length 512, from scratch
+    ("seed", dict(steps=1_000_000, epochs=0.0, lr=1e-4, max_len=512, global_batch=256, init="")),
+])
+def test_paper_presets_follow_the_papers(script, expected):
+    module = __import__(script)
+    c = data.parse_config(module.Config, ["--preset", "paper"], "", module.PAPER_PRESET, module.FLAG_RULES)
+    assert {k: getattr(c, k) for k in expected} == expected
+    assert (c.hidden_size, c.num_layers, c.num_heads, c.ffn_size) == (768, 12, 12, 3072)
+    if script == "seed":
+        assert int(c.warmup * c.steps) == 10_000                                 # 10k warm-up steps
+    source = Path(module.__file__).read_text()
+    assert "paper: 6 epochs" not in source or script == "costa"                  # copied comments are gone
+    assert "5e-5 from BERT's checkpoint" not in source or script != "seed"
+
+
+def test_resolve_schedule_from_epochs_and_global_batch():
+    c = costa.Config(batch_size=32, grad_accum=1, steps=300)
+    assert data.resolve_schedule(c, world=1, n_windows=1000) == c             # both 0: unchanged
+    c = dataclasses.replace(c, global_batch=64, epochs=3.0)
+    two = data.resolve_schedule(c, world=2, n_windows=1000)
+    assert (two.batch_size, two.steps) == (32, 3 * (1000 // 64))                # 15 batches of 64 per epoch
+    accum = data.resolve_schedule(dataclasses.replace(c, grad_accum=2), world=4, n_windows=1000)
+    assert (accum.batch_size, accum.steps) == (8, 3 * (1000 // 32) // 2)        # epochs count micro-steps
+    assert data.resolve_schedule(dataclasses.replace(c, epochs=0.5), 1, 1000).steps == round(0.5 * 15)
+    with pytest.raises(ValueError, match="--global_batch 64 is not a multiple of 3 process"):
+        data.resolve_schedule(c, world=3, n_windows=1000)
+
+
 # ----------------------------------------------------------------------------------------------
 # Training runs: one process, torchrun with 2 processes, resume
 # ----------------------------------------------------------------------------------------------
@@ -360,6 +394,18 @@ def test_resume_continues_exactly(tmp_path, small_corpus):
     assert (tmp_path / "straight" / "encoder" / "model.safetensors").is_file()
     saved = json.loads((tmp_path / "straight" / "config.json").read_text())
     assert saved["steps"] == 6 and saved["hidden_size"] == 32
+
+
+def test_epochs_sets_steps_and_both_are_saved(tmp_path, small_corpus):
+    out = tmp_path / "run"
+    run_script([str(HERE / "seed.py"), "--corpus", str(small_corpus), *TINY_ARGS, "--epochs", "1",
+                "--global_batch", "8", "--dec_layers", "1", "--out_dir", str(out)], tmp_path)
+    tokenizer = data.load_tokenizer(data.VOCAB)
+    n_windows = len(data.make_windows(tokenizer, data.read_pretraining_texts(small_corpus), 64))
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["epochs"], saved["global_batch"], saved["batch_size"]) == (1.0, 8, 8)
+    assert saved["steps"] == n_windows // 8 != 300
+    assert [r["step"] for r in read_log(out)] == list(range(1, n_windows // 8 + 1))
 
 
 def test_resume_continues_exactly_with_two_processes(tmp_path, small_corpus):
