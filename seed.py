@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import data
 
@@ -80,6 +81,7 @@ class Config:
     # --- SEED-Encoder's weak decoder (section 3.4; Figure 3 ablations)
     dec_layers: int = 3           # decoder Transformer blocks (paper: 3; Figure 3 also tries 1 and 5)
     dec_span: int = 2             # self-attention span k of eq. 9 (paper: 2); 0 = full causal, the "strong decoder"
+    dec_chunk: int = 2048         # decoder positions per chunk of vocabulary logits (peak ~ chunk x |V| fp32); 0 = all
     diagnose: str = ""            # encoder folder: print Figure 5's [CLS] cosine by length, then exit (no training)
 
 
@@ -103,7 +105,7 @@ FLAG_RULES = {
     "steps": ">= 1", "epochs": ">= 0", "batch_size": ">= 1", "global_batch": ">= 0", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
     "warmup": "in [0, 1]", "clip": "> 0", "mask_prob": "in [0, 1]", "workers": ">= 0", "log_every": ">= 1",
     "save_every": ">= 1", "halt_at": ">= 0",
-    "dec_layers": ">= 1", "dec_span": ">= 0",
+    "dec_layers": ">= 1", "dec_span": ">= 0", "dec_chunk": ">= 0",
 }
 
 
@@ -227,6 +229,34 @@ def decoder_loss(logits, targets, ignore_index=-100):
     return F.cross_entropy(logits, targets.reshape(-1), ignore_index=ignore_index)  # (), mean over tokens
 
 
+def _chunk_sum_and_correct(states, weight, targets):
+    """One chunk of chunked_decoder_loss: the summed eq. 9 terms and the correct top-1 count of its
+    positions. states (n, H), weight (V, H), targets (n,) -> ((), ())."""
+    with torch.autocast(states.device.type, enabled=False):   # fp32 logits, as WeakDecoder.logits
+        logits = states.float() @ weight.float().T                                  # (n, V)
+        total = F.cross_entropy(logits, targets, reduction="sum")                   # () sum of -log P
+    return total, (logits.argmax(-1) == targets).sum()                              # (), ()
+
+
+def chunked_decoder_loss(states, weight, targets, chunk):
+    """decoder_loss (eq. 9, the mean of -log P(x_t | x_{t-k..t-1}, h0) over the N target tokens) of the
+    logits states @ weight.T, computed `chunk` positions at a time. Each chunk runs under activation
+    checkpointing: its (chunk, V) logits are freed after its forward and rebuilt in the backward, so the
+    peak holds one chunk's logits instead of all N x V (2 GB fp32 for 32 x 511 tokens at BERT's |V|).
+    Same loss and gradients as the unchunked projection (test_losses). chunk 0 = all at once.
+    states (N, H), weight (V, H) the tied embedding, targets (N,) -> (loss (), n_correct ())."""
+    if chunk == 0 or states.shape[0] <= chunk:
+        total, correct = _chunk_sum_and_correct(states, weight, targets)            # (), ()
+        return total / max(targets.numel(), 1), correct
+    total, correct = states.new_zeros((), dtype=torch.float32), 0
+    for start in range(0, states.shape[0], chunk):
+        part = slice(start, start + chunk)
+        chunk_total, chunk_correct = checkpoint(_chunk_sum_and_correct, states[part], weight, targets[part],
+                                                use_reentrant=False)                # (), ()
+        total, correct = total + chunk_total, correct + chunk_correct
+    return total / targets.numel(), correct                                         # mean over N tokens
+
+
 # The pre-training objective (eq. 10), built from the model pieces and the losses above.
 class PretrainModel(nn.Module):
     """The encoder plus what pre-training adds on top of it. Returns the loss and what to log."""
@@ -241,10 +271,9 @@ class PretrainModel(nn.Module):
         mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)
         states = self.decoder(batch["decoder_input"], hidden)                    # (B, L-1, H)
         kept = batch["decoder_targets"] != -100                                  # (B, L-1) every real token
-        logits = self.decoder.logits(states[kept])                               # (N, V) fp32
         targets = batch["decoder_targets"][kept]                                 # (N,)
-        dec = decoder_loss(logits, targets)
-        dec_correct = (logits.argmax(-1) == targets).sum()
+        dec, dec_correct = chunked_decoder_loss(                                 # eq. 9, fp32 logits
+            states[kept], self.decoder.word_embedding[0].weight, targets, self.config.dec_chunk)
         # Eq. 10, weights 1/1. The authors' 0.5/0.5 only halves the gradient: AdamW's update is
         # unchanged by that (up to eps), the clip norm (1.0) just binds later.
         return mlm + dec, {"mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
