@@ -18,7 +18,9 @@ decoder beside it in decoder.safetensors (Decoder.from_pretrained; the Table 4 f
 """
 import contextlib
 import dataclasses
+import itertools
 import json
+import operator
 import os
 import resource
 import shutil
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -329,11 +332,24 @@ def compute_idf(texts, vocab_size):
     that are reconstructed). texts: token-id lists or Windows. idf(j) = log((N + 1) / (df(j) + 1)) + 1
     (smoothed, as scikit-learn), N texts, df(j) texts containing j. Always >= 1: the unsmoothed
     log(N / (1 + df)) turns negative for the commonest words and would reward predicting them wrong."""
-    df = torch.zeros(vocab_size, dtype=torch.float64)                          # (V,)
-    for text in texts:
-        ids = text[0] if isinstance(text, tuple) else text                     # Window = (input_ids, word_starts)
-        df[torch.unique(torch.as_tensor(ids, dtype=torch.long))] += 1.0        # a text counts once per id
-    return (torch.log((len(texts) + 1.0) / (df + 1.0)) + 1.0).float()         # (V,)
+    windows = len(texts) > 0 and isinstance(texts[0], tuple)                    # Window = (input_ids, word_starts)
+    id_lists = list(map(operator.itemgetter(0), texts)) if windows else texts  # (map: no Python-level loop)
+    lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))    # (N,)
+    ids = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int64, count=int(lengths.sum()))
+    offsets = np.concatenate([[0], np.cumsum(lengths)])                                  # (N + 1,)
+    return idf_from_token_ids(ids, offsets, vocab_size)
+
+
+def idf_from_token_ids(ids, offsets, vocab_size):
+    """compute_idf on flat token ids (T,) and window bounds offsets (N + 1,): text i is
+    ids[offsets[i]:offsets[i + 1]]. Vectorised: a (text, id) pair counts once (distinct keys
+    text x V + id, sorted), then df = np.bincount of the ids of the distinct pairs; no Python loop over texts."""
+    n_texts = len(offsets) - 1
+    text_of_token = np.repeat(np.arange(n_texts, dtype=np.int64), np.diff(offsets))     # (T,)
+    keys = np.sort(text_of_token * vocab_size + ids)                                    # (T,) (text, id) keys
+    pairs = keys[np.concatenate([keys[:1] == keys[:1], keys[1:] != keys[:-1]])]          # (P,) distinct pairs (the first key, if any, is new)
+    df = torch.from_numpy(np.bincount(pairs % vocab_size, minlength=vocab_size).astype(np.float64))  # (V,)
+    return (torch.log((n_texts + 1.0) / (df + 1.0)) + 1.0).float()                       # (V,)
 
 
 class Batches(torch.utils.data.Dataset):

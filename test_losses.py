@@ -361,6 +361,24 @@ def test_bag_of_words_marks_words_of_the_original_text_only():
     assert bag[1].nonzero().flatten().tolist() == [7592]  # [MASK] and [UNK] out
 
 
+def _idf_by_python_loop(texts, vocab_size):
+    """compute_idf as it was before np.bincount: one torch.unique per window (the reference)."""
+    df = torch.zeros(vocab_size, dtype=torch.float64)
+    for text in texts:
+        ids = text[0] if isinstance(text, tuple) else text
+        df[torch.unique(torch.as_tensor(ids, dtype=torch.long))] += 1.0
+    return (torch.log((len(texts) + 1.0) / (df + 1.0)) + 1.0).float()
+
+
+def test_compute_idf_equals_the_per_window_loop_on_real_text(tokenizer):
+    windows = data.make_windows(tokenizer, data.read_pretraining_texts(data.WIKI)[:60], max_len=128)
+    assert len(windows) > 200
+    idf = cpdae.compute_idf(windows, 30522)
+    assert torch.equal(idf, _idf_by_python_loop(windows, 30522))
+    assert len(set(idf.tolist())) > 20                                         # not a constant vector
+    assert torch.equal(cpdae.compute_idf([], 7), _idf_by_python_loop([], 7))  # no windows: all ones
+
+
 def test_compute_idf_formula_on_windows_and_id_lists():
     texts = [[5, 6, 6], [5, 7], [5, 8, 9], [9]]
     idf = cpdae.compute_idf(texts, vocab_size=12)
