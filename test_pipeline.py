@@ -597,6 +597,56 @@ def test_exact_search_matches_numpy_brute_force():
     np.testing.assert_allclose(scores, np.take_along_axis(full, want, 1), rtol=1e-5, atol=1e-5)
 
 
+def test_index_flat_equals_exact_search():
+    import faiss
+    rng = np.random.default_rng(1)
+    docs = rng.standard_normal((400, 16)).astype(np.float32) * rng.uniform(0.2, 3, (400, 1)).astype(np.float32)
+    queries = rng.standard_normal((9, 16)).astype(np.float32)
+    flat = faiss.IndexFlatIP(16)
+    flat.add(docs)
+    want_s, want_i = flat.search(queries, 25)
+    scores, ids = evaluate.search(queries, docs, 25, "Flat")
+    np.testing.assert_array_equal(ids, want_i)
+    np.testing.assert_array_equal(scores, want_s)
+    full = queries @ docs.T                          # inner product, not L2: the norms vary
+    np.testing.assert_array_equal(ids, np.argsort(-full, axis=1, kind="stable")[:, :25])
+
+
+def _top10_hits(ids, exact_ids):
+    return np.mean([set(a) == set(b) for a, b in zip(ids[:, :10], exact_ids[:, :10])])
+
+
+def test_hnsw_and_ivf_indexes_find_the_exact_top10():
+    rng = np.random.default_rng(0)
+    docs = rng.standard_normal((3000, 32)).astype(np.float32)
+    queries = docs[rng.choice(3000, 100, replace=False)] + 0.5 * rng.standard_normal((100, 32)).astype(np.float32)
+    _, exact = evaluate.search(queries, docs, 10, "Flat")
+    _, hnsw = evaluate.search(queries, docs, 10, "HNSW32", ef_search=128)
+    assert _top10_hits(hnsw, exact) >= 0.9                                      # most queries: the exact top-10
+    _, all_lists = evaluate.search(queries, docs, 10, "IVF16,Flat", nprobe=16)  # every list probed: exact
+    assert _top10_hits(all_lists, exact) == 1.0
+    _, one_list = evaluate.search(queries, docs, 10, "IVF16,Flat", nprobe=1)    # nprobe reaches the index
+    assert _top10_hits(one_list, exact) < 0.9
+    index = evaluate.build_index(docs, "HNSW32")
+    evaluate.set_search_parameters(index, nprobe=5, ef_search=77)               # nprobe: HNSW has none
+    assert index.hnsw.efSearch == 77
+    with pytest.raises(ValueError, match="--index 'PQ7' is not a faiss index_factory string for 32-d"):
+        evaluate.search(queries, docs, 10, "PQ7")
+
+
+def test_retrieve_with_an_index_from_the_config():
+    torch.manual_seed(0)
+    encoder = finetune.Encoder(finetune.Config(**TINY))
+    c = finetune.Config(**TINY, encode_batch=8, query_len=16, passage_len=24, pooling="cls",
+                        index="IVF2,Flat", nprobe=2)                            # both lists: exact
+    texts = _toy_texts()
+    s, i = evaluate.retrieve(encoder, _tokenizer(), texts, texts[:5], 10, c, torch.device("cpu"))
+    _assert_same_topk(s, i, _brute_force(encoder, texts, texts[:5], c), 10)
+    with pytest.raises(ValueError, match="--index 'IVF2,Bogus'"):
+        evaluate.retrieve(encoder, _tokenizer(), texts, texts[:5], 10,
+                          dataclasses.replace(c, index="IVF2,Bogus"), torch.device("cpu"))
+
+
 # ------------------------------------------------------------------ figures
 def test_word_probabilities_sum_pieces():
     tok = _tokenizer()
