@@ -55,12 +55,14 @@ class Config:
     layer_norm_eps: float = 1e-12  # BERT's LayerNorm epsilon
     init: str = ""                # start from: a BERT folder, a hub id, or "minilm" (offline package); "" = random
     # --- optimisation
-    steps: int = 300              # optimizer steps (paper: 6 epochs of Wikipedia)
+    steps: int = 300              # optimizer steps (paper: 6 epochs of Wikipedia, 4.5.1)
+    epochs: float = 0.0           # > 0: passes over the windows; sets steps from windows and global batch
     batch_size: int = 32          # texts per rank per micro-step
+    global_batch: int = 0         # > 0: texts per optimizer step on all ranks; sets batch_size (paper: not given)
     grad_accum: int = 1           # micro-steps per optimizer step (adds no negatives to the contrastive loss)
     lr: float = 5e-4              # peak learning rate (paper: 5e-5 from BERT's checkpoint)
     weight_decay: float = 0.01    # AdamW weight decay (not on biases and LayerNorm)
-    warmup: float = 0.1           # fraction of steps of linear warm-up, then linear decay to 0
+    warmup: float = 0.1           # fraction of steps of linear warm-up, then linear decay to 0 (paper: 10%)
     clip: float = 1.0             # max gradient norm
     mask_prob: float = 0.15       # MLM: fraction of tokens chosen
     seed: int = 0                 # model init, data order and masks
@@ -85,7 +87,13 @@ class Config:
     projector: str = "nonlinear"  # text vector head (eq. 5): nonlinear = Tanh(Linear), linear, none (Table 6)
 
 
-PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=5e-5)
+# --preset paper: section 4.5.1 "Model Pre-training". From BERT's checkpoint (--init bert-base-uncased),
+# BERT-base sizes, lr 5e-5 with Adam and linear warm-up over the first 10% of steps (then linear decay:
+# the paper does not say), 6 epochs of Wikipedia, chunks of at most 512 tokens, tau 0.1, lambda 0.1
+# (Config's defaults). Silent: the pre-training batch size (we keep --batch_size 32 per rank on its
+# up to 4 GPUs; set --global_batch to fix it), Adam's epsilon (torch's 1e-8), weight decay and clipping.
+PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=5e-5,
+                    warmup=0.1, epochs=6.0)
 
 
 # The domain of each numeric flag, checked by data.parse_config before any work.
@@ -93,7 +101,7 @@ FLAG_RULES = {
     "max_len": ">= 10",  # 8 tokens between [CLS] and [SEP]: shorter windows are dropped (data.make_windows)
     "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
     "max_position": ">= 1", "type_vocab_size": ">= 1", "dropout": "in [0, 1)", "layer_norm_eps": "> 0",
-    "steps": ">= 1", "batch_size": ">= 1", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
+    "steps": ">= 1", "epochs": ">= 0", "batch_size": ">= 1", "global_batch": ">= 0", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
     "warmup": "in [0, 1]", "clip": "> 0", "mask_prob": "in [0, 1]", "workers": ">= 0", "log_every": ">= 1",
     "save_every": ">= 1", "halt_at": ">= 0",
     "gwc_weight": ">= 0", "tau": "> 0", "span_T": ">= 1", "span_alpha": "> 0", "span_beta": "> 0",
@@ -364,6 +372,7 @@ def train(c):
     if is_rank0 and getattr(encoder, "new_mlm_head", False):
         print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
     windows, special, vocab_tokens = load_windows(c, is_rank0)
+    c = data.resolve_schedule(c, world, len(windows))   # --global_batch, --epochs -> batch_size, steps
     model = PretrainModel(c, encoder).to(device)
     optimizer, scheduler = make_optimizer(model, c)
     start_step = load_checkpoint(c, model, optimizer, scheduler, is_rank0) if c.resume else 0

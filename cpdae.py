@@ -18,7 +18,9 @@ decoder beside it in decoder.safetensors (Decoder.from_pretrained; the Table 4 f
 """
 import contextlib
 import dataclasses
+import itertools
 import json
+import operator
 import os
 import resource
 import shutil
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -45,7 +48,7 @@ class Config:
     # --- data
     corpus: str = str(data.WIKI)  # pre-training corpus: .txt / .jsonl file or folder ('.gz' ok)
     vocab: str = str(data.VOCAB)  # WordPiece vocab.txt (BERT uncased, 30,522 entries)
-    max_len: int = 128            # tokens per window incl. [CLS] and [SEP] (paper: 512)
+    max_len: int = 128            # tokens per window incl. [CLS] and [SEP] (paper: not given; 512)
     # --- model (CPU default is small; --preset paper gives BERT-base)
     vocab_size: int = 30522       # rows of the token embedding; must match the vocab file
     hidden_size: int = 256        # H (paper: 768)
@@ -58,12 +61,14 @@ class Config:
     layer_norm_eps: float = 1e-12  # BERT's LayerNorm epsilon
     init: str = ""                # start from: a BERT folder, a hub id, or "minilm" (offline package); "" = random
     # --- optimisation
-    steps: int = 300              # optimizer steps (paper: 6 epochs of Wikipedia)
+    steps: int = 300              # optimizer steps (paper: 3 epochs of Wikipedia, 4.1.3)
+    epochs: float = 0.0           # > 0: passes over the windows; sets steps from windows and global batch
     batch_size: int = 32          # texts per rank per micro-step
+    global_batch: int = 0         # > 0: texts per optimizer step on all ranks; sets batch_size (paper: m = 64, 4.1.3)
     grad_accum: int = 1           # micro-steps per optimizer step (adds no negatives to the contrastive loss)
     lr: float = 5e-4              # peak learning rate (paper: 5e-5 from BERT's checkpoint)
     weight_decay: float = 0.01    # AdamW weight decay (not on biases and LayerNorm)
-    warmup: float = 0.1           # fraction of steps of linear warm-up, then linear decay to 0
+    warmup: float = 0.1           # fraction of steps of linear warm-up, then linear decay to 0 (paper: 10%)
     clip: float = 1.0             # max gradient norm
     mask_prob: float = 0.15       # MLM: fraction of tokens chosen
     seed: int = 0                 # model init, data order and masks
@@ -85,10 +90,14 @@ class Config:
     js_chunk: int = 8             # anchors per block of pairwise JS: peak ~5 x js_chunk x 2M x |V| fp32
 
 
-# 4.1.3: from BERT's checkpoint (--init), lr 5e-5, 10% warm-up, batch m = 64 texts (x 2 masked views);
-# batch_size is per rank: with N processes use --batch_size 64/N for the paper's m.
+# --preset paper: section 4.1.3 "Pre-training details". From BERT's checkpoint (--init bert-base-uncased),
+# BERT-base sizes, decoder output 30,522 (BERT's vocabulary), lr 5e-5 with Adam and linear warm-up over
+# the first 10% of steps, 3 epochs of Wikipedia, batch m = 64 texts (x 2 masked views) over all ranks
+# (global_batch: batch_size = 64 / processes), lambda 0.1 (Config's default). Silent: the maximum length
+# (we take 512, BERT's and the same authors' COSTA), Adam's epsilon (torch's 1e-8), the decay after
+# warm-up (linear), weight decay and clipping.
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=5e-5,
-                    batch_size=64)
+                    warmup=0.1, epochs=3.0, global_batch=64)
 
 
 # The domain of each numeric flag, checked by data.parse_config before any work.
@@ -96,7 +105,7 @@ FLAG_RULES = {
     "max_len": ">= 10",  # 8 tokens between [CLS] and [SEP]: shorter windows are dropped (data.make_windows)
     "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
     "max_position": ">= 1", "type_vocab_size": ">= 1", "dropout": "in [0, 1)", "layer_norm_eps": "> 0",
-    "steps": ">= 1", "batch_size": ">= 1", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
+    "steps": ">= 1", "epochs": ">= 0", "batch_size": ">= 1", "global_batch": ">= 0", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
     "warmup": "in [0, 1]", "clip": "> 0", "mask_prob": "in [0, 1]", "workers": ">= 0", "log_every": ">= 1",
     "save_every": ">= 1", "halt_at": ">= 0",
     "cl_weight": ">= 0", "cls_temperature": "> 0", "js_chunk": ">= 1",
@@ -323,11 +332,24 @@ def compute_idf(texts, vocab_size):
     that are reconstructed). texts: token-id lists or Windows. idf(j) = log((N + 1) / (df(j) + 1)) + 1
     (smoothed, as scikit-learn), N texts, df(j) texts containing j. Always >= 1: the unsmoothed
     log(N / (1 + df)) turns negative for the commonest words and would reward predicting them wrong."""
-    df = torch.zeros(vocab_size, dtype=torch.float64)                          # (V,)
-    for text in texts:
-        ids = text[0] if isinstance(text, tuple) else text                     # Window = (input_ids, word_starts)
-        df[torch.unique(torch.as_tensor(ids, dtype=torch.long))] += 1.0        # a text counts once per id
-    return (torch.log((len(texts) + 1.0) / (df + 1.0)) + 1.0).float()         # (V,)
+    windows = len(texts) > 0 and isinstance(texts[0], tuple)                    # Window = (input_ids, word_starts)
+    id_lists = list(map(operator.itemgetter(0), texts)) if windows else texts  # (map: no Python-level loop)
+    lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))    # (N,)
+    ids = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int64, count=int(lengths.sum()))
+    offsets = np.concatenate([[0], np.cumsum(lengths)])                                  # (N + 1,)
+    return idf_from_token_ids(ids, offsets, vocab_size)
+
+
+def idf_from_token_ids(ids, offsets, vocab_size):
+    """compute_idf on flat token ids (T,) and window bounds offsets (N + 1,): text i is
+    ids[offsets[i]:offsets[i + 1]]. Vectorised: a (text, id) pair counts once (distinct keys
+    text x V + id, sorted), then df = np.bincount of the ids of the distinct pairs; no Python loop over texts."""
+    n_texts = len(offsets) - 1
+    text_of_token = np.repeat(np.arange(n_texts, dtype=np.int64), np.diff(offsets))     # (T,)
+    keys = np.sort(text_of_token * vocab_size + ids)                                    # (T,) (text, id) keys
+    pairs = keys[np.concatenate([keys[:1] == keys[:1], keys[1:] != keys[:-1]])]          # (P,) distinct pairs (the first key, if any, is new)
+    df = torch.from_numpy(np.bincount(pairs % vocab_size, minlength=vocab_size).astype(np.float64))  # (V,)
+    return (torch.log((n_texts + 1.0) / (df + 1.0)) + 1.0).float()                       # (V,)
 
 
 class Batches(torch.utils.data.Dataset):
@@ -380,6 +402,7 @@ def train(c):
     if is_rank0 and getattr(encoder, "new_mlm_head", False):
         print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
     windows, special = load_windows(c, is_rank0)
+    c = data.resolve_schedule(c, world, len(windows))   # --global_batch, --epochs -> batch_size, steps
     if c.cl_mode not in ("js", "cls"):
         raise ValueError(f"--cl_mode must be js or cls, got {c.cl_mode!r}")
     idf = compute_idf(windows, c.vocab_size) if c.idf_rec else None            # once, on the corpus

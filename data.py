@@ -442,6 +442,24 @@ def batches_per_epoch(n_examples, batch_size, world):
     return count
 
 
+def resolve_schedule(c, world, n_windows):
+    """Pre-training's batch and length from the flags that name them globally: --global_batch > 0 sets
+    batch_size = global_batch / (world x grad_accum), so --preset paper gives the paper's batch on any
+    number of ranks; --epochs > 0 sets steps = epochs x windows / global batch (rounded, at least 1),
+    counting the micro-batches an epoch holds (batches_per_epoch). Returns a new Config."""
+    batch_size = c.batch_size
+    if c.global_batch > 0:
+        batch_size, rest = divmod(c.global_batch, world * c.grad_accum)
+        if rest or batch_size == 0:
+            raise ValueError(f"--global_batch {c.global_batch} is not a multiple of {world} process(es) x "
+                             f"--grad_accum {c.grad_accum}")
+    steps = c.steps
+    if c.epochs > 0:
+        micro_steps = c.epochs * batches_per_epoch(n_windows, batch_size, world)
+        steps = max(1, round(micro_steps / c.grad_accum))
+    return dataclasses.replace(c, batch_size=batch_size, steps=steps)
+
+
 def batch_indices(n_examples, batch_size, rank, world, seed, micro_step):
     """Example indices of this rank's batch at a micro-step. Stateless: a function of the step alone,
     so resuming needs no data-loader state. Ranks take disjoint slices of one shuffled global batch."""

@@ -53,6 +53,10 @@ class Config:
     passage_len: int = 0          # passage tokens incl. [CLS]/[SEP]; 0 = retriever.json, else 128 (documents: 512)
     depth: int = 1000             # documents retrieved per query (Recall@1000 needs 1000)
     encode_batch: int = 128       # texts per forward pass
+    index: str = "Flat"           # faiss index_factory string for dense search: "Flat" = exact; "HNSW32", "IVF256,PQ32", ...
+    nprobe: int = 0               # IVF indexes: inverted lists visited per query (0 = faiss's default, 1)
+    ef_search: int = 0            # HNSW indexes: candidate list size per query (0 = faiss's default, 16)
+    index_train: int = 100000     # corpus vectors sampled to train an index that needs it (IVF, PQ)
     k1: float = 1.2               # BM25 term-frequency saturation (Elasticsearch / BEIR)
     b: float = 0.75               # BM25 document-length normalisation
     bf16: bool = True             # bf16 autocast on GPU and on CPUs with native bf16 (AVX512-BF16, AMX)
@@ -66,7 +70,7 @@ class Config:
 
 # The domain of each numeric flag, checked by data.parse_config before any work.
 FLAG_RULES = {"query_len": "0 or >= 3", "passage_len": "0 or >= 3", "depth": ">= 1", "encode_batch": ">= 1",
-              "k1": ">= 0", "b": "in [0, 1]"}
+              "k1": ">= 0", "b": "in [0, 1]", "nprobe": ">= 0", "ef_search": ">= 0", "index_train": ">= 1"}
 
 
 # ==============================================================================================
@@ -201,24 +205,67 @@ class BM25:
 
 
 # ---------------------------------------------------------------------------------------------
-# Dense retrieval: encode, exact search, the cross-rank top-k merge
+# Dense retrieval: encode, search (exact or a faiss index), the cross-rank top-k merge
 # ---------------------------------------------------------------------------------------------
 def exact_search(query_vecs, doc_vecs, k, batch=1024):
-    """Exact maximum inner product search with faiss.IndexFlatIP.
-    query_vecs (M, H), doc_vecs (N, H) float32 -> (scores (M, k), indices (M, k) int64), best first."""
+    """Exact maximum inner product search: search() with faiss's "Flat" index (IndexFlatIP)."""
+    return search(query_vecs, doc_vecs, k, batch=batch)
+
+
+def new_index(spec, dim):
+    """An empty faiss index from an index_factory string, inner-product metric; a one-line ValueError
+    when faiss refuses the string (unknown, or e.g. PQ32 on vectors whose size 32 does not divide)."""
     import faiss
 
+    try:
+        return faiss.index_factory(dim, spec, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as e:   # faiss's message is several lines; the last names the problem
+        raise ValueError(f"--index {spec!r} is not a faiss index_factory string for {dim}-d vectors "
+                         f"({str(e).strip().split(': ')[-1]})") from None
+
+
+def build_index(doc_vecs, spec="Flat", train_size=100_000, seed=0):
+    """A faiss index over doc_vecs (N, H) float32 with the inner-product metric, from any index_factory
+    string: "Flat" (exact), "HNSW32" (graph), "IVF256,PQ32" (inverted lists of product-quantised codes),
+    ... An index that needs training (IVF, PQ) is trained on a seeded sample of at most train_size rows."""
+    index = new_index(spec, doc_vecs.shape[1])
+    if not index.is_trained:
+        rows = np.random.default_rng(seed).permutation(len(doc_vecs))[:train_size]
+        index.train(doc_vecs[np.sort(rows)])
+    index.add(doc_vecs)
+    return index
+
+
+def set_search_parameters(index, nprobe=0, ef_search=0):
+    """Search-time knobs of an approximate index: nprobe (inverted lists visited, IVF) and efSearch
+    (candidate list size, HNSW); 0 = faiss's default. A knob the index does not have is left alone."""
+    import faiss
+
+    for name, value in (("nprobe", nprobe), ("efSearch", ef_search)):
+        if value > 0:
+            try:
+                faiss.ParameterSpace().set_index_parameter(index, name, value)
+            except RuntimeError:   # e.g. efSearch on an IVF index
+                pass
+
+
+def search(query_vecs, doc_vecs, k, index="Flat", nprobe=0, ef_search=0, train_size=100_000, batch=1024):
+    """Maximum inner product search with a faiss index (build_index): exact for "Flat", approximate
+    otherwise. Mining (finetune.py) and evaluation both come here through retrieve().
+    query_vecs (M, H), doc_vecs (N, H) float32 -> (scores (M, k), indices (M, k) int64), best first;
+    an approximate index that finds fewer than k documents fills the tail with index -1, score -inf."""
     doc_vecs = np.ascontiguousarray(doc_vecs, dtype=np.float32)
     query_vecs = np.ascontiguousarray(query_vecs, dtype=np.float32)
     k = min(k, len(doc_vecs))
-    index = faiss.IndexFlatIP(doc_vecs.shape[1])
-    index.add(doc_vecs)
+    index = build_index(doc_vecs, index, train_size)
+    set_search_parameters(index, nprobe, ef_search)
     scores, ids = [np.zeros((0, k), np.float32)], [np.zeros((0, k), np.int64)]
     for start in range(0, len(query_vecs), batch):
         s, i = index.search(query_vecs[start:start + batch], k)  # (m, k) each
         scores.append(s)
         ids.append(i.astype(np.int64))
-    return np.concatenate(scores), np.concatenate(ids)
+    scores, ids = np.concatenate(scores), np.concatenate(ids)
+    return np.where(ids >= 0, scores, -np.inf).astype(np.float32), ids
 
 
 @torch.no_grad()
@@ -266,15 +313,17 @@ def merge_topk_across_ranks(scores, ids, k, device, chunk=16384):
 
 
 def retrieve(encoder, tokenizer, doc_texts, query_texts, k, c, device, timings=None):
-    """Dense retrieval, exact: (scores (Q, k), corpus indices (Q, k)) best first, on EVERY rank.
+    """Dense retrieval: (scores (Q, k), corpus indices (Q, k)) best first, on EVERY rank. Exact with
+    c.index "Flat", else with that faiss index (search(); c.nprobe, c.ef_search, c.index_train).
 
     Under torchrun rank r encodes only its contiguous shard of the corpus (data.shard: no document
-    twice, none dropped), searches it exactly with faiss, and the per-shard top-k lists are all-gathered
+    twice, none dropped), searches it with faiss, and the per-shard top-k lists are all-gathered
     and merged. So every rank does the same amount of work and no rank waits in a collective while
     another searches alone (NCCL's timeout), and no rank ever holds the whole corpus' vectors.
     Every rank encodes all the queries: they are few and short."""
     rank, world = rank_and_world()
     k = min(k, len(doc_texts))
+    new_index(c.index, encoder.config.hidden_size)  # a bad --index fails now, not after encoding the corpus
     shard = data.shard(len(doc_texts), rank, world)
     t0 = time.time()
     doc_vecs = encode(encoder, c.pooling, tokenizer, [doc_texts[i] for i in shard], c.passage_len,
@@ -284,8 +333,8 @@ def retrieve(encoder, tokenizer, doc_texts, query_texts, k, c, device, timings=N
                         c.encode_batch, device, c.bf16, c.similarity)                      # (Q, H)
     t2 = time.time()
     if len(shard):
-        scores, ids = exact_search(query_vecs, doc_vecs, k)
-        ids = ids + shard.start
+        scores, ids = search(query_vecs, doc_vecs, k, c.index, c.nprobe, c.ef_search, c.index_train)
+        ids = np.where(ids >= 0, ids + shard.start, -1)                                   # -1: not found
     else:
         scores, ids = np.zeros((len(query_texts), 0), np.float32), np.zeros((len(query_texts), 0), np.int64)
     t3 = time.time()
@@ -413,7 +462,7 @@ def evaluate_bm25(corpus, queries, qrels, out_dir, k1=1.2, b=0.75, depth=1000, v
 
 def evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c, device, tag="dense",
                      tsne="", depth=1000):
-    """Dense retrieval with retrieve() (corpus sharded across ranks, exact faiss search), then
+    """Dense retrieval with retrieve() (corpus sharded across ranks, faiss search with c.index), then
     rank 0 saves and scores the run, prints the metrics and returns (means, per_query); other ranks
     return None. tsne: a query id or "auto" for the COSTA Figure 3 plot. Every rank must call this."""
     rank, world = rank_and_world()
@@ -427,12 +476,12 @@ def evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c, dev
     timings["total_s"] = time.time() - t0
     if rank != 0:
         return None
-    run = {q: {doc_ids[j]: float(s) for s, j in zip(scores[r], ids[r])} for r, q in enumerate(qids)}
+    run = {q: {doc_ids[j]: float(s) for s, j in zip(scores[r], ids[r]) if j >= 0} for r, q in enumerate(qids)}
     info = {"pooling": c.pooling, "similarity": c.similarity, "world": world, "device": device.type, "n_docs": len(doc_ids), **timings}
     means, per_query = save_and_score(run, qrels, out_dir, tag, info)
     print(f"{tag}: encoded {len(doc_ids):,} passages in {timings['encode_docs_s']:.1f}s "
           f"({timings['docs_per_s_per_rank'] * world:,.0f} docs/s over {world} process(es)), "
-          f"{len(qids)} queries in {timings['encode_queries_s']:.1f}s, exact search {timings['search_s']:.2f}s "
+          f"{len(qids)} queries in {timings['encode_queries_s']:.1f}s, {c.index} search {timings['search_s']:.2f}s "
           f"-> {Path(out_dir) / 'run.trec'}")
     print(format_table({tag: (means, per_query)}))
     if tsne:

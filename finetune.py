@@ -112,6 +112,10 @@ class Config:
     bf16: bool = True             # bf16 autocast on GPU and on CPUs with native bf16 (AVX512-BF16, AMX); scores and losses in fp32
     workers: int = 0              # data-loader worker processes building batches
     encode_batch: int = 128       # texts per forward pass when encoding a corpus
+    index: str = "Flat"           # faiss index_factory string for dense search: "Flat" = exact; "HNSW32", "IVF256,PQ32", ...
+    nprobe: int = 0               # IVF indexes: inverted lists visited per query (0 = faiss's default, 1)
+    ef_search: int = 0            # HNSW indexes: candidate list size per query (0 = faiss's default, 16)
+    index_train: int = 100000     # corpus vectors sampled to train an index that needs it (IVF, PQ)
     # --- bookkeeping
     out_dir: str = "runs/finetune"  # stages, negatives, final encoder/ and eval-{split}/ go here
     log_every: int = 10           # steps between progress lines
@@ -134,6 +138,7 @@ FLAG_RULES = {
     "rounds": ">= 0", "hard_depth": ">= 1", "hard_skip": ">= 0", "epochs": ">= 0", "hard_epochs": "> 0",
     "steps": ">= 0", "batch_size": ">= 1", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
     "warmup": "in [0, 1]", "clip": "> 0", "workers": ">= 0", "encode_batch": ">= 1", "log_every": ">= 1",
+    "nprobe": ">= 0", "ef_search": ">= 0", "index_train": ">= 1",
     "save_every": ">= 1", "halt_at": ">= 0",
 }
 
@@ -387,7 +392,7 @@ def hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc
         t0 = time.time()
         _, ids = evaluate.retrieve(encoder, tokenizer, doc_texts, [ex.query for ex in examples],
                           c.hard_depth, c, device)
-        ranked = {ex.qid: row.tolist() for ex, row in zip(examples, ids)}
+        ranked = {ex.qid: row[row >= 0].tolist() for ex, row in zip(examples, ids)}   # -1: an approximate index found fewer
         if is_rank0:
             write_negatives(path, ranked, doc_ids)
             print(f"mined: top-{c.hard_depth} of {len(examples)} queries over {len(doc_texts):,} passages "

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import data
 
@@ -45,7 +46,7 @@ class Config:
     vocab: str = str(data.VOCAB)  # WordPiece vocab.txt (BERT uncased, 30,522 entries)
     max_len: int = 128            # tokens per window incl. [CLS] and [SEP] (paper: 512)
     # --- model (CPU default is small; --preset paper gives BERT-base)
-    vocab_size: int = 30522       # rows of the token embedding; must match the vocab file
+    vocab_size: int = 30522       # rows of the token embedding; must match the vocab file (paper: 32,768)
     hidden_size: int = 256        # H (paper: 768)
     num_layers: int = 4           # Transformer blocks (paper: 12)
     num_heads: int = 4            # attention heads (paper: 12)
@@ -56,12 +57,14 @@ class Config:
     layer_norm_eps: float = 1e-12  # BERT's LayerNorm epsilon
     init: str = ""                # start from: a BERT folder, a hub id, or "minilm" (offline package); "" = random
     # --- optimisation
-    steps: int = 300              # optimizer steps (paper: 6 epochs of Wikipedia)
+    steps: int = 300              # optimizer steps (paper: 1M steps, 4.1)
+    epochs: float = 0.0           # > 0: passes over the windows; sets steps from windows and global batch
     batch_size: int = 32          # texts per rank per micro-step
+    global_batch: int = 0         # > 0: texts per optimizer step on all ranks; sets batch_size (paper: 256, 4.1)
     grad_accum: int = 1           # micro-steps per optimizer step (adds no negatives to the contrastive loss)
-    lr: float = 5e-4              # peak learning rate (paper: 5e-5 from BERT's checkpoint)
+    lr: float = 5e-4              # peak learning rate (paper: 1e-4, from scratch, 4.1)
     weight_decay: float = 0.01    # AdamW weight decay (not on biases and LayerNorm)
-    warmup: float = 0.1           # fraction of steps of linear warm-up, then linear decay to 0
+    warmup: float = 0.1           # fraction of steps of linear warm-up, then linear decay to 0 (paper: 10k of 1M)
     clip: float = 1.0             # max gradient norm
     mask_prob: float = 0.15       # MLM: fraction of tokens chosen
     seed: int = 0                 # model init, data order and masks
@@ -78,11 +81,20 @@ class Config:
     # --- SEED-Encoder's weak decoder (section 3.4; Figure 3 ablations)
     dec_layers: int = 3           # decoder Transformer blocks (paper: 3; Figure 3 also tries 1 and 5)
     dec_span: int = 2             # self-attention span k of eq. 9 (paper: 2); 0 = full causal, the "strong decoder"
+    dec_chunk: int = 2048         # decoder positions per chunk of vocabulary logits (peak ~ chunk x |V| fp32); 0 = all
     diagnose: str = ""            # encoder folder: print Figure 5's [CLS] cosine by length, then exit (no training)
 
 
 # Section 4.1: from scratch, peak lr 1e-4, 10k of 1M steps warm-up. 12 heads as in BERT-base (the text says 8).
-PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=1e-4, warmup=0.01)
+# --preset paper: section 4.1 "Pre-training Details". From scratch (no --init), BERT-base sizes, 1M steps
+# at batch 256 over all ranks (global_batch: batch_size = 256 / processes), maximum length 512, 15% masks,
+# Adam eps 1e-6 (make_optimizer's call in train) and betas (0.9, 0.999), peak lr 1e-4 after 10k warm-up
+# steps (0.01 of 1M; with --steps or --epochs the fraction stays 1%), then linear decay to zero, dropout
+# 0.1, clip 1.0, weight decay 0.01 (Config's defaults). Departure: the paper's 32,768-token vocabulary
+# (Ke et al., 2020) is not available; we use BERT's 30,522.
+PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=1e-4,
+                    warmup=0.01, steps=1_000_000, global_batch=256, mask_prob=0.15, dropout=0.1, clip=1.0,
+                    weight_decay=0.01)
 
 
 # The domain of each numeric flag, checked by data.parse_config before any work.
@@ -90,10 +102,10 @@ FLAG_RULES = {
     "max_len": ">= 10",  # 8 tokens between [CLS] and [SEP]: shorter windows are dropped (data.make_windows)
     "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
     "max_position": ">= 1", "type_vocab_size": ">= 1", "dropout": "in [0, 1)", "layer_norm_eps": "> 0",
-    "steps": ">= 1", "batch_size": ">= 1", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
+    "steps": ">= 1", "epochs": ">= 0", "batch_size": ">= 1", "global_batch": ">= 0", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
     "warmup": "in [0, 1]", "clip": "> 0", "mask_prob": "in [0, 1]", "workers": ">= 0", "log_every": ">= 1",
     "save_every": ">= 1", "halt_at": ">= 0",
-    "dec_layers": ">= 1", "dec_span": ">= 0",
+    "dec_layers": ">= 1", "dec_span": ">= 0", "dec_chunk": ">= 0",
 }
 
 
@@ -217,6 +229,34 @@ def decoder_loss(logits, targets, ignore_index=-100):
     return F.cross_entropy(logits, targets.reshape(-1), ignore_index=ignore_index)  # (), mean over tokens
 
 
+def _chunk_sum_and_correct(states, weight, targets):
+    """One chunk of chunked_decoder_loss: the summed eq. 9 terms and the correct top-1 count of its
+    positions. states (n, H), weight (V, H), targets (n,) -> ((), ())."""
+    with torch.autocast(states.device.type, enabled=False):   # fp32 logits, as WeakDecoder.logits
+        logits = states.float() @ weight.float().T                                  # (n, V)
+        total = F.cross_entropy(logits, targets, reduction="sum")                   # () sum of -log P
+    return total, (logits.argmax(-1) == targets).sum()                              # (), ()
+
+
+def chunked_decoder_loss(states, weight, targets, chunk):
+    """decoder_loss (eq. 9, the mean of -log P(x_t | x_{t-k..t-1}, h0) over the N target tokens) of the
+    logits states @ weight.T, computed `chunk` positions at a time. Each chunk runs under activation
+    checkpointing: its (chunk, V) logits are freed after its forward and rebuilt in the backward, so the
+    peak holds one chunk's logits instead of all N x V (2 GB fp32 for 32 x 511 tokens at BERT's |V|).
+    Same loss and gradients as the unchunked projection (test_losses). chunk 0 = all at once.
+    states (N, H), weight (V, H) the tied embedding, targets (N,) -> (loss (), n_correct ())."""
+    if chunk == 0 or states.shape[0] <= chunk:
+        total, correct = _chunk_sum_and_correct(states, weight, targets)            # (), ()
+        return total / max(targets.numel(), 1), correct
+    total, correct = states.new_zeros((), dtype=torch.float32), 0
+    for start in range(0, states.shape[0], chunk):
+        part = slice(start, start + chunk)
+        chunk_total, chunk_correct = checkpoint(_chunk_sum_and_correct, states[part], weight, targets[part],
+                                                use_reentrant=False)                # (), ()
+        total, correct = total + chunk_total, correct + chunk_correct
+    return total / targets.numel(), correct                                         # mean over N tokens
+
+
 # The pre-training objective (eq. 10), built from the model pieces and the losses above.
 class PretrainModel(nn.Module):
     """The encoder plus what pre-training adds on top of it. Returns the loss and what to log."""
@@ -231,10 +271,9 @@ class PretrainModel(nn.Module):
         mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)
         states = self.decoder(batch["decoder_input"], hidden)                    # (B, L-1, H)
         kept = batch["decoder_targets"] != -100                                  # (B, L-1) every real token
-        logits = self.decoder.logits(states[kept])                               # (N, V) fp32
         targets = batch["decoder_targets"][kept]                                 # (N,)
-        dec = decoder_loss(logits, targets)
-        dec_correct = (logits.argmax(-1) == targets).sum()
+        dec, dec_correct = chunked_decoder_loss(                                 # eq. 9, fp32 logits
+            states[kept], self.decoder.word_embedding[0].weight, targets, self.config.dec_chunk)
         # Eq. 10, weights 1/1. The authors' 0.5/0.5 only halves the gradient: AdamW's update is
         # unchanged by that (up to eps), the clip norm (1.0) just binds later.
         return mlm + dec, {"mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
@@ -302,6 +341,7 @@ def train(c):
     if is_rank0 and getattr(encoder, "new_mlm_head", False):
         print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
     windows, special = load_windows(c, is_rank0)
+    c = data.resolve_schedule(c, world, len(windows))   # --global_batch, --epochs -> batch_size, steps
     model = PretrainModel(c, encoder).to(device)
     optimizer, scheduler = make_optimizer(model, c, eps=1e-6)        # SEED 4.1: Adam epsilon 1e-6
     start_step = load_checkpoint(c, model, optimizer, scheduler, is_rank0) if c.resume else 0

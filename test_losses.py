@@ -361,6 +361,24 @@ def test_bag_of_words_marks_words_of_the_original_text_only():
     assert bag[1].nonzero().flatten().tolist() == [7592]  # [MASK] and [UNK] out
 
 
+def _idf_by_python_loop(texts, vocab_size):
+    """compute_idf as it was before np.bincount: one torch.unique per window (the reference)."""
+    df = torch.zeros(vocab_size, dtype=torch.float64)
+    for text in texts:
+        ids = text[0] if isinstance(text, tuple) else text
+        df[torch.unique(torch.as_tensor(ids, dtype=torch.long))] += 1.0
+    return (torch.log((len(texts) + 1.0) / (df + 1.0)) + 1.0).float()
+
+
+def test_compute_idf_equals_the_per_window_loop_on_real_text(tokenizer):
+    windows = data.make_windows(tokenizer, data.read_pretraining_texts(data.WIKI)[:60], max_len=128)
+    assert len(windows) > 200
+    idf = cpdae.compute_idf(windows, 30522)
+    assert torch.equal(idf, _idf_by_python_loop(windows, 30522))
+    assert len(set(idf.tolist())) > 20                                         # not a constant vector
+    assert torch.equal(cpdae.compute_idf([], 7), _idf_by_python_loop([], 7))  # no windows: all ones
+
+
 def test_compute_idf_formula_on_windows_and_id_lists():
     texts = [[5, 6, 6], [5, 7], [5, 8, 9], [9]]
     idf = cpdae.compute_idf(texts, vocab_size=12)
@@ -837,6 +855,35 @@ def test_decoder_loss_term_by_term_and_padding_ignored():
     scrambled = logits.clone()
     scrambled[1, 2:] = torch.randn(2, SMALL_VOCAB) * 100  # padded positions: must not matter
     assert torch.equal(seed.decoder_loss(scrambled, targets), seed.decoder_loss(logits, targets))
+
+
+def _decoder_loss_and_grads(states, weight, targets, chunk):
+    """chunked_decoder_loss's loss, correct count and gradients, and the largest tensor autograd kept
+    outside the checkpointed chunks (numel)."""
+    states, weight = states.clone().requires_grad_(), weight.clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        loss, correct = seed.chunked_decoder_loss(states, weight, targets, chunk)
+    (loss * 3.0).backward()
+    return loss, correct, states.grad, weight.grad, max(saved)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16, 39])
+def test_chunked_decoder_loss_equals_unchunked(chunk):
+    torch.manual_seed(0)
+    n, vocab = 40, SMALL_VOCAB                      # N x V logits outweigh the (V, 8) embedding
+    states, weight = torch.randn(n, 8), torch.randn(vocab, 8)                  # fp32, as the loss computes
+    targets = torch.randint(0, vocab, (n,))
+    reference = seed.decoder_loss(states @ weight.T, targets)                    # eq. 9, unchunked
+    full = _decoder_loss_and_grads(states, weight, targets, 0)
+    part = _decoder_loss_and_grads(states, weight, targets, chunk)
+    torch.testing.assert_close(full[0], reference)
+    torch.testing.assert_close(part[0], full[0])                                 # same loss
+    assert int(part[1]) == int(full[1]) == int(((states @ weight.T).argmax(-1) == targets).sum())
+    torch.testing.assert_close(part[2], full[2])                                 # d loss / d states
+    torch.testing.assert_close(part[3], full[3])                                 # d loss / d embedding
+    assert full[4] >= n * vocab                     # unchunked: autograd keeps all N x V logits
+    assert part[4] < n * vocab and part[4] <= max(chunk * vocab, weight.numel())  # chunked: at most one chunk
 
 
 def test_logits_use_the_shared_embedding():

@@ -3,6 +3,7 @@ shared blocks, fine-tuning and evaluation. Loss equations are proven in test_los
 
     pytest -q test_pipeline.py
 """
+import dataclasses
 import gzip
 import json
 import math
@@ -315,6 +316,39 @@ def test_config_overrides_by_field_name():
         parse(["--steps", "many"])
 
 
+@pytest.mark.parametrize("script, expected", [
+    # COSTA 4.5.1: 6 epochs, lr 5e-5, 10% warm-up, length 512 (batch not given: no global_batch)
+    ("costa", dict(epochs=6.0, lr=5e-5, warmup=0.1, max_len=512, global_batch=0, steps=300)),
+    # CPDAE 4.1.3: 3 epochs at m = 64, lr 5e-5, 10% warm-up
+    ("cpdae", dict(epochs=3.0, lr=5e-5, warmup=0.1, max_len=512, global_batch=64)),
+    # SEED 4.1: 1M steps at 256, lr 1e-4, 10k warm-up steps, length 512, from scratch
+    ("seed", dict(steps=1_000_000, epochs=0.0, lr=1e-4, max_len=512, global_batch=256, init="")),
+])
+def test_paper_presets_follow_the_papers(script, expected):
+    module = __import__(script)
+    c = data.parse_config(module.Config, ["--preset", "paper"], "", module.PAPER_PRESET, module.FLAG_RULES)
+    assert {k: getattr(c, k) for k in expected} == expected
+    assert (c.hidden_size, c.num_layers, c.num_heads, c.ffn_size) == (768, 12, 12, 3072)
+    if script == "seed":
+        assert int(c.warmup * c.steps) == 10_000                                 # 10k warm-up steps
+    source = Path(module.__file__).read_text()
+    assert "paper: 6 epochs" not in source or script == "costa"                  # copied comments are gone
+    assert "5e-5 from BERT's checkpoint" not in source or script != "seed"
+
+
+def test_resolve_schedule_from_epochs_and_global_batch():
+    c = costa.Config(batch_size=32, grad_accum=1, steps=300)
+    assert data.resolve_schedule(c, world=1, n_windows=1000) == c             # both 0: unchanged
+    c = dataclasses.replace(c, global_batch=64, epochs=3.0)
+    two = data.resolve_schedule(c, world=2, n_windows=1000)
+    assert (two.batch_size, two.steps) == (32, 3 * (1000 // 64))                # 15 batches of 64 per epoch
+    accum = data.resolve_schedule(dataclasses.replace(c, grad_accum=2), world=4, n_windows=1000)
+    assert (accum.batch_size, accum.steps) == (8, 3 * (1000 // 32) // 2)        # epochs count micro-steps
+    assert data.resolve_schedule(dataclasses.replace(c, epochs=0.5), 1, 1000).steps == round(0.5 * 15)
+    with pytest.raises(ValueError, match="--global_batch 64 is not a multiple of 3 process"):
+        data.resolve_schedule(c, world=3, n_windows=1000)
+
+
 # ----------------------------------------------------------------------------------------------
 # Training runs: one process, torchrun with 2 processes, resume
 # ----------------------------------------------------------------------------------------------
@@ -360,6 +394,18 @@ def test_resume_continues_exactly(tmp_path, small_corpus):
     assert (tmp_path / "straight" / "encoder" / "model.safetensors").is_file()
     saved = json.loads((tmp_path / "straight" / "config.json").read_text())
     assert saved["steps"] == 6 and saved["hidden_size"] == 32
+
+
+def test_epochs_sets_steps_and_both_are_saved(tmp_path, small_corpus):
+    out = tmp_path / "run"
+    run_script([str(HERE / "seed.py"), "--corpus", str(small_corpus), *TINY_ARGS, "--epochs", "1",
+                "--global_batch", "8", "--dec_layers", "1", "--out_dir", str(out)], tmp_path)
+    tokenizer = data.load_tokenizer(data.VOCAB)
+    n_windows = len(data.make_windows(tokenizer, data.read_pretraining_texts(small_corpus), 64))
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["epochs"], saved["global_batch"], saved["batch_size"]) == (1.0, 8, 8)
+    assert saved["steps"] == n_windows // 8 != 300
+    assert [r["step"] for r in read_log(out)] == list(range(1, n_windows // 8 + 1))
 
 
 def test_resume_continues_exactly_with_two_processes(tmp_path, small_corpus):
@@ -549,6 +595,56 @@ def test_exact_search_matches_numpy_brute_force():
     want = np.argsort(-full, axis=1, kind="stable")[:, :20]
     np.testing.assert_array_equal(ids, want)
     np.testing.assert_allclose(scores, np.take_along_axis(full, want, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_index_flat_equals_exact_search():
+    import faiss
+    rng = np.random.default_rng(1)
+    docs = rng.standard_normal((400, 16)).astype(np.float32) * rng.uniform(0.2, 3, (400, 1)).astype(np.float32)
+    queries = rng.standard_normal((9, 16)).astype(np.float32)
+    flat = faiss.IndexFlatIP(16)
+    flat.add(docs)
+    want_s, want_i = flat.search(queries, 25)
+    scores, ids = evaluate.search(queries, docs, 25, "Flat")
+    np.testing.assert_array_equal(ids, want_i)
+    np.testing.assert_array_equal(scores, want_s)
+    full = queries @ docs.T                          # inner product, not L2: the norms vary
+    np.testing.assert_array_equal(ids, np.argsort(-full, axis=1, kind="stable")[:, :25])
+
+
+def _top10_hits(ids, exact_ids):
+    return np.mean([set(a) == set(b) for a, b in zip(ids[:, :10], exact_ids[:, :10])])
+
+
+def test_hnsw_and_ivf_indexes_find_the_exact_top10():
+    rng = np.random.default_rng(0)
+    docs = rng.standard_normal((3000, 32)).astype(np.float32)
+    queries = docs[rng.choice(3000, 100, replace=False)] + 0.5 * rng.standard_normal((100, 32)).astype(np.float32)
+    _, exact = evaluate.search(queries, docs, 10, "Flat")
+    _, hnsw = evaluate.search(queries, docs, 10, "HNSW32", ef_search=128)
+    assert _top10_hits(hnsw, exact) >= 0.9                                      # most queries: the exact top-10
+    _, all_lists = evaluate.search(queries, docs, 10, "IVF16,Flat", nprobe=16)  # every list probed: exact
+    assert _top10_hits(all_lists, exact) == 1.0
+    _, one_list = evaluate.search(queries, docs, 10, "IVF16,Flat", nprobe=1)    # nprobe reaches the index
+    assert _top10_hits(one_list, exact) < 0.9
+    index = evaluate.build_index(docs, "HNSW32")
+    evaluate.set_search_parameters(index, nprobe=5, ef_search=77)               # nprobe: HNSW has none
+    assert index.hnsw.efSearch == 77
+    with pytest.raises(ValueError, match="--index 'PQ7' is not a faiss index_factory string for 32-d"):
+        evaluate.search(queries, docs, 10, "PQ7")
+
+
+def test_retrieve_with_an_index_from_the_config():
+    torch.manual_seed(0)
+    encoder = finetune.Encoder(finetune.Config(**TINY))
+    c = finetune.Config(**TINY, encode_batch=8, query_len=16, passage_len=24, pooling="cls",
+                        index="IVF2,Flat", nprobe=2)                            # both lists: exact
+    texts = _toy_texts()
+    s, i = evaluate.retrieve(encoder, _tokenizer(), texts, texts[:5], 10, c, torch.device("cpu"))
+    _assert_same_topk(s, i, _brute_force(encoder, texts, texts[:5], c), 10)
+    with pytest.raises(ValueError, match="--index 'IVF2,Bogus'"):
+        evaluate.retrieve(encoder, _tokenizer(), texts, texts[:5], 10,
+                          dataclasses.replace(c, index="IVF2,Bogus"), torch.device("cpu"))
 
 
 # ------------------------------------------------------------------ figures
