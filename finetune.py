@@ -655,9 +655,10 @@ def evaluate_folder(c, folder, out_dir, tag):
 def pipeline(c):
     """--pretrain METHOD, the quick start: from the starting checkpoint c.init,
       1. evaluate it zero-shot;
-      2. continue pre-training it with METHOD on the corpus (pretrain_steps steps);
-      3. fine-tune that (BM25 negatives; --rounds N adds rounds of mined hard negatives) and evaluate it;
-      4. unless --baseline false, also fine-tune c.init without step 2, identically;
+      2. fine-tune it (BM25 negatives; --rounds N adds rounds of mined hard negatives) and evaluate it,
+         the row without continued pre-training (--baseline false skips it);
+      3. continue pre-training it with METHOD on the corpus (pretrain_steps steps);
+      4. fine-tune that identically and evaluate it;
     then print every row next to BM25 with paired two-tailed t-tests."""
     t0 = time.time()
     if c.pretrain not in ("costa", "seed", "cpdae"):
@@ -666,7 +667,7 @@ def pipeline(c):
         # The pre-training script ends its process group; a second one in the same processes can meet
         # the first one's stale rendezvous keys (gloo "connectFullMesh failed"), so refuse instead.
         raise ValueError(f"--pretrain runs the whole pipeline in one process; under torchrun run its steps: "
-                             f"torchrun ... {c.pretrain}.py --out_dir DIR, then torchrun ... finetune.py --init DIR/encoder")
+                         f"torchrun ... {c.pretrain}.py --out_dir DIR, then torchrun ... finetune.py --init DIR/encoder")
     if not c.eval_split:
         raise ValueError("--pretrain compares models on the evaluation split: give --eval_split")
     check_run_folder(c, RUN_FILES + ("pretrain", "zero-shot", "no-pretrain"))  # before any work, not after it
