@@ -64,10 +64,15 @@ def run_one(c, key, arm, seed, n_queries=0, init=""):
     """Pre-train (arm's method, unless init is given or the arm is "none"), fine-tune, evaluate.
     A run that did not finish before a crash starts again from scratch (--overwrite)."""
     folder = Path(c.out_dir) / key
-    argv = ["--init", init or c.init, "--out_dir", str(folder), "--seed", str(seed), "--overwrite",
+    argv = ["--init", c.init, "--out_dir", str(folder), "--seed", str(seed), "--overwrite",
             "--n_queries", str(n_queries), "--pretrain_steps", str(c.pretrain_steps)] + shlex.split(c.finetune_args)
     fc = data.parse_config(finetune.Config, argv, "", finetune.PAPER_PRESET, finetune.FLAG_RULES)
-    if ARMS[arm] and not init:
+    # Pooling and similarity come from the starting checkpoint (MiniLM: mean, cosine), for every arm: a
+    # pre-trained folder declares none, and would otherwise fall back to the papers' [CLS] and dot product.
+    fc = finetune.retriever_settings(dataclasses.replace(fc, init=data.resolve_model(fc.init)))
+    if init:                                         # the curve: an arm's pre-trained encoder, or c.init
+        fc = dataclasses.replace(fc, init=init)
+    elif ARMS[arm]:
         method, args = ARMS[arm]
         fc = dataclasses.replace(fc, pretrain=method, pretrain_args=f"{args} {c.pretrain_args}")
         fc = dataclasses.replace(fc, init=finetune.pretrain(fc))

@@ -1288,7 +1288,9 @@ def test_study_runs_every_arm_writes_table_and_figures_and_resumes(tmp_path, cap
 
     beir = _scifact_subset(tmp_path / "beir", n_train=12, n_test=8, n_other=40)
     out = tmp_path / "study"
-    argv = ["--init", _tiny_init(tmp_path / "tiny"), "--arms", "none,mlm,costa", "--seeds", "0,1",
+    init = _tiny_init(tmp_path / "tiny")
+    data.write_retriever_settings(init, "mean", "cos", 64, 64)     # a starting point that declares its vectors
+    argv = ["--init", init, "--arms", "none,mlm,costa", "--seeds", "0,1",
             "--pretrain_steps", "2", "--pretrain_args", "--batch_size 4 --max_len 64 --log_every 1",
             "--finetune_args", f"--dataset {beir} --steps 2 --batch_size 4 --passage_len 64 --log_every 1",
             "--low_resource", "4", "--samples", "2", "--out_dir", str(out)]
@@ -1299,6 +1301,9 @@ def test_study_runs_every_arm_writes_table_and_figures_and_resumes(tmp_path, cap
     assert sorted(r["key"] for r in runs[6:]) == sorted(f"{a}/n4/sample{s}" for a in ("none", "mlm", "costa") for s in (0, 1))
     assert (out / "mlm" / "seed1" / "pretrain" / "encoder" / "config.json").is_file()
     assert json.loads((out / "mlm" / "seed0" / "pretrain" / "config.json").read_text())["gwc_weight"] == 0.0
+    for run in ("none/seed0", "costa/seed1", "costa/n4/sample0"):   # every arm fine-tunes with the init's vectors
+        settings = data.read_retriever_settings(out / run / "encoder")
+        assert (settings["pooling"], settings["similarity"]) == ("mean", "cos"), run
     table = (out / "table.md").read_text()
     for arm in ("none", "mlm", "costa"):
         assert re.search(rf"^\| {arm} \| 0\.\d{{4}} \+- 0\.\d{{4}} \|", table, re.M), arm
