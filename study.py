@@ -34,7 +34,7 @@ class Config:
     init: str = "minilm"          # the starting checkpoint of every arm (folder, hub id or "minilm")
     arms: str = "none,mlm,seed,cpdae,costa"  # none = no continued pre-training; mlm = costa.py --gwc_weight 0
     seeds: str = "0,1,2"          # one run per arm and seed
-    pretrain_steps: int = 200     # continued pre-training steps of every method (batch 32 x 128 tokens each)
+    pretrain_steps: int = 50      # continued pre-training steps of every method (batch 32 x 128 tokens each; 2 h in all on 2 cores)
     pretrain_args: str = ""       # more flags for every pre-training script, e.g. "--batch_size 16"
     finetune_args: str = ""       # more flags for every fine-tuning, e.g. "--epochs 3"
     low_resource: str = "50,100,200"  # training-query counts of the curve ("" = no curve); all 809 = the seed runs
