@@ -18,12 +18,14 @@ import importlib
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import data
@@ -44,9 +46,9 @@ def load_batches(module, c, n_batches):
     with tempfile.TemporaryDirectory() as tmp:
         c.corpus = str(Path(tmp) / "corpus.jsonl")
         Path(c.corpus).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-        windows, special, *extra = module.load_windows(c, False)
-    dataset = module.Batches(c, windows, special, 0, 1, *extra)
-    return [dataset[i] for i in range(n_batches)]
+        windows, special, *extra = module.load_windows(c, 0)
+        dataset = module.Batches(c, windows, special, 0, 1, *extra)
+        return [dataset[i] for i in range(n_batches)]
 
 
 def hf_model(c):
@@ -146,6 +148,94 @@ def js_memory_table(m, vocab):
               flush=True)
 
 
+# ----------------------------------------------------------------------------------------------
+# --scale: start-up time and peak memory against corpus size, token cache vs the in-memory windows
+# ----------------------------------------------------------------------------------------------
+TINY_MODEL = ["--hidden_size", "64", "--num_layers", "2", "--num_heads", "2", "--ffn_size", "128",
+              "--batch_size", "32", "--max_len", "128", "--steps", "2", "--log_every", "1", "--save_every", "1000",
+              "--bf16", "false", "--overwrite"]   # a tiny model: what grows with the corpus is the data path
+
+
+def synthetic_corpus(folder, millions):
+    """A plain-text corpus of about `millions` million WordPiece tokens: the bundled Wikipedia slice
+    (1.17 M tokens) repeated, its documents shuffled in every copy, blank lines between documents."""
+    texts = data.read_pretraining_texts(data.WIKI)
+    per_copy = sum(len(e.ids) for e in data.load_tokenizer().encode_batch(texts, add_special_tokens=False))
+    copies = max(1, round(millions * 1e6 / per_copy))
+    path = Path(folder) / f"corpus-{millions}M" / "corpus.txt"
+    if not path.is_file():
+        rng = np.random.default_rng(0)
+
+        def write(tmp):
+            with open(tmp, "w", encoding="utf-8") as f:
+                for _ in range(copies):
+                    for i in rng.permutation(len(texts)):
+                        f.write(texts[i].replace("\n\n", "\n") + "\n\n")
+        data._atomic(path, write)
+    return path, copies * per_copy
+
+
+def legacy_load_windows(c, rank):
+    """The data path before the token cache: every rank reads and tokenizes the whole corpus into
+    Python lists (make_windows). For --scale's "before" rows only."""
+    tokenizer = data.load_tokenizer(c.vocab)
+    windows = data.make_windows(tokenizer, data.read_pretraining_texts(c.corpus), c.max_len)
+    vocab_tokens = [tokenizer.id_to_token(i) for i in range(tokenizer.get_vocab_size())]
+    return windows, data.special_ids(tokenizer), vocab_tokens
+
+
+def run_legacy_costa(argv):
+    import costa
+    costa.load_windows = legacy_load_windows
+    costa.train(data.parse_config(costa.Config, argv, costa.__doc__, costa.PAPER_PRESET, costa.FLAG_RULES))
+
+
+def measure(cmd):
+    """Run cmd in a fresh wrapper process; return (seconds to the first 'step' line, wall seconds,
+    peak RSS in MiB of the largest process it started (a rank; ru_maxrss of the children))."""
+    wrapper = ("import json, resource, subprocess, sys, time\n"
+               "t0 = time.time(); first = None\n"
+               "p = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)\n"
+               "for line in p.stdout:\n"
+               "    if first is None and line.startswith('step'): first = time.time() - t0\n"
+               "    tail = line\n"
+               "if p.wait(): sys.exit('failed: ' + tail)\n"
+               "print(json.dumps([first, time.time() - t0, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024]))\n")
+    result = subprocess.run([sys.executable, "-c", wrapper] + cmd, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"{' '.join(map(str, cmd))}: {result.stderr.strip() or result.stdout.strip()}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def scale_table(sizes, procs, before_max, folder, workers):
+    """Rows: corpus size x processes x (before | after, first run | second run)."""
+    print("| corpus | processes | data path | run | time to first step | peak RSS per rank |")
+    print("|---|---|---|---|---|---|")
+    built = []
+    for millions in sizes:
+        corpus, n_tokens = synthetic_corpus(folder, millions)
+        for n in procs:
+            if n == procs[0]:
+                for cache in Path(corpus).parent.glob("*.tokens-*"):
+                    shutil.rmtree(cache)                      # the first run builds the cache
+            launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
+            common = ["--corpus", str(corpus), "--out_dir", str(Path(folder) / "run"), "--prep_workers", str(workers)]
+            variants = [("token cache", "first (builds it)", launch + ["costa.py"])] if n == procs[0] else []
+            variants.append(("token cache", "second", launch + ["costa.py"]))
+            if millions <= before_max:
+                variants.insert(0, ("in memory (before)", "every run", launch + [__file__, "--legacy_costa"]))
+            for path_name, run, cmd in variants:
+                first, wall, rss = measure(cmd + common + TINY_MODEL)
+                print(f"| {n_tokens / 1e6:,.0f} M tokens | {n} | {path_name} | {run} | {first:.1f} s | {rss:,.0f} MiB |",
+                      flush=True)
+        (manifest,) = Path(corpus).parent.glob("*.tokens-*/manifest.json")
+        m = json.loads(manifest.read_text())
+        disk = sum(f.stat().st_size for f in manifest.parent.iterdir()) / 2**20
+        built.append(f"{m['n_tokens']:,} tokens: tokenized in {m['seconds']} s ({m['tokens_per_s']:,} tokens/s, "
+                     f"{workers or os.cpu_count()} workers), cache {disk:,.0f} MiB on disk")
+    print("\n" + "\n".join(built))
+
+
 def parse_value(text):
     try:
         return json.loads(text)
@@ -162,10 +252,26 @@ def main():
                         help="Config override for every variant, e.g. batch_size=64")
     parser.add_argument("--js", action="store_true", help="CPDAE's JS loss memory, chunked vs naive")
     parser.add_argument("--js_texts", type=int, default=64, help="texts (x 2 views) for --js")
+    parser.add_argument("--scale", default="", metavar="SIZES",
+                        help="start-up time and peak RSS against corpus size, e.g. 1,20,200 (million tokens)")
+    parser.add_argument("--scale_procs", default="1,2", help="torchrun processes for --scale")
+    parser.add_argument("--scale_before_max", type=float, default=20,
+                        help="largest size (million tokens) also run on the old in-memory path")
+    parser.add_argument("--scale_dir", default="runs/bench-scale", help="synthetic corpora and caches for --scale")
+    parser.add_argument("--prep_workers", type=int, default=0, help="tokenizing processes (0 = all cores)")
+    parser.add_argument("--legacy_costa", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # internal
     parser.add_argument("--one", help=argparse.SUPPRESS)          # internal: run one variant, print JSON
     parser.add_argument("--js-one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     overrides = {k: parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}
+    if args.legacy_costa is not None:
+        run_legacy_costa(args.legacy_costa)
+        return
+    if args.scale:
+        scale_table([float(x) if "." in x else int(x) for x in args.scale.split(",")],
+                    [int(x) for x in args.scale_procs.split(",")], args.scale_before_max, args.scale_dir,
+                    args.prep_workers)
+        return
     if args.js_one:
         variant, chunk, m, vocab = args.js_one.split(":")
         print(json.dumps(js_memory_one(variant, int(chunk), int(m), int(vocab))))

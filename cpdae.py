@@ -74,6 +74,8 @@ class Config:
     seed: int = 0                 # model init, data order and masks
     bf16: bool = True             # bf16 autocast on GPU and on CPUs with native bf16 (AVX512-BF16, AMX)
     workers: int = 0              # data-loader worker processes building batches
+    cache_dir: str = ""           # token cache folder ("" = next to the corpus; see data.token_windows)
+    prep_workers: int = 0         # processes tokenizing the corpus into the cache, first run only (0 = all cores)
     # --- bookkeeping
     out_dir: str = "runs/cpdae"   # checkpoints, config.json and log.jsonl go here
     log_every: int = 10           # steps between progress lines
@@ -107,7 +109,7 @@ FLAG_RULES = {
     "max_position": ">= 1", "type_vocab_size": ">= 1", "dropout": "in [0, 1)", "layer_norm_eps": "> 0",
     "steps": ">= 1", "epochs": ">= 0", "batch_size": ">= 1", "global_batch": ">= 0", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
     "warmup": "in [0, 1]", "clip": "> 0", "mask_prob": "in [0, 1]", "workers": ">= 0", "log_every": ">= 1",
-    "save_every": ">= 1", "halt_at": ">= 0",
+    "save_every": ">= 1", "halt_at": ">= 0", "prep_workers": ">= 0",
     "cl_weight": ">= 0", "cls_temperature": "> 0", "js_chunk": ">= 1",
 }
 
@@ -342,14 +344,41 @@ def compute_idf(texts, vocab_size):
 
 def idf_from_token_ids(ids, offsets, vocab_size):
     """compute_idf on flat token ids (T,) and window bounds offsets (N + 1,): text i is
-    ids[offsets[i]:offsets[i + 1]]. Vectorised: a (text, id) pair counts once (distinct keys
-    text x V + id, sorted), then df = np.bincount of the ids of the distinct pairs; no Python loop over texts."""
+    ids[offsets[i]:offsets[i + 1]]."""
+    df = torch.from_numpy(document_frequency(ids, offsets, vocab_size).astype(np.float64))  # (V,)
+    return (torch.log((len(offsets) - 1 + 1.0) / (df + 1.0)) + 1.0).float()                 # (V,)
+
+
+def document_frequency(ids, offsets, vocab_size):
+    """df (V,) int64: in how many texts each id occurs. Vectorised: a (text, id) pair counts once
+    (distinct keys text x V + id, sorted), then np.bincount of the ids of the distinct pairs."""
     n_texts = len(offsets) - 1
     text_of_token = np.repeat(np.arange(n_texts, dtype=np.int64), np.diff(offsets))     # (T,)
     keys = np.sort(text_of_token * vocab_size + ids)                                    # (T,) (text, id) keys
     pairs = keys[np.concatenate([keys[:1] == keys[:1], keys[1:] != keys[:-1]])]          # (P,) distinct pairs (the first key, if any, is new)
-    df = torch.from_numpy(np.bincount(pairs % vocab_size, minlength=vocab_size).astype(np.float64))  # (V,)
-    return (torch.log((n_texts + 1.0) / (df + 1.0)) + 1.0).float()                       # (V,)
+    return np.bincount(pairs % vocab_size, minlength=vocab_size)                        # (V,)
+
+
+def cached_idf(windows, vocab_size, rank, chunk=1 << 16):
+    """compute_idf over a token cache's windows (data.TokenWindows) in chunks of windows, so memory is
+    bounded by the chunk; built once by rank 0 into the cache folder, then read by every rank and run."""
+    path = windows.folder / f"idf-L{windows.max_len}-V{vocab_size}.npy"
+
+    def build():
+        df = np.zeros(vocab_size, np.int64)                                                  # (V,)
+        for start in range(0, len(windows), chunk):
+            bounds = np.asarray(windows.bounds[start:start + chunk])                         # (n, 2) body [a, b)
+            lengths = bounds[:, 1] - bounds[:, 0]                                            # (n,)
+            offsets = np.concatenate([[0], np.cumsum(lengths)])                              # (n + 1,)
+            positions = np.repeat(bounds[:, 0] - offsets[:-1], lengths) + np.arange(offsets[-1])  # (T,)
+            df += document_frequency(windows.tokens[positions].astype(np.int64), offsets, vocab_size)
+        for token in (windows.special["cls"], windows.special["sep"]):   # once in every window
+            df[token] = len(windows)
+        data.atomic_save_npy(path, df)
+
+    data.rank0_builds(path.is_file, build, rank, str(path))
+    df = torch.from_numpy(np.load(path).astype(np.float64))                                  # (V,)
+    return (torch.log((len(windows) + 1.0) / (df + 1.0)) + 1.0).float()                      # (V,)
 
 
 class Batches(torch.utils.data.Dataset):
@@ -376,14 +405,14 @@ class Batches(torch.utils.data.Dataset):
                 "attention_mask": attention_mask, "bag": bag_of_words(ids, c.vocab_size, self.special.values())}
 
 
-def load_windows(c, is_rank0):
-    tokenizer = data.load_tokenizer(c.vocab)        # (resolve_vocab checked its size)
+def load_windows(c, rank):
+    """The corpus' windows, mapped from its token cache (built by rank 0 on the first run)."""
     t0 = time.time()
-    windows = data.make_windows(tokenizer, data.read_pretraining_texts(c.corpus), c.max_len)
-    if is_rank0:
-        n_tokens = sum(len(w.input_ids) for w in windows)
-        print(f"data: {c.corpus}: {len(windows):,} windows, {n_tokens:,} tokens ({time.time() - t0:.1f}s)")
-    return windows, data.special_ids(tokenizer)
+    windows = data.token_windows(c.corpus, c.vocab, c.max_len, rank, c.cache_dir, c.prep_workers, rank == 0)
+    if rank == 0:
+        print(f"data: {c.corpus}: {len(windows):,} windows, {windows.n_tokens:,} tokens, mapped from "
+              f"{windows.folder} ({time.time() - t0:.1f}s)")
+    return windows, windows.special
 
 
 # ==============================================================================================
@@ -401,11 +430,11 @@ def train(c):
     c = resolve_vocab(encoder.config)               # --init brings the checkpoint's model sizes and vocab
     if is_rank0 and getattr(encoder, "new_mlm_head", False):
         print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
-    windows, special = load_windows(c, is_rank0)
+    windows, special = load_windows(c, rank)
     c = data.resolve_schedule(c, world, len(windows))   # --global_batch, --epochs -> batch_size, steps
     if c.cl_mode not in ("js", "cls"):
         raise ValueError(f"--cl_mode must be js or cls, got {c.cl_mode!r}")
-    idf = compute_idf(windows, c.vocab_size) if c.idf_rec else None            # once, on the corpus
+    idf = cached_idf(windows, c.vocab_size, rank) if c.idf_rec else None      # once, from the token cache
     model = PretrainModel(c, encoder, idf).to(device)
     optimizer, scheduler = make_optimizer(model, c)
     start_step = load_checkpoint(c, model, optimizer, scheduler, is_rank0) if c.resume else 0
@@ -464,6 +493,8 @@ def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0):
     of the step: no RNG state is saved). Each file is written atomically."""
     if is_rank0:
         model.encoder.save_pretrained(Path(c.out_dir) / "encoder", c.vocab)
+        if c.init:   # the starting checkpoint's pooling and similarity (sentence-transformers files)
+            data.copy_retriever_settings(c.init, Path(c.out_dir) / "encoder")
         data.save_tensors(Path(c.out_dir) / "encoder" / "decoder.safetensors", model.decoder.state_dict())
         data.save_training_state(Path(c.out_dir) / "state.pt", {
             "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),

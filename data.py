@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import gzip
 import inspect
+import itertools
 import json
 import os
 import shutil
@@ -177,24 +178,43 @@ def read_pretraining_texts(path):
       field, when present, is put in front of the text.
     - anything else: plain text, documents separated by blank lines (BERT's pre-training format).
     """
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
-        texts = [t for f in files for t in read_pretraining_texts(f)]
-    elif ".jsonl" in path.suffixes:
-        texts = []
-        for number, obj in iter_jsonl(path):
-            if not isinstance(obj.get("text"), str):
-                raise DataError(f"{_where(path, number)}: no string field \"text\"")
-            title = obj.get("title") or ""
-            texts.append(f"{title}. {obj['text']}" if title else obj["text"])
-    else:
-        text = "".join(line for _, line in read_lines(path))
-        texts = [doc.strip() for doc in text.split("\n\n")]
-    texts = [t for t in texts if t.strip()]
+    texts = list(iter_pretraining_texts(path))
     if not texts:
         raise DataError(f"{path}: empty corpus (no non-blank document)")
     return texts
+
+
+def corpus_files(path):
+    """The files of a corpus in reading order: the file itself, or a folder's visible files, sorted."""
+    path = Path(path)
+    if path.is_dir():
+        return sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    return [path]
+
+
+def iter_pretraining_texts(path):
+    """read_pretraining_texts one document at a time (a corpus larger than memory streams through)."""
+    for file in corpus_files(path):
+        if ".jsonl" in file.suffixes:
+            for number, obj in iter_jsonl(file):
+                if not isinstance(obj.get("text"), str):
+                    raise DataError(f"{_where(file, number)}: no string field \"text\"")
+                title = obj.get("title") or ""
+                text = f"{title}. {obj['text']}" if title else obj["text"]
+                if text.strip():
+                    yield text
+        else:   # a line that is just '\n' ends a document: the same split as text.split('\n\n')
+            lines = []
+            for _, line in itertools.chain(read_lines(file), [(0, "\n")]):
+                if line == "\n":
+                    text = "".join(lines).strip()
+                    if text:
+                        yield text
+                    lines = []
+                else:
+                    lines.append(line)
 
 
 def add_once(table, key, value, path, number, what):
@@ -375,6 +395,225 @@ def make_windows(tokenizer, texts, max_len, min_tokens=8):
     return windows
 
 
+# ----------------------------------------------------------------------------------------------
+# 4b. Token cache: a corpus tokenized once into memory-mapped arrays, windows cut from them
+# ----------------------------------------------------------------------------------------------
+# Like nanoGPT's prepare.py writing train.bin, for documents: the first run tokenizes the corpus
+# (worker processes, batch encoding) into a folder next to it (or in --cache_dir):
+#   tokens.bin           every document's WordPiece ids, concatenated (uint16 when the vocab fits)
+#   word_starts.bin      uint8, 1 where a whole word starts (COSTA's spans, word-boundary cuts)
+#   doc_offsets.npy      int64 (n_docs + 1,): document i is tokens[doc_offsets[i]:doc_offsets[i + 1]]
+#   windows-L{max_len}.npy  int64 (n_windows, 2): each window's [start, end) in tokens, per max_len
+#   manifest.json        corpus files (size, mtime), the vocab's sha256, format version, counts;
+#                        written last, so a folder with a matching manifest is complete
+# Every later run, every rank and every --resume maps these files: resident memory holds the batch,
+# not the corpus, and nothing is tokenized twice. Windows are the ones make_windows cuts (a test checks).
+TOKEN_CACHE_VERSION = 1
+CACHE_WAIT_S = 6 * 3600      # how long ranks > 0 wait for rank 0 to build a cache before giving up
+
+
+def _file_sha256(path):
+    import hashlib
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def corpus_signature(corpus, vocab):
+    """What a token cache was built from: a cache whose manifest differs in any of these is stale."""
+    files = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in corpus_files(corpus)]
+    return {"version": TOKEN_CACHE_VERSION, "files": files, "vocab_sha256": _file_sha256(vocab)}
+
+
+def token_cache_folder(corpus, vocab, cache_dir=""):
+    """<corpus>.tokens-<vocab hash> next to the corpus, or inside cache_dir (a read-only corpus folder)."""
+    corpus = Path(corpus)
+    parent = Path(cache_dir) if cache_dir else corpus.resolve().parent
+    if not cache_dir and not os.access(parent, os.W_OK):
+        raise DataError(f"{parent}: cannot write the token cache next to the corpus (read-only); "
+                        f"pass --cache_dir DIR")
+    return parent / f"{corpus.name}.tokens-{_file_sha256(vocab)[:8]}"
+
+
+def _cache_is_ready(folder, signature):
+    manifest = Path(folder) / "manifest.json"
+    return manifest.is_file() and json.loads(manifest.read_text())["signature"] == signature
+
+
+_worker_tokenizer = None
+
+
+def _start_worker(vocab):
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"   # one thread per worker process: the pool is the parallelism
+    _worker_tokenizer = load_tokenizer(vocab)
+
+
+def _tokenize_chunk(texts):
+    """Documents -> (ids (T,) uint32, word_starts (T,) uint8, lengths (D,) int64), in a worker."""
+    encodings = _worker_tokenizer.encode_batch(texts, add_special_tokens=False)
+    lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
+    total = int(lengths.sum())
+    ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.uint32, count=total)
+    words = np.fromiter(itertools.chain.from_iterable(e.word_ids for e in encodings), dtype=np.int64, count=total)
+    starts = np.ones(total, dtype=bool)                  # a token starts a word when its word id changes,
+    starts[1:] = words[1:] != words[:-1]                 # and every document starts with a word
+    starts[np.cumsum(lengths)[:-1][lengths[1:] > 0]] = True
+    return ids, starts.astype(np.uint8), lengths
+
+
+def _chunks(texts, max_chars):
+    """Consecutive documents in lists of about max_chars characters: work units of similar size."""
+    chunk, size = [], 0
+    for text in texts:
+        chunk.append(text)
+        size += len(text)
+        if size >= max_chars:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _pool(vocab, workers):
+    import multiprocessing
+    workers = workers or os.cpu_count() or 1
+    return multiprocessing.get_context("fork").Pool(workers, _start_worker, (str(vocab),))
+
+
+def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, verbose=True):
+    """Tokenize the corpus into folder (see above): documents stream through worker processes, their
+    ids are appended to the files as they come back, in order. Every file is written under a temporary
+    name and renamed; the manifest last."""
+    import time
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    signature = corpus_signature(corpus, vocab)
+    dtype = np.uint16 if vocab_size_of(vocab) <= 1 << 16 else np.uint32
+    tmp = {name: folder / f".{name}.{os.getpid()}.tmp" for name in ("tokens.bin", "word_starts.bin")}
+    lengths, n_tokens, t0, last = [np.zeros(1, np.int64)], 0, time.time(), 0.0
+    try:
+        with open(tmp["tokens.bin"], "wb") as tok_f, open(tmp["word_starts.bin"], "wb") as ws_f, \
+                _pool(vocab, workers) as pool:
+            for ids, starts, doc_lengths in pool.imap(_tokenize_chunk, _chunks(iter_pretraining_texts(corpus), chunk_chars)):
+                tok_f.write(ids.astype(dtype).tobytes())
+                ws_f.write(starts.tobytes())
+                lengths.append(doc_lengths)
+                n_tokens += len(ids)
+                if verbose and time.time() - last > 10:
+                    last = time.time()
+                    print(f"tokenizing {corpus}: {n_tokens:,} tokens, {n_tokens / (last - t0):,.0f} tokens/s", flush=True)
+        if n_tokens == 0:
+            raise DataError(f"{corpus}: every document tokenized to nothing")
+        for name, path in tmp.items():
+            os.replace(path, folder / name)
+    finally:
+        for path in tmp.values():
+            path.unlink(missing_ok=True)
+    offsets = np.cumsum(np.concatenate(lengths))
+    atomic_save_npy(folder / "doc_offsets.npy", offsets)
+    for stale in folder.glob("windows-*.npy"):      # cut from the old tokens
+        stale.unlink()
+    for stale in folder.glob("idf-*.npy"):
+        stale.unlink()
+    seconds = time.time() - t0
+    atomic_write_json(folder / "manifest.json", {
+        "signature": signature, "dtype": np.dtype(dtype).name, "n_docs": len(offsets) - 1,
+        "n_tokens": n_tokens, "seconds": round(seconds, 1), "tokens_per_s": round(n_tokens / max(seconds, 1e-9))})
+    if verbose:
+        print(f"token cache: {folder}: {len(offsets) - 1:,} documents, {n_tokens:,} tokens in {seconds:.1f}s "
+              f"({n_tokens / max(seconds, 1e-9):,.0f} tokens/s)", flush=True)
+
+
+def cut_windows(word_starts, doc_offsets, max_len, min_tokens=8):
+    """make_windows' cuts on a token cache: (n_windows, 2) int64 [start, end) of each window's tokens
+    (without [CLS] and [SEP]). The same rules: word boundaries, short last windows dropped, empty
+    documents skipped."""
+    body = max_len - 2
+    out = []
+    for a, b in zip(doc_offsets[:-1].tolist(), doc_offsets[1:].tolist()):
+        if a == b:
+            continue
+        cuts = _cut_points(word_starts[a:b].tolist(), body)
+        out.extend((a + x, a + y) for x, y in zip(cuts[:-1], cuts[1:]) if y - x >= min_tokens or len(cuts) == 2)
+    return np.array(out, dtype=np.int64).reshape(-1, 2)
+
+
+def _map(folder, name, dtype):
+    return np.memmap(Path(folder) / name, dtype=dtype, mode="r")
+
+
+def _write_windows(folder, max_len):
+    word_starts = _map(folder, "word_starts.bin", np.uint8)
+    offsets = np.load(Path(folder) / "doc_offsets.npy", mmap_mode="r")
+    bounds = cut_windows(word_starts, offsets, max_len)
+    if len(bounds) == 0:
+        raise DataError(f"{folder}: no windows: every document tokenized to nothing")
+    atomic_save_npy(Path(folder) / f"windows-L{max_len}.npy", bounds)
+
+
+class TokenWindows:
+    """The windows of a token cache as a sequence of Window, read from the memory-mapped arrays: the
+    same items make_windows returns, without holding them. Pickles as its folder (data-loader workers)."""
+
+    def __init__(self, folder, max_len, special):
+        self.folder, self.max_len, self.special = Path(folder), max_len, special
+        manifest = json.loads((self.folder / "manifest.json").read_text())
+        self.tokens = _map(folder, "tokens.bin", manifest["dtype"])
+        self.word_starts = _map(folder, "word_starts.bin", np.uint8)
+        self.bounds = np.load(self.folder / f"windows-L{max_len}.npy", mmap_mode="r")     # (N, 2)
+        self.n_docs = manifest["n_docs"]
+
+    def __len__(self):
+        return len(self.bounds)
+
+    def __getitem__(self, i):
+        a, b = self.bounds[i].tolist()
+        return Window([self.special["cls"]] + self.tokens[a:b].tolist() + [self.special["sep"]],
+                      [False] + self.word_starts[a:b].astype(bool).tolist() + [False])
+
+    @property
+    def n_tokens(self):
+        """Tokens in all windows, [CLS] and [SEP] included."""
+        return int((self.bounds[:, 1] - self.bounds[:, 0]).sum()) + 2 * len(self)
+
+    def __getstate__(self):
+        return (self.folder, self.max_len, self.special)
+
+    def __setstate__(self, state):
+        self.__init__(*state)
+
+
+def rank0_builds(ready, build, rank, what):
+    """Rank 0 runs build() unless ready(); the other ranks wait until ready() (polling a file: no
+    collective, so it works before or without a process group), at most CACHE_WAIT_S seconds."""
+    import time
+    if rank == 0:
+        if not ready():
+            build()
+        return
+    t0 = last = time.time()
+    while not ready():
+        if time.time() - t0 > CACHE_WAIT_S:
+            raise DataError(f"rank {rank}: waited {CACHE_WAIT_S} s for rank 0 to build {what}; did rank 0 fail?")
+        if time.time() - last > 60:
+            last = time.time()
+            print(f"rank {rank}: waiting for rank 0 to build {what} ({last - t0:.0f} s)", flush=True)
+        time.sleep(1)
+
+
+def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbose=True):
+    """The pre-training windows of a corpus: built into a token cache on first use (rank 0; the other
+    ranks wait), then mapped from it. Returns TokenWindows."""
+    folder = token_cache_folder(corpus, vocab, cache_dir)
+    signature = corpus_signature(corpus, vocab)
+    rank0_builds(lambda: _cache_is_ready(folder, signature),
+                 lambda: build_token_cache(corpus, vocab, folder, workers, verbose=verbose), rank,
+                 f"the token cache {folder}")
+    windows_file = folder / f"windows-L{max_len}.npy"
+    rank0_builds(windows_file.is_file, lambda: _write_windows(folder, max_len), rank, str(windows_file))
+    tokenizer = load_tokenizer(vocab)
+    return TokenWindows(folder, max_len, special_ids(tokenizer))
+
+
 def encode_texts(tokenizer, texts, max_len):
     """Queries or passages -> padded ('[CLS] text [SEP]', truncated to max_len) ids and mask."""
     ids = special_ids(tokenizer)
@@ -515,6 +754,13 @@ def atomic_write_text(path, text):
 
 def atomic_write_json(path, obj):
     atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def atomic_save_npy(path, array):
+    def write(tmp):
+        with open(tmp, "wb") as f:   # (np.save(name) would append '.npy' to the temporary name)
+            np.save(f, array)
+    _atomic(path, write)
 
 
 def atomic_torch_save(path, obj):
@@ -723,6 +969,19 @@ def write_retriever_settings(folder, pooling, similarity, query_len, passage_len
     atomic_write_json(folder / "sentence_bert_config.json", {"max_seq_length": passage_len, "do_lower_case": False})
     atomic_write_json(folder / "config_sentence_transformers.json",
                       {"similarity_fn_name": "cosine" if similarity == "cos" else "dot"})
+
+
+RETRIEVER_FILES = ("retriever.json", "modules.json", "1_Pooling/config.json", "sentence_bert_config.json",
+                   "config_sentence_transformers.json")
+
+
+def copy_retriever_settings(source, folder):
+    """Copy the files by which a model folder declares its pooling and similarity (read_retriever_settings)
+    from source to folder: a continued pre-trained encoder keeps its starting checkpoint's (MiniLM: mean,
+    cosine) instead of falling back to the papers' [CLS] and dot product when fine-tuned alone."""
+    for name in RETRIEVER_FILES:
+        if (Path(source) / name).is_file():
+            _atomic(Path(folder) / name, lambda tmp: shutil.copyfile(Path(source) / name, tmp))
 
 
 def read_json(path):

@@ -70,6 +70,8 @@ class Config:
     seed: int = 0                 # model init, data order and masks
     bf16: bool = True             # bf16 autocast on GPU and on CPUs with native bf16 (AVX512-BF16, AMX)
     workers: int = 0              # data-loader worker processes building batches
+    cache_dir: str = ""           # token cache folder ("" = next to the corpus; see data.token_windows)
+    prep_workers: int = 0         # processes tokenizing the corpus into the cache, first run only (0 = all cores)
     # --- bookkeeping
     out_dir: str = "runs/seed"    # checkpoints, config.json and log.jsonl go here
     log_every: int = 10           # steps between progress lines
@@ -104,7 +106,7 @@ FLAG_RULES = {
     "max_position": ">= 1", "type_vocab_size": ">= 1", "dropout": "in [0, 1)", "layer_norm_eps": "> 0",
     "steps": ">= 1", "epochs": ">= 0", "batch_size": ">= 1", "global_batch": ">= 0", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
     "warmup": "in [0, 1]", "clip": "> 0", "mask_prob": "in [0, 1]", "workers": ">= 0", "log_every": ">= 1",
-    "save_every": ">= 1", "halt_at": ">= 0",
+    "save_every": ">= 1", "halt_at": ">= 0", "prep_workers": ">= 0",
     "dec_layers": ">= 1", "dec_span": ">= 0", "dec_chunk": ">= 0",
 }
 
@@ -315,14 +317,14 @@ def decoder_inputs_and_targets(input_ids, attention_mask, ignore_index=-100):
     return decoder_input, targets
 
 
-def load_windows(c, is_rank0):
-    tokenizer = data.load_tokenizer(c.vocab)        # (resolve_vocab checked its size)
+def load_windows(c, rank):
+    """The corpus' windows, mapped from its token cache (built by rank 0 on the first run)."""
     t0 = time.time()
-    windows = data.make_windows(tokenizer, data.read_pretraining_texts(c.corpus), c.max_len)
-    if is_rank0:
-        n_tokens = sum(len(w.input_ids) for w in windows)
-        print(f"data: {c.corpus}: {len(windows):,} windows, {n_tokens:,} tokens ({time.time() - t0:.1f}s)")
-    return windows, data.special_ids(tokenizer)
+    windows = data.token_windows(c.corpus, c.vocab, c.max_len, rank, c.cache_dir, c.prep_workers, rank == 0)
+    if rank == 0:
+        print(f"data: {c.corpus}: {len(windows):,} windows, {windows.n_tokens:,} tokens, mapped from "
+              f"{windows.folder} ({time.time() - t0:.1f}s)")
+    return windows, windows.special
 
 
 # ==============================================================================================
@@ -340,7 +342,7 @@ def train(c):
     c = resolve_vocab(encoder.config)               # --init brings the checkpoint's model sizes and vocab
     if is_rank0 and getattr(encoder, "new_mlm_head", False):
         print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
-    windows, special = load_windows(c, is_rank0)
+    windows, special = load_windows(c, rank)
     c = data.resolve_schedule(c, world, len(windows))   # --global_batch, --epochs -> batch_size, steps
     model = PretrainModel(c, encoder).to(device)
     optimizer, scheduler = make_optimizer(model, c, eps=1e-6)        # SEED 4.1: Adam epsilon 1e-6
@@ -399,6 +401,8 @@ def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0):
     dropout are functions of the step: no RNG state is saved). Each file is written atomically."""
     if is_rank0:
         model.encoder.save_pretrained(Path(c.out_dir) / "encoder", c.vocab)
+        if c.init:   # the starting checkpoint's pooling and similarity (sentence-transformers files)
+            data.copy_retriever_settings(c.init, Path(c.out_dir) / "encoder")
         data.save_training_state(Path(c.out_dir) / "state.pt", {
             "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),

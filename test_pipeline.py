@@ -160,6 +160,100 @@ def test_pretraining_readers(tmp_path):
         data.read_pretraining_texts(tmp_path / "missing.txt")
 
 
+def test_streaming_reader_splits_plain_text_as_split_on_blank_lines(tmp_path):
+    text = "\nfirst\n\n\n\nsecond\n \nstill second\n\n  \n\nthird\r\n\r\nfourth"
+    path = write(tmp_path / "odd.txt", text)
+    expected = [d.strip() for d in text.replace("\r\n", "\n").split("\n\n") if d.strip()]
+    assert list(data.iter_pretraining_texts(path)) == expected == ["first", "second\n \nstill second", "third", "fourth"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Token cache: memory-mapped shards, windows cut from them
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def small_cache_corpus(tmp_path, wiki_texts):
+    """Real Wikipedia documents in two files of a folder (jsonl.gz and plain text) plus an empty one."""
+    folder = tmp_path / "corpus"
+    write(folder / "a.jsonl.gz", "".join(json.dumps({"text": t}) + "\n" for t in wiki_texts[:6]), True)
+    write(folder / "b.txt", "\n\n".join(wiki_texts[6:10] + ["\u200b\u200b"]) + "\n")
+    return folder
+
+
+def test_token_cache_windows_equal_make_windows(tokenizer, small_cache_corpus):
+    texts = data.read_pretraining_texts(small_cache_corpus)
+    for max_len in (64, 128):
+        windows = data.token_windows(small_cache_corpus, data.VOCAB, max_len, workers=2, verbose=False)
+        expected = data.make_windows(tokenizer, texts, max_len)
+        assert len(windows) == len(expected) and [windows[i] for i in range(len(windows))] == expected
+        assert windows.n_tokens == sum(len(w.input_ids) for w in expected)
+    manifest = json.loads((windows.folder / "manifest.json").read_text())
+    assert manifest["dtype"] == "uint16" and manifest["n_docs"] == len(texts)   # the zero-width one: no token, no window
+    assert windows.folder.parent == small_cache_corpus.parent                   # next to the corpus
+
+
+def test_token_cache_is_reused_and_rebuilt_when_the_corpus_changes(small_cache_corpus, monkeypatch):
+    first = data.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
+    built = []
+    real_build = data.build_token_cache
+    monkeypatch.setattr(data, "build_token_cache", lambda *a, **k: built.append(1) or real_build(*a, **k))
+    again = data.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
+    assert built == [] and len(again) == len(first)                             # second run: no tokenizing
+    with open(small_cache_corpus / "b.txt", "a", encoding="utf-8") as f:
+        f.write("\na new document about the political philosophy of anarchism and its history\n")
+    changed = data.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
+    assert built == [1] and len(changed) == len(first) + 1
+    assert not list(changed.folder.glob(".*.tmp"))                              # no temporary left behind
+
+
+def test_token_windows_pickle_as_their_folder_and_feed_costa_batches(small_cache_corpus, tokenizer):
+    import pickle
+    windows = data.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
+    blob = pickle.dumps(windows)
+    assert len(blob) < 1000                                                     # not the arrays
+    assert pickle.loads(blob)[3] == windows[3]
+    vocab_tokens = [tokenizer.id_to_token(i) for i in range(tokenizer.get_vocab_size())]
+    c = costa.Config(batch_size=8, steps=1)
+    from_cache = costa.Batches(c, windows, windows.special, 0, 1, vocab_tokens)[0]
+    in_memory = costa.Batches(c, [windows[i] for i in range(len(windows))], windows.special, 0, 1, vocab_tokens)[0]
+    assert all(torch.equal(from_cache[k], in_memory[k]) for k in in_memory)
+
+
+def test_cpdae_cached_idf_equals_compute_idf(small_cache_corpus):
+    import cpdae
+    windows = data.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
+    idf = cpdae.cached_idf(windows, 30522, rank=0, chunk=7)                     # chunks that cut anywhere
+    assert torch.equal(idf, cpdae.compute_idf([windows[i] for i in range(len(windows))], 30522))
+    assert torch.equal(cpdae.cached_idf(windows, 30522, rank=1), idf)           # read back, not rebuilt
+
+
+def test_other_ranks_wait_for_rank0_and_give_up_with_a_clear_error(monkeypatch):
+    calls = []
+    data.rank0_builds(lambda: False, lambda: calls.append("built"), 0, "x")
+    data.rank0_builds(lambda: True, lambda: calls.append("built by rank 1"), 1, "x")
+    assert calls == ["built"]
+    monkeypatch.setattr(data, "CACHE_WAIT_S", 0)
+    with pytest.raises(data.DataError, match="rank 1: waited 0 s for rank 0 to build the cache; did rank 0 fail"):
+        data.rank0_builds(lambda: False, lambda: None, 1, "the cache")
+
+
+def test_token_cache_in_cache_dir_when_the_corpus_folder_is_read_only(tmp_path, small_cache_corpus):
+    if os.geteuid() == 0:    # root writes anywhere: simulate the read-only folder
+        real_access = os.access
+        os.access = lambda path, mode: False if Path(path) == small_cache_corpus.parent else real_access(path, mode)
+    else:
+        small_cache_corpus.parent.chmod(0o555)
+    try:
+        with pytest.raises(data.DataError, match="read-only.*--cache_dir"):
+            data.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
+        windows = data.token_windows(small_cache_corpus, data.VOCAB, 64, cache_dir=tmp_path / "cache", verbose=False)
+        assert windows.folder.parent == tmp_path / "cache" and len(windows) > 0
+    finally:
+        if os.geteuid() == 0:
+            os.access = real_access
+        else:
+            small_cache_corpus.parent.chmod(0o755)
+
+
 def test_beir_readers_and_errors(tmp_path):
     beir = tmp_path / "beir"
     write(beir / "corpus.jsonl", '{"_id": "d1", "title": "A", "text": "x"}\n{"_id": "d2", "text": "y"}\n')
@@ -1009,6 +1103,7 @@ def test_cosine_bi_encoder_scores_are_cosines_over_tau():
 def test_a_checkpoint_without_mlm_head_gets_a_new_tied_one(tmp_path, wiki_texts):
     corpus = write(tmp_path / "corpus.txt", "\n\n".join(wiki_texts))
     evaluate.load_encoder(_tiny_init(tmp_path / "full")).save_pretrained(tmp_path / "bare")   # no MLM head saved
+    data.write_retriever_settings(tmp_path / "bare", "mean", "cos", 64, 256)   # as a sentence-transformers folder
     encoder = costa.Encoder.from_pretrained(tmp_path / "bare", costa.Config())
     assert encoder.new_mlm_head and encoder.mlm_head.word_embedding[0] is encoder.embeddings.word
     result = subprocess.run([PY, str(HERE / "costa.py"), "--init", str(tmp_path / "bare"), "--steps", "1", "--corpus", str(corpus),
@@ -1016,6 +1111,9 @@ def test_a_checkpoint_without_mlm_head_gets_a_new_tied_one(tmp_path, wiki_texts)
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert f"{tmp_path / 'bare'}: no MLM head in the checkpoint; training a new one" in result.stdout
+    # The pre-trained encoder keeps the checkpoint's pooling and similarity, for fine-tuning it alone.
+    assert data.read_retriever_settings(tmp_path / "o" / "encoder") == {"pooling": "mean", "similarity": "cos",
+                                                                         "query_len": 64, "passage_len": 256}
 
 
 def test_halt_and_resume_equals_uninterrupted_run(tmp_path):
