@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 import data
 import evaluate
@@ -116,6 +117,57 @@ def curve_arms(c, done):
 
 
 # ----------------------------------------------------------------------------------------------
+# Why CPDAE does (not) help: the gradient each term of eq. 6 sends into the encoder
+# ----------------------------------------------------------------------------------------------
+def cpdae_terms(model, batch):
+    """CPDAE's eq. 6 term by term, as cpdae.PretrainModel.forward adds them: {name: scalar loss}."""
+    import cpdae
+    c = model.config
+    attention_mask = batch["attention_mask"].repeat(2, 1)                        # (2B, L)
+    hidden = model.encoder(batch["input_ids"], attention_mask)                   # (2B, L, H)
+    mlm, _, _ = cpdae.mlm_loss(hidden, batch["labels"], model.encoder.mlm_head)
+    logits = model.decoder(hidden[:, 0])                                         # (2B, V)
+    rec = cpdae.reconstruction_loss(logits, batch["bag"].repeat(2, 1), model.idf)
+    view1, view2 = cpdae.word_distribution(logits).chunk(2)                      # (B, V) each
+    similarity = lambda a, b: cpdae.js_similarity(a, b, chunk_size=c.js_chunk)
+    cl, _ = cpdae.gathered_contrastive_loss(view1, view2, similarity)
+    return {"L_REC": rec, "L_MLM": mlm, "lambda L_CL": c.cl_weight * cl}
+
+
+def cpdae_gradient_norms(pretrain_folder, n_batches=4):
+    """L2 norm of each term's gradient on the encoder's parameters (mean over n_batches training
+    batches), at the start (the init checkpoint, new decoder) and after pre-training (state.pt)."""
+    import cpdae
+    c = cpdae.Config(**data.read_json(Path(pretrain_folder) / "config.json"))
+    windows, special = cpdae.load_windows(c, 0)
+    batches = cpdae.Batches(c, windows, special, 0, 1)
+    rows = {}
+    for when in ("start", "after"):
+        torch.manual_seed(c.seed)                                                # the same new decoder as the run's
+        model = cpdae.PretrainModel(c, cpdae.Encoder.from_pretrained(c.init, c) if c.init else cpdae.Encoder(c))
+        if when == "after":
+            model.load_state_dict(data.load_training_state(Path(pretrain_folder) / "state.pt")["model"])
+        params = [p for p in model.encoder.parameters() if p.requires_grad]
+        norms = {}
+        for i in range(n_batches):
+            torch.manual_seed(data.step_seed(c.seed, 0, i))                      # dropout as in training
+            for name, loss in cpdae_terms(model, batches[i]).items():
+                grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+                norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads if g is not None))
+                norms.setdefault(name, []).append((loss.item(), norm.item()))
+        rows[when] = {name: np.mean(v, axis=0).tolist() for name, v in norms.items()}
+    return rows
+
+
+def format_gradient_norms(rows, steps):
+    lines = ["| when | term | loss | gradient norm on the encoder |", "|---|---|---|---|"]
+    for when, terms in rows.items():
+        for name, (loss, norm) in terms.items():
+            lines.append(f"| {'start' if when == 'start' else f'after {steps} steps'} | {name} | {loss:,.3f} | {norm:.4g} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
 # Report: table with mean +- std over seeds and paired t-tests, figures
 # ----------------------------------------------------------------------------------------------
 def per_query_mean(runs):
@@ -142,6 +194,11 @@ def report(c, done):
     data.atomic_write_text(Path(c.out_dir) / "table.md", text)
     print(text)
     plot_bars(seed_runs, Path(c.out_dir) / "bars.png")
+    if "cpdae" in arms:
+        folder = Path(seed_runs["cpdae"][0]["pretrained"]).parent
+        norms = format_gradient_norms(cpdae_gradient_norms(folder), c.pretrain_steps)
+        print(norms)
+        data.atomic_write_text(Path(c.out_dir) / "cpdae_gradients.md", norms + "\n")
     curve = [r for r in done.values() if r["n_queries"]]
     if curve:
         plot_curve(curve, seed_runs, Path(c.out_dir) / "low_resource.png")

@@ -1415,3 +1415,21 @@ def test_study_runs_every_arm_writes_table_and_figures_and_resumes(tmp_path, cap
     assert len((out / "results.jsonl").read_text().splitlines()) == len(kept)
     assert (out / "none" / "seed0" / "eval-test" / "metrics.json").stat().st_mtime_ns == before
     assert capsys.readouterr().out.count("stage1: done") == 1
+
+
+def test_cpdae_gradient_norms_per_term_start_where_training_started(tmp_path, small_corpus):
+    import study
+
+    run_script([str(a) for a in [HERE / "cpdae.py", "--corpus", small_corpus, *TINY_ARGS, "--steps", "2",
+                                 "--bf16", "false", "--out_dir", tmp_path / "cp"]], tmp_path)
+    rows = study.cpdae_gradient_norms(tmp_path / "cp", n_batches=1)
+    first = json.loads((tmp_path / "cp" / "log.jsonl").read_text().splitlines()[0])    # step 1: batch 0
+    assert first["step"] == 1
+    start = rows["start"]
+    assert start["L_REC"][0] == pytest.approx(first["rec"], rel=1e-4)     # the run's own first batch, term by term
+    assert start["L_MLM"][0] == pytest.approx(first["mlm"], rel=1e-4)
+    assert start["lambda L_CL"][0] == pytest.approx(0.1 * first["cl"], rel=1e-4)
+    for when in ("start", "after"):
+        assert all(math.isfinite(norm) and norm > 0 for _, norm in rows[when].values())
+    assert rows["after"]["L_REC"] != start["L_REC"]                        # state.pt was loaded
+    assert "| start | lambda L_CL |" in study.format_gradient_norms(rows, 2)
