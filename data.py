@@ -510,7 +510,7 @@ def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, ver
             path.unlink(missing_ok=True)
     offsets = np.cumsum(np.concatenate(lengths))
     atomic_save_npy(folder / "doc_offsets.npy", offsets)
-    for stale in folder.glob("windows-*.npy"):      # cut from the old tokens
+    for stale in list(folder.glob("windows-*")):    # cut from the old tokens
         stale.unlink()
     for stale in folder.glob("idf-*.npy"):
         stale.unlink()
@@ -547,7 +547,9 @@ def _write_windows(folder, max_len):
     bounds = cut_windows(word_starts, offsets, max_len)
     if len(bounds) == 0:
         raise DataError(f"{folder}: no windows: every document tokenized to nothing")
-    atomic_save_npy(Path(folder) / f"windows-L{max_len}.npy", bounds)
+    n_tokens = int((bounds[:, 1] - bounds[:, 0]).sum()) + 2 * len(bounds)     # [CLS] and [SEP] included
+    atomic_write_json(Path(folder) / f"windows-L{max_len}.json", {"n_windows": len(bounds), "n_tokens": n_tokens})
+    atomic_save_npy(Path(folder) / f"windows-L{max_len}.npy", bounds)          # last: its presence means done
 
 
 class TokenWindows:
@@ -572,8 +574,8 @@ class TokenWindows:
 
     @property
     def n_tokens(self):
-        """Tokens in all windows, [CLS] and [SEP] included."""
-        return int((self.bounds[:, 1] - self.bounds[:, 0]).sum()) + 2 * len(self)
+        """Tokens in all windows, [CLS] and [SEP] included (counted when they were cut)."""
+        return read_json(self.folder / f"windows-L{self.max_len}.json")["n_tokens"]
 
     def __getstate__(self):
         return (self.folder, self.max_len, self.special)
