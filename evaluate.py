@@ -57,6 +57,7 @@ class Config:
     nprobe: int = 0               # IVF indexes: inverted lists visited per query (0 = faiss's default, 1)
     ef_search: int = 0            # HNSW indexes: candidate list size per query (0 = faiss's default, 16)
     index_train: int = 100000     # corpus vectors sampled to train an index that needs it (IVF, PQ)
+    vectors_dir: str = ""         # folder for the corpus vectors as fp16 .npy memmaps, one per rank, searched in chunks; "" = float32 in memory
     k1: float = 1.2               # BM25 term-frequency saturation (Elasticsearch / BEIR)
     b: float = 0.75               # BM25 document-length normalisation
     bf16: bool = True             # bf16 autocast on GPU and on CPUs with native bf16 (AVX512-BF16, AMX)
@@ -224,15 +225,24 @@ def new_index(spec, dim):
                          f"({str(e).strip().split(': ')[-1]})") from None
 
 
-def build_index(doc_vecs, spec="Flat", train_size=100_000, seed=0):
-    """A faiss index over doc_vecs (N, H) float32 with the inner-product metric, from any index_factory
-    string: "Flat" (exact), "HNSW32" (graph), "IVF256,PQ32" (inverted lists of product-quantised codes),
-    ... An index that needs training (IVF, PQ) is trained on a seeded sample of at most train_size rows."""
+def row_chunks(vecs, chunk=65536):
+    """(start, rows (c, H) float32) over an (N, H) array, chunk rows at a time: an fp16 memmap
+    (encode(path=...)) is read and widened one chunk at a time, so its float32 copy never exists whole."""
+    for start in range(0, len(vecs), chunk):
+        yield start, np.ascontiguousarray(vecs[start:start + chunk], dtype=np.float32)   # (c, H)
+
+
+def build_index(doc_vecs, spec="Flat", train_size=100_000, seed=0, chunk=65536):
+    """A faiss index over doc_vecs (N, H) (float32, or an fp16 memmap) with the inner-product metric,
+    from any index_factory string: "Flat" (exact), "HNSW32" (graph), "IVF256,PQ32" (inverted lists of
+    product-quantised codes), ... An index that needs training (IVF, PQ) is trained on a seeded sample
+    of at most train_size rows; vectors are added chunk rows at a time (row_chunks)."""
     index = new_index(spec, doc_vecs.shape[1])
     if not index.is_trained:
         rows = np.random.default_rng(seed).permutation(len(doc_vecs))[:train_size]
-        index.train(doc_vecs[np.sort(rows)])
-    index.add(doc_vecs)
+        index.train(np.ascontiguousarray(doc_vecs[np.sort(rows)], dtype=np.float32))      # (t, H)
+    for _, rows in row_chunks(doc_vecs, chunk):
+        index.add(rows)
     return index
 
 
@@ -252,9 +262,9 @@ def set_search_parameters(index, nprobe=0, ef_search=0):
 def search(query_vecs, doc_vecs, k, index="Flat", nprobe=0, ef_search=0, train_size=100_000, batch=1024):
     """Maximum inner product search with a faiss index (build_index): exact for "Flat", approximate
     otherwise. Mining (finetune.py) and evaluation both come here through retrieve().
-    query_vecs (M, H), doc_vecs (N, H) float32 -> (scores (M, k), indices (M, k) int64), best first;
-    an approximate index that finds fewer than k documents fills the tail with index -1, score -inf."""
-    doc_vecs = np.ascontiguousarray(doc_vecs, dtype=np.float32)
+    query_vecs (M, H), doc_vecs (N, H) -> (scores (M, k), indices (M, k) int64), best first;
+    an approximate index that finds fewer than k documents fills the tail with index -1, score -inf.
+    doc_vecs may be an fp16 memmap (encode(path=...)): build_index reads it in chunks."""
     query_vecs = np.ascontiguousarray(query_vecs, dtype=np.float32)
     k = min(k, len(doc_vecs))
     index = build_index(doc_vecs, index, train_size)
@@ -269,14 +279,61 @@ def search(query_vecs, doc_vecs, k, index="Flat", nprobe=0, ef_search=0, train_s
 
 
 @torch.no_grad()
-def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16=True, similarity="dot"):
+def torch_exact_search(query_vecs, doc_vecs, k, device, chunk=65536, batch=4096):
+    """Exact maximum inner product search as matmuls on `device`: what retrieve() does for "Flat" on a
+    GPU (the faiss installed is CPU-only). search()'s contract: query_vecs (M, H), doc_vecs (N, H)
+    float32 or an fp16 memmap -> (scores (M, k) float32, indices (M, k) int64), best first.
+    Documents go to the device chunk rows at a time, each chunk once, and the matmul runs in their
+    dtype (fp16: tensor cores; scores are then rounded to fp16, about 3 significant digits, so
+    near-ties may swap). Every query keeps a running top-k: the chunk's scores are joined to it and
+    topk taken again, so neither the (M, N) scores nor the corpus are ever whole on the device."""
+    k = min(k, len(doc_vecs))
+    dtype = torch.from_numpy(np.asarray(doc_vecs[:0])).dtype
+    queries = torch.from_numpy(np.ascontiguousarray(query_vecs, dtype=np.float32)).to(device, dtype)  # (M, H)
+    top_s = torch.zeros((len(queries), 0), device=device)                                 # (M, k') float32
+    top_i = torch.zeros((len(queries), 0), dtype=torch.long, device=device)                # (M, k')
+    for start in range(0, len(doc_vecs), chunk):
+        docs = torch.from_numpy(np.array(doc_vecs[start:start + chunk])).to(device)       # (c, H)
+        width = min(k, start + len(docs))
+        new_s = torch.empty((len(queries), width), device=device)                          # (M, k'')
+        new_i = torch.empty((len(queries), width), dtype=torch.long, device=device)        # (M, k'')
+        ids = torch.arange(start, start + len(docs), device=device)                        # (c,)
+        for q in range(0, len(queries), batch):
+            s = torch.cat([top_s[q:q + batch], (queries[q:q + batch] @ docs.T).float()], 1)  # (b, k' + c)
+            i = torch.cat([top_i[q:q + batch], ids.expand(len(s), -1)], 1)                  # (b, k' + c)
+            new_s[q:q + batch], best = s.topk(width, dim=1)                                 # (b, k'')
+            new_i[q:q + batch] = i.gather(1, best)
+        top_s, top_i = new_s, new_i
+    return top_s.cpu().numpy(), top_i.cpu().numpy()
+
+
+@torch.no_grad()
+def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16=True, similarity="dot", path=""):
     """(len(texts), H) float32 numpy vectors (unit length for "cos"). Texts are encoded sorted by
-    length (less padding)."""
+    length (less padding). With a path, the vectors are written into an fp16 .npy memmap there instead,
+    batch by batch in place (under a temporary name, then renamed: data._atomic), and that file is
+    returned opened read-only: a corpus is then never held in memory, let alone twice."""
+    shape = (len(texts), encoder.config.hidden_size)
+    args = (encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16, similarity)
+    if not path:
+        return _encode_into(np.zeros(shape, dtype=np.float32), *args)
+
+    def write(tmp):
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=shape)   # (N, H)
+        _encode_into(out, *args)
+        out.flush()
+        del out                                    # unmapped: its written pages leave this process
+    data._atomic(path, write)
+    return np.load(path, mmap_mode="r")
+
+
+@torch.no_grad()
+def _encode_into(out, encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16, similarity):
+    """Fill out (N, H) row by row with encode()'s vectors, in its dtype; returns out."""
     was_training = encoder.training
     encoder.eval()
     autocast = autocast_bf16(device, bf16)
     order = np.argsort([len(t) for t in texts], kind="stable")
-    out = np.zeros((len(texts), encoder.config.hidden_size), dtype=np.float32)
     for start in range(0, len(texts), batch_size):
         rows = order[start:start + batch_size]
         ids, mask = data.encode_texts(tokenizer, [texts[i] for i in rows], max_len)          # (b, L)
@@ -320,20 +377,26 @@ def retrieve(encoder, tokenizer, doc_texts, query_texts, k, c, device, timings=N
     twice, none dropped), searches it with faiss, and the per-shard top-k lists are all-gathered
     and merged. So every rank does the same amount of work and no rank waits in a collective while
     another searches alone (NCCL's timeout), and no rank ever holds the whole corpus' vectors.
-    Every rank encodes all the queries: they are few and short."""
+    Every rank encodes all the queries: they are few and short. With c.vectors_dir each rank's
+    corpus vectors go to an fp16 memmap there (encode(path=...)) and are searched chunk by chunk.
+    On a GPU, "Flat" is torch_exact_search (matmuls on the device) instead of faiss on the CPU."""
     rank, world = rank_and_world()
     k = min(k, len(doc_texts))
     new_index(c.index, encoder.config.hidden_size)  # a bad --index fails now, not after encoding the corpus
     shard = data.shard(len(doc_texts), rank, world)
     t0 = time.time()
+    path = Path(c.vectors_dir) / f"docs-{rank}-of-{world}.npy" if c.vectors_dir else ""
     doc_vecs = encode(encoder, c.pooling, tokenizer, [doc_texts[i] for i in shard], c.passage_len,
-                      c.encode_batch, device, c.bf16, c.similarity)                        # (n, H)
+                      c.encode_batch, device, c.bf16, c.similarity, path)                  # (n, H)
     t1 = time.time()
     query_vecs = encode(encoder, c.pooling, tokenizer, list(query_texts), c.query_len,
                         c.encode_batch, device, c.bf16, c.similarity)                      # (Q, H)
     t2 = time.time()
     if len(shard):
-        scores, ids = search(query_vecs, doc_vecs, k, c.index, c.nprobe, c.ef_search, c.index_train)
+        if device.type == "cuda" and c.index == "Flat":
+            scores, ids = torch_exact_search(query_vecs, doc_vecs, k, device)
+        else:
+            scores, ids = search(query_vecs, doc_vecs, k, c.index, c.nprobe, c.ef_search, c.index_train)
         ids = np.where(ids >= 0, ids + shard.start, -1)                                   # -1: not found
     else:
         scores, ids = np.zeros((len(query_texts), 0), np.float32), np.zeros((len(query_texts), 0), np.int64)
