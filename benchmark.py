@@ -8,10 +8,20 @@ ones, in a fresh process of its own so that peak memory is its own:
     python benchmark.py --variants costa-mlm,hf-bert-mlm --steps 20
     python benchmark.py --set batch_size=64 --set max_len=256
     python benchmark.py --js                              # CPDAE's contrastive loss: chunked vs naive memory
+    python benchmark.py --index_bench                     # faiss indexes: build, memory, queries/s, Recall@100
+    python benchmark.py --index_bench --vectors docs.npy[,queries.npy]   # ... on real (e.g. SciFact) vectors
 
 tokens/s counts real (non-padding) tokens through forward, backward and the AdamW step.
 peak memory: max resident set size of the process on CPU (model, optimizer, activations and the
 few documents loaded), torch.cuda.max_memory_allocated on GPU.
+
+--index_bench builds each faiss index_factory string with evaluate.build_index (trained on a sample
+of 40 vectors per inverted list) and reports build time (train + add), index size
+(faiss.serialize_index), queries/s (all queries in one call, torch's thread count) and Recall@100
+against exact search (the share of the exact top-100 ids found). Data: a SciFact-sized set (5,183
+documents; real vectors with --vectors, else synthetic), then synthetic sets of 100,000 and 1,000,000
+(--sizes) 384-d vectors, so that the per-query cost from 100k to 1M can be compared. IVF lists scale
+as the square root of the corpus (a power of two), as usual.
 """
 import argparse
 import importlib
@@ -24,9 +34,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import data
+import evaluate
 
 # variant -> (module, Config overrides). "costa-mlm" is the papers' BERT/MLM baseline.
 VARIANTS = {
@@ -146,6 +158,127 @@ def js_memory_table(m, vocab):
               flush=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# --index_bench: faiss indexes for dense retrieval (evaluate.build_index / set_search_parameters)
+# ---------------------------------------------------------------------------------------------
+def synthetic_vectors(n, dim=384, seed=0, rank=64, clusters=1000, chunk=100_000):
+    """(n, dim) unit float32 vectors shaped like real embeddings, not uniform noise (on which every
+    index looks bad): a mixture of `clusters` Gaussians in a rank-64 space, randomly projected to dim,
+    plus a little full-rank noise. Made chunk rows at a time; the first m rows of a larger set are
+    the set of size m (same seed), so 100k is a prefix of 1M."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((clusters, rank)).astype(np.float32)                   # (C, r)
+    projection = rng.standard_normal((rank, dim)).astype(np.float32) / np.sqrt(rank)     # (r, dim)
+    out = np.empty((n, dim), dtype=np.float32)
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        z = centres[rng.integers(clusters, size=m)] + 0.6 * rng.standard_normal((m, rank), dtype=np.float32)  # (m, r)
+        x = z @ projection + 0.1 * rng.standard_normal((m, dim), dtype=np.float32)      # (m, dim)
+        out[start:start + m] = x / np.linalg.norm(x, axis=1, keepdims=True)
+    return out
+
+
+def queries_near(docs, n_queries, seed=1, noise=0.5):
+    """Queries drawn near documents: a random document plus Gaussian noise of norm ~noise, unit length."""
+    rng = np.random.default_rng(seed)
+    base = docs[np.sort(rng.choice(len(docs), n_queries, replace=False))]               # (Q, dim)
+    q = base + noise / np.sqrt(docs.shape[1]) * rng.standard_normal(base.shape, dtype=np.float32)
+    return (q / np.linalg.norm(q, axis=1, keepdims=True)).astype(np.float32)
+
+
+def index_specs(n):
+    """(index_factory string, [(search knob, values)]) to measure on n vectors: exact, a graph, and
+    inverted lists (exact codes and 8-bit scalar-quantised) with sqrt(n) lists."""
+    nlist = 2 ** max(4, round(np.log2(np.sqrt(n))))
+    return [("Flat", [("", [0])]),
+            ("HNSW32", [("efSearch", [128, 256, 512])]),
+            (f"IVF{nlist},Flat", [("nprobe", [8, 16, 32, 64])]),
+            (f"IVF{nlist},SQ8", [("nprobe", [16, 32, 64])])]
+
+
+def bench_indexes(name, docs, queries, k=100):
+    """One row per index and search setting: build s, index MiB, queries/s, Recall@100 vs Flat."""
+    import faiss
+    rows, exact = [], None
+    for spec, knobs in index_specs(len(docs)):
+        nlist = int(spec[3:].split(",")[0]) if spec.startswith("IVF") else 1
+        t0 = time.perf_counter()
+        index = evaluate.build_index(docs, spec, train_size=40 * nlist)
+        build_s = time.perf_counter() - t0
+        mib = faiss.serialize_index(index).nbytes / 2**20
+        for knob, values in knobs:
+            for value in values:
+                evaluate.set_search_parameters(index, **({"nprobe": value} if knob == "nprobe" else {"ef_search": value}))
+                seconds, ids = timed_search(index, queries, k)                           # (Q, k)
+                exact = ids if exact is None else exact
+                recall = np.mean([len(np.intersect1d(a, b)) / k for a, b in zip(ids, exact)])
+                rows.append({"data": name, "n": len(docs), "index": spec, "knob": f"{knob} {value}" if knob else "exact",
+                             "build_s": build_s, "mib": mib, "qps": len(queries) / seconds,
+                             "ms_per_query": 1000 * seconds / len(queries), "recall": recall})
+                print(f"  {name} {len(docs):,} {spec} {knob} {value}: {rows[-1]['qps']:,.0f} q/s, "
+                      f"recall {recall:.3f}", file=sys.stderr, flush=True)
+        del index
+    return rows
+
+
+def timed_search(index, queries, k, repeat_under=2.0):
+    """(seconds, ids (Q, k)): the fastest of up to 3 runs while a run takes under repeat_under seconds,
+    so that a short search is not measured by whatever else the machine did at that moment."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        _, ids = index.search(queries, k)                                                # (Q, k)
+        best = min(best, time.perf_counter() - t0)
+        if best >= repeat_under:
+            break
+    return best, ids
+
+
+def index_table(rows):
+    """Markdown: every measured row, then the per-query cost growth of each setting between sizes."""
+    lines = ["| data | N | index | search | build s | index MiB | queries/s | ms/query | Recall@100 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['data']} | {r['n']:,} | {r['index']} | {r['knob']} | {r['build_s']:.1f} | {r['mib']:,.0f} | "
+              f"{r['qps']:,.0f} | {r['ms_per_query']:.3f} | {r['recall']:.3f} |" for r in rows]
+    synth = [r for r in rows if r["data"] == "synthetic"]
+    sizes = sorted({r["n"] for r in synth})
+    if len(sizes) >= 2:
+        small, large = sizes[0], sizes[-1]
+        family = lambda r: (r["index"].split(",")[1] if r["index"].startswith("IVF") else r["index"], r["knob"])
+        by = {(r["n"], family(r)): r for r in synth}
+        lines += ["", f"| index | search | ms/query {small:,} | ms/query {large:,} | growth (N x{large // small}) "
+                      f"| Recall@100 {small:,} | Recall@100 {large:,} |", "|---|---|---|---|---|---|---|"]
+        for r in (r for r in synth if r["n"] == large):
+            a = by.get((small, family(r)))
+            if a:
+                lines.append(f"| {a['index']} -> {r['index']} | {r['knob']} | {a['ms_per_query']:.3f} | "
+                             f"{r['ms_per_query']:.3f} | x{r['ms_per_query'] / a['ms_per_query']:.1f} | "
+                             f"{a['recall']:.3f} | {r['recall']:.3f} |")
+    return "\n".join(lines)
+
+
+def index_bench(args):
+    """--index_bench: SciFact-sized (real with --vectors) then synthetic sets of each --sizes."""
+    t0 = time.perf_counter()
+    rows = []
+    if args.vectors:
+        paths = args.vectors.split(",")
+        docs = np.ascontiguousarray(np.load(paths[0], mmap_mode="r"), dtype=np.float32)
+        queries = np.load(paths[1]).astype(np.float32) if len(paths) > 1 else queries_near(docs, args.queries)
+        rows += bench_indexes("scifact", docs, queries)
+    else:
+        docs = synthetic_vectors(5183, seed=2)                       # SciFact's corpus size
+        rows += bench_indexes("scifact-size synthetic", docs, queries_near(docs, 300))
+    sizes = [int(float(x)) for x in args.sizes.split(",") if x]
+    docs = synthetic_vectors(max(sizes)) if sizes else None
+    queries = queries_near(docs[:min(sizes)], args.queries) if sizes else None
+    for n in sizes:
+        rows += bench_indexes("synthetic", docs[:n], queries)
+    print(f"faiss {__import__('faiss').__version__}, {torch.get_num_threads()} thread(s), "
+          f"{args.queries} queries (synthetic), k = 100, {time.perf_counter() - t0:.0f} s in all\n")
+    print(index_table(rows))
+
+
 def parse_value(text):
     try:
         return json.loads(text)
@@ -162,6 +295,10 @@ def main():
                         help="Config override for every variant, e.g. batch_size=64")
     parser.add_argument("--js", action="store_true", help="CPDAE's JS loss memory, chunked vs naive")
     parser.add_argument("--js_texts", type=int, default=64, help="texts (x 2 views) for --js")
+    parser.add_argument("--index_bench", action="store_true", help="faiss indexes: build, size, queries/s, Recall@100")
+    parser.add_argument("--vectors", default="", help="--index_bench: DOCS.npy[,QUERIES.npy] real vectors (else synthetic)")
+    parser.add_argument("--sizes", default="100000,1000000", help="--index_bench: synthetic corpus sizes")
+    parser.add_argument("--queries", type=int, default=500, help="--index_bench: synthetic queries")
     parser.add_argument("--one", help=argparse.SUPPRESS)          # internal: run one variant, print JSON
     parser.add_argument("--js-one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -169,6 +306,9 @@ def main():
     if args.js_one:
         variant, chunk, m, vocab = args.js_one.split(":")
         print(json.dumps(js_memory_one(variant, int(chunk), int(m), int(vocab))))
+        return
+    if args.index_bench:
+        index_bench(args)
         return
     if args.js:
         js_memory_table(args.js_texts, 30522)
