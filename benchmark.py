@@ -192,8 +192,8 @@ def index_specs(n):
     nlist = 2 ** max(4, round(np.log2(np.sqrt(n))))
     return [("Flat", [("", [0])]),
             ("HNSW32", [("efSearch", [128, 256, 512])]),
-            (f"IVF{nlist},Flat", [("nprobe", [8, 16, 32, 64])]),
-            (f"IVF{nlist},SQ8", [("nprobe", [16, 32, 64])])]
+            (f"IVF{nlist},Flat", [("nprobe", [16, 32, 64, 128])]),
+            (f"IVF{nlist},SQ8", [("nprobe", [32, 64, 128])])]
 
 
 def bench_indexes(name, docs, queries, k=100):
