@@ -10,6 +10,7 @@ ones, in a fresh process of its own so that peak memory is its own:
     python benchmark.py --js                              # CPDAE's contrastive loss: chunked vs naive memory
     python benchmark.py --index_bench                     # faiss indexes: build, memory, queries/s, Recall@100
     python benchmark.py --index_bench --vectors docs.npy[,queries.npy]   # ... on real (e.g. SciFact) vectors
+    python benchmark.py --vectors_rss 300000              # peak RSS of encode + search: float32 in memory vs fp16 memmap
 
 tokens/s counts real (non-padding) tokens through forward, backward and the AdamW step.
 peak memory: max resident set size of the process on CPU (model, optimizer, activations and the
@@ -161,18 +162,22 @@ def js_memory_table(m, vocab):
 # ---------------------------------------------------------------------------------------------
 # --index_bench: faiss indexes for dense retrieval (evaluate.build_index / set_search_parameters)
 # ---------------------------------------------------------------------------------------------
-def synthetic_vectors(n, dim=384, seed=0, rank=64, clusters=1000, chunk=100_000):
+def synthetic_vectors(n, dim=384, seed=0, rank=64, clusters=20000, chunk=100_000):
     """(n, dim) unit float32 vectors shaped like real embeddings, not uniform noise (on which every
-    index looks bad): a mixture of `clusters` Gaussians in a rank-64 space, randomly projected to dim,
-    plus a little full-rank noise. Made chunk rows at a time; the first m rows of a larger set are
-    the set of size m (same seed), so 100k is a prefix of 1M."""
+    index looks bad): a mixture of `clusters` Gaussians in a rank-64 space, of Zipf-like sizes and
+    spreads from 0.3 to 1 (so clusters overlap, and match no index's lists), randomly projected to
+    dim, plus a little full-rank noise. Made chunk rows at a time; the first m rows of a larger set
+    are the set of size m (same seed), so 100k is a prefix of 1M."""
     rng = np.random.default_rng(seed)
     centres = rng.standard_normal((clusters, rank)).astype(np.float32)                   # (C, r)
+    spread = rng.uniform(0.3, 1.0, (clusters, 1)).astype(np.float32)                     # (C, 1)
+    weights = 1 / np.arange(1, clusters + 1) ** 0.7                                      # (C,)
     projection = rng.standard_normal((rank, dim)).astype(np.float32) / np.sqrt(rank)     # (r, dim)
     out = np.empty((n, dim), dtype=np.float32)
     for start in range(0, n, chunk):
         m = min(chunk, n - start)
-        z = centres[rng.integers(clusters, size=m)] + 0.6 * rng.standard_normal((m, rank), dtype=np.float32)  # (m, r)
+        c = rng.choice(clusters, size=m, p=weights / weights.sum())                     # (m,)
+        z = centres[c] + spread[c] * rng.standard_normal((m, rank), dtype=np.float32)   # (m, r)
         x = z @ projection + 0.1 * rng.standard_normal((m, dim), dtype=np.float32)      # (m, dim)
         out[start:start + m] = x / np.linalg.norm(x, axis=1, keepdims=True)
     return out
@@ -191,9 +196,9 @@ def index_specs(n):
     inverted lists (exact codes and 8-bit scalar-quantised) with sqrt(n) lists."""
     nlist = 2 ** max(4, round(np.log2(np.sqrt(n))))
     return [("Flat", [("", [0])]),
-            ("HNSW32", [("efSearch", [128, 256, 512])]),
-            (f"IVF{nlist},Flat", [("nprobe", [16, 32, 64, 128])]),
-            (f"IVF{nlist},SQ8", [("nprobe", [32, 64, 128])])]
+            ("HNSW32", [("efSearch", [128, 256, 512, 1024])]),
+            (f"IVF{nlist},Flat", [("nprobe", [32, 64, 128, 256])]),
+            (f"IVF{nlist},SQ8", [("nprobe", [64, 128, 256])])]
 
 
 def bench_indexes(name, docs, queries, k=100):
@@ -279,6 +284,52 @@ def index_bench(args):
     print(index_table(rows))
 
 
+# ---------------------------------------------------------------------------------------------
+# --vectors_rss: peak memory of encode + search, vectors in memory (float32) or on disk (fp16)
+# ---------------------------------------------------------------------------------------------
+class RandomEncoder(torch.nn.Module):
+    """Stands in for the encoder in evaluate.encode: random hidden states, so that the run measures
+    the vectors and the search, not a model."""
+    def __init__(self, hidden_size):
+        super().__init__()
+        self.config = evaluate.EncoderConfig(hidden_size=hidden_size)
+        self.generator = torch.Generator().manual_seed(0)
+
+    def forward(self, ids, mask):
+        return torch.randn(*ids.shape, self.config.hidden_size, generator=self.generator)   # (b, L, H)
+
+
+def vectors_rss_one(where, search, n, dim=768):
+    """evaluate.encode of n texts then a top-100 search of 100 queries, in this process; the peak RSS
+    (MiB) after each. where: "memory" (float32 array) or "memmap" (fp16 file); search: a faiss
+    index_factory string, or "torch" (evaluate.torch_exact_search, what a GPU runs, here on the CPU)."""
+    tokenizer, cpu, encoder = data.load_tokenizer(), torch.device("cpu"), RandomEncoder(dim)
+    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    start = peak()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "docs.npy") if where == "memmap" else ""
+        docs = evaluate.encode(encoder, "cls", tokenizer, ["cell"] * n, 4, 512, cpu, False, "dot", path)  # (n, H)
+        encoded = peak()
+        queries = evaluate.encode(encoder, "cls", tokenizer, ["gene"] * 100, 4, 512, cpu, False)          # (100, H)
+        if search == "torch":
+            evaluate.torch_exact_search(queries, docs, 100, cpu)
+        else:
+            evaluate.search(queries, docs, 100, search)
+    return {"where": where, "search": search, "start": start, "encoded": encoded, "searched": peak()}
+
+
+def vectors_rss_table(n):
+    """Each case in a fresh process (ru_maxrss is a high-water mark)."""
+    print(f"peak RSS (MiB) of evaluate.encode + search, {n:,} x 768 vectors, 100 queries, top-100")
+    print("| vectors | search | start | after encode | after search |\n|---|---|---|---|---|")
+    for where, search in [("memory", "Flat"), ("memmap", "Flat"), ("memmap", "torch"),
+                          ("memory", "IVF256,SQ8"), ("memmap", "IVF256,SQ8")]:
+        cmd = [sys.executable, __file__, "--rss-one", f"{where}:{search}:{n}"]
+        r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+        name = "float32 in memory" if where == "memory" else "fp16 memmap"
+        print(f"| {name} | {search} | {r['start']:,.0f} | {r['encoded']:,.0f} | {r['searched']:,.0f} |", flush=True)
+
+
 def parse_value(text):
     try:
         return json.loads(text)
@@ -299,6 +350,8 @@ def main():
     parser.add_argument("--vectors", default="", help="--index_bench: DOCS.npy[,QUERIES.npy] real vectors (else synthetic)")
     parser.add_argument("--sizes", default="100000,1000000", help="--index_bench: synthetic corpus sizes")
     parser.add_argument("--queries", type=int, default=500, help="--index_bench: synthetic queries")
+    parser.add_argument("--vectors_rss", type=int, default=0, metavar="N", help="peak RSS of encode + search of N vectors")
+    parser.add_argument("--rss-one", help=argparse.SUPPRESS)
     parser.add_argument("--one", help=argparse.SUPPRESS)          # internal: run one variant, print JSON
     parser.add_argument("--js-one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -306,6 +359,13 @@ def main():
     if args.js_one:
         variant, chunk, m, vocab = args.js_one.split(":")
         print(json.dumps(js_memory_one(variant, int(chunk), int(m), int(vocab))))
+        return
+    if args.rss_one:
+        where, search, n = args.rss_one.split(":")
+        print(json.dumps(vectors_rss_one(where, search, int(n))))
+        return
+    if args.vectors_rss:
+        vectors_rss_table(args.vectors_rss)
         return
     if args.index_bench:
         index_bench(args)

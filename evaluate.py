@@ -7,6 +7,7 @@ bottom: config, retrieval, metrics, significance, runs, figures, command line, s
     python evaluate.py --bm25 --dataset data/scifact --split test          # BM25 baseline row
     python evaluate.py --model runs/finetune/encoder --split test       # any saved encoder (HF BERT folder)
     torchrun --nproc_per_node=4 evaluate.py --model DIR                 # corpus encoding sharded across ranks
+    python evaluate.py --model DIR --vectors_dir runs/vectors           # corpus vectors as fp16 memmaps on disk
     python evaluate.py --compare runs/a/run.trec,runs/b/run.trec        # paired t-tests per metric
     python evaluate.py --model DIR --tsne auto                          # + COSTA Figure 3 for one query
     python evaluate.py --model runs/cpdae/encoder --words "Some text"   # CPDAE Table 4 figure
