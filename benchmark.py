@@ -8,10 +8,22 @@ ones, in a fresh process of its own so that peak memory is its own:
     python benchmark.py --variants costa-mlm,hf-bert-mlm --steps 20
     python benchmark.py --set batch_size=64 --set max_len=256
     python benchmark.py --js                              # CPDAE's contrastive loss: chunked vs naive memory
+    python benchmark.py --index_bench                     # faiss indexes: build, memory, queries/s, Recall@100
+    python benchmark.py --index_bench --vectors docs.npy[,queries.npy]   # ... on real (e.g. SciFact) vectors
+    python benchmark.py --vectors_rss 300000              # peak RSS of encode + search: float32 in memory vs fp16 memmap
 
 tokens/s counts real (non-padding) tokens through forward, backward and the AdamW step.
 peak memory: max resident set size of the process on CPU (model, optimizer, activations and the
 few documents loaded), torch.cuda.max_memory_allocated on GPU.
+
+--index_bench builds each faiss index_factory string with evaluate.build_index (trained on a sample
+of 40 vectors per inverted list) and reports build time (train + add), index size
+(faiss.serialize_index), queries/s (all queries in one call on faiss's OpenMP threads; the best of
+up to 3 calls when one takes under 2 s) and Recall@100
+against exact search (the share of the exact top-100 ids found). Data: a SciFact-sized set (5,183
+documents; real vectors with --vectors, else synthetic), then synthetic sets of 100,000 and 1,000,000
+(--sizes) 384-d vectors, so that the per-query cost from 100k to 1M can be compared. IVF lists scale
+as the square root of the corpus (a power of two), as usual.
 """
 import argparse
 import importlib
@@ -29,6 +41,7 @@ import numpy as np
 import torch
 
 import data
+import evaluate
 
 # variant -> (module, Config overrides). "costa-mlm" is the papers' BERT/MLM baseline.
 VARIANTS = {
@@ -236,6 +249,178 @@ def scale_table(sizes, procs, before_max, folder, workers):
     print("\n" + "\n".join(built))
 
 
+# ---------------------------------------------------------------------------------------------
+# --index_bench: faiss indexes for dense retrieval (evaluate.build_index / set_search_parameters)
+# ---------------------------------------------------------------------------------------------
+def synthetic_vectors(n, dim=384, seed=0, rank=64, clusters=20000, chunk=100_000):
+    """(n, dim) unit float32 vectors shaped like real embeddings, not uniform noise (on which every
+    index looks bad): a mixture of `clusters` Gaussians in a rank-64 space, of Zipf-like sizes and
+    spreads from 0.3 to 1 (so clusters overlap, and match no index's lists), randomly projected to
+    dim, plus a little full-rank noise. Made chunk rows at a time; the first m rows of a larger set
+    are the set of size m (same seed), so 100k is a prefix of 1M."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((clusters, rank)).astype(np.float32)                   # (C, r)
+    spread = rng.uniform(0.3, 1.0, (clusters, 1)).astype(np.float32)                     # (C, 1)
+    weights = 1 / np.arange(1, clusters + 1) ** 0.7                                      # (C,)
+    projection = rng.standard_normal((rank, dim)).astype(np.float32) / np.sqrt(rank)     # (r, dim)
+    out = np.empty((n, dim), dtype=np.float32)
+    for start in range(0, n, chunk):
+        m = min(chunk, n - start)
+        c = rng.choice(clusters, size=m, p=weights / weights.sum())                     # (m,)
+        z = centres[c] + spread[c] * rng.standard_normal((m, rank), dtype=np.float32)   # (m, r)
+        x = z @ projection + 0.1 * rng.standard_normal((m, dim), dtype=np.float32)      # (m, dim)
+        out[start:start + m] = x / np.linalg.norm(x, axis=1, keepdims=True)
+    return out
+
+
+def queries_near(docs, n_queries, seed=1, noise=0.5):
+    """Queries drawn near documents: a random document plus Gaussian noise of norm ~noise, unit length."""
+    rng = np.random.default_rng(seed)
+    base = docs[np.sort(rng.choice(len(docs), n_queries, replace=False))]               # (Q, dim)
+    q = base + noise / np.sqrt(docs.shape[1]) * rng.standard_normal(base.shape, dtype=np.float32)
+    return (q / np.linalg.norm(q, axis=1, keepdims=True)).astype(np.float32)
+
+
+def index_specs(n):
+    """(index_factory string, [(search knob, values)]) to measure on n vectors: exact, a graph, and
+    inverted lists (exact codes and 8-bit scalar-quantised) with sqrt(n) lists."""
+    nlist = 2 ** max(4, round(np.log2(np.sqrt(n))))
+    return [("Flat", [("", [0])]),
+            ("HNSW32", [("efSearch", [128, 256, 512, 1024])]),
+            (f"IVF{nlist},Flat", [("nprobe", [32, 64, 128, 256])]),
+            (f"IVF{nlist},SQ8", [("nprobe", [64, 128, 256])])]
+
+
+def bench_indexes(name, docs, queries, k=100):
+    """One row per index and search setting: build s, index MiB, queries/s, Recall@100 vs Flat."""
+    import faiss
+    rows, exact = [], None
+    for spec, knobs in index_specs(len(docs)):
+        nlist = int(spec[3:].split(",")[0]) if spec.startswith("IVF") else 1
+        t0 = time.perf_counter()
+        index = evaluate.build_index(docs, spec, train_size=40 * nlist)
+        build_s = time.perf_counter() - t0
+        mib = faiss.serialize_index(index).nbytes / 2**20
+        for knob, values in knobs:
+            for value in values:
+                evaluate.set_search_parameters(index, **({"nprobe": value} if knob == "nprobe" else {"ef_search": value}))
+                seconds, ids = timed_search(index, queries, k)                           # (Q, k)
+                exact = ids if exact is None else exact
+                recall = np.mean([len(np.intersect1d(a, b)) / k for a, b in zip(ids, exact)])
+                rows.append({"data": name, "n": len(docs), "index": spec, "knob": f"{knob} {value}" if knob else "exact",
+                             "build_s": build_s, "mib": mib, "qps": len(queries) / seconds,
+                             "ms_per_query": 1000 * seconds / len(queries), "recall": recall})
+                print(f"  {name} {len(docs):,} {spec} {knob} {value}: {rows[-1]['qps']:,.0f} q/s, "
+                      f"recall {recall:.3f}", file=sys.stderr, flush=True)
+        del index
+    return rows
+
+
+def timed_search(index, queries, k, repeat_under=2.0):
+    """(seconds, ids (Q, k)): the fastest of up to 3 runs while a run takes under repeat_under seconds,
+    so that a short search is not measured by whatever else the machine did at that moment."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        _, ids = index.search(queries, k)                                                # (Q, k)
+        best = min(best, time.perf_counter() - t0)
+        if best >= repeat_under:
+            break
+    return best, ids
+
+
+def index_table(rows):
+    """Markdown: every measured row, then the per-query cost growth of each setting between sizes."""
+    lines = ["| data | N | index | search | build s | index MiB | queries/s | ms/query | Recall@100 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['data']} | {r['n']:,} | {r['index']} | {r['knob']} | {r['build_s']:.1f} | {r['mib']:,.0f} | "
+              f"{r['qps']:,.0f} | {r['ms_per_query']:.3f} | {r['recall']:.3f} |" for r in rows]
+    synth = [r for r in rows if r["data"] == "synthetic"]
+    sizes = sorted({r["n"] for r in synth})
+    if len(sizes) >= 2:
+        small, large = sizes[0], sizes[-1]
+        family = lambda r: (r["index"].split(",")[1] if r["index"].startswith("IVF") else r["index"], r["knob"])
+        by = {(r["n"], family(r)): r for r in synth}
+        lines += ["", f"| index | search | ms/query {small:,} | ms/query {large:,} | growth (N x{large // small}) "
+                      f"| Recall@100 {small:,} | Recall@100 {large:,} |", "|---|---|---|---|---|---|---|"]
+        for r in (r for r in synth if r["n"] == large):
+            a = by.get((small, family(r)))
+            if a:
+                lines.append(f"| {a['index']} -> {r['index']} | {r['knob']} | {a['ms_per_query']:.3f} | "
+                             f"{r['ms_per_query']:.3f} | x{r['ms_per_query'] / a['ms_per_query']:.1f} | "
+                             f"{a['recall']:.3f} | {r['recall']:.3f} |")
+    return "\n".join(lines)
+
+
+def index_bench(args):
+    """--index_bench: SciFact-sized (real with --vectors) then synthetic sets of each --sizes."""
+    t0 = time.perf_counter()
+    rows = []
+    if args.vectors:
+        paths = args.vectors.split(",")
+        docs = np.ascontiguousarray(np.load(paths[0], mmap_mode="r"), dtype=np.float32)
+        queries = np.load(paths[1]).astype(np.float32) if len(paths) > 1 else queries_near(docs, args.queries)
+        rows += bench_indexes("scifact", docs, queries)
+    else:
+        docs = synthetic_vectors(5183, seed=2)                       # SciFact's corpus size
+        rows += bench_indexes("scifact-size synthetic", docs, queries_near(docs, 300))
+    sizes = [int(float(x)) for x in args.sizes.split(",") if x]
+    docs = synthetic_vectors(max(sizes)) if sizes else None
+    queries = queries_near(docs[:min(sizes)], args.queries) if sizes else None
+    for n in sizes:
+        rows += bench_indexes("synthetic", docs[:n], queries)
+    import faiss
+    print(f"faiss {faiss.__version__}, {faiss.omp_get_max_threads()} thread(s), "
+          f"{args.queries} queries (synthetic), k = 100, {time.perf_counter() - t0:.0f} s in all\n")
+    print(index_table(rows))
+
+
+# ---------------------------------------------------------------------------------------------
+# --vectors_rss: peak memory of encode + search, vectors in memory (float32) or on disk (fp16)
+# ---------------------------------------------------------------------------------------------
+class RandomEncoder(torch.nn.Module):
+    """Stands in for the encoder in evaluate.encode: random hidden states, so that the run measures
+    the vectors and the search, not a model."""
+    def __init__(self, hidden_size):
+        super().__init__()
+        self.config = evaluate.EncoderConfig(hidden_size=hidden_size)
+        self.generator = torch.Generator().manual_seed(0)
+
+    def forward(self, ids, mask):
+        return torch.randn(*ids.shape, self.config.hidden_size, generator=self.generator)   # (b, L, H)
+
+
+def vectors_rss_one(where, search, n, dim=768):
+    """evaluate.encode of n texts then a top-100 search of 100 queries, in this process; the peak RSS
+    (MiB) after each. where: "memory" (float32 array) or "memmap" (fp16 file); search: a faiss
+    index_factory string, or "torch" (evaluate.torch_exact_search, what a GPU runs, here on the CPU)."""
+    tokenizer, cpu, encoder = data.load_tokenizer(), torch.device("cpu"), RandomEncoder(dim)
+    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    start = peak()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "docs.npy") if where == "memmap" else ""
+        docs = evaluate.encode(encoder, "cls", tokenizer, ["cell"] * n, 4, 512, cpu, False, "dot", path)  # (n, H)
+        encoded = peak()
+        queries = evaluate.encode(encoder, "cls", tokenizer, ["gene"] * 100, 4, 512, cpu, False)          # (100, H)
+        if search == "torch":
+            evaluate.torch_exact_search(queries, docs, 100, cpu)
+        else:
+            evaluate.search(queries, docs, 100, search)
+    return {"where": where, "search": search, "start": start, "encoded": encoded, "searched": peak()}
+
+
+def vectors_rss_table(n):
+    """Each case in a fresh process (ru_maxrss is a high-water mark)."""
+    print(f"peak RSS (MiB) of evaluate.encode + search, {n:,} x 768 vectors, 100 queries, top-100")
+    print("| vectors | search | start | after encode | after search |\n|---|---|---|---|---|")
+    for where, search in [("memory", "Flat"), ("memmap", "Flat"), ("memmap", "torch"),
+                          ("memory", "IVF256,SQ8"), ("memmap", "IVF256,SQ8")]:
+        cmd = [sys.executable, __file__, "--rss-one", f"{where}:{search}:{n}"]
+        r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+        name = "float32 in memory" if where == "memory" else "fp16 memmap"
+        print(f"| {name} | {search} | {r['start']:,.0f} | {r['encoded']:,.0f} | {r['searched']:,.0f} |", flush=True)
+
+
 def parse_value(text):
     try:
         return json.loads(text)
@@ -260,6 +445,12 @@ def main():
     parser.add_argument("--scale_dir", default="runs/bench-scale", help="synthetic corpora and caches for --scale")
     parser.add_argument("--prep_workers", type=int, default=0, help="tokenizing processes (0 = all cores)")
     parser.add_argument("--legacy_costa", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # internal
+    parser.add_argument("--index_bench", action="store_true", help="faiss indexes: build, size, queries/s, Recall@100")
+    parser.add_argument("--vectors", default="", help="--index_bench: DOCS.npy[,QUERIES.npy] real vectors (else synthetic)")
+    parser.add_argument("--sizes", default="100000,1000000", help="--index_bench: synthetic corpus sizes")
+    parser.add_argument("--queries", type=int, default=500, help="--index_bench: synthetic queries")
+    parser.add_argument("--vectors_rss", type=int, default=0, metavar="N", help="peak RSS of encode + search of N vectors")
+    parser.add_argument("--rss-one", help=argparse.SUPPRESS)
     parser.add_argument("--one", help=argparse.SUPPRESS)          # internal: run one variant, print JSON
     parser.add_argument("--js-one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -275,6 +466,16 @@ def main():
     if args.js_one:
         variant, chunk, m, vocab = args.js_one.split(":")
         print(json.dumps(js_memory_one(variant, int(chunk), int(m), int(vocab))))
+        return
+    if args.rss_one:
+        where, search, n = args.rss_one.split(":")
+        print(json.dumps(vectors_rss_one(where, search, int(n))))
+        return
+    if args.vectors_rss:
+        vectors_rss_table(args.vectors_rss)
+        return
+    if args.index_bench:
+        index_bench(args)
         return
     if args.js:
         js_memory_table(args.js_texts, 30522)

@@ -7,6 +7,7 @@ bottom: config, retrieval, metrics, significance, runs, figures, command line, s
     python evaluate.py --bm25 --dataset data/scifact --split test          # BM25 baseline row
     python evaluate.py --model runs/finetune/encoder --split test       # any saved encoder (HF BERT folder)
     torchrun --nproc_per_node=4 evaluate.py --model DIR                 # corpus encoding sharded across ranks
+    python evaluate.py --model DIR --vectors_dir runs/vectors           # corpus vectors as fp16 memmaps on disk
     python evaluate.py --compare runs/a/run.trec,runs/b/run.trec        # paired t-tests per metric
     python evaluate.py --model DIR --tsne auto                          # + COSTA Figure 3 for one query
     python evaluate.py --model runs/cpdae/encoder --words "Some text"   # CPDAE Table 4 figure
@@ -57,6 +58,7 @@ class Config:
     nprobe: int = 0               # IVF indexes: inverted lists visited per query (0 = faiss's default, 1)
     ef_search: int = 0            # HNSW indexes: candidate list size per query (0 = faiss's default, 16)
     index_train: int = 100000     # corpus vectors sampled to train an index that needs it (IVF, PQ)
+    vectors_dir: str = ""         # folder for the corpus vectors as fp16 .npy memmaps, one per rank, searched in chunks; "" = float32 in memory
     k1: float = 1.2               # BM25 term-frequency saturation (Elasticsearch / BEIR)
     b: float = 0.75               # BM25 document-length normalisation
     bf16: bool = True             # bf16 autocast on GPU and on CPUs with native bf16 (AVX512-BF16, AMX)
@@ -224,16 +226,62 @@ def new_index(spec, dim):
                          f"({str(e).strip().split(': ')[-1]})") from None
 
 
-def build_index(doc_vecs, spec="Flat", train_size=100_000, seed=0):
-    """A faiss index over doc_vecs (N, H) float32 with the inner-product metric, from any index_factory
-    string: "Flat" (exact), "HNSW32" (graph), "IVF256,PQ32" (inverted lists of product-quantised codes),
-    ... An index that needs training (IVF, PQ) is trained on a seeded sample of at most train_size rows."""
+def row_chunks(vecs, chunk=65536, dtype=np.float32):
+    """(start, rows (c, H) as dtype; None = their own) over an (N, H) array, chunk rows at a time. An
+    fp16 memmap (encode(path=...)) is read and widened one chunk at a time, through a mapping of
+    its own that is closed after each chunk (_fresh_map), so neither its float32 copy nor all its
+    pages are ever resident in this process at once. Drop each chunk before asking for the next."""
+    for start in range(0, len(vecs), chunk):
+        yield start, _read_rows(vecs, start, start + chunk, dtype)                          # (c, H)
+
+
+def _read_rows(vecs, start, stop, dtype):
+    """vecs[start:stop] as a C-contiguous array of dtype (None: its own): a view when nothing changes,
+    else a copy; a memmap's rows are copied out of a throwaway mapping."""
+    part = _fresh_map(vecs)[start:stop]
+    if isinstance(part, np.memmap):
+        return np.array(part, dtype=dtype or part.dtype, order="C")
+    return np.ascontiguousarray(part, dtype=dtype or part.dtype)
+
+
+def _fresh_map(vecs):
+    """A new read-only mapping of the .npy file that the memmap vecs maps whole, else vecs itself.
+    A mapping's pages count in this process's RSS until it is closed: reading a corpus through
+    vecs itself would leave all of it resident, through throwaway mappings only what is in use."""
+    if isinstance(vecs, np.memmap) and vecs.filename and str(vecs.filename).endswith(".npy"):
+        whole = np.load(vecs.filename, mmap_mode="r")
+        if whole.shape == vecs.shape and whole.dtype == vecs.dtype:
+            return whole
+    return vecs
+
+
+def build_index(doc_vecs, spec="Flat", train_size=100_000, seed=0, chunk=65536):
+    """A faiss index over doc_vecs (N, H) (float32, or an fp16 memmap) with the inner-product metric,
+    from any index_factory string: "Flat" (exact), "HNSW32" (graph), "IVF256,PQ32" (inverted lists of
+    product-quantised codes), ... An index that needs training (IVF, PQ) is trained on a seeded sample
+    of at most train_size rows; vectors are added chunk rows at a time (row_chunks)."""
     index = new_index(spec, doc_vecs.shape[1])
     if not index.is_trained:
         rows = np.random.default_rng(seed).permutation(len(doc_vecs))[:train_size]
-        index.train(doc_vecs[np.sort(rows)])
-    index.add(doc_vecs)
+        index.train(np.ascontiguousarray(_fresh_map(doc_vecs)[np.sort(rows)], dtype=np.float32))  # (t, H)
+    reserve(index, len(doc_vecs))
+    for _, rows in row_chunks(doc_vecs, chunk):
+        index.add(rows)
+        del rows                                   # before the next chunk is read
     return index
+
+
+def reserve(index, n):
+    """Allocate a flat-coded index's storage (Flat, SQ, PQ; HNSW's vectors) for n vectors at once.
+    faiss appends with std::vector::resize, which doubles the capacity, so adding in chunks would
+    otherwise hold the old and the doubled storage at once: up to 3x the index at the peak (measured
+    2.5 GiB instead of 1.7 for 300k x 768 Flat). Growing to n then back to 0 keeps the capacity."""
+    import faiss
+
+    flat = faiss.downcast_index(index.storage) if hasattr(index, "storage") else index
+    if isinstance(flat, faiss.IndexFlatCodes) and flat.ntotal == 0:
+        flat.codes.resize(n * flat.code_size)
+        flat.codes.resize(0)
 
 
 def set_search_parameters(index, nprobe=0, ef_search=0):
@@ -252,9 +300,9 @@ def set_search_parameters(index, nprobe=0, ef_search=0):
 def search(query_vecs, doc_vecs, k, index="Flat", nprobe=0, ef_search=0, train_size=100_000, batch=1024):
     """Maximum inner product search with a faiss index (build_index): exact for "Flat", approximate
     otherwise. Mining (finetune.py) and evaluation both come here through retrieve().
-    query_vecs (M, H), doc_vecs (N, H) float32 -> (scores (M, k), indices (M, k) int64), best first;
-    an approximate index that finds fewer than k documents fills the tail with index -1, score -inf."""
-    doc_vecs = np.ascontiguousarray(doc_vecs, dtype=np.float32)
+    query_vecs (M, H), doc_vecs (N, H) -> (scores (M, k), indices (M, k) int64), best first;
+    an approximate index that finds fewer than k documents fills the tail with index -1, score -inf.
+    doc_vecs may be an fp16 memmap (encode(path=...)): build_index reads it in chunks."""
     query_vecs = np.ascontiguousarray(query_vecs, dtype=np.float32)
     k = min(k, len(doc_vecs))
     index = build_index(doc_vecs, index, train_size)
@@ -269,14 +317,62 @@ def search(query_vecs, doc_vecs, k, index="Flat", nprobe=0, ef_search=0, train_s
 
 
 @torch.no_grad()
-def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16=True, similarity="dot"):
+def torch_exact_search(query_vecs, doc_vecs, k, device, chunk=65536, batch=4096):
+    """Exact maximum inner product search as matmuls on `device`: what retrieve() does for "Flat" on a
+    GPU (the faiss installed is CPU-only). search()'s contract: query_vecs (M, H), doc_vecs (N, H)
+    float32 or an fp16 memmap -> (scores (M, k) float32, indices (M, k) int64), best first.
+    Documents go to the device chunk rows at a time, each chunk once, and the matmul runs in their
+    dtype (fp16: tensor cores; scores are then rounded to fp16, about 3 significant digits, so
+    near-ties may swap). Every query keeps a running top-k: the chunk's scores are joined to it and
+    topk taken again, so neither the (M, N) scores nor the corpus are ever whole on the device."""
+    k = min(k, len(doc_vecs))
+    dtype = torch.from_numpy(np.zeros(0, doc_vecs.dtype)).dtype
+    queries = torch.from_numpy(np.ascontiguousarray(query_vecs, dtype=np.float32)).to(device, dtype)  # (M, H)
+    top_s = torch.zeros((len(queries), 0), device=device)                                 # (M, k') float32
+    top_i = torch.zeros((len(queries), 0), dtype=torch.long, device=device)                # (M, k')
+    for start, docs in row_chunks(doc_vecs, chunk, dtype=None):
+        docs = torch.from_numpy(docs).to(device)                                           # (c, H)
+        width = min(k, start + len(docs))
+        new_s = torch.empty((len(queries), width), device=device)                          # (M, k'')
+        new_i = torch.empty((len(queries), width), dtype=torch.long, device=device)        # (M, k'')
+        ids = torch.arange(start, start + len(docs), device=device)                        # (c,)
+        for q in range(0, len(queries), batch):
+            s = torch.cat([top_s[q:q + batch], (queries[q:q + batch] @ docs.T).float()], 1)  # (b, k' + c)
+            i = torch.cat([top_i[q:q + batch], ids.expand(len(s), -1)], 1)                  # (b, k' + c)
+            new_s[q:q + batch], best = s.topk(width, dim=1)                                 # (b, k'')
+            new_i[q:q + batch] = i.gather(1, best)
+        top_s, top_i = new_s, new_i
+        del docs                                   # before the next chunk is read
+    return top_s.cpu().numpy(), top_i.cpu().numpy()
+
+
+@torch.no_grad()
+def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16=True, similarity="dot", path=""):
     """(len(texts), H) float32 numpy vectors (unit length for "cos"). Texts are encoded sorted by
-    length (less padding)."""
+    length (less padding). With a path, the vectors are written into an fp16 .npy memmap there instead,
+    batch by batch in place (under a temporary name, then renamed: data._atomic), and that file is
+    returned opened read-only: a corpus is then never held in memory, let alone twice."""
+    shape = (len(texts), encoder.config.hidden_size)
+    args = (encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16, similarity)
+    if not path:
+        return _encode_into(np.zeros(shape, dtype=np.float32), *args)
+
+    def write(tmp):
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=shape)   # (N, H)
+        _encode_into(out, *args)
+        out.flush()
+        del out                                    # unmapped: its written pages leave this process
+    data._atomic(path, write)
+    return np.load(path, mmap_mode="r")
+
+
+@torch.no_grad()
+def _encode_into(out, encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16, similarity):
+    """Fill out (N, H) row by row with encode()'s vectors, in its dtype; returns out."""
     was_training = encoder.training
     encoder.eval()
     autocast = autocast_bf16(device, bf16)
     order = np.argsort([len(t) for t in texts], kind="stable")
-    out = np.zeros((len(texts), encoder.config.hidden_size), dtype=np.float32)
     for start in range(0, len(texts), batch_size):
         rows = order[start:start + batch_size]
         ids, mask = data.encode_texts(tokenizer, [texts[i] for i in rows], max_len)          # (b, L)
@@ -320,20 +416,26 @@ def retrieve(encoder, tokenizer, doc_texts, query_texts, k, c, device, timings=N
     twice, none dropped), searches it with faiss, and the per-shard top-k lists are all-gathered
     and merged. So every rank does the same amount of work and no rank waits in a collective while
     another searches alone (NCCL's timeout), and no rank ever holds the whole corpus' vectors.
-    Every rank encodes all the queries: they are few and short."""
+    Every rank encodes all the queries: they are few and short. With c.vectors_dir each rank's
+    corpus vectors go to an fp16 memmap there (encode(path=...)) and are searched chunk by chunk.
+    On a GPU, "Flat" is torch_exact_search (matmuls on the device) instead of faiss on the CPU."""
     rank, world = rank_and_world()
     k = min(k, len(doc_texts))
     new_index(c.index, encoder.config.hidden_size)  # a bad --index fails now, not after encoding the corpus
     shard = data.shard(len(doc_texts), rank, world)
     t0 = time.time()
+    path = Path(c.vectors_dir) / f"docs-{rank}-of-{world}.npy" if c.vectors_dir else ""
     doc_vecs = encode(encoder, c.pooling, tokenizer, [doc_texts[i] for i in shard], c.passage_len,
-                      c.encode_batch, device, c.bf16, c.similarity)                        # (n, H)
+                      c.encode_batch, device, c.bf16, c.similarity, path)                  # (n, H)
     t1 = time.time()
     query_vecs = encode(encoder, c.pooling, tokenizer, list(query_texts), c.query_len,
                         c.encode_batch, device, c.bf16, c.similarity)                      # (Q, H)
     t2 = time.time()
     if len(shard):
-        scores, ids = search(query_vecs, doc_vecs, k, c.index, c.nprobe, c.ef_search, c.index_train)
+        if device.type == "cuda" and c.index == "Flat":
+            scores, ids = torch_exact_search(query_vecs, doc_vecs, k, device)
+        else:
+            scores, ids = search(query_vecs, doc_vecs, k, c.index, c.nprobe, c.ef_search, c.index_train)
         ids = np.where(ids >= 0, ids + shard.start, -1)                                   # -1: not found
     else:
         scores, ids = np.zeros((len(query_texts), 0), np.float32), np.zeros((len(query_texts), 0), np.int64)

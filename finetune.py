@@ -116,6 +116,7 @@ class Config:
     nprobe: int = 0               # IVF indexes: inverted lists visited per query (0 = faiss's default, 1)
     ef_search: int = 0            # HNSW indexes: candidate list size per query (0 = faiss's default, 16)
     index_train: int = 100000     # corpus vectors sampled to train an index that needs it (IVF, PQ)
+    vectors_dir: str = ""         # folder for the corpus vectors as fp16 .npy memmaps, one per rank, searched in chunks; "" = float32 in memory
     # --- bookkeeping
     out_dir: str = "runs/finetune"  # stages, negatives, final encoder/ and eval-{split}/ go here
     log_every: int = 10           # steps between progress lines

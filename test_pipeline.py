@@ -741,6 +741,47 @@ def test_retrieve_with_an_index_from_the_config():
                           dataclasses.replace(c, index="IVF2,Bogus"), torch.device("cpu"))
 
 
+
+def test_torch_exact_search_equals_faiss_flat_across_chunks():
+    rng = np.random.default_rng(4)
+    docs = rng.standard_normal((1000, 16)).astype(np.float32) * rng.uniform(0.2, 3, (1000, 1)).astype(np.float32)
+    queries = rng.standard_normal((7, 16)).astype(np.float32)
+    cpu = torch.device("cpu")
+    want_s, want_i = evaluate.search(queries, docs, 300, "Flat")          # faiss IndexFlatIP
+    scores, ids = evaluate.torch_exact_search(queries, docs, 300, cpu, chunk=128, batch=3)  # 1000 = 7 x 128 + 104
+    assert scores.dtype == np.float32 and ids.dtype == np.int64 and ids.shape == (7, 300)
+    np.testing.assert_array_equal(ids, want_i)                           # k > chunk: the running top-k carries over
+    np.testing.assert_allclose(scores, want_s, rtol=1e-5, atol=1e-5)
+    s, i = evaluate.torch_exact_search(queries, docs[:50], 300, cpu, chunk=16)   # k > N: every document once
+    assert i.shape == (7, 50) and all(sorted(row) == list(range(50)) for row in i)
+    half = docs.astype(np.float16)                                       # fp16 vectors: an fp16 matmul
+    full = queries.astype(np.float16).astype(np.float32) @ half.astype(np.float32).T
+    s, i = evaluate.torch_exact_search(queries, half, 100, cpu, chunk=128)
+    want = -np.sort(-full, axis=1)[:, :100]
+    np.testing.assert_allclose(np.take_along_axis(full, i, 1), want, atol=0.02)  # a true top-100 up to fp16 ties
+    np.testing.assert_allclose(s, want, atol=0.02)
+
+
+def test_encode_to_an_fp16_memmap_and_retrieve_from_it(tmp_path):
+    torch.manual_seed(0)
+    encoder = finetune.Encoder(finetune.Config(**TINY))
+    texts, tok, cpu = _toy_texts(), _tokenizer(), torch.device("cpu")
+    ref = evaluate.encode(encoder, "cls", tok, texts, 24, 8, cpu)                                # (N, H) float32
+    mem = evaluate.encode(encoder, "cls", tok, texts, 24, 8, cpu, path=tmp_path / "v" / "docs.npy")
+    assert isinstance(mem, np.memmap) and mem.dtype == np.float16 and not mem.flags.writeable
+    np.testing.assert_array_equal(mem, ref.astype(np.float16))           # every row filled, in place
+    assert [f.name for f in (tmp_path / "v").iterdir()] == ["docs.npy"]  # the temporary name is gone
+    index = evaluate.build_index(mem, "Flat", chunk=8)                   # added 8 rows at a time
+    assert index.ntotal == len(texts)
+    np.testing.assert_array_equal(index.reconstruct_n(0, len(texts)), ref.astype(np.float16).astype(np.float32))
+    c = finetune.Config(**TINY, encode_batch=8, query_len=16, passage_len=24, pooling="cls",
+                        vectors_dir=str(tmp_path / "vd"))
+    s, i = evaluate.retrieve(encoder, tok, texts, texts[:5], 10, c, cpu)
+    assert (tmp_path / "vd" / "docs-0-of-1.npy").is_file()
+    queries = evaluate.encode(encoder, "cls", tok, texts[:5], 16, 8, cpu)                      # (5, H)
+    _assert_same_topk(s, i, queries @ mem.astype(np.float32).T, 10)     # exact over the fp16 vectors
+
+
 # ------------------------------------------------------------------ figures
 def test_word_probabilities_sum_pieces():
     tok = _tokenizer()
