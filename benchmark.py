@@ -11,6 +11,7 @@ ones, in a fresh process of its own so that peak memory is its own:
     python benchmark.py --index_bench                     # faiss indexes: build, memory, queries/s, Recall@100
     python benchmark.py --index_bench --vectors docs.npy[,queries.npy]   # ... on real (e.g. SciFact) vectors
     python benchmark.py --vectors_rss 300000              # peak RSS of encode + search: float32 in memory vs fp16 memmap
+    python benchmark.py --scale 1,20,200                  # start-up time and peak RSS per rank against corpus size
 
 tokens/s counts real (non-padding) tokens through forward, backward and the AdamW step.
 peak memory: max resident set size of the process on CPU (model, optimizer, activations and the

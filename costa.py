@@ -663,7 +663,8 @@ def make_optimizer(model, c, eps=1e-8):
 # Flags that may differ on --resume: today's value applies from the next step. Every other flag defines
 # the model, the data or the batches of the saved run, so a resumed run refuses to change it.
 RESUMABLE = ("steps", "epochs", "hard_epochs", "lr", "weight_decay", "warmup", "clip", "bf16", "workers",
-             "log_every", "save_every", "encode_batch", "preset", "eval_split", "eval_queries", "eval_qrels")
+             "log_every", "save_every", "encode_batch", "preset", "eval_split", "eval_queries", "eval_qrels",
+             "cache_dir", "prep_workers", "index", "nprobe", "ef_search", "index_train", "vectors_dir")  # where and how, not what
 
 
 def check_resume_flags(c, saved, path):
