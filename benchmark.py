@@ -287,7 +287,7 @@ def index_specs(n):
     inverted lists (exact codes and 8-bit scalar-quantised) with sqrt(n) lists."""
     nlist = 2 ** max(4, round(np.log2(np.sqrt(n))))
     return [("Flat", [("", [0])]),
-            ("HNSW32", [("efSearch", [128, 256, 512, 1024])]),
+            ("HNSW32", [("efSearch", [128, 256, 512, 1024, 2048])]),
             (f"IVF{nlist},Flat", [("nprobe", [32, 64, 128, 256])]),
             (f"IVF{nlist},SQ8", [("nprobe", [64, 128, 256])])]
 
