@@ -476,7 +476,8 @@ def _chunks(texts, max_chars):
 def _pool(vocab, workers):
     import multiprocessing
     workers = workers or os.cpu_count() or 1
-    return multiprocessing.get_context("fork").Pool(workers, _start_worker, (str(vocab),))
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"   # (no fork on Windows)
+    return multiprocessing.get_context(method).Pool(workers, _start_worker, (str(vocab),))
 
 
 def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, verbose=True):
@@ -502,7 +503,8 @@ def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, ver
                     last = time.time()
                     print(f"tokenizing {corpus}: {n_tokens:,} tokens, {n_tokens / (last - t0):,.0f} tokens/s", flush=True)
         if n_tokens == 0:
-            raise DataError(f"{corpus}: every document tokenized to nothing")
+            raise DataError(f"{corpus}: empty corpus (no non-blank document)" if len(lengths) == 1 else
+                            f"{corpus}: every document tokenized to nothing")
         for name, path in tmp.items():
             os.replace(path, folder / name)
     finally:

@@ -226,6 +226,14 @@ def test_cpdae_cached_idf_equals_compute_idf(small_cache_corpus):
     assert torch.equal(cpdae.cached_idf(windows, 30522, rank=1), idf)           # read back, not rebuilt
 
 
+def test_token_cache_refuses_an_empty_corpus_and_keeps_nothing(tmp_path):
+    for name, text in (("blank.txt", "\n\n  \n"), ("invisible.txt", "\u200b\u200d\n\n\u200b\n")):
+        with pytest.raises(data.DataError, match="empty corpus" if name == "blank.txt" else "tokenized to nothing"):
+            data.token_windows(write(tmp_path / name, text), data.VOCAB, 64, verbose=False)
+        folder = data.token_cache_folder(tmp_path / name, data.VOCAB)
+        assert not folder.exists() or not any(folder.iterdir())              # no manifest, no temporary
+
+
 def test_other_ranks_wait_for_rank0_and_give_up_with_a_clear_error(monkeypatch):
     calls = []
     data.rank0_builds(lambda: False, lambda: calls.append("built"), 0, "x")
