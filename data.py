@@ -5,6 +5,7 @@ Read top to bottom:
   2. tokenizer       BERT's uncased WordPiece (bundled data/vocab.txt) or a new one trained on your corpus
   3. readers         pre-training text (plain / JSONL, .gz), BEIR, MS MARCO, TREC qrels and run files
   4. windows         documents -> [CLS] ... [SEP] windows of at most max_len tokens, with word starts
+  4b. token cache    a corpus tokenized once into memory-mapped files; windows cut from them
   5. batches         BERT masking, padding, and which examples each rank gets at each step
   6. checkpoints     Hugging Face BERT folders and training state, written atomically
   7. command line    a script's Config from '--field value' flags, each checked before any work
