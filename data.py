@@ -614,7 +614,9 @@ def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbo
                  lambda: build_token_cache(corpus, vocab, folder, workers, verbose=verbose), rank,
                  f"the token cache {folder}")
     windows_file = folder / f"windows-L{max_len}.npy"
-    rank0_builds(windows_file.is_file, lambda: _write_windows(folder, max_len), rank, str(windows_file))
+    counts = windows_file.with_suffix(".json")
+    rank0_builds(lambda: windows_file.is_file() and counts.is_file(), lambda: _write_windows(folder, max_len), rank,
+                 str(windows_file))
     tokenizer = load_tokenizer(vocab)
     return TokenWindows(folder, max_len, special_ids(tokenizer))
 
