@@ -227,6 +227,9 @@ def plot_curve(curve, seed_runs, path):
         ns, values = ns + [seed_runs[arm][0]["n_train"]], values + [[r["metrics"]["NDCG@10"] for r in seed_runs[arm]]]
         ax.errorbar(ns, [np.mean(v) for v in values], yerr=[np.std(v) for v in values], marker="o", capsize=3, label=arm)
     ax.set_xscale("log")
+    ticks = sorted({r["n_queries"] for r in curve} | {runs[0]["n_train"] for runs in seed_runs.values() if runs})
+    ax.set_xticks(ticks, [str(n) for n in ticks])                 # the counts themselves, not 10^k labels
+    ax.minorticks_off()
     ax.set_xlabel("training queries")
     ax.set_ylabel("nDCG@10")
     ax.legend()
