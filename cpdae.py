@@ -296,6 +296,11 @@ class PretrainModel(nn.Module):
         self.register_buffer("idf", idf)                                         # (V,) or None: IDF-REC
 
     def forward(self, batch):
+        terms, metrics = self.terms(batch)
+        return sum(terms.values()), metrics                                      # eq. 6
+
+    def terms(self, batch):
+        """Eq. 6 term by term, {name: scalar}, and what to log (study.py measures each term's gradient)."""
         c = self.config
         attention_mask = batch["attention_mask"].repeat(2, 1)                    # (2B, L) views share padding
         hidden = self.encoder(batch["input_ids"], attention_mask)                # (2B, L, H) [d'; d'']
@@ -305,7 +310,7 @@ class PretrainModel(nn.Module):
         rec = reconstruction_loss(logits, batch["bag"].repeat(2, 1), self.idf)   # each view rebuilds its text
         metrics = {"rec": rec.detach(), "mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1)}
         if not c.cl_weight:                                                      # Table 2 "w/o CL"
-            return rec + mlm, metrics
+            return {"L_REC": rec, "L_MLM": mlm}, metrics
         if c.cl_mode == "js":                                                    # CPDAE, eq. 5
             view1, view2 = word_distribution(logits).chunk(2)                    # (B, V) each, z_tilde
             similarity = partial(js_similarity, chunk_size=c.js_chunk)
@@ -313,8 +318,8 @@ class PretrainModel(nn.Module):
             view1, view2 = h_cls.chunk(2)                                        # (B, H) each
             similarity = partial(cosine_similarity, temperature=c.cls_temperature)
         cl, accuracy = gathered_contrastive_loss(view1, view2, similarity)
-        total = rec + mlm + c.cl_weight * cl                                     # eq. 6
-        return total, {**metrics, "cl": cl.detach(), "cl_acc": accuracy}
+        terms = {"L_REC": rec, "L_MLM": mlm, "lambda L_CL": c.cl_weight * cl}   # eq. 6: L_REC + L_MLM + lambda L_CL
+        return terms, {**metrics, "cl": cl.detach(), "cl_acc": accuracy}
 
 
 # ==============================================================================================
@@ -345,8 +350,13 @@ def compute_idf(texts, vocab_size):
 def idf_from_token_ids(ids, offsets, vocab_size):
     """compute_idf on flat token ids (T,) and window bounds offsets (N + 1,): text i is
     ids[offsets[i]:offsets[i + 1]]."""
-    df = torch.from_numpy(document_frequency(ids, offsets, vocab_size).astype(np.float64))  # (V,)
-    return (torch.log((len(offsets) - 1 + 1.0) / (df + 1.0)) + 1.0).float()                 # (V,)
+    return idf_from_df(document_frequency(ids, offsets, vocab_size), len(offsets) - 1)
+
+
+def idf_from_df(df, n_texts):
+    """idf(j) = log((N + 1) / (df(j) + 1)) + 1 from df (V,) int64 over N texts (compute_idf's formula)."""
+    df = torch.from_numpy(df.astype(np.float64))                                         # (V,)
+    return (torch.log((n_texts + 1.0) / (df + 1.0)) + 1.0).float()                       # (V,)
 
 
 def document_frequency(ids, offsets, vocab_size):
@@ -377,8 +387,7 @@ def cached_idf(windows, vocab_size, rank, chunk=1 << 16):
         data.atomic_save_npy(path, df)
 
     data.rank0_builds(path.is_file, build, rank, str(path))
-    df = torch.from_numpy(np.load(path).astype(np.float64))                                  # (V,)
-    return (torch.log((len(windows) + 1.0) / (df + 1.0)) + 1.0).float()                      # (V,)
+    return idf_from_df(np.load(path), len(windows))
 
 
 class Batches(torch.utils.data.Dataset):

@@ -119,21 +119,6 @@ def curve_arms(c, done):
 # ----------------------------------------------------------------------------------------------
 # Why CPDAE does (not) help: the gradient each term of eq. 6 sends into the encoder
 # ----------------------------------------------------------------------------------------------
-def cpdae_terms(model, batch):
-    """CPDAE's eq. 6 term by term, as cpdae.PretrainModel.forward adds them: {name: scalar loss}."""
-    import cpdae
-    c = model.config
-    attention_mask = batch["attention_mask"].repeat(2, 1)                        # (2B, L)
-    hidden = model.encoder(batch["input_ids"], attention_mask)                   # (2B, L, H)
-    mlm, _, _ = cpdae.mlm_loss(hidden, batch["labels"], model.encoder.mlm_head)
-    logits = model.decoder(hidden[:, 0])                                         # (2B, V)
-    rec = cpdae.reconstruction_loss(logits, batch["bag"].repeat(2, 1), model.idf)
-    view1, view2 = cpdae.word_distribution(logits).chunk(2)                      # (B, V) each
-    similarity = lambda a, b: cpdae.js_similarity(a, b, chunk_size=c.js_chunk)
-    cl, _ = cpdae.gathered_contrastive_loss(view1, view2, similarity)
-    return {"L_REC": rec, "L_MLM": mlm, "lambda L_CL": c.cl_weight * cl}
-
-
 def cpdae_gradient_norms(pretrain_folder, n_batches=4):
     """L2 norm of each term's gradient on the encoder's parameters (mean over n_batches training
     batches), at the start (the init checkpoint, new decoder) and after pre-training (state.pt)."""
@@ -151,7 +136,7 @@ def cpdae_gradient_norms(pretrain_folder, n_batches=4):
         norms = {}
         for i in range(n_batches):
             torch.manual_seed(data.step_seed(c.seed, 0, i))                      # dropout as in training
-            for name, loss in cpdae_terms(model, batches[i]).items():
+            for name, loss in model.terms(batches[i])[0].items():
                 grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
                 norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads if g is not None))
                 norms.setdefault(name, []).append((loss.item(), norm.item()))
