@@ -13,7 +13,8 @@ fine-tuning on a few training queries, for "none", "mlm" and the best method.
 
 Outputs in out_dir: one folder per run (pre-training, fine-tuning, evaluation), results.jsonl (one
 line per finished run, written as soon as it finishes: a killed study continues from it), table.md,
-bars.png and low_resource.png.
+bars.png, low_resource.png and (with the cpdae arm) cpdae_gradients.md: each term of CPDAE's eq. 6 and
+the gradient norm it sends into the encoder, at the start and after pre-training.
 """
 import dataclasses
 import json
