@@ -12,8 +12,8 @@ BERT encoder, distributed and training helpers). With --gwc_weight 0 it is the p
     python costa.py --gwc_weight 0                   # MLM only (the BERT baseline)
     python costa.py --granularities word,phrase,sentence --span_T 4 --tau 1 --epochs 3   # Table 4, no paragraphs
 
-(Section 5.3's ablations, Tables 4-7, ran with T = 3, tau = 1 and 3 epochs, not the main run's T = 5,
-tau = 0.1 and 6 epochs; Table 4 keeps 12 spans per text, so 3 granularities take T = 4.)
+(Section 5.3's ablations, Tables 4-7, ran with T = 3, tau = 1 and 3 epochs, not the main run's 5, 0.1
+and 6; Table 4 keeps 12 spans per text, so 3 granularities take T = 4.)
 
 The encoder is written to {out_dir}/encoder as a Hugging Face BERT folder for finetune.py.
 """
@@ -159,8 +159,8 @@ def mlm_loss(hidden, labels, head):
 
         L_MLM = -1/|m(x)| * sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = masked positions
 
-    The papers write a sum; we take the mean over the masked tokens, as BERT's and SEED's code do, so
-    that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
+    Departure (mlm-mean): the papers write a sum; we take the mean over the masked tokens, as BERT's
+    and SEED's code do, so that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
     positions go through `head` (the vocabulary projection is most of the cost). hidden (B, L, H),
     labels (B, L) with -100 where nothing is predicted, head: MLMHead. Returns (loss, n_correct,
     n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
@@ -660,8 +660,9 @@ def autocast_bf16(device, enabled=True):
 # --- shared: begin training helpers ---
 def make_optimizer(model, c, eps=1e-8):
     """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
-    (COSTA and CPDAE say only "Adam with warm-up": weight decay and linear decay are BERT's and SEED's
-    recipe, kept for every method so that they differ only in their losses.) eps: Adam's epsilon."""
+    Departure (optimizer-decay): COSTA and CPDAE say only "Adam with warm-up"; weight decay and linear
+    decay are BERT's and SEED's recipe, kept for every method so that they differ only in their losses.
+    eps: Adam's epsilon."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},

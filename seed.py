@@ -2,8 +2,9 @@
 
 Lu et al., EMNLP 2021 (arXiv:2102.09206, section 3.4, eq. 9-10). One file, top to bottom: config,
 model, loss, data, training loop, checkpoint, the Figure 5 diagnostic; then the blocks every method
-shares (the BERT encoder, distributed and training helpers). It is
-costa.py's MLM skeleton plus a weak decoder: `diff costa.py seed.py` shows exactly what SEED adds.
+shares (the BERT encoder, distributed and training helpers). It has costa.py's skeleton section for
+section, with COSTA's own parts (spans, projector, eq. 8) swapped for a weak decoder: `diff costa.py
+seed.py` shows that swap section by section; the skeleton and the shared blocks give no diff lines.
 
     python seed.py                                   # small model, bundled Wikipedia slice, CPU
     python seed.py --dec_span 0 --dec_layers 5       # Figure 3's "strong decoder" ablation
@@ -207,8 +208,8 @@ def mlm_loss(hidden, labels, head):
 
         L_MLM = -1/|m(x)| * sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = masked positions
 
-    The papers write a sum; we take the mean over the masked tokens, as BERT's and SEED's code do, so
-    that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
+    Departure (mlm-mean): the papers write a sum; we take the mean over the masked tokens, as BERT's
+    and SEED's code do, so that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
     positions go through `head` (the vocabulary projection is most of the cost). hidden (B, L, H),
     labels (B, L) with -100 where nothing is predicted, head: MLMHead. Returns (loss, n_correct,
     n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
@@ -666,8 +667,9 @@ def autocast_bf16(device, enabled=True):
 # --- shared: begin training helpers ---
 def make_optimizer(model, c, eps=1e-8):
     """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
-    (COSTA and CPDAE say only "Adam with warm-up": weight decay and linear decay are BERT's and SEED's
-    recipe, kept for every method so that they differ only in their losses.) eps: Adam's epsilon."""
+    Departure (optimizer-decay): COSTA and CPDAE say only "Adam with warm-up"; weight decay and linear
+    decay are BERT's and SEED's recipe, kept for every method so that they differ only in their losses.
+    eps: Adam's epsilon."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},

@@ -989,3 +989,34 @@ def test_batches_give_the_decoder_the_unmasked_text():
     # decoder_input[:, j] is token j and decoder_targets[:, j] token j + 1 of the ORIGINAL text
     assert torch.equal(batch["decoder_input"][chosen[:, :-1]], batch["labels"][:, :-1][chosen[:, :-1]])
     assert torch.equal(batch["decoder_targets"][chosen[:, 1:]], batch["labels"][:, 1:][chosen[:, 1:]])
+
+
+# ==============================================================================================
+# The function that shows an equation is the one training runs
+# ==============================================================================================
+def test_training_runs_the_functions_that_show_the_equations(monkeypatch):
+    """A breakpoint in each equation's function stops in a training step (forward + backward)."""
+    calls = set()
+    for module, name in [(costa, "gwc_loss"), (cpdae, "contrastive_loss"), (cpdae, "js_similarity"),
+                         (cpdae, "reconstruction_loss"), (seed, "decoder_loss")]:
+        def spy(*args, _real=getattr(module, name), _name=f"{module.__name__}.{name}", **kwargs):
+            calls.add(_name)
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(module, name, spy)
+    torch.manual_seed(0)
+    ids = torch.randint(5, 100, (4, 12))
+    ids[:, 0], ids[:, -1] = 101, 102
+    mask, labels = torch.ones_like(ids), torch.full_like(ids, -100)
+    labels[:, 3] = ids[:, 3]
+    c = tiny_costa_config(gwc_weight=0.5)                                        # eq. 8
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels, "spans": torch.tensor([[[1, 3], [2, 5]]] * 4)}
+    costa.PretrainModel(c, costa.Encoder(c))(batch)[0].backward()
+    c = tiny_cpdae()                                                             # eq. 4, eq. 5 with -JS
+    cpdae.PretrainModel(c, cpdae.Encoder(c))(cpdae.Batches(c, tiny_windows(), SPECIAL, 0, 1)[0])[0].backward()
+    c = small_config(dec_chunk=5)                                                # eq. 9, chunked: 44 positions
+    decoder_input, decoder_targets = seed.decoder_inputs_and_targets(ids, mask)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels, "decoder_input": decoder_input,
+             "decoder_targets": decoder_targets}
+    seed.PretrainModel(c, seed.Encoder(c))(batch)[0].backward()
+    assert calls == {"costa.gwc_loss", "cpdae.contrastive_loss", "cpdae.js_similarity", "cpdae.reconstruction_loss",
+                     "seed.decoder_loss"}
