@@ -50,7 +50,7 @@ class Config:
     vocab_size: int = 30522       # rows of the token embedding; must match the vocab file (paper: 32,768)
     hidden_size: int = 256        # H (paper: 768)
     num_layers: int = 4           # Transformer blocks (paper: 12)
-    num_heads: int = 4            # attention heads (paper: 12)
+    num_heads: int = 4            # attention heads (paper: 12, BERT-base's; its text says 8)
     ffn_size: int = 1024          # feed-forward inner size (paper: 3072)
     max_position: int = 512       # learned absolute positions
     type_vocab_size: int = 2      # token types (all 0 here; kept for BERT checkpoint compatibility)
@@ -89,8 +89,8 @@ class Config:
 
 
 # Section 4.1: from scratch, peak lr 1e-4, 10k of 1M steps warm-up.
-# Departure (seed-heads): 12 heads, BERT-base's, where the paper's text says eight (it also says "the same
-# with BERT-base", which has 12).
+# Departure (seed-heads): 12 heads, BERT-base's and the authors' code's (encoder_attention_heads=12), where
+# the paper's text says eight (it also says "the same with BERT-base", which has 12).
 # --preset paper: section 4.1 "Pre-training Details". From scratch (no --init), BERT-base sizes, 1M steps
 # at batch 256 over all ranks (global_batch: batch_size = 256 / processes), maximum length 512, 15% masks,
 # Adam eps 1e-6 (make_optimizer's call in train) and betas (0.9, 0.999), peak lr 1e-4 after 10k warm-up
