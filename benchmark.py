@@ -138,7 +138,7 @@ def js_memory_one(variant, chunk, m, vocab):
         js = 0.5 * (torch.xlogy(dist1, dist1).sum(-1)[:, None] + torch.xlogy(candidates, candidates).sum(-1)[None, :]) \
             - torch.xlogy(mix, mix).sum(-1)
         sim = -js
-    loss, _ = cpdae.two_view_contrastive_loss(sim)
+    loss, _ = cpdae.contrastive_loss(dist1, dist2, lambda anchors, candidates: sim)   # eq. 5 on sim
     loss.backward()
     return {"variant": variant, "chunk": chunk, "loss": loss.item(), "seconds": time.perf_counter() - start,
             "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}

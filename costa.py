@@ -10,7 +10,10 @@ BERT encoder, distributed and training helpers). With --gwc_weight 0 it is the p
     python costa.py --resume                         # continue from out_dir/state.pt exactly
     python costa.py --overwrite                      # start again in an out_dir that holds a run (else refused)
     python costa.py --gwc_weight 0                   # MLM only (the BERT baseline)
-    python costa.py --granularities word,phrase,sentence --span_T 4   # Table 4: 12 spans, no paragraphs
+    python costa.py --granularities word,phrase,sentence --span_T 4 --tau 1 --epochs 3   # Table 4, no paragraphs
+
+(Section 5.3's ablations, Tables 4-7, ran with T = 3, tau = 1 and 3 epochs, not the main run's 5, 0.1
+and 6; Table 4 keeps 12 spans per text, so 3 granularities take T = 4.)
 
 The encoder is written to {out_dir}/encoder as a Hugging Face BERT folder for finetune.py.
 """
@@ -120,7 +123,8 @@ PROJECTORS = ("nonlinear", "linear", "none")
 
 
 class Projector(nn.Module):
-    """Text vector z_0 = projector(h_0) (eq. 5-6). kind "nonlinear" = Tanh(Linear(H, H)), the paper's;
+    """Text vector z_0 = projector(h_0) (eq. 5-6). kind "nonlinear" = Tanh(Linear(H, H)), our reading of
+    the paper's "Tanh(FFN)" (it does not say how many layers the FFN has; one Linear, as BERT's pooler);
     "linear" = Linear(H, H); "none" = identity (the Table 6 ablations). Pre-training only: it is saved
     in the training state, not in the encoder folder."""
 
@@ -155,8 +159,8 @@ def mlm_loss(hidden, labels, head):
 
         L_MLM = -1/|m(x)| * sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = masked positions
 
-    The papers write a sum; we take the mean over the masked tokens, as BERT's and SEED's code do, so
-    that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
+    Departure (mlm-mean): the papers write a sum; we take the mean over the masked tokens, as BERT's
+    and SEED's code do, so that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
     positions go through `head` (the vocabulary projection is most of the cost). hidden (B, L, H),
     labels (B, L) with -100 where nothing is predicted, head: MLMHead. Returns (loss, n_correct,
     n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
@@ -170,54 +174,56 @@ def mlm_loss(hidden, labels, head):
 # --- shared: end mlm loss ---
 
 
-def gwc_loss_and_accuracy(anchors, all_text_vecs, all_span_vecs, first, tau):
-    """Group-wise contrastive loss (eq. 8) of local anchors against every vector of the batch:
+def gwc_loss(text_vecs, span_vecs, tau, n_anchors=None):
+    """Group-wise contrastive loss (eq. 8), the function training runs (gwc_loss_distributed feeds it
+    the vectors of every rank, this rank's first):
 
         L_GWC = sum_{i=1..N} -1/(4T) sum_{p in S(i)} log( exp(sim(z_i, z_p) / tau)
                                                           / sum_{j=1..N(4T+1)} 1[i != j] exp(sim(z_i, z_j) / tau) )
 
     S(i): the 4T spans of text i; j runs over the batch's N text vectors and N*4T span vectors.
-    anchors (n, H): text vectors z_i, rows first .. first+n-1 of all_text_vecs (N, H); all_span_vecs
-    (N, S, H). For anchor i the S spans of text i are positives; the denominator runs over all N (S + 1)
-    vectors except z_i itself (other texts, every span, its own spans). sim = dot product / tau.
-    Eq. 8 sums over texts; we take the mean (over the S positives, as eq. 8, then over texts), so that
-    lambda does not scale with the batch size.
+    text_vecs (N, H) the z_i; span_vecs (N, S, H). Anchors: texts 0 .. n_anchors-1 (default all N).
+    For anchor i the S spans of text i are positives; the denominator runs over all N (S + 1) vectors
+    except z_i itself (other texts, every span, its own spans). sim = dot product.
+    Departure (costa-gwc-mean): the mean over the S positives, as eq. 8, then over the anchors where
+    eq. 8 sums over texts, so that lambda does not scale with the batch size.
     Logits in fp32 with autocast off (under autocast a matmul runs in bf16 even on fp32 inputs).
-    accuracy: fraction of anchors whose best candidate (itself excluded) is one of its own spans.
+    Returns (loss, accuracy: fraction of anchors whose best candidate, itself excluded, is one of its
+    own spans).
     """
-    n, N, S = anchors.shape[0], all_text_vecs.shape[0], all_span_vecs.shape[1]
-    dtype = torch.promote_types(anchors.dtype, torch.float32)                  # fp32 (fp64 stays, for tests)
-    with torch.autocast(anchors.device.type, enabled=False):
-        candidates = torch.cat([all_text_vecs, all_span_vecs.reshape(N * S, -1)]).to(dtype)  # (N(S+1), H)
-        logits = anchors.to(dtype) @ candidates.T / tau                          # (n, N(S+1))
-    rows = torch.arange(n, device=anchors.device)                               # (n,)
-    logits[rows, first + rows] = float("-inf")                                   # 1[i != j]: drop z_i itself
-    positives = N + (first + rows)[:, None] * S + torch.arange(S, device=anchors.device)  # (n, S) columns
+    N, S = span_vecs.shape[:2]
+    n = N if n_anchors is None else n_anchors
+    dtype = torch.promote_types(text_vecs.dtype, torch.float32)                # fp32 (fp64 stays, for tests)
+    with torch.autocast(text_vecs.device.type, enabled=False):
+        candidates = torch.cat([text_vecs, span_vecs.reshape(N * S, -1)]).to(dtype)  # (N(S+1), H) all z_j
+        logits = candidates[:n] @ candidates.T / tau                             # (n, N(S+1)) anchors z_i
+    rows = torch.arange(n, device=text_vecs.device)                             # (n,)
+    logits[rows, rows] = float("-inf")                                           # 1[i != j]: drop z_i itself
+    positives = N + rows[:, None] * S + torch.arange(S, device=text_vecs.device)  # (n, S) columns of S(i)
     log_prob = logits.gather(1, positives) - logits.logsumexp(dim=1, keepdim=True)  # (n, S)
     best = logits.argmax(dim=1)                                                  # (n,)
     accuracy = ((best >= positives[:, 0]) & (best <= positives[:, -1])).float().mean()
     return -log_prob.mean(), accuracy
 
 
-def gwc_loss(text_vecs, span_vecs, tau):
-    """Eq. 8 in one process: text_vecs (N, H), span_vecs (N, S, H) -> scalar loss."""
-    return gwc_loss_and_accuracy(text_vecs, text_vecs, span_vecs, 0, tau)[0]
-
-
 def gwc_loss_distributed(text_vecs, span_vecs, tau):
-    """Eq. 8 with the negatives of every rank: local anchors, candidates all-gathered (differentiable),
-    own rows offset by rank * local batch. (loss, accuracy) over the local anchors; in one process
-    exactly gwc_loss. Gradient accumulation adds no negatives."""
+    """Eq. 8 (gwc_loss) with the negatives of every rank: the vectors all-gathered (differentiable) and
+    rotated so that this rank's n texts come first, as the anchors. Eq. 8's sums are over sets, so the
+    order changes nothing else. (loss, accuracy) over the local anchors; in one process exactly
+    gwc_loss. Gradient accumulation adds no negatives."""
     rank, _ = rank_and_world()
-    all_text = gather_across_ranks(text_vecs)                                    # (N, H)
-    all_spans = gather_across_ranks(span_vecs)                                   # (N, S, H)
-    return gwc_loss_and_accuracy(text_vecs, all_text, all_spans, rank * text_vecs.shape[0], tau)
+    n = text_vecs.shape[0]
+    all_text = gather_across_ranks(text_vecs).roll(-rank * n, dims=0)           # (N, H) this rank's first
+    all_spans = gather_across_ranks(span_vecs).roll(-rank * n, dims=0)          # (N, S, H)
+    return gwc_loss(all_text, all_spans, tau, n_anchors=n)
 
 
 # The pre-training objective (eq. 10), built from the model pieces and the losses above.
 class PretrainModel(nn.Module):
     """The encoder plus what pre-training adds on top of it. Returns the loss and what to log.
-    One forward pass over the masked text gives the MLM logits, h_0 and the span vectors."""
+    One forward pass over the masked text gives the MLM logits, h_0 and the span vectors: eq. 8 is
+    computed on the MASKED input, in the MLM forward pass (our choice: the paper does not say which
+    input eq. 5-7 see; one pass costs half of two)."""
 
     def __init__(self, c, encoder):
         super().__init__()
@@ -234,7 +240,7 @@ class PretrainModel(nn.Module):
         with torch.autocast(hidden.device.type, enabled=False):  # the vectors feeding eq. 8 in fp32
             text_vecs = self.projector(hidden[:, 0].float())                     # (B, H) z_0, eq. 6
             span_vecs = span_vectors(hidden.float(), batch["spans"])             # (B, S, H) eq. 7
-        gwc, accuracy = gwc_loss_distributed(text_vecs, span_vecs, self.config.tau)
+        gwc, accuracy = gwc_loss_distributed(text_vecs, span_vecs, self.config.tau)  # eq. 8 (gwc_loss)
         total = self.config.gwc_weight * gwc + mlm                               # eq. 10
         return total, {**metrics, "gwc": gwc.detach(), "gwc_acc": accuracy}
 
@@ -242,7 +248,9 @@ class PretrainModel(nn.Module):
 # ==============================================================================================
 # Data
 # ==============================================================================================
-SPAN_LENGTHS = {"phrase": (4, 16), "sentence": (16, 64), "paragraph": (64, 128)}  # (l_min, l_max), 4.5.1
+# (l_min, l_max) in tokens, 4.5.1. At the default 128-token window (paper: 512) a "paragraph" span of
+# 64-128 tokens covers 50-100 % of the text; use --max_len 512 for the paper's proportions.
+SPAN_LENGTHS = {"phrase": (4, 16), "sentence": (16, 64), "paragraph": (64, 128)}
 GRANULARITIES = ("word", *SPAN_LENGTHS)
 
 
@@ -258,7 +266,8 @@ def parse_granularities(text):
 def skip_word_mask(input_ids, word_starts, vocab_tokens):
     """True at the start of each word that must not be a word-level span: an English stopword
     (scikit-learn's list, checked on the whole word, pieces joined) or a word with no letter or digit.
-    The paper filters stopwords only; punctuation ("," ".") makes an equally empty positive."""
+    Departure (costa-word-punct): the paper filters stopwords only; we also skip words with no letter or
+    digit, since punctuation ("," ".") makes an equally empty positive."""
     from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS  # here: sklearn takes seconds to import
     mask = [False] * len(input_ids)
     starts = [i for i, start in enumerate(word_starts) if start] + [len(input_ids)]
@@ -286,10 +295,12 @@ def sample_spans(word_starts, n_tokens, config, rng, stopword_mask=None):
     1 .. n_tokens - 2: never [CLS], [SEP] or padding. rng: numpy Generator; draws are independent.
     - phrase / sentence / paragraph: l = l_min + p (l_max - l_min), p ~ Beta(span_alpha, span_beta)
       (eq. 1), rounded to the nearest integer; start ~ U(1, n_tokens - 1 - l) inclusive (eq. 2, the
-      paper's n being m + 1); span [start, start + l) (eq. 3). Short text: l is clipped to m, so a body
-      shorter than l gives the whole body.
+      paper's n being m + 1); span [start, start + l) (eq. 3).
+      Departure (costa-short-text): the paper's lengths assume a text longer than l; here l is clipped
+      to m, so a body shorter than l gives the whole body.
     - word: one whole word (first piece and its "##" pieces), uniform over the words whose
-      stopword_mask is False (mask[i] is for the word starting at token i; None = keep all). All
+      stopword_mask is False (mask[i] is for the word starting at token i; None = keep all), drawn with
+      replacement (our choice: the paper does not say), so a word can be a positive twice. All
       stopwords: any whole word. A window cut inside a word may start with "##" pieces: that fragment
       is not a whole word (its start is in the previous window) and is skipped, unless the window has no
       word start at all, then the fragment is the word. (A last word cut by the window's end ends at [SEP].)
@@ -337,7 +348,7 @@ class Batches(torch.utils.data.Dataset):
                                           generator, c.mask_prob)
         batch = {"input_ids": masked, "attention_mask": attention_mask, "labels": labels}
         if c.gwc_weight:  # spans on the unmasked windows' words; the model sees the masked text
-            step_rng = np.random.default_rng([c.seed, self.rank, micro_step])
+            step_rng = np.random.default_rng(data.step_seed(c.seed, self.rank, micro_step, "spans"))
             rng = lambda i: step_rng if c.span_resample else np.random.default_rng([c.seed, i])  # per window
             batch["spans"] = torch.tensor([                                      # (B, S, 2)
                 sample_spans(w.word_starts, len(w.input_ids), c, rng(i),
@@ -649,8 +660,9 @@ def autocast_bf16(device, enabled=True):
 # --- shared: begin training helpers ---
 def make_optimizer(model, c, eps=1e-8):
     """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
-    (COSTA and CPDAE say only "Adam with warm-up": weight decay and linear decay are BERT's and SEED's
-    recipe, kept for every method so that they differ only in their losses.) eps: Adam's epsilon."""
+    Departure (optimizer-decay): COSTA and CPDAE say only "Adam with warm-up"; weight decay and linear
+    decay are BERT's and SEED's recipe, kept for every method so that they differ only in their losses.
+    eps: Adam's epsilon."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},

@@ -2,9 +2,11 @@
 
 Ma et al., CIKM 2022 (arXiv:2208.09846, section 3, eq. 1-6). One file, top to bottom: config, model, loss,
 data, training loop, checkpoint; then the blocks every method shares (the BERT encoder, distributed and
-training helpers). It is costa.py's MLM skeleton plus: two masked views
-of every text, an MLP decoder from [CLS] to a word distribution, a bag-of-words reconstruction loss and a
-contrastive loss between the views' word distributions. `diff costa.py cpdae.py` shows exactly that.
+training helpers). It has costa.py's skeleton section for section, with COSTA's own parts (spans,
+projector, eq. 8) swapped for: two masked views of every text, an MLP decoder from [CLS] to a word
+distribution, a bag-of-words reconstruction loss and a contrastive loss between the views' word
+distributions. `diff costa.py cpdae.py` shows that swap section by section: the skeleton and the shared
+blocks give no diff lines.
 
     python cpdae.py                                  # small model, bundled Wikipedia slice, CPU
     python cpdae.py --cl_weight 0                    # Table 2 "w/o CL";  --idf_rec: Table 2 "IDF-REC"
@@ -122,7 +124,10 @@ FLAG_RULES = {
 
 class Decoder(nn.Module):
     """MLP decoder (3.1.2, eq. 2): z = Linear(H, |V|)(LayerNorm(GELU(Linear(H, H)(h_[CLS])))), one logit
-    per vocabulary entry. Dropped for fine-tuning, kept beside the encoder for the Table 4 figure."""
+    per vocabulary entry. The layout is our reading of "two layers of FFN with GELU and a LayerNorm"
+    (the order, the hidden size H and an output untied from the word embeddings are not given; it is
+    the layout of BERT's MLM head, untied). Dropped for fine-tuning, kept beside the encoder for the
+    Table 4 figure."""
 
     def __init__(self, hidden_size, vocab_size, layer_norm_eps=1e-12):
         super().__init__()
@@ -156,8 +161,8 @@ def mlm_loss(hidden, labels, head):
 
         L_MLM = -1/|m(x)| * sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = masked positions
 
-    The papers write a sum; we take the mean over the masked tokens, as BERT's and SEED's code do, so
-    that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
+    Departure (mlm-mean): the papers write a sum; we take the mean over the masked tokens, as BERT's
+    and SEED's code do, so that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
     positions go through `head` (the vocabulary projection is most of the cost). hidden (B, L, H),
     labels (B, L) with -100 where nothing is predicted, head: MLMHead. Returns (loss, n_correct,
     n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
@@ -177,8 +182,8 @@ def reconstruction_loss(logits, bag, idf=None):
         z_hat^j = sigmoid(z^j)                                                   (eq. 3)
         L_REC   = - sum_j w_j [ y^j log z_hat^j + (1 - y^j) log(1 - z_hat^j) ]   (eq. 4)
 
-    y^j = 1 iff word j occurs in the original text (bag_of_words). Departure: eq. 4 as printed has
-    log z_hat^j in its second term, a typo; we use log(1 - z_hat^j). Summed over the vocabulary as eq. 4
+    y^j = 1 iff word j occurs in the original text (bag_of_words). Departure (cpdae-eq4-typo): eq. 4 as
+    printed has log z_hat^j in its second term, a typo; we use log(1 - z_hat^j). Summed over the vocabulary as eq. 4
     writes it, then averaged over the N texts. w_j = 1, or idf[j] for IDF-REC (Table 2).
     BCE-with-logits (log-sigmoid) keeps it finite for any logit. fp32.
     logits (N, V), bag (N, V) 0/1, idf (V,) or None -> scalar.
@@ -208,36 +213,43 @@ def _mixture_xlogx(p, q):
     return _xlogx(m).sum(dim=-1)                                                 # (c, B)
 
 
-def js_divergence(p, q, chunk_size=8):
-    """Pairwise Jensen-Shannon divergence, natural log, rows of p (A, V) x rows of q (B, V) -> (A, B):
+def js_similarity(anchors, candidates, chunk_size=8):
+    """CPDAE's similarity s = -JS of two word distributions (eq. 5), natural log, no temperature, for
+    every row pair: anchors P (a, V) x candidates Q (b, V) -> (a, b) -JS(P, Q):
 
         JS(P, Q) = 1/2 KL(P || M) + 1/2 KL(Q || M),  M = (P + Q) / 2
                  = 1/2 sum p log p + 1/2 sum q log q - sum m log m
 
-    (the paper's eq. 7 is 2 (JS - log 2): it drops the 1/2 and the constant.)
+    Departure (cpdae-true-js): the paper's eq. 7 writes its -JS as -sum p log p - sum q log q +
+    sum (p + q) log(p + q), which is 2 (log 2 - JS) for the JS above: twice -JS plus a constant. We
+    use the true -JS; in eq. 5 the constant cancels, and eq. 7's factor 2 would act as a temperature
+    of 1/2.
 
-    Only the mixture term needs an (A, B, V) tensor (64 x 128 x 30,522 fp32 = 1 GB at the paper's batch).
-    We build it chunk_size rows of p at a time and checkpoint each chunk, so autograd keeps p and q,
-    not every chunk's intermediates; the backward recomputes them chunk by chunk. Same values.
+    Only the mixture term needs an (a, b, V) tensor (64 x 128 x 30,522 fp32 = 1 GB at the paper's batch).
+    We build it chunk_size anchors at a time and checkpoint each chunk, so autograd keeps P and Q,
+    not every chunk's intermediates; the backward recomputes them chunk by chunk. Same values. fp32.
     """
-    half_p = 0.5 * _xlogx(p).sum(dim=-1)                                         # (A,)
-    half_q = 0.5 * _xlogx(q).sum(dim=-1)                                         # (B,)
+    dtype = torch.promote_types(anchors.dtype, torch.float32)                  # fp32 (fp64 stays, for tests)
+    p, q = anchors.to(dtype), candidates.to(dtype)                              # (a, V), (b, V)
+    half_p = 0.5 * _xlogx(p).sum(dim=-1)                                         # (a,) 1/2 sum p log p
+    half_q = 0.5 * _xlogx(q).sum(dim=-1)                                         # (b,) 1/2 sum q log q
     chunks = p.split(chunk_size)                                                 # (c, V) each
     if torch.is_grad_enabled() and (p.requires_grad or q.requires_grad):
-        cross = [checkpoint(_mixture_xlogx, chunk, q, use_reentrant=False) for chunk in chunks]
+        mixture = [checkpoint(_mixture_xlogx, chunk, q, use_reentrant=False) for chunk in chunks]
     else:
-        cross = [_mixture_xlogx(chunk, q) for chunk in chunks]                   # (c, B) each
-    return half_p[:, None] + half_q[None, :] - torch.cat(cross)                  # (A, B)
+        mixture = [_mixture_xlogx(chunk, q) for chunk in chunks]                 # (c, b) each sum m log m
+    return -(half_p[:, None] + half_q[None, :] - torch.cat(mixture))             # (a, b) -JS
 
 
-def js_similarity(anchors, candidates, chunk_size=8):
-    """CPDAE's similarity of two word distributions: -JS (eq. 5), no temperature. (a, V) x (b, V) -> (a, b)."""
-    return -js_divergence(anchors.float(), candidates.float(), chunk_size)
+def js_divergence(p, q, chunk_size=8):
+    """Pairwise JS(P, Q), rows of p (a, V) x rows of q (b, V) -> (a, b): minus js_similarity."""
+    return -js_similarity(p, q, chunk_size)
 
 
 def cosine_similarity(anchors, candidates, temperature=0.1):
-    """CPDAE_R's similarity of [CLS] vectors: cos / temperature (a, H) x (b, H) -> (a, b). The paper
-    names no similarity for CPDAE_R; cosine with temperature 0.1 (as in SimCLR-style losses) is ours.
+    """CPDAE_R's similarity of [CLS] vectors: cos / temperature (a, H) x (b, H) -> (a, b).
+    Departure (cpdae-r-cosine): the paper names no similarity for CPDAE_R; cosine / 0.1 (as in
+    SimCLR-style losses) is ours.
     fp32 with autocast off (under autocast a matmul runs in bf16 even on fp32 inputs)."""
     with torch.autocast(anchors.device.type, enabled=False):
         a = F.normalize(anchors.float(), dim=-1)                                 # (a, H)
@@ -245,43 +257,42 @@ def cosine_similarity(anchors, candidates, temperature=0.1):
         return a @ b.T / temperature                                             # (a, b)
 
 
-def two_view_contrastive_loss(sim, offset=0):
-    """InfoNCE of eq. 5 from a similarity matrix, for anchors that are FIRST views:
+def contrastive_loss(view1, view2, similarity, n_anchors=None):
+    """CPDAE's contrastive loss (eq. 5), the function training runs (gathered_contrastive_loss feeds
+    it the views of every rank, this rank's first):
 
-        L_CL = - 1/m sum_i log  exp(s(d'_i, d''_i)) / sum_{k != i, k over all 2M views} exp(s(d'_i, z_k))
+        L_CL = - sum_{i=1..m} log  exp(s(z'_i, z''_i)) / sum_{k=1..2m} 1[k != i] exp(s(z'_i, z_k))
 
-    sim (m, 2M): row i = local anchor d'_{offset+i}; columns = [d'_1..d'_M, d''_1..d''_M], every view
-    of the (global) batch of M texts. Positive: d''_{offset+i} (column M+offset+i); the anchor itself
-    (column offset+i) is left out (k != i); all other 2M-2 views are negatives.
-    Anchors: the m first views only, as eq. 5 writes it (not SimCLR's all-2m-anchors form).
-    Departure: mean over anchors instead of eq. 5's sum, so lambda does not depend on the batch size.
+    s = -JS of the word distributions z_tilde (js_similarity: CPDAE), or cosine / temperature of the
+    [CLS] vectors (cosine_similarity: CPDAE_R). view1, view2 (M, D): the first views d' and second
+    views d'' of the M texts; z_k runs over all 2M views [view1; view2]. Anchors: the first views
+    0 .. n_anchors-1 (default all M), as eq. 5 writes it (not SimCLR's all-2m-anchors form). For
+    anchor i the positive is its second view (column M + i), the anchor itself (column i) is left out
+    (k != i), and the other 2M-2 views are negatives. similarity(a, b): (n, D) x (2M, D) -> (n, 2M).
+    Departure (cpdae-cl-mean): mean over anchors instead of eq. 5's sum, so lambda does not depend on
+    the batch size.
     Returns (loss, accuracy = fraction of anchors whose positive scores highest). fp32.
     """
-    m, two_M = sim.shape
-    rows = torch.arange(m, device=sim.device)                                    # (m,)
-    self_col, pos_col = offset + rows, two_M // 2 + offset + rows                # (m,) each
-    sim = sim.float().masked_fill(F.one_hot(self_col, two_M).bool(), float("-inf"))  # (m, 2M) k != i
-    accuracy = (sim.argmax(dim=1) == pos_col).float().mean()
-    return F.cross_entropy(sim, pos_col), accuracy                               # mean over anchors
-
-
-def js_contrastive_loss(dist1, dist2, chunk_size=8):
-    """Eq. 5 in one process: dist1, dist2 (m, V) word distributions z_tilde of the first and second
-    views -> scalar. Similarity -JS, no temperature; anchors = the m first views, denominators over
-    all 2m views except the anchor itself (see two_view_contrastive_loss)."""
-    sim = js_similarity(dist1, torch.cat([dist1, dist2]), chunk_size)           # (m, 2m)
-    return two_view_contrastive_loss(sim)[0]
+    M = view1.shape[0]
+    n = M if n_anchors is None else n_anchors
+    sim = similarity(view1[:n], torch.cat([view1, view2])).float()               # (n, 2M) s(z'_i, z_k)
+    rows = torch.arange(n, device=sim.device)                                    # (n,)
+    sim = sim.masked_fill(F.one_hot(rows, 2 * M).bool(), float("-inf"))         # (n, 2M) 1[k != i]
+    positive = M + rows                                                          # (n,) z''_i
+    accuracy = (sim.argmax(dim=1) == positive).float().mean()
+    return F.cross_entropy(sim, positive), accuracy                              # mean over anchors
 
 
 def gathered_contrastive_loss(view1, view2, similarity):
-    """Eq. 5 under torchrun: anchors = this rank's first views, candidates = both views of every rank,
-    all-gathered with gradients, ordered [all first views; all second views] as one process holding the
-    whole batch would order them, so labels shift by rank * m. view1, view2 (m, D); similarity(a, b)
-    -> (m, 2M). Returns (loss = mean over local anchors, accuracy); in one process exactly the
-    one-process loss. Gradient accumulation adds no negatives."""
+    """Eq. 5 (contrastive_loss) under torchrun: both views of every rank, all-gathered with gradients
+    and rotated so that this rank's m texts come first, as the anchors (eq. 5's sums are over sets, so
+    the order changes nothing else). view1, view2 (m, D). Returns (loss = mean over the local anchors,
+    accuracy); in one process exactly contrastive_loss. Gradient accumulation adds no negatives."""
     rank, _ = rank_and_world()
-    candidates = torch.cat([gather_across_ranks(view1), gather_across_ranks(view2)])  # (2M, D)
-    return two_view_contrastive_loss(similarity(view1, candidates), offset=rank * view1.shape[0])
+    m = view1.shape[0]
+    all1 = gather_across_ranks(view1).roll(-rank * m, dims=0)                   # (M, D) this rank's first
+    all2 = gather_across_ranks(view2).roll(-rank * m, dims=0)                   # (M, D)
+    return contrastive_loss(all1, all2, similarity, n_anchors=m)
 
 
 # The pre-training objective (eq. 6), built from the model pieces and the losses above.
@@ -317,7 +328,7 @@ class PretrainModel(nn.Module):
         else:                                                                    # CPDAE_R
             view1, view2 = h_cls.chunk(2)                                        # (B, H) each
             similarity = partial(cosine_similarity, temperature=c.cls_temperature)
-        cl, accuracy = gathered_contrastive_loss(view1, view2, similarity)
+        cl, accuracy = gathered_contrastive_loss(view1, view2, similarity)      # eq. 5 (contrastive_loss)
         terms = {"L_REC": rec, "L_MLM": mlm, "lambda L_CL": c.cl_weight * cl}   # eq. 6: L_REC + L_MLM + lambda L_CL
         return terms, {**metrics, "cl": cl.detach(), "cl_acc": accuracy}
 
@@ -335,26 +346,24 @@ def bag_of_words(input_ids, vocab_size, special_ids):
 
 
 def compute_idf(texts, vocab_size):
-    """IDF of every vocabulary id (Table 2, IDF-REC), once, over the pre-training windows (the texts
-    that are reconstructed). texts: token-id lists or Windows. idf(j) = log((N + 1) / (df(j) + 1)) + 1
-    (smoothed, as scikit-learn), N texts, df(j) texts containing j. Always >= 1: the unsmoothed
-    log(N / (1 + df)) turns negative for the commonest words and would reward predicting them wrong."""
+    """IDF of in-memory texts (token-id lists or Windows), for tests and notebooks; training runs
+    cached_idf over the token cache. Both count df with document_frequency and apply idf_from_df."""
     windows = len(texts) > 0 and isinstance(texts[0], tuple)                    # Window = (input_ids, word_starts)
     id_lists = list(map(operator.itemgetter(0), texts)) if windows else texts  # (map: no Python-level loop)
     lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))    # (N,)
     ids = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int64, count=int(lengths.sum()))
     offsets = np.concatenate([[0], np.cumsum(lengths)])                                  # (N + 1,)
-    return idf_from_token_ids(ids, offsets, vocab_size)
-
-
-def idf_from_token_ids(ids, offsets, vocab_size):
-    """compute_idf on flat token ids (T,) and window bounds offsets (N + 1,): text i is
-    ids[offsets[i]:offsets[i + 1]]."""
-    return idf_from_df(document_frequency(ids, offsets, vocab_size), len(offsets) - 1)
+    return idf_from_df(document_frequency(ids, offsets, vocab_size), len(id_lists))
 
 
 def idf_from_df(df, n_texts):
-    """idf(j) = log((N + 1) / (df(j) + 1)) + 1 from df (V,) int64 over N texts (compute_idf's formula)."""
+    """IDF of every vocabulary id (Table 2, IDF-REC), from df (V,) int64 over N texts (the pre-training
+    windows, the texts that are reconstructed):
+
+        idf(j) = log((N + 1) / (df(j) + 1)) + 1,   df(j) = number of texts containing j
+
+    (smoothed, as scikit-learn). Always >= 1: the unsmoothed log(N / (1 + df)) turns negative for the
+    commonest words and would reward predicting them wrong. The paper gives no formula."""
     df = torch.from_numpy(df.astype(np.float64))                                         # (V,)
     return (torch.log((n_texts + 1.0) / (df + 1.0)) + 1.0).float()                       # (V,)
 
@@ -370,8 +379,9 @@ def document_frequency(ids, offsets, vocab_size):
 
 
 def cached_idf(windows, vocab_size, rank, chunk=1 << 16):
-    """compute_idf over a token cache's windows (data.TokenWindows) in chunks of windows, so memory is
-    bounded by the chunk; built once by rank 0 into the cache folder, then read by every rank and run."""
+    """IDF (idf_from_df) over a token cache's windows (data.TokenWindows), the one training runs: df
+    counted in chunks of windows, so memory is bounded by the chunk; built once by rank 0 into the cache
+    folder, then read by every rank and run."""
     path = windows.folder / f"idf-L{windows.max_len}-V{vocab_size}.npy"
 
     def build():
@@ -719,8 +729,9 @@ def autocast_bf16(device, enabled=True):
 # --- shared: begin training helpers ---
 def make_optimizer(model, c, eps=1e-8):
     """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
-    (COSTA and CPDAE say only "Adam with warm-up": weight decay and linear decay are BERT's and SEED's
-    recipe, kept for every method so that they differ only in their losses.) eps: Adam's epsilon."""
+    Departure (optimizer-decay): COSTA and CPDAE say only "Adam with warm-up"; weight decay and linear
+    decay are BERT's and SEED's recipe, kept for every method so that they differ only in their losses.
+    eps: Adam's epsilon."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},

@@ -662,15 +662,25 @@ def mask_tokens(input_ids, maskable, vocab_size, mask_id, generator, mask_prob=0
     return masked, labels
 
 
-def step_seed(seed, rank, micro_step):
-    """One seed per (run seed, rank, micro-step). Masks, spans and dropout drawn from it are the same
-    whether a run went straight through or was resumed, and differ between ranks."""
-    return seed * 1_000_003 + micro_step * 1009 + rank
+# The random streams of one micro-step. Each is drawn from its own seed, so that no stream repeats
+# another's numbers (with one shared integer, the masks and the dropout would be the same stream).
+STREAMS = ("dropout", "masks", "spans")
+
+
+def step_seed(seed, rank, micro_step, stream="dropout"):
+    """One seed per (run seed, rank, micro-step, stream): "dropout" (the global torch RNG the training
+    loop seeds before each forward), "masks" (batch_generator) or "spans" (COSTA's --span_resample).
+    numpy's SeedSequence hashes the four numbers, so the streams are independent of each other and of
+    the neighbouring steps and ranks. Draws are the same whether a run went straight through or was
+    resumed. (COSTA's per-window spans, the default, come from default_rng([seed, window]) instead.)"""
+    entropy = [seed % 2**64, rank, micro_step, STREAMS.index(stream)]
+    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> 1)  # < 2**63
 
 
 def batch_generator(seed, rank, micro_step):
-    """A torch.Generator for building one batch (masks): a function of the step alone."""
-    return torch.Generator().manual_seed(step_seed(seed, rank, micro_step))
+    """A torch.Generator for building one batch (masks): a function of the step alone, on the "masks"
+    stream, independent of the dropout stream."""
+    return torch.Generator().manual_seed(step_seed(seed, rank, micro_step, "masks"))
 
 
 @functools.lru_cache(maxsize=2)

@@ -213,7 +213,7 @@ def other_positives(candidate_docs, query_positives, labels):
 
 def softmax_loss(q, p, labels, exclude=None, tau=1.0):
     """Contrastive cross-entropy of dense retrieval (DPR; Tevatron's loss; COSTA 4.5.2 gives no
-    equation). The default; departure for CPDAE, whose 4.1.3 fine-tunes with a pairwise loss: --loss hinge.
+    equation). The default. Departure (finetune-softmax): CPDAE 4.1.3 fine-tunes with a pairwise loss (--loss hinge).
         L = -1/B sum_i log( exp(q_i . p_i+ / tau) / sum_j exp(q_i . p_j / tau) ),
     j over the global batch's passages: the query's positive, its own negatives and every other
     query's passages. The papers: dot product, tau = 1. Cosine (unit vectors) needs a small tau
@@ -909,8 +909,9 @@ def autocast_bf16(device, enabled=True):
 # --- shared: begin training helpers ---
 def make_optimizer(model, c, eps=1e-8):
     """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
-    (COSTA and CPDAE say only "Adam with warm-up": weight decay and linear decay are BERT's and SEED's
-    recipe, kept for every method so that they differ only in their losses.) eps: Adam's epsilon."""
+    Departure (optimizer-decay): COSTA and CPDAE say only "Adam with warm-up"; weight decay and linear
+    decay are BERT's and SEED's recipe, kept for every method so that they differ only in their losses.
+    eps: Adam's epsilon."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},

@@ -2,8 +2,9 @@
 
 Lu et al., EMNLP 2021 (arXiv:2102.09206, section 3.4, eq. 9-10). One file, top to bottom: config,
 model, loss, data, training loop, checkpoint, the Figure 5 diagnostic; then the blocks every method
-shares (the BERT encoder, distributed and training helpers). It is
-costa.py's MLM skeleton plus a weak decoder: `diff costa.py seed.py` shows exactly what SEED adds.
+shares (the BERT encoder, distributed and training helpers). It has costa.py's skeleton section for
+section, with COSTA's own parts (spans, projector, eq. 8) swapped for a weak decoder: `diff costa.py
+seed.py` shows that swap section by section; the skeleton and the shared blocks give no diff lines.
 
     python seed.py                                   # small model, bundled Wikipedia slice, CPU
     python seed.py --dec_span 0 --dec_layers 5       # Figure 3's "strong decoder" ablation
@@ -49,7 +50,7 @@ class Config:
     vocab_size: int = 30522       # rows of the token embedding; must match the vocab file (paper: 32,768)
     hidden_size: int = 256        # H (paper: 768)
     num_layers: int = 4           # Transformer blocks (paper: 12)
-    num_heads: int = 4            # attention heads (paper: 12)
+    num_heads: int = 4            # attention heads (paper: 12, BERT-base's; its text says 8)
     ffn_size: int = 1024          # feed-forward inner size (paper: 3072)
     max_position: int = 512       # learned absolute positions
     type_vocab_size: int = 2      # token types (all 0 here; kept for BERT checkpoint compatibility)
@@ -87,13 +88,16 @@ class Config:
     diagnose: str = ""            # encoder folder: print Figure 5's [CLS] cosine by length, then exit (no training)
 
 
-# Section 4.1: from scratch, peak lr 1e-4, 10k of 1M steps warm-up. 12 heads as in BERT-base (the text says 8).
+# Section 4.1: from scratch, peak lr 1e-4, 10k of 1M steps warm-up.
+# Departure (seed-heads): 12 heads, BERT-base's and the authors' code's (encoder_attention_heads=12), where
+# the paper's text says eight (it also says "the same with BERT-base", which has 12).
 # --preset paper: section 4.1 "Pre-training Details". From scratch (no --init), BERT-base sizes, 1M steps
 # at batch 256 over all ranks (global_batch: batch_size = 256 / processes), maximum length 512, 15% masks,
 # Adam eps 1e-6 (make_optimizer's call in train) and betas (0.9, 0.999), peak lr 1e-4 after 10k warm-up
 # steps (0.01 of 1M; with --steps or --epochs the fraction stays 1%), then linear decay to zero, dropout
-# 0.1, clip 1.0, weight decay 0.01 (Config's defaults). Departure: the paper's 32,768-token vocabulary
-# (Ke et al., 2020) is not available; we use BERT's 30,522.
+# 0.1, clip 1.0, weight decay 0.01 (Config's defaults).
+# Departure (seed-vocab): the paper's 32,768-token vocabulary (Ke et al., 2020) is not available; we use
+# BERT's 30,522.
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=1e-4,
                     warmup=0.01, steps=1_000_000, global_batch=256, mask_prob=0.15, dropout=0.1, clip=1.0,
                     weight_decay=0.01)
@@ -133,9 +137,10 @@ def window_mask(length, k=2, device=None):
 
 
 class DecoderBlock(nn.Module):
-    """Pre-LN block, as the authors' fairseq decoder (decoder_normalize_before=True): restricted
-    self-attention, cross-attention to the encoder's [CLS], GELU FFN, each x + f(LN(x)). The final
-    LayerNorm that pre-LN needs is WeakDecoder's."""
+    """Pre-LN block: restricted self-attention, cross-attention to the encoder's [CLS], GELU FFN, each
+    x + f(LN(x)). The final LayerNorm that pre-LN needs is WeakDecoder's.
+    Departure (seed-pre-ln): the paper keeps "all else the same with the encoder", BERT, which is
+    post-LN; we follow the authors' code, a fairseq decoder with decoder_normalize_before=True."""
 
     def __init__(self, c):
         super().__init__()
@@ -144,7 +149,8 @@ class DecoderBlock(nn.Module):
         # Cross-attention to a memory of ONE vector, [CLS]: softmax over a single key is exactly 1, so
         # every position receives out(value(h0)) whatever the query and key projections (those would
         # only ever get zero gradient). We compute that directly (test_losses.py checks the equality),
-        # without the attention-probability dropout that would zero the single weight 10% of the time.
+        # Departure (seed-cross-dropout): without the attention-probability dropout of the authors' and
+        # BERT's attention, which would zero the single weight 10% of the time.
         self.cross_value = nn.Linear(c.hidden_size, c.hidden_size)
         self.cross_out = nn.Linear(c.hidden_size, c.hidden_size)
         self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
@@ -163,9 +169,8 @@ class WeakDecoder(nn.Module):
     """SEED's weak decoder (section 3.4): `dec_layers` blocks with self-attention span `dec_span`;
     its only view of the encoder is the last-layer [CLS] vector h0, in every block. It shares the
     encoder's token embedding for its input and its output projection (as the authors do) and has
-    its own learned positions. Departure: its embedded input goes through a LayerNorm, as BERT's does
-    (fairseq's pre-LN decoder has none by default); kept for training stability at our small sizes.
-    Dropped after pre-training."""
+    its own learned positions. Its embedded input goes through a LayerNorm, as in the authors' code
+    (layernorm_embedding=True in their config) and in BERT's encoder. Dropped after pre-training."""
 
     def __init__(self, c, word_embedding):
         super().__init__()
@@ -192,11 +197,6 @@ class WeakDecoder(nn.Module):
     def forward(self, input_ids, encoder_hidden):     # (B, L) shifted-right text; (B, L_enc, H)
         return self.decode(self.embed(input_ids), encoder_hidden[:, 0])  # [CLS] is the only bridge
 
-    def logits(self, hidden):                                                   # (N, H)
-        """Projection on the shared embedding, in fp32 even under autocast (it feeds the loss)."""
-        with torch.autocast(hidden.device.type, enabled=False):
-            return hidden.float() @ self.word_embedding[0].weight.float().T    # (N, V)
-
 
 # ==============================================================================================
 # Loss
@@ -208,8 +208,8 @@ def mlm_loss(hidden, labels, head):
 
         L_MLM = -1/|m(x)| * sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = masked positions
 
-    The papers write a sum; we take the mean over the masked tokens, as BERT's and SEED's code do, so
-    that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
+    Departure (mlm-mean): the papers write a sum; we take the mean over the masked tokens, as BERT's
+    and SEED's code do, so that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
     positions go through `head` (the vocabulary projection is most of the cost). hidden (B, L, H),
     labels (B, L) with -100 where nothing is predicted, head: MLMHead. Returns (loss, n_correct,
     n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
@@ -223,37 +223,41 @@ def mlm_loss(hidden, labels, head):
 # --- shared: end mlm loss ---
 
 
-def decoder_loss(logits, targets, ignore_index=-100):
-    """Weak-decoder reconstruction loss, eq. 9: -log P(x_t | x_{t-k..t-1}, h0), over every target
-    token. Eq. 9 sums over t; we take the mean over the batch's tokens (as the authors' code does),
-    so the loss does not grow with text length. fp32. logits (B, L, V) or (N, V); targets (B, L) or (N,)."""
-    logits = logits.float().reshape(-1, logits.shape[-1])                       # (B*L, V)
-    return F.cross_entropy(logits, targets.reshape(-1), ignore_index=ignore_index)  # (), mean over tokens
+def decoder_loss(states, weight, targets, reduction="mean"):
+    """Weak-decoder reconstruction loss, eq. 9, the function training runs (chunked_decoder_loss calls
+    it one chunk of positions at a time):
 
+        L_dec = - sum_t log P(x_t | x_{t-k..t-1}, h0),   P(. | ...) = softmax(s_t E^T)
 
-def _chunk_sum_and_correct(states, weight, targets):
-    """One chunk of chunked_decoder_loss: the summed eq. 9 terms and the correct top-1 count of its
-    positions. states (n, H), weight (V, H), targets (n,) -> ((), ())."""
-    with torch.autocast(states.device.type, enabled=False):   # fp32 logits, as WeakDecoder.logits
-        logits = states.float() @ weight.float().T                                  # (n, V)
-        total = F.cross_entropy(logits, targets, reduction="sum")                   # () sum of -log P
-    return total, (logits.argmax(-1) == targets).sum()                              # (), ()
+    states (..., H): the decoder's outputs s_t; weight (V, H): the token embedding E, shared with the
+    encoder as the decoder's output projection (as in the authors' code); targets (...): x_t, -100
+    where nothing is predicted (padding). Logits in fp32 with autocast off.
+    Departure (seed-dec-mean): the mean over the target tokens where eq. 9 sums over t (as the
+    authors' code does), so the loss does not grow with text length; reduction "sum" gives eq. 9's sum.
+    Returns (loss, n_correct: targets that are the top-1 logit)."""
+    targets = targets.reshape(-1)                                                   # (N,)
+    with torch.autocast(states.device.type, enabled=False):
+        logits = states.float().reshape(-1, states.shape[-1]) @ weight.float().T  # (N, V) s_t E^T
+        total = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")  # () sum of -log P
+    n_correct = (logits.argmax(-1) == targets).sum()                               # ()
+    if reduction == "sum":
+        return total, n_correct
+    return total / targets.ne(-100).sum().clamp_min(1), n_correct                  # mean over tokens
 
 
 def chunked_decoder_loss(states, weight, targets, chunk):
-    """decoder_loss (eq. 9, the mean of -log P(x_t | x_{t-k..t-1}, h0) over the N target tokens) of the
-    logits states @ weight.T, computed `chunk` positions at a time. Each chunk runs under activation
-    checkpointing: its (chunk, V) logits are freed after its forward and rebuilt in the backward, so the
-    peak holds one chunk's logits instead of all N x V (2 GB fp32 for 32 x 511 tokens at BERT's |V|).
-    Same loss and gradients as the unchunked projection (test_losses). chunk 0 = all at once.
+    """decoder_loss (eq. 9) computed `chunk` positions at a time: the sum of each chunk's decoder_loss,
+    over the N target tokens. Each chunk runs under activation checkpointing: its (chunk, V) logits are
+    freed after its forward and rebuilt in the backward, so the peak holds one chunk's logits instead of
+    all N x V (2 GB fp32 for 32 x 511 tokens at BERT's |V|). Same loss and gradients as decoder_loss
+    in one piece (test_losses). chunk 0 = all at once.
     states (N, H), weight (V, H) the tied embedding, targets (N,) -> (loss (), n_correct ())."""
     if chunk == 0 or states.shape[0] <= chunk:
-        total, correct = _chunk_sum_and_correct(states, weight, targets)            # (), ()
-        return total / max(targets.numel(), 1), correct
+        return decoder_loss(states, weight, targets)                                # (), ()
     total, correct = states.new_zeros((), dtype=torch.float32), 0
     for start in range(0, states.shape[0], chunk):
         part = slice(start, start + chunk)
-        chunk_total, chunk_correct = checkpoint(_chunk_sum_and_correct, states[part], weight, targets[part],
+        chunk_total, chunk_correct = checkpoint(decoder_loss, states[part], weight, targets[part], "sum",
                                                 use_reentrant=False)                # (), ()
         total, correct = total + chunk_total, correct + chunk_correct
     return total / targets.numel(), correct                                         # mean over N tokens
@@ -274,10 +278,10 @@ class PretrainModel(nn.Module):
         states = self.decoder(batch["decoder_input"], hidden)                    # (B, L-1, H)
         kept = batch["decoder_targets"] != -100                                  # (B, L-1) every real token
         targets = batch["decoder_targets"][kept]                                 # (N,)
-        dec, dec_correct = chunked_decoder_loss(                                 # eq. 9, fp32 logits
+        dec, dec_correct = chunked_decoder_loss(                                 # eq. 9 (decoder_loss)
             states[kept], self.decoder.word_embedding[0].weight, targets, self.config.dec_chunk)
-        # Eq. 10, weights 1/1. The authors' 0.5/0.5 only halves the gradient: AdamW's update is
-        # unchanged by that (up to eps), the clip norm (1.0) just binds later.
+        # Eq. 10 as the paper writes it, weights 1:1. (The authors' code uses 0.5:0.5, which only halves
+        # the gradient: AdamW's update is unchanged by that (up to eps), the clip norm (1.0) binds later.)
         return mlm + dec, {"mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
                            "dec": dec.detach(), "dec_acc": dec_correct / max(targets.numel(), 1)}
 
@@ -663,8 +667,9 @@ def autocast_bf16(device, enabled=True):
 # --- shared: begin training helpers ---
 def make_optimizer(model, c, eps=1e-8):
     """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
-    (COSTA and CPDAE say only "Adam with warm-up": weight decay and linear decay are BERT's and SEED's
-    recipe, kept for every method so that they differ only in their losses.) eps: Adam's epsilon."""
+    Departure (optimizer-decay): COSTA and CPDAE say only "Adam with warm-up"; weight decay and linear
+    decay are BERT's and SEED's recipe, kept for every method so that they differ only in their losses.
+    eps: Adam's epsilon."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},

@@ -59,7 +59,7 @@ def test_gwc_loss_matches_naive_loop_value_and_gradient():
     text.requires_grad_(True)
     spans.requires_grad_(True)
     for tau in (0.1, 1.0):
-        fast, naive = costa.gwc_loss(text, spans, tau), naive_gwc(text, spans, tau)
+        fast, naive = costa.gwc_loss(text, spans, tau)[0], naive_gwc(text, spans, tau)
         assert fast.dtype == torch.float64
         torch.testing.assert_close(fast, naive, rtol=1e-10, atol=1e-10)
         for a, b in zip(torch.autograd.grad(fast, (text, spans)), torch.autograd.grad(naive, (text, spans))):
@@ -75,20 +75,20 @@ def test_gwc_loss_spans_equal_to_their_text_has_analytic_value():
     text = math.sqrt(c) * torch.eye(N, 6, dtype=torch.float64)
     spans = text[:, None, :].expand(N, S, 6)
     expected = math.log(S + (N - 1) * (S + 1) * math.exp(-c / tau))
-    assert costa.gwc_loss(text, spans, tau).item() == pytest.approx(expected, rel=1e-12)
+    assert costa.gwc_loss(text, spans, tau)[0].item() == pytest.approx(expected, rel=1e-12)
 
 
 def test_gwc_loss_ignores_batch_order():
     text, spans = random_group(N=6)
     order = torch.randperm(6, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(costa.gwc_loss(text[order], spans[order], 0.1), costa.gwc_loss(text, spans, 0.1))
+    torch.testing.assert_close(costa.gwc_loss(text[order], spans[order], 0.1)[0], costa.gwc_loss(text, spans, 0.1)[0])
 
 
 def test_gwc_loss_leaves_the_anchor_out_of_its_own_denominator():
     # Scaling z_0 up makes z_0.z_0 huge; if it were in the denominator the loss would jump. Compare to the loop.
     text, spans = random_group()
     text[0] *= 30.0
-    torch.testing.assert_close(costa.gwc_loss(text, spans, 1.0), naive_gwc(text, spans, 1.0), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(costa.gwc_loss(text, spans, 1.0)[0], naive_gwc(text, spans, 1.0), rtol=1e-10, atol=1e-10)
 
 
 def test_gwc_accuracy_counts_anchors_whose_best_candidate_is_an_own_span():
@@ -97,7 +97,7 @@ def test_gwc_accuracy_counts_anchors_whose_best_candidate_is_an_own_span():
     spans[0, 0, 0] = 2.0  # anchor 0: best is its own span (2.0) -> right
     spans[2, 1, 1] = 0.5  # anchor 1: best is a span of text 2 (0.5), its own spans score 0 -> wrong
     spans[1, 0, 2] = 2.0  # anchor 2: best is a span of text 1 (2.0) -> wrong
-    _, accuracy = costa.gwc_loss_and_accuracy(text, text, spans, 0, 1.0)
+    _, accuracy = costa.gwc_loss(text, spans, 1.0)
     assert accuracy.item() == pytest.approx(1 / 3)
 
 
@@ -116,7 +116,7 @@ def test_gwc_loss_two_processes_equal_one_process_with_both_halves(tmp_path, run
     results = run_on_two_ranks(_gwc_worker, tmp_path, text, spans, 0.1)
     text.requires_grad_(True)
     spans.requires_grad_(True)
-    loss, accuracy = costa.gwc_loss_and_accuracy(text, text, spans, 0, 0.1)
+    loss, accuracy = costa.gwc_loss(text, spans, 0.1)
     text_grad, span_grad = torch.autograd.grad(loss, (text, spans))
     torch.testing.assert_close((results[0]["loss"] + results[1]["loss"]) / 2, loss.detach())
     torch.testing.assert_close((results[0]["accuracy"] + results[1]["accuracy"]) / 2, accuracy)
@@ -303,7 +303,7 @@ def test_model_total_loss_is_lambda_gwc_plus_mlm(windows, tokenizer, vocab_token
     text_vecs = torch.tanh(model.projector.net[0](hidden[:, 0]))  # eq. 5-6
     spans = torch.stack([torch.stack([hidden[b, s:e].mean(dim=0) for s, e in row.tolist()])
                          for b, row in enumerate(batch["spans"])])  # eq. 7, one span at a time
-    torch.testing.assert_close(metrics["gwc"], costa.gwc_loss(text_vecs, spans, 1.0))
+    torch.testing.assert_close(metrics["gwc"], costa.gwc_loss(text_vecs, spans, 1.0)[0])
     baseline = costa.PretrainModel(tiny_costa_config(gwc_weight=0.0), model.encoder)
     loss, metrics = baseline(batch)
     assert baseline.projector is None and set(metrics) == {"mlm", "mlm_acc"}
@@ -315,9 +315,9 @@ def test_gwc_logits_stay_fp32_under_bf16_autocast():
     text, spans = random_group(N=8, S=5, H=64, dtype=torch.float32)
     text, spans = 3 * text, 3 * spans
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = costa.gwc_loss(text, spans, 0.1)
+        loss = costa.gwc_loss(text, spans, 0.1)[0]
     assert loss.dtype == torch.float32
-    torch.testing.assert_close(loss, costa.gwc_loss(text, spans, 0.1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(loss, costa.gwc_loss(text, spans, 0.1)[0], rtol=1e-6, atol=1e-6)
 
 
 # ==============================================================================================
@@ -520,7 +520,7 @@ def test_js_contrastive_equals_eq5_loop():
     m, v = 4, 25
     dist1 = random_distributions(m, v, seed=4)
     dist2 = random_distributions(m, v, seed=5)
-    got = cpdae.js_contrastive_loss(dist1, dist2, chunk_size=3)
+    got = cpdae.contrastive_loss(dist1, dist2, partial(cpdae.js_similarity, chunk_size=3))[0]
     assert abs(got.item() - contrastive_loop(dist1, dist2)) < 1e-5
 
 
@@ -528,7 +528,7 @@ def test_js_contrastive_gradient_matches_float64():
     m, v = 3, 15
     logits = torch.randn(2 * m, v, dtype=torch.float64, requires_grad=True)
     dist = cpdae.word_distribution(logits).double()  # fp32 path as in training
-    got = cpdae.js_contrastive_loss(dist[:m], dist[m:], chunk_size=2)
+    got = cpdae.contrastive_loss(dist[:m], dist[m:], partial(cpdae.js_similarity, chunk_size=2))[0]
     (grad,) = torch.autograd.grad(got, logits)
     p = torch.sigmoid(logits)
     p = p / p.sum(-1, keepdim=True)  # float64 reference, same formula through autograd
@@ -563,7 +563,7 @@ def _contrastive_worker(rank, world, tmp_path, inputs):
 def _one_process(mode, full1, full2):
     x1, x2 = full1.clone().requires_grad_(), full2.clone().requires_grad_()
     if mode == "js":
-        loss = cpdae.js_contrastive_loss(cpdae.word_distribution(x1), cpdae.word_distribution(x2))
+        loss = cpdae.contrastive_loss(cpdae.word_distribution(x1), cpdae.word_distribution(x2), cpdae.js_similarity)[0]
     else:
         loss, _ = cpdae.gathered_contrastive_loss(x1, x2, partial(cpdae.cosine_similarity, temperature=0.1))
     loss.backward()
@@ -614,7 +614,7 @@ def test_contrastive_loss_suppresses_shared_words_and_highlights_unique_words():
     shared0, unique0, shared_mass0, unique_mass0 = probabilities()
     losses = []
     for _ in range(10):
-        loss = cpdae.js_contrastive_loss(cpdae.word_distribution(logits1), cpdae.word_distribution(logits2))
+        loss = cpdae.contrastive_loss(cpdae.word_distribution(logits1), cpdae.word_distribution(logits2), cpdae.js_similarity)[0]
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -666,7 +666,7 @@ def test_total_loss_is_rec_plus_mlm_plus_lambda_cl(mode):
         logits = model.decoder(h_cls)
         rec = cpdae.reconstruction_loss(logits, batch["bag"].repeat(2, 1))
         if mode == "js":
-            cl = cpdae.js_contrastive_loss(*cpdae.word_distribution(logits).chunk(2))
+            cl = cpdae.contrastive_loss(*cpdae.word_distribution(logits).chunk(2), cpdae.js_similarity)[0]
         else:
             cl, _ = cpdae.gathered_contrastive_loss(*h_cls.chunk(2), partial(cpdae.cosine_similarity, temperature=0.1))
     torch.testing.assert_close(metrics["rec"], rec)
@@ -840,7 +840,8 @@ def test_inputs_and_targets_shift_right():
 
 def test_decoder_loss_term_by_term_and_padding_ignored():
     torch.manual_seed(0)
-    logits = torch.randn(2, 4, SMALL_VOCAB)
+    states, weight = torch.randn(2, 4, 8), torch.randn(SMALL_VOCAB, 8)
+    logits = states @ weight.T                                                     # (2, 4, V)
     targets = torch.tensor([[3, 9, 1, 7], [4, 2, -100, -100]])
     total, count = 0.0, 0
     for b in range(2):
@@ -851,10 +852,14 @@ def test_decoder_loss_term_by_term_and_padding_ignored():
             total += -(row[targets[b, t]] - math.log(row.exp().sum()))
             count += 1
     assert count == 6
-    torch.testing.assert_close(seed.decoder_loss(logits, targets).double(), torch.tensor(float(total) / count, dtype=torch.double))
-    scrambled = logits.clone()
-    scrambled[1, 2:] = torch.randn(2, SMALL_VOCAB) * 100  # padded positions: must not matter
-    assert torch.equal(seed.decoder_loss(scrambled, targets), seed.decoder_loss(logits, targets))
+    loss, correct = seed.decoder_loss(states, weight, targets)
+    torch.testing.assert_close(loss.double(), torch.tensor(float(total) / count, dtype=torch.double))
+    assert int(correct) == int(((logits.argmax(-1) == targets) & (targets != -100)).sum())
+    torch.testing.assert_close(seed.decoder_loss(states, weight, targets, "sum")[0].double(),
+                               torch.tensor(float(total), dtype=torch.double))  # eq. 9's sum
+    scrambled = states.clone()
+    scrambled[1, 2:] = torch.randn(2, 8) * 100  # padded positions: must not matter
+    assert torch.equal(seed.decoder_loss(scrambled, weight, targets)[0], loss)
 
 
 def _decoder_loss_and_grads(states, weight, targets, chunk):
@@ -874,7 +879,7 @@ def test_chunked_decoder_loss_equals_unchunked(chunk):
     n, vocab = 40, SMALL_VOCAB                      # N x V logits outweigh the (V, 8) embedding
     states, weight = torch.randn(n, 8), torch.randn(vocab, 8)                  # fp32, as the loss computes
     targets = torch.randint(0, vocab, (n,))
-    reference = seed.decoder_loss(states @ weight.T, targets)                    # eq. 9, unchunked
+    reference = F.cross_entropy(states @ weight.T, targets)                      # eq. 9's mean, the plain form
     full = _decoder_loss_and_grads(states, weight, targets, 0)
     part = _decoder_loss_and_grads(states, weight, targets, chunk)
     torch.testing.assert_close(full[0], reference)
@@ -888,10 +893,11 @@ def test_chunked_decoder_loss_equals_unchunked(chunk):
 
 def test_logits_use_the_shared_embedding():
     decoder = make_decoder()
-    hidden = torch.randn(3, 32)
-    torch.testing.assert_close(decoder.logits(hidden), hidden @ decoder.word_embedding[0].weight.t())
-    logits = decoder.logits(decoder(torch.tensor([[1, 2, 3]]), torch.randn(1, 1, 32)))  # (1, 3, V)
-    loss = seed.decoder_loss(logits, torch.tensor([[2, 3, 4]]))
+    states = decoder(torch.tensor([[1, 2, 3]]), torch.randn(1, 1, 32))                # (1, 3, H)
+    embedding = decoder.word_embedding[0].weight                                      # (V, H)
+    targets = torch.tensor([[2, 3, 4]])
+    loss, _ = seed.decoder_loss(states, embedding, targets)
+    torch.testing.assert_close(loss, F.cross_entropy((states @ embedding.t())[0], targets[0]))
     loss.backward()
     assert decoder.word_embedding[0].weight.grad.abs().sum() > 0
 
@@ -964,8 +970,8 @@ def test_decoder_loss_reaches_the_encoder_only_through_cls():
     decoder_input, decoder_targets = seed.decoder_inputs_and_targets(ids, mask)
     hidden = model.encoder(ids, mask)                                        # (B, L, H)
     hidden.retain_grad()
-    logits = model.decoder.logits(model.decoder(decoder_input, hidden))      # (B, L-1, V)
-    loss = seed.decoder_loss(logits, decoder_targets)                        # L_dec alone, no MLM term
+    states = model.decoder(decoder_input, hidden)                            # (B, L-1, H)
+    loss, _ = seed.decoder_loss(states, model.decoder.word_embedding[0].weight, decoder_targets)  # L_dec alone
     loss.backward()
     assert hidden.grad[:, 0].abs().sum() > 0                                 # [CLS] gets the gradient
     assert hidden.grad[:, 1:].abs().sum() == 0                               # nothing else does
@@ -983,3 +989,34 @@ def test_batches_give_the_decoder_the_unmasked_text():
     # decoder_input[:, j] is token j and decoder_targets[:, j] token j + 1 of the ORIGINAL text
     assert torch.equal(batch["decoder_input"][chosen[:, :-1]], batch["labels"][:, :-1][chosen[:, :-1]])
     assert torch.equal(batch["decoder_targets"][chosen[:, 1:]], batch["labels"][:, 1:][chosen[:, 1:]])
+
+
+# ==============================================================================================
+# The function that shows an equation is the one training runs
+# ==============================================================================================
+def test_training_runs_the_functions_that_show_the_equations(monkeypatch):
+    """A breakpoint in each equation's function stops in a training step (forward + backward)."""
+    calls = set()
+    for module, name in [(costa, "gwc_loss"), (cpdae, "contrastive_loss"), (cpdae, "js_similarity"),
+                         (cpdae, "reconstruction_loss"), (seed, "decoder_loss")]:
+        def spy(*args, _real=getattr(module, name), _name=f"{module.__name__}.{name}", **kwargs):
+            calls.add(_name)
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(module, name, spy)
+    torch.manual_seed(0)
+    ids = torch.randint(5, 100, (4, 12))
+    ids[:, 0], ids[:, -1] = 101, 102
+    mask, labels = torch.ones_like(ids), torch.full_like(ids, -100)
+    labels[:, 3] = ids[:, 3]
+    c = tiny_costa_config(gwc_weight=0.5)                                        # eq. 8
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels, "spans": torch.tensor([[[1, 3], [2, 5]]] * 4)}
+    costa.PretrainModel(c, costa.Encoder(c))(batch)[0].backward()
+    c = tiny_cpdae()                                                             # eq. 4, eq. 5 with -JS
+    cpdae.PretrainModel(c, cpdae.Encoder(c))(cpdae.Batches(c, tiny_windows(), SPECIAL, 0, 1)[0])[0].backward()
+    c = small_config(dec_chunk=5)                                                # eq. 9, chunked: 44 positions
+    decoder_input, decoder_targets = seed.decoder_inputs_and_targets(ids, mask)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels, "decoder_input": decoder_input,
+             "decoder_targets": decoder_targets}
+    seed.PretrainModel(c, seed.Encoder(c))(batch)[0].backward()
+    assert calls == {"costa.gwc_loss", "cpdae.contrastive_loss", "cpdae.js_similarity", "cpdae.reconstruction_loss",
+                     "seed.decoder_loss"}

@@ -540,30 +540,93 @@ def test_bad_input_gives_one_line_error(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # The shared blocks are byte-identical in every file that carries them
 # ----------------------------------------------------------------------------------------------
-SHARED = re.compile(r"^# --- shared: begin (.+?) ---$(.*?)^# --- shared: end \1 ---$", re.M | re.S)
-CARRIERS = ["costa.py", "cpdae.py", "seed.py", "finetune.py"]
+SHARED_MARKER = re.compile(r"^# --- shared: (begin|end) (.+?) ---$", re.M)
+METHOD_FILES = ["costa.py", "cpdae.py", "seed.py"]
+# Blocks that only some method files carry, each with the reason: {name: "why"}. None today.
+METHOD_SPECIFIC = {}
 
 
 def shared_blocks(name):
-    return dict(SHARED.findall((HERE / name).read_text()))
+    """{block name: text between its markers} of one file. Markers must pair up: each begin closed by
+    the end of the same name before the next begin (no nesting), each name once per file."""
+    text = (HERE / name).read_text()
+    blocks, open_name, start = {}, None, 0
+    for marker in SHARED_MARKER.finditer(text):
+        kind, block = marker.groups()
+        line = text.count("\n", 0, marker.start()) + 1
+        if kind == "begin":
+            assert open_name is None, f"{name}:{line}: begin '{block}' inside block '{open_name}'"
+            assert block not in blocks, f"{name}:{line}: a second block '{block}'"
+            open_name, start = block, marker.end()
+        else:
+            assert open_name == block, f"{name}:{line}: end '{block}' without its begin (open: {open_name})"
+            blocks[block], open_name = text[start:marker.start()], None
+    assert open_name is None, f"{name}: block '{open_name}' is never closed"
+    return blocks
 
 
 def test_shared_blocks_are_identical_across_files():
-    reference = shared_blocks("costa.py")
-    assert set(reference) >= {"encoder", "mlm loss", "distributed", "autocast", "training helpers", "resume"}
-    carriers = [name for name in CARRIERS if (HERE / name).exists()]
-    assert carriers == CARRIERS, f"missing method files: {set(CARRIERS) - set(carriers)}"
-    for name in carriers[1:]:
-        blocks = shared_blocks(name)
-        for block in ("encoder", "distributed"):
-            assert blocks.get(block) == reference[block], f"{name}: shared block '{block}' differs from costa.py"
-        for block, text in blocks.items():
-            assert text == reference.get(block), f"{name}: shared block '{block}' differs from costa.py"
-    for name in ("cpdae.py", "seed.py"):                               # the one loss every method shares
-        assert shared_blocks(name).get("mlm loss") == reference["mlm loss"], name
-    assert {"encoder", "distributed", "autocast"} <= set(shared_blocks("evaluate.py"))  # the retrieval layer's
-    for block, text in shared_blocks("evaluate.py").items():
-        assert text == reference.get(block), f"evaluate.py: shared block '{block}' differs from costa.py"
+    """Every marked block in any .py file: markers balanced, byte-identical wherever it appears, and
+    every method file carries every block any method file has (unless METHOD_SPECIFIC says why not)."""
+    carriers = {path.name: shared_blocks(path.name) for path in sorted(HERE.glob("*.py"))
+                if SHARED_MARKER.search(path.read_text())}
+    assert set(METHOD_FILES) <= set(carriers), f"method files without shared blocks: {set(METHOD_FILES) - set(carriers)}"
+    method_blocks = set().union(*(carriers[name] for name in METHOD_FILES))
+    assert {"encoder", "mlm loss", "distributed", "autocast", "training helpers", "resume"} <= method_blocks
+    for name in METHOD_FILES:
+        missing = method_blocks - set(carriers[name]) - set(METHOD_SPECIFIC)
+        assert not missing, f"{name}: no shared block(s) {sorted(missing)} (other method files have them)"
+    for block in set().union(*carriers.values()):
+        holders = {name: blocks[block] for name, blocks in carriers.items() if block in blocks}
+        assert len(holders) > 1 or block in METHOD_SPECIFIC, f"shared block '{block}' appears only in {list(holders)}"
+        first, text = next(iter(holders.items()))
+        for name, other in holders.items():
+            assert other == text, f"{name}: shared block '{block}' differs from {first}"
+    assert {"encoder", "distributed", "autocast"} <= set(carriers["evaluate.py"])  # the retrieval layer's
+
+
+# ----------------------------------------------------------------------------------------------
+# Every departure from a paper, marked where it happens, is listed in the README
+# ----------------------------------------------------------------------------------------------
+DEPARTURE = re.compile(r"Departure \(([a-z0-9-]+)\):")
+
+
+def test_every_departure_in_the_code_is_listed_in_the_readme():
+    """`Departure (key):` in any .py file (docstring or comment) <-> one `- `key`:` line in the README's
+    departure list, both ways; a departure without a key would escape the list, so none may exist."""
+    in_code = {}
+    for path in sorted(HERE.glob("*.py")):
+        if path.name.startswith("test_"):
+            continue
+        text = path.read_text()
+        unkeyed = [line.strip() for line in text.splitlines() if re.search(r"\bDeparture\b(?! \([a-z0-9-]+\):)", line)]
+        assert not unkeyed, f"{path.name}: a departure without a key: {unkeyed[0]!r}"
+        for key in DEPARTURE.findall(text):
+            in_code.setdefault(key, []).append(path.name)
+    readme = (HERE / "README.md").read_text()
+    assert "<!-- departures: begin -->" in readme and "<!-- departures: end -->" in readme, "README: no departure list"
+    listing = readme[readme.index("<!-- departures: begin -->"):readme.index("<!-- departures: end -->")]
+    listed = re.findall(r"^- `([a-z0-9-]+)`: \S", listing, re.M)
+    assert len(listed) == len(set(listed)), f"README lists a departure twice: {sorted(listed)}"
+    assert len(in_code) >= 10, sorted(in_code)
+    unlisted = sorted(set(in_code) - set(listed))
+    assert not unlisted, f"departures in the code missing from the README's list: " + \
+        ", ".join(f"{k} ({', '.join(sorted(set(in_code[k])))})" for k in unlisted)
+    stale = sorted(set(listed) - set(in_code))
+    assert not stale, f"README lists departures the code no longer marks: {stale}"
+
+
+def test_step_seed_streams_are_independent_and_deterministic():
+    """Masks (batch_generator), dropout (the global RNG the loop seeds) and COSTA's resampled spans each
+    have their own seed per (seed, rank, micro-step): no stream repeats another's numbers."""
+    seeds = {(s, r, m): data.step_seed(0, r, m, s) for s in data.STREAMS for r in range(2) for m in range(100)}
+    assert len(set(seeds.values())) == len(seeds)                 # no two streams, ranks or steps share a seed
+    assert data.step_seed(3, 1, 7, "masks") == data.step_seed(3, 1, 7, "masks")   # a function of the step
+    assert data.step_seed(-1, 0, 0) != data.step_seed(0, 0, 0)
+    masks = torch.rand(4000, generator=data.batch_generator(0, 0, 5))
+    torch.manual_seed(data.step_seed(0, 0, 5))
+    dropout = torch.rand(4000)
+    assert abs(float(np.corrcoef(masks.numpy(), dropout.numpy())[0, 1])) < 0.1
 
 
 def test_evaluate_imports_nothing_from_finetune():
