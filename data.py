@@ -1180,10 +1180,13 @@ def parse_config(Config, argv, doc="", preset=None, rules=None):
 def exit_with(line, code):
     """End a script after an expected failure: one line on stderr (under torchrun from rank 0 only),
     the process group left, exit code `code` (1 = bad input, 130 = Ctrl-C). No traceback."""
-    if os.environ.get("RANK", "0") == "0":
-        print(line, file=sys.stderr, flush=True)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    if os.environ.get("RANK", "0") != "0":
+        sys.exit(code)
+    if code == 1:
+        sys.exit(line)              # Python prints it on stderr and exits with 1 (SystemExit carries the line)
+    print(line, file=sys.stderr, flush=True)
     sys.exit(code)
 
 
