@@ -60,8 +60,7 @@ def load_batches(module, c, n_batches):
     with tempfile.TemporaryDirectory() as tmp:
         c.corpus = str(Path(tmp) / "corpus.jsonl")
         Path(c.corpus).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-        windows, special, *extra = module.load_windows(c, 0)
-        dataset = module.Batches(c, windows, special, 0, 1, *extra)
+        dataset = module.make_batches(c, module.load_windows(c, 0), 0, 1)
         return [dataset[i] for i in range(n_batches)]
 
 
@@ -194,8 +193,15 @@ def legacy_load_windows(c, rank):
     Python lists (make_windows). For --scale's "before" rows only."""
     tokenizer = data.load_tokenizer(c.vocab)
     windows = data.make_windows(tokenizer, data.read_pretraining_texts(c.corpus), c.max_len)
-    vocab_tokens = [tokenizer.id_to_token(i) for i in range(tokenizer.get_vocab_size())]
-    return windows, data.special_ids(tokenizer), vocab_tokens
+    return LegacyWindows(windows, data.special_ids(tokenizer))
+
+
+class LegacyWindows(list):
+    """make_windows' list with the special ids beside it, as TokenWindows has them."""
+
+    def __init__(self, windows, special):
+        super().__init__(windows)
+        self.special = special
 
 
 def run_legacy_costa(argv):

@@ -1,7 +1,6 @@
 """Helpers shared by test_losses.py and test_pipeline.py: the BERT tokenizer, and running a function
 on two gloo processes (the check that a 2-process run equals one process holding both halves)."""
-import os
-import socket
+import datetime
 
 import pytest
 import torch
@@ -16,18 +15,15 @@ def tokenizer():
     return data.load_tokenizer()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init_and_run(rank, world, port, worker, tmp_path, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _init_and_run(rank, world, worker, tmp_path, args):
+    # Rendezvous through a file in tmp_path: no port is picked, released and maybe taken by another
+    # process before the ranks bind it. The timeout turns a lost peer into an error, not a hang.
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         worker(rank, world, tmp_path, *args)
+        dist.barrier()   # both ranks leave the last collective before either tears the group down
     finally:
         dist.destroy_process_group()
 
@@ -35,7 +31,7 @@ def _init_and_run(rank, world, port, worker, tmp_path, args):
 def _run_on_two_ranks(worker, tmp_path, *args):
     """Run worker(rank, world, tmp_path, *args) in 2 gloo processes; return the objects each rank
     saved with torch.save(obj, tmp_path / f"rank{rank}.pt"), in rank order."""
-    mp.spawn(_init_and_run, args=(2, _free_port(), worker, tmp_path, args), nprocs=2, join=True)
+    mp.spawn(_init_and_run, args=(2, worker, tmp_path, args), nprocs=2, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 

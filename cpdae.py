@@ -104,7 +104,7 @@ PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072,
                     warmup=0.1, epochs=3.0, global_batch=64)
 
 
-# The domain of each numeric flag, checked by data.parse_config before any work.
+# The domain of each numeric or choice flag, checked by data.parse_config before any work.
 FLAG_RULES = {
     "max_len": ">= 10",  # 8 tokens between [CLS] and [SEP]: shorter windows are dropped (data.make_windows)
     "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
@@ -113,6 +113,7 @@ FLAG_RULES = {
     "warmup": "in [0, 1]", "clip": "> 0", "mask_prob": "in [0, 1]", "workers": ">= 0", "log_every": ">= 1",
     "save_every": ">= 1", "halt_at": ">= 0", "prep_workers": ">= 0",
     "cl_weight": ">= 0", "cls_temperature": "> 0", "js_chunk": ">= 1",
+    "cl_mode": "one of {js, cls}",
 }
 
 
@@ -424,14 +425,9 @@ class Batches(torch.utils.data.Dataset):
                 "attention_mask": attention_mask, "bag": bag_of_words(ids, c.vocab_size, self.special.values())}
 
 
-def load_windows(c, rank):
-    """The corpus' windows, mapped from its token cache (built by rank 0 on the first run)."""
-    t0 = time.time()
-    windows = data.token_windows(c.corpus, c.vocab, c.max_len, rank, c.cache_dir, c.prep_workers, rank == 0)
-    if rank == 0:
-        print(f"data: {c.corpus}: {len(windows):,} windows, {windows.n_tokens:,} tokens, mapped from "
-              f"{windows.folder} ({time.time() - t0:.1f}s)")
-    return windows, windows.special
+def make_batches(c, windows, rank, world):
+    """This method's Batches for the shared train loop."""
+    return Batches(c, windows, windows.special, rank, world)
 
 
 # ==============================================================================================
@@ -439,93 +435,29 @@ def load_windows(c, rank):
 # ==============================================================================================
 
 
-def train(c):
-    rank, world, device = setup_distributed()
-    is_rank0 = rank == 0
-    torch.manual_seed(c.seed)
-    c = dataclasses.replace(c, init=data.resolve_model(c.init))   # 'minilm' or a hub id -> a local folder
-    check_run_folder(c)                             # before any work: a run folder is never overwritten silently
-    encoder = Encoder.from_pretrained(c.init, c) if c.init else Encoder(c)
-    c = resolve_vocab(encoder.config)               # --init brings the checkpoint's model sizes and vocab
-    if is_rank0 and getattr(encoder, "new_mlm_head", False):
-        print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
-    windows, special = load_windows(c, rank)
-    c = data.resolve_schedule(c, world, len(windows))   # --global_batch, --epochs -> batch_size, steps
-    if c.cl_mode not in ("js", "cls"):
-        raise ValueError(f"--cl_mode must be js or cls, got {c.cl_mode!r}")
+# The loop itself, train(), is the shared block "train" at the end of this file; CPDAE's parts of it:
+ADAM_EPS = 1e-8   # torch's default: the paper does not give Adam's epsilon
+
+
+def build_model(c, encoder, windows, rank):
+    """The encoder plus CPDAE's decoder (eq. 2) and, with --idf_rec, the corpus IDF (from the token cache)."""
     idf = cached_idf(windows, c.vocab_size, rank) if c.idf_rec else None      # once, from the token cache
-    model = PretrainModel(c, encoder, idf).to(device)
-    optimizer, scheduler = make_optimizer(model, c)
-    start_step = load_checkpoint(c, model, optimizer, scheduler, is_rank0) if c.resume else 0
-    if is_rank0:
-        prepare_run_folder(c)
-        data.atomic_write_json(Path(c.out_dir) / "config.json", dataclasses.asdict(c))
-        n_params = sum(p.numel() for p in model.parameters())
-        left_out = len(windows) % (c.batch_size * world)
-        print(f"model: {n_params / 1e6:.1f}M parameters | {world} process(es) on {device.type} | "
-              f"global batch {c.batch_size * world * c.grad_accum} | {left_out} windows sit out each epoch")
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    loader = torch.utils.data.DataLoader(
-        Batches(c, windows, special, rank, world), batch_size=None, num_workers=c.workers,
-        sampler=range(start_step * c.grad_accum, c.steps * c.grad_accum),
-        generator=torch.Generator())  # its own generator: the global RNG (dropout) resumes exactly
-    autocast = autocast_bf16(device, c.bf16)
-    progress = Progress(c, start_step, is_rank0)
-    batches = iter(loader)
-    for step in range(start_step + 1, c.steps + 1):
-        for micro in range(c.grad_accum):
-            micro_step = (step - 1) * c.grad_accum + micro
-            batch = next(batches)
-            progress_tokens = int(batch["attention_mask"].sum())
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            # dropout, like the batch, is a function of the step: resume is exact without saving RNG state
-            torch.manual_seed(data.step_seed(c.seed, rank, micro_step))
-            last = micro == c.grad_accum - 1
-            with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
-                with autocast:
-                    loss, metrics = ddp(batch)
-                (loss / c.grad_accum).backward()
-            progress.add(metrics, progress_tokens)
-        stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, c)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % c.log_every == 0 or step == c.steps:
-            progress.report(step, scheduler.get_last_lr()[0], device)
-        if step % c.save_every == 0 or step == c.steps or step == c.halt_at:
-            save_checkpoint(c, model, optimizer, scheduler, step, is_rank0)
-        if step == c.halt_at:
-            break
-    if is_rank0:
-        print(f"done: {progress.summary(device)}; encoder in {Path(c.out_dir) / 'encoder'}")
-    if world > 1:
-        dist.destroy_process_group()
+    return PretrainModel(c, encoder, idf)
 
 
 # ==============================================================================================
 # Checkpoint
 # ==============================================================================================
-def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0):
-    """Rank 0 writes the encoder (Hugging Face folder, for fine-tuning) with the MLP decoder beside it
-    (decoder.safetensors, for the Table 4 figure), and the full training state (every module, the
-    decoder included, optimizer, scheduler) for --resume (batches, masks and dropout are functions
-    of the step: no RNG state is saved). Each file is written atomically."""
-    if is_rank0:
-        model.encoder.save_pretrained(Path(c.out_dir) / "encoder", c.vocab)
-        if c.init:   # the starting checkpoint's pooling and similarity (sentence-transformers files)
-            data.copy_retriever_settings(c.init, Path(c.out_dir) / "encoder")
-        data.save_tensors(Path(c.out_dir) / "encoder" / "decoder.safetensors", model.decoder.state_dict())
-        data.save_training_state(Path(c.out_dir) / "state.pt", {
-            "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "config": dataclasses.asdict(c)})
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()   # short: nobody races ahead of a checkpoint being written
+# save_checkpoint() is the shared block "train" at the end of this file; CPDAE's part of it:
+def save_extra_files(c, model, folder):
+    """The MLP decoder beside the encoder (decoder.safetensors, for the Table 4 figure)."""
+    data.save_tensors(Path(folder) / "decoder.safetensors", model.decoder.state_dict())
 
 
 # ==============================================================================================
 # Shared blocks, below the method: the BERT encoder, distributed helpers, bf16 autocast, training
-# helpers, resume and run setup. Byte-identical in every file that has them (a test checks, and
+# helpers, resume, run setup and the training loop itself (train, save_checkpoint, with this method's
+# hooks above). Byte-identical in every file that has them (a test checks, and
 # `diff costa.py cpdae.py` skips them): read them once, in costa.py.
 # ==============================================================================================
 # --- shared: begin encoder ---
@@ -745,7 +677,8 @@ def make_optimizer(model, c, eps=1e-8):
 # the model, the data or the batches of the saved run, so a resumed run refuses to change it.
 RESUMABLE = ("steps", "epochs", "hard_epochs", "lr", "weight_decay", "warmup", "clip", "bf16", "workers",
              "log_every", "save_every", "encode_batch", "preset", "eval_split", "eval_queries", "eval_qrels",
-             "cache_dir", "prep_workers", "index", "nprobe", "ef_search", "index_train", "vectors_dir")  # where and how, not what
+             "cache_dir", "prep_workers", "index", "nprobe", "ef_search", "index_train", "vectors_dir",
+             "out_dir")  # where and how, not what (out_dir: a run folder moved or copied resumes where it is)
 
 
 def check_resume_flags(c, saved, path):
@@ -891,11 +824,13 @@ def check_run_folder(c):
 
 
 def prepare_run_folder(c):
-    """Rank 0, once every input check has passed, before the first write: remove the .tmp files of
-    killed writes and, with --overwrite, the replaced run's checkpoint (Progress trims its log)."""
+    """Rank 0, after the last input check (train calls it last), before the first write: remove the
+    .tmp files of killed writes, finish a cut checkpoint switch and, with --overwrite, remove the
+    replaced run's checkpoint (Progress trims its log)."""
     out = Path(c.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data.remove_stale_temporaries(out)
+    finish_checkpoint_switch(out)           # a save cut short by a kill: complete it or drop it
     if c.overwrite:
         (out / "state.pt").unlink(missing_ok=True)
         shutil.rmtree(out / "encoder", ignore_errors=True)
@@ -919,8 +854,157 @@ def resolve_vocab(c):
 # --- shared: end run setup ---
 
 
-if __name__ == "__main__":
+# --- shared: begin train ---
+def load_windows(c, rank):
+    """The corpus' windows, mapped from its token cache (built by rank 0 on the first run)."""
+    t0 = time.time()
+    windows = data.token_windows(c.corpus, c.vocab, c.max_len, rank, c.cache_dir, c.prep_workers, rank == 0)
+    if rank == 0:
+        print(f"data: {c.corpus}: {len(windows):,} windows, {windows.n_tokens:,} tokens, mapped from "
+              f"{windows.folder} ({time.time() - t0:.1f}s)")
+    return windows
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during training, carrying the one line that says where the run stopped."""
+
+
+def train(c):
+    """Every check first (flags at parse time; here the run folder, --init, the vocab, the batch
+    arithmetic, the corpus's windows, a resumed state's flags), then the run folder, then the steps.
+    This method's own parts are the hooks in its sections above: make_batches, build_model, ADAM_EPS
+    and save_extra_files."""
+    rank, world, device = setup_distributed()
+    is_rank0 = rank == 0
+    torch.manual_seed(c.seed)
+    c = dataclasses.replace(c, init=data.resolve_model(c.init))   # 'minilm' or a hub id -> a local folder
+    check_run_folder(c)                             # before any work: a run folder is never overwritten silently
+    c = data.resolve_batch(c, world)                # --global_batch / --batch_size: before the token cache
+    encoder = Encoder.from_pretrained(c.init, c) if c.init else Encoder(c)
+    c = resolve_vocab(encoder.config)               # --init brings the checkpoint's model sizes and vocab
+    if is_rank0 and getattr(encoder, "new_mlm_head", False):
+        print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
+    windows = load_windows(c, rank)
+    c = data.resolve_schedule(c, world, len(windows))   # --epochs -> steps; fewer windows than one batch: stop
+    model = build_model(c, encoder, windows, rank).to(device)
+    optimizer, scheduler = make_optimizer(model, c, eps=ADAM_EPS)
+    start_step = load_checkpoint(c, model, optimizer, scheduler, is_rank0) if c.resume else 0
+    if is_rank0:
+        prepare_run_folder(c)                       # after the last check: --overwrite deletes only now
+        data.atomic_write_json(Path(c.out_dir) / "config.json", dataclasses.asdict(c))
+        n_params = sum(p.numel() for p in model.parameters())
+        left_out = len(windows) % (c.batch_size * world)
+        print(f"model: {n_params / 1e6:.1f}M parameters | {world} process(es) on {device.type} | "
+              f"global batch {c.batch_size * world * c.grad_accum} | {left_out} windows sit out each epoch")
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    loader = torch.utils.data.DataLoader(
+        make_batches(c, windows, rank, world), batch_size=None, num_workers=c.workers,
+        sampler=range(start_step * c.grad_accum, c.steps * c.grad_accum),
+        generator=torch.Generator())  # its own generator: the global RNG (dropout) resumes exactly
+    autocast = autocast_bf16(device, c.bf16)
+    progress = Progress(c, start_step, is_rank0)
+    batches, step, saved = iter(loader), start_step, start_step
     try:
-        train(data.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES))
+        for step in range(start_step + 1, c.steps + 1):
+            for micro in range(c.grad_accum):
+                micro_step = (step - 1) * c.grad_accum + micro
+                batch = next(batches)
+                progress_tokens = int(batch["attention_mask"].sum())
+                batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+                # dropout, like the batch, is a function of the step: resume is exact without saving RNG state
+                torch.manual_seed(data.step_seed(c.seed, rank, micro_step))
+                last = micro == c.grad_accum - 1
+                with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
+                    with autocast:
+                        loss, metrics = ddp(batch)
+                    (loss / c.grad_accum).backward()
+                progress.add(metrics, progress_tokens)
+            stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, c)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step % c.log_every == 0 or step == c.steps:
+                progress.report(step, scheduler.get_last_lr()[0], device)
+            if step % c.save_every == 0 or step == c.steps or step == c.halt_at:
+                save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, saved)
+                saved = step
+            if step == c.halt_at:
+                break
+    except KeyboardInterrupt:
+        last = f"last checkpoint at step {saved} in {c.out_dir}" if saved else f"no checkpoint yet in {c.out_dir}"
+        raise Interrupted(f"interrupted at step {step}; {last}; continue with --resume") from None
+    if is_rank0:
+        print(f"done: {progress.summary(device)}; encoder in {Path(c.out_dir) / 'encoder'}")
+    if world > 1:
+        dist.barrier()   # every rank is past its last collective before the group is torn down
+        dist.destroy_process_group()
+
+
+def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved=0):
+    """Rank 0 writes the encoder (a Hugging Face folder, for fine-tuning, plus save_extra_files) and the
+    full training state (every module, optimizer, scheduler) for --resume (batches, masks and dropout
+    are functions of the step: no RNG state is saved). Both go to temporaries first and are switched
+    only when both are whole (see finish_checkpoint_switch), so a full disk or a kill leaves the last
+    checkpoint whole: encoder/ and state.pt never hold different steps. A full disk stops the run with
+    one line naming the file and the last good step."""
+    if is_rank0:
+        out = Path(c.out_dir)
+        new_encoder, new_state = out / ".encoder.new", out / ".state.pt.new"
+        target = out / "encoder"
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            new_state.write_bytes(b"")              # while it exists, the switch has not begun
+            shutil.rmtree(new_encoder, ignore_errors=True)
+            model.encoder.save_pretrained(new_encoder, c.vocab)
+            if c.init:   # the starting checkpoint's pooling and similarity (sentence-transformers files)
+                data.copy_retriever_settings(c.init, new_encoder)
+            save_extra_files(c, model, new_encoder)
+            target = out / "state.pt"
+            data.save_training_state(new_state, {
+                "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "config": dataclasses.asdict(c)})
+        except Exception as e:  # noqa: BLE001 -- torch.save reports a full disk as a RuntimeError
+            shutil.rmtree(new_encoder, ignore_errors=True)
+            new_state.unlink(missing_ok=True)
+            if data.is_disk_full(e, out):
+                raise data.disk_full_error(target, out, last_saved) from None
+            raise
+        os.replace(new_state, out / "state.pt")     # the commit: from here on step `step` is the checkpoint
+        finish_checkpoint_switch(out)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()   # short: nobody races ahead of a checkpoint being written
+
+
+def finish_checkpoint_switch(out):
+    """Complete or undo a checkpoint switch cut short by a kill: .state.pt.new still there = state.pt
+    was not replaced yet, so drop the new files; else state.pt is new and .encoder.new its encoder."""
+    out = Path(out)
+    new_encoder, old_encoder, new_state = out / ".encoder.new", out / ".encoder.old", out / ".state.pt.new"
+    if new_state.exists():
+        new_state.unlink()
+        shutil.rmtree(new_encoder, ignore_errors=True)
+    if new_encoder.is_dir():
+        shutil.rmtree(old_encoder, ignore_errors=True)
+        if (out / "encoder").exists():
+            os.replace(out / "encoder", old_encoder)
+        os.replace(new_encoder, out / "encoder")
+    shutil.rmtree(old_encoder, ignore_errors=True)
+
+
+def run_command_line(run):
+    """run() with one line for each expected failure: a bad flag or input file (ValueError, DataError),
+    a full disk (DataError), Ctrl-C (exit code 130). Under torchrun only rank 0 prints, and every rank
+    leaves the process group and exits with code 1 (130), without a traceback."""
+    try:
+        run()
+        return
     except ValueError as e:   # a bad flag (ValueError) or a bad input file (data.DataError, one too)
-        sys.exit(f"error: {e}")
+        line, code = f"error: {e}", 1
+    except KeyboardInterrupt as e:
+        line, code = str(e) or "interrupted before the first step; nothing was trained", 130
+    data.exit_with(line, code)   # one line (rank 0 only under torchrun), the process group left, no traceback
+# --- shared: end train ---
+
+
+if __name__ == "__main__":
+    run_command_line(lambda: train(data.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES)))

@@ -16,10 +16,12 @@ import gzip
 import inspect
 import itertools
 import json
+import math
 import os
 import shutil
 import sys
 import tempfile
+import time
 import zlib
 from pathlib import Path
 from typing import NamedTuple
@@ -185,14 +187,30 @@ def read_pretraining_texts(path):
     return texts
 
 
+CORPUS_SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz")   # what a corpus folder's files may be
+
+
 def corpus_files(path):
-    """The files of a corpus in reading order: the file itself, or a folder's visible files, sorted."""
+    """The files of a corpus in reading order: the file itself, or a folder's visible .txt / .jsonl files
+    ('.gz' ok), sorted; the other files of a folder are named once (rank 0) and skipped."""
     path = Path(path)
     if path.is_dir():
-        return sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+        files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+        skipped = tuple(p.name for p in files if not p.name.endswith(CORPUS_SUFFIXES))
+        if skipped:
+            _say_skipped(str(path), skipped)
+        return [p for p in files if p.name.endswith(CORPUS_SUFFIXES)]
     if not path.is_file():
         raise DataError(f"{path}: file not found")
     return [path]
+
+
+@functools.lru_cache(maxsize=None)   # once per folder and process
+def _say_skipped(folder, names):
+    if os.environ.get("RANK", "0") == "0":
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        print(f"{folder}: skipping {shown} (a corpus folder reads only {', '.join(CORPUS_SUFFIXES)} files)",
+              flush=True)
 
 
 def iter_pretraining_texts(path):
@@ -227,19 +245,40 @@ def add_once(table, key, value, path, number, what):
 
 def read_corpus(path):
     """Retrieval corpus {docid: {"title", "text"}} from BEIR corpus.jsonl or MS MARCO collection.tsv."""
-    corpus = {}
+    corpus, first_empty = {}, 0
     if ".jsonl" in Path(path).suffixes:
         for number, obj in iter_jsonl(path):
             if "_id" not in obj or not isinstance(obj.get("text"), str):
                 raise DataError(f"{_where(path, number)}: a corpus line needs \"_id\" and a string \"text\"")
+            if not isinstance(obj.get("title") or "", str):
+                raise DataError(f"{_where(path, number)}: \"title\" must be a string")
             add_once(corpus, str(obj["_id"]), {"title": obj.get("title") or "", "text": obj["text"]},
                       path, number, f"document id {str(obj['_id'])!r}")
+            first_empty = first_empty or (number if not (obj["text"].strip() or (obj.get("title") or "").strip()) else 0)
     else:
         for number, (docid, text) in iter_tsv(path, 2):
             add_once(corpus, docid, {"title": "", "text": text}, path, number, f"document id {docid!r}")
+            first_empty = first_empty or (number if not text.strip() else 0)
     if not corpus:
         raise DataError(f"{path}: empty corpus")
+    if first_empty:
+        warn_empty_documents(corpus, path, first_empty)
     return corpus
+
+
+def refuse_empty_query(text, path, number):
+    """An empty query would still be scored (and rank some document first): refuse it."""
+    if not text.strip():
+        raise DataError(f"{_where(path, number)}: empty query text")
+
+
+def warn_empty_documents(corpus, path, first_line):
+    """Documents with neither title nor text stay (qrels may name them) but can never be found by their
+    words: one line says how many, on rank 0."""
+    empty = sum(1 for doc in corpus.values() if not (doc["title"].strip() or doc["text"].strip()))
+    if empty and os.environ.get("RANK", "0") == "0":
+        print(f"warning: {path}: {empty:,} of {len(corpus):,} documents have no text (the first at line "
+              f"{first_line}); they stay in the corpus", flush=True)
 
 
 def read_queries(path):
@@ -249,9 +288,11 @@ def read_queries(path):
         for number, obj in iter_jsonl(path):
             if "_id" not in obj or not isinstance(obj.get("text"), str):
                 raise DataError(f"{_where(path, number)}: a query line needs \"_id\" and a string \"text\"")
+            refuse_empty_query(obj["text"], path, number)
             add_once(queries, str(obj["_id"]), obj["text"], path, number, f"query id {str(obj['_id'])!r}")
     else:
         for number, (qid, text) in iter_tsv(path, 2):
+            refuse_empty_query(text, path, number)
             add_once(queries, qid, text, path, number, f"query id {qid!r}")
     if not queries:
         raise DataError(f"{path}: no queries")
@@ -273,15 +314,24 @@ def read_qrels(path):
         else:
             raise DataError(f"{_where(path, number)}: expected 'qid docid grade' or "
                             f"'qid 0 docid grade', found {len(fields)} fields")
-        try:
-            grade = int(float(grade))
-        except ValueError:
-            raise DataError(f"{_where(path, number)}: relevance grade {grade!r} is not a number") from None
+        grade = parse_grade(grade, path, number)
         add_once(qrels.setdefault(qid, {}), docid, grade, path, number,
                   f"judgment of document {docid!r} for query {qid!r}")
     if not qrels:
         raise DataError(f"{path}: no judgments")
     return qrels
+
+
+def parse_grade(text, path, number):
+    """A relevance grade: an integer ('2', '-1', also '1.0'); '1.7', 'inf' or 'x' stop with file:line
+    (cutting 1.7 to 1 would silently change the metric)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise DataError(f"{_where(path, number)}: relevance grade {text!r} is not a number") from None
+    if not math.isfinite(value) or value != int(value):
+        raise DataError(f"{_where(path, number)}: relevance grade {text!r} is not an integer")
+    return int(value)
 
 
 def check_qrels(qrels, queries, corpus, path):
@@ -461,6 +511,25 @@ def _tokenize_chunk(texts):
     return ids, starts.astype(np.uint8), lengths
 
 
+def _tokenize_chunk_sized(texts):
+    """_tokenize_chunk plus the chunk's characters (for the progress line)."""
+    return (*_tokenize_chunk(texts), sum(len(t) for t in texts))
+
+
+def corpus_chars(corpus):
+    """About how many characters the corpus holds (file sizes; a .gz file's stored uncompressed size),
+    for the token cache's ETA."""
+    total = 0
+    for file in corpus_files(corpus):
+        if file.suffix == ".gz":
+            with open(file, "rb") as f:
+                f.seek(-4, os.SEEK_END)
+                total += int.from_bytes(f.read(4), "little")     # ISIZE: size mod 2**32
+        else:
+            total += file.stat().st_size
+    return total
+
+
 def _chunks(texts, max_chars):
     """Consecutive documents in lists of about max_chars characters: work units of similar size."""
     chunk, size = [], 0
@@ -487,22 +556,33 @@ def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, ver
     name and renamed; the manifest last."""
     import time
     folder = Path(folder)
+    signature = corpus_signature(corpus, vocab)    # (a missing corpus stops here, before any folder exists)
+    created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
-    signature = corpus_signature(corpus, vocab)
+    try:
+        _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, verbose)
+    except BaseException:
+        if created:                                 # a corpus error (or Ctrl-C) leaves no half-built cache
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, verbose):
+    import time
     dtype = np.uint16 if vocab_size_of(vocab) <= 1 << 16 else np.uint32
     tmp = {name: folder / f".{name}.{os.getpid()}.tmp" for name in ("tokens.bin", "word_starts.bin")}
-    lengths, n_tokens, t0, last = [np.zeros(1, np.int64)], 0, time.time(), 0.0
+    lengths, n_tokens, t0 = [np.zeros(1, np.int64)], 0, time.time()
+    progress = ProgressLine(f"tokenizing {corpus}:", corpus_chars(corpus), "chars", rank=0 if verbose else 1)
     try:
         with open(tmp["tokens.bin"], "wb") as tok_f, open(tmp["word_starts.bin"], "wb") as ws_f, \
                 _pool(vocab, workers) as pool:
-            for ids, starts, doc_lengths in pool.imap(_tokenize_chunk, _chunks(iter_pretraining_texts(corpus), chunk_chars)):
+            chunks = _chunks(iter_pretraining_texts(corpus), chunk_chars)
+            for ids, starts, doc_lengths, n_chars in pool.imap(_tokenize_chunk_sized, chunks):
                 tok_f.write(ids.astype(dtype).tobytes())
                 ws_f.write(starts.tobytes())
                 lengths.append(doc_lengths)
                 n_tokens += len(ids)
-                if verbose and time.time() - last > 10:
-                    last = time.time()
-                    print(f"tokenizing {corpus}: {n_tokens:,} tokens, {n_tokens / (last - t0):,.0f} tokens/s", flush=True)
+                progress.add(n_chars)
         if n_tokens == 0:
             raise DataError(f"{corpus}: empty corpus (no non-blank document)" if len(lengths) == 1 else
                             f"{corpus}: every document tokenized to nothing")
@@ -703,17 +783,27 @@ def resolve_schedule(c, world, n_windows):
     batch_size = global_batch / (world x grad_accum), so --preset paper gives the paper's batch on any
     number of ranks; --epochs > 0 sets steps = epochs x windows / global batch (rounded, at least 1),
     counting the micro-batches an epoch holds (batches_per_epoch). Returns a new Config."""
-    batch_size = c.batch_size
-    if c.global_batch > 0:
-        batch_size, rest = divmod(c.global_batch, world * c.grad_accum)
-        if rest or batch_size == 0:
-            raise ValueError(f"--global_batch {c.global_batch} is not a multiple of {world} process(es) x "
-                             f"--grad_accum {c.grad_accum}")
-    steps = c.steps
-    if c.epochs > 0:
-        micro_steps = c.epochs * batches_per_epoch(n_windows, batch_size, world)
-        steps = max(1, round(micro_steps / c.grad_accum))
-    return dataclasses.replace(c, batch_size=batch_size, steps=steps)
+    c = resolve_batch(c, world)
+    per_epoch = batches_per_epoch(n_windows, c.batch_size, world)   # always: fewer than one batch fails here
+    steps = max(1, round(c.epochs * per_epoch / c.grad_accum)) if c.epochs > 0 else c.steps
+    return dataclasses.replace(c, steps=steps)
+
+
+def resolve_batch(c, world):
+    """The batch arithmetic that needs no corpus, checked before the token cache is built: --global_batch
+    must split evenly over ranks and micro-steps, and an explicit --batch_size (one that is not Config's
+    default) must agree with it. Returns a new Config with batch_size set."""
+    if c.global_batch <= 0:
+        return c
+    batch_size, rest = divmod(c.global_batch, world * c.grad_accum)
+    if rest or batch_size == 0:
+        raise ValueError(f"--global_batch {c.global_batch} is not a multiple of {world} process(es) x "
+                         f"--grad_accum {c.grad_accum}")
+    default = next(f.default for f in dataclasses.fields(c) if f.name == "batch_size")
+    if c.batch_size not in (default, batch_size):
+        raise ValueError(f"--batch_size {c.batch_size} disagrees with --global_batch {c.global_batch} on {world} "
+                         f"process(es) x --grad_accum {c.grad_accum} (= {batch_size} per rank); give one of them")
+    return dataclasses.replace(c, batch_size=batch_size)
 
 
 def batch_indices(n_examples, batch_size, rank, world, seed, micro_step):
@@ -851,6 +941,21 @@ def save_encoder_folder(folder, hf_state_dict, hf_config, vocab=VOCAB):
                        "model_max_length": hf_config["max_position_embeddings"]})
 
 
+def check_hf_config(hf_config, path):
+    """A config.json must be an object whose model sizes are positive integers and whose dropout and
+    LayerNorm epsilon are numbers: '"hidden_size": "32"' stops here with one line, not a TypeError."""
+    if not isinstance(hf_config, dict):
+        raise DataError(f"{path}: expected a JSON object, got {type(hf_config).__name__}")
+    for theirs in HF_CONFIG_KEYS.values():
+        if theirs not in hf_config:
+            continue
+        value, real = hf_config[theirs], theirs in ("hidden_dropout_prob", "layer_norm_eps")
+        kinds = (int, float) if real else (int,)
+        if isinstance(value, bool) or not isinstance(value, kinds) or (not real and value < 1):
+            wanted = "a number" if real else "a positive integer"
+            raise DataError(f"{path}: \"{theirs}\" must be {wanted}, got {value!r}")
+
+
 def load_encoder_folder(folder):
     """(hf_config, hf_state_dict) from a Hugging Face BERT folder: model.safetensors, or
     pytorch_model.bin read with weights_only=True (no pickled code runs). `folder` may also be
@@ -862,6 +967,7 @@ def load_encoder_folder(folder):
         hf_config = json.loads("".join(line for _, line in read_lines(folder / "config.json")))
     except json.JSONDecodeError as e:
         raise DataError(f"{folder / 'config.json'}:{e.lineno}: malformed JSON ({e.msg})") from None
+    check_hf_config(hf_config, folder / "config.json")
     if (folder / "model.safetensors").is_file():
         state = load_tensors(folder / "model.safetensors")
     elif (folder / "pytorch_model.bin").is_file():
@@ -930,8 +1036,10 @@ def resolve_model(name):
         return name
     if name == MINILM:
         return str(_minilm_folder())
-    if Path(name).suffix or name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise DataError(f"{name}: no such model folder")   # a path, not a hub id
+    first = Path(name).parts[0] if Path(name).parts else name
+    if (Path(name).suffix or name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
+            or ("/" in name and Path(first).exists())):
+        raise DataError(f"{name}: no such model folder")   # a path (its first folder exists here), not a hub id
     return str(_hub_folder(name))
 
 
@@ -1054,33 +1162,65 @@ def parse_config(Config, argv, doc="", preset=None, rules=None):
     while i < len(argv):
         name = argv[i].removeprefix("--").replace("-", "_")
         if not argv[i].startswith("--") or name not in fields:
-            sys.exit(f"error: unknown argument {argv[i]!r}; fields are: {', '.join(fields)}")
+            exit_with(f"error: unknown argument {argv[i]!r}; fields are: {', '.join(fields)}", 1)
         kind = type(fields[name].default)
         if kind is bool and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
             overrides[name], i = True, i + 1
             continue
         if i + 1 == len(argv):
-            sys.exit(f"error: --{name} needs a value")
+            exit_with(f"error: --{name} needs a value", 1)
         value = argv[i + 1]
         if kind is bool and value.lower() not in BOOLEANS:
-            sys.exit(f"error: --{name} expects true or false (also 1/0, yes/no), got {value!r}")
+            exit_with(f"error: --{name} expects true or false (also 1/0, yes/no), got {value!r}", 1)
         try:
             overrides[name] = BOOLEANS[value.lower()] if kind is bool else kind(value)
         except ValueError:
-            sys.exit(f"error: --{name} expects {kind.__name__}, got {value!r}")
+            exit_with(f"error: --{name} expects {kind.__name__}, got {value!r}", 1)
         i += 2
     if overrides.get("preset", "") not in ("", "paper"):
-        sys.exit(f"error: --preset must be paper (or empty), got {overrides['preset']!r}")
+        exit_with(f"error: --preset must be paper (or empty), got {overrides['preset']!r}", 1)
     chosen = (preset or {}) if overrides.get("preset") == "paper" else {}
     c = Config(**{**chosen, **overrides})
     for name, rule in (rules or {}).items():
         if not satisfies(getattr(c, name), rule):
-            sys.exit(f"error: --{name} must be {rule}, got {getattr(c, name)!r}")
+            exit_with(f"error: --{name} must be {rule}, got {getattr(c, name)!r}", 1)
     return c
 
 
+def exit_with(line, code):
+    """End a script after an expected failure: one line on stderr (under torchrun from rank 0 only),
+    the process group left, exit code `code` (1 = bad input, 130 = Ctrl-C). No traceback."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if os.environ.get("RANK", "0") != "0":
+        sys.exit(code)
+    if code == 1:
+        sys.exit(line)              # Python prints it on stderr and exits with 1 (SystemExit carries the line)
+    print(line, file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
 def satisfies(value, rule):
-    """A FLAG_RULES rule: '> 0', '>= 1', '0 or >= 3', 'in [0, 1]' or 'in [0, 1)'. NaN satisfies none."""
+    """A FLAG_RULES rule: '> 0', '>= 1', '0 or >= 3', 'in [0, 1]' or 'in [0, 1)' (numbers; NaN satisfies
+    none); 'one of {a, b}' (a choice); 'names from {a, b}' (distinct comma-separated names, at least one);
+    'a faiss index_factory string'; '... or empty' also accepts ""."""
+    if rule.endswith(" or empty"):
+        return value == "" or satisfies(value, rule.removesuffix(" or empty"))
+    if rule.startswith(("one of {", "names from {")):
+        choices = [x.strip() for x in rule[rule.index("{") + 1:-1].split(",")]
+        if rule.startswith("one of"):
+            return value in choices
+        names = [x.strip() for x in value.split(",") if x.strip()]
+        return bool(names) and len(set(names)) == len(names) and set(names) <= set(choices)
+    if rule == "a faiss index_factory string":   # for some usual vector size (the model's is checked later)
+        import faiss
+        for dim in (32, 64, 128, 256, 384, 512, 768, 1024):
+            try:
+                faiss.index_factory(dim, value, faiss.METRIC_INNER_PRODUCT)
+                return True
+            except RuntimeError:
+                continue
+        return False
     if rule.startswith("0 or "):
         return value == 0 or satisfies(value, rule.removeprefix("0 or "))
     if rule.startswith("in "):
@@ -1088,3 +1228,66 @@ def satisfies(value, rule):
         return low <= value and (value <= high if rule.endswith("]") else value < high)
     op, bound = rule.split()
     return value >= float(bound) if op == ">=" else value > float(bound)
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. Progress on long steps (encoding a corpus, BM25 indexing, mining, the token cache)
+# ----------------------------------------------------------------------------------------------
+PROGRESS_EVERY_S = 30.0   # seconds between progress lines (tests set it small)
+
+
+def format_seconds(s):
+    s = int(s)
+    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def counted(items, progress):
+    """Yield items, counting each on a ProgressLine (for a library call that consumes an iterable)."""
+    for item in items:
+        progress.add()
+        yield item
+
+
+class ProgressLine:
+    """A line every PROGRESS_EVERY_S seconds on rank 0 while a long step runs, in the training lines'
+    format: '{what} {done}/{total} | {rate} {unit}/s | elapsed 0m30s | eta 2m10s'. total 0 = unknown
+    (no ETA). Call add(n) as items are done."""
+
+    def __init__(self, what, total=0, unit="items", rank=None):
+        self.what, self.total, self.unit, self.done = what, total, unit, 0
+        self.show = (int(os.environ.get("RANK", "0")) if rank is None else rank) == 0
+        self.t0 = self.last = time.time()
+
+    def add(self, n=1):
+        self.done += n
+        now = time.time()
+        if self.show and now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            rate = self.done / max(now - self.t0, 1e-9)
+            total = f"/{self.total:,}" if self.total else ""
+            eta = (f" | eta {format_seconds((self.total - self.done) / max(rate, 1e-9))}" if self.total else "")
+            print(f"{self.what} {self.done:,}{total} {self.unit} | {rate:,.0f} {self.unit}/s | "
+                  f"elapsed {format_seconds(now - self.t0)}{eta}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# 9. A full disk while writing a checkpoint
+# ----------------------------------------------------------------------------------------------
+def is_disk_full(error, folder):
+    """True if a failed write ran out of space: ENOSPC / EDQUOT, or torch.save's RuntimeError ('unexpected
+    pos', which never says why) on a disk with less than 1 MiB left."""
+    import errno
+    if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    try:
+        return isinstance(error, RuntimeError) and shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
+
+
+def disk_full_error(target, out_dir, last_saved):
+    """The one line for a checkpoint that did not fit: the file, the cause, the last good step, what to do."""
+    kept = (f"{out_dir} keeps the checkpoint of step {last_saved}" if last_saved else
+            f"no checkpoint was written yet")
+    return DataError(f"{target}: the disk is full; {kept}; free some space, or copy {out_dir} to a bigger disk, "
+                     f"and continue with --resume (--out_dir the new place)")

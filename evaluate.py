@@ -70,9 +70,11 @@ class Config:
     decoder: str = ""             # folder with cpdae.py's decoder.safetensors; "" = the model folder
 
 
-# The domain of each numeric flag, checked by data.parse_config before any work.
+# The domain of each numeric or choice flag, checked by data.parse_config before any work.
 FLAG_RULES = {"query_len": "0 or >= 3", "passage_len": "0 or >= 3", "depth": ">= 1", "encode_batch": ">= 1",
-              "k1": ">= 0", "b": "in [0, 1]", "nprobe": ">= 0", "ef_search": ">= 0", "index_train": ">= 1"}
+              "k1": ">= 0", "b": "in [0, 1]", "nprobe": ">= 0", "ef_search": ">= 0", "index_train": ">= 1",
+              "index": "a faiss index_factory string", "pooling": "one of {cls, mean} or empty",
+              "similarity": "one of {dot, cos} or empty"}
 
 
 # ==============================================================================================
@@ -172,7 +174,8 @@ class BM25:
             raise ValueError(f"BM25 needs k1 >= 0 and 0 <= b <= 1, got k1={k1}, b={b}")
         self.k1, self.b = k1, b
         self.vectorizer = CountVectorizer(lowercase=True, stop_words="english", dtype=np.float32)
-        tf = self.vectorizer.fit_transform(doc_texts).tocsr()  # (N, T) term counts
+        progress = data.ProgressLine("BM25 indexing:", len(doc_texts), "documents")
+        tf = self.vectorizer.fit_transform(data.counted(doc_texts, progress)).tocsr()  # (N, T) term counts
         n_docs = tf.shape[0]
         doc_len = np.asarray(tf.sum(axis=1)).ravel()  # (N,) tokens per document
         df = np.bincount(tf.indices, minlength=tf.shape[1])  # (T,) documents containing each term
@@ -196,8 +199,10 @@ class BM25:
         k = min(k, self.n_docs)
         chunk = max(1, int(2e7 // max(self.n_docs, 1)))  # bound the dense block to ~80 MB
         all_scores, all_ids = [np.zeros((0, k), np.float32)], [np.zeros((0, k), np.int64)]
+        progress = data.ProgressLine("BM25 search:", len(query_texts), "queries")
         for start in range(0, len(query_texts), chunk):
             s = self.score(query_texts[start:start + chunk])  # (m, N)
+            progress.add(len(s))
             top = np.argpartition(-s, k - 1, axis=1)[:, :k] if k < self.n_docs else np.tile(np.arange(k), (len(s), 1))
             top_s = np.take_along_axis(s, top, axis=1)  # (m, k)
             order = np.argsort(-top_s, axis=1, kind="stable")  # (m, k)
@@ -308,8 +313,10 @@ def search(query_vecs, doc_vecs, k, index="Flat", nprobe=0, ef_search=0, train_s
     index = build_index(doc_vecs, index, train_size)
     set_search_parameters(index, nprobe, ef_search)
     scores, ids = [np.zeros((0, k), np.float32)], [np.zeros((0, k), np.int64)]
+    progress = data.ProgressLine("searching:", len(query_vecs), "queries")
     for start in range(0, len(query_vecs), batch):
         s, i = index.search(query_vecs[start:start + batch], k)  # (m, k) each
+        progress.add(len(s))
         scores.append(s)
         ids.append(i.astype(np.int64))
     scores, ids = np.concatenate(scores), np.concatenate(ids)
@@ -373,6 +380,7 @@ def _encode_into(out, encoder, pooling, tokenizer, texts, max_len, batch_size, d
     encoder.eval()
     autocast = autocast_bf16(device, bf16)
     order = np.argsort([len(t) for t in texts], kind="stable")
+    progress = data.ProgressLine("encoding:", len(texts), "texts")
     for start in range(0, len(texts), batch_size):
         rows = order[start:start + batch_size]
         ids, mask = data.encode_texts(tokenizer, [texts[i] for i in rows], max_len)          # (b, L)
@@ -380,6 +388,7 @@ def _encode_into(out, encoder, pooling, tokenizer, texts, max_len, batch_size, d
         with autocast:
             vecs = text_vectors(encoder(ids, mask), mask, pooling, similarity)                 # (b, H)
         out[rows] = vecs.float().cpu().numpy()
+        progress.add(len(rows))
     encoder.train(was_training)
     return out
 
@@ -1083,4 +1092,6 @@ if __name__ == "__main__":
     try:
         main(data.parse_config(Config, sys.argv[1:], __doc__, rules=FLAG_RULES))
     except ValueError as e:   # a bad flag (ValueError) or a bad input file (data.DataError, one too)
-        sys.exit(f"error: {e}")
+        data.exit_with(f"error: {e}", 1)
+    except KeyboardInterrupt:
+        data.exit_with("interrupted; run it again to evaluate", 130)

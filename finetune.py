@@ -130,7 +130,7 @@ class Config:
 PAPER_PRESET = dict(lr=5e-6, batch_size=64, epochs=3.0, hard_epochs=2.0, n_negatives=7, rounds=1, query_len=32)
 
 
-# The domain of each numeric flag, checked by data.parse_config before any work.
+# The domain of each numeric or choice flag, checked by data.parse_config before any work.
 FLAG_RULES = {
     "query_len": ">= 3", "passage_len": ">= 3", "n_queries": ">= 0",  # lengths: [CLS], a token, [SEP]
     "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
@@ -141,6 +141,9 @@ FLAG_RULES = {
     "warmup": "in [0, 1]", "clip": "> 0", "workers": ">= 0", "encode_batch": ">= 1", "log_every": ">= 1",
     "nprobe": ">= 0", "ef_search": ">= 0", "index_train": ">= 1",
     "save_every": ">= 1", "halt_at": ">= 0",
+    "index": "a faiss index_factory string", "loss": "one of {softmax, hinge}",
+    "pooling": "one of {cls, mean} or empty", "similarity": "one of {dot, cos} or empty",
+    "pretrain": "one of {costa, seed, cpdae} or empty",
 }
 
 
@@ -520,6 +523,7 @@ def train(c, name=""):
         raise data.DataError(f"{tokenizer_vocab(c)}: {tokenizer.get_vocab_size()} entries but the encoder "
                              f"has vocab_size {encoder.config.vocab_size}")
     c = encoder.config                          # --init brings the checkpoint's model sizes
+    evaluate.new_index(c.index, c.hidden_size)  # an --index these vectors cannot use fails now, not after stage 1
     for flag in ("query_len", "passage_len"):
         if getattr(c, flag) > c.max_position:
             raise ValueError(f"--{flag} {getattr(c, flag)} is more than the {c.max_position} positions of "
@@ -700,6 +704,7 @@ def main(argv):
         return
     train(c)
     if dist.is_available() and dist.is_initialized():
+        dist.barrier()   # every rank is past its last collective before the group is torn down
         dist.destroy_process_group()
 
 
@@ -925,7 +930,8 @@ def make_optimizer(model, c, eps=1e-8):
 # the model, the data or the batches of the saved run, so a resumed run refuses to change it.
 RESUMABLE = ("steps", "epochs", "hard_epochs", "lr", "weight_decay", "warmup", "clip", "bf16", "workers",
              "log_every", "save_every", "encode_batch", "preset", "eval_split", "eval_queries", "eval_qrels",
-             "cache_dir", "prep_workers", "index", "nprobe", "ef_search", "index_train", "vectors_dir")  # where and how, not what
+             "cache_dir", "prep_workers", "index", "nprobe", "ef_search", "index_train", "vectors_dir",
+             "out_dir")  # where and how, not what (out_dir: a run folder moved or copied resumes where it is)
 
 
 def check_resume_flags(c, saved, path):
@@ -1059,4 +1065,6 @@ if __name__ == "__main__":
     try:
         main(sys.argv[1:])
     except ValueError as e:   # a bad flag (ValueError) or a bad input file (data.DataError, one too)
-        sys.exit(f"error: {e}")
+        data.exit_with(f"error: {e}", 1)
+    except KeyboardInterrupt:
+        data.exit_with("interrupted; continue with --resume (each stage from its last checkpoint)", 130)

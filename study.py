@@ -45,7 +45,7 @@ class Config:
     preset: str = ""              # (no preset; the shared parser knows this field)
 
 
-FLAG_RULES = {"pretrain_steps": ">= 1", "samples": ">= 1"}
+FLAG_RULES = {"pretrain_steps": ">= 1", "samples": ">= 1", "arms": "names from {none, mlm, seed, cpdae, costa}"}
 ARMS = {"none": None, "mlm": ("costa", "--gwc_weight 0"), "seed": ("seed", ""), "cpdae": ("cpdae", ""),
         "costa": ("costa", "")}
 REPORTED = ("NDCG@10", "MRR@10", "Recall@100")
@@ -125,8 +125,8 @@ def cpdae_gradient_norms(pretrain_folder, n_batches=4):
     batches), at the start (the init checkpoint, new decoder) and after pre-training (state.pt)."""
     import cpdae
     c = cpdae.Config(**data.read_json(Path(pretrain_folder) / "config.json"))
-    windows, special = cpdae.load_windows(c, 0)
-    batches = cpdae.Batches(c, windows, special, 0, 1)
+    windows = cpdae.load_windows(c, 0)
+    batches = cpdae.Batches(c, windows, windows.special, 0, 1)
     rows = {}
     for when in ("start", "after"):
         torch.manual_seed(c.seed)                                                # the same new decoder as the run's
@@ -234,4 +234,6 @@ if __name__ == "__main__":
     try:
         main(sys.argv[1:])
     except ValueError as e:   # data.DataError is one: bad input, one line
-        sys.exit(f"error: {e}")
+        data.exit_with(f"error: {e}", 1)
+    except KeyboardInterrupt:
+        data.exit_with("interrupted; the same command continues (finished runs are kept in results.jsonl)", 130)

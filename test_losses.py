@@ -817,8 +817,9 @@ def test_seed_uses_the_papers_adam_epsilon():
     c = small_config()
     model = seed.PretrainModel(c, seed.Encoder(c))
     source = __import__("inspect").getsource(seed.train)
-    assert "make_optimizer(model, c, eps=1e-6)" in source                  # SEED 4.1
-    assert seed.make_optimizer(model, c, eps=1e-6)[0].defaults["eps"] == 1e-6
+    assert "make_optimizer(model, c, eps=ADAM_EPS)" in source              # the shared loop takes the hook
+    assert seed.ADAM_EPS == 1e-6 and costa.ADAM_EPS == cpdae.ADAM_EPS == 1e-8   # SEED 4.1; torch's default
+    assert seed.make_optimizer(model, c, eps=seed.ADAM_EPS)[0].defaults["eps"] == 1e-6
 
 
 def test_padding_does_not_change_real_positions():

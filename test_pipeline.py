@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -500,7 +501,8 @@ def test_resume_continues_exactly(tmp_path, small_corpus):
 
 def test_epochs_sets_steps_and_both_are_saved(tmp_path, small_corpus):
     out = tmp_path / "run"
-    run_script([str(HERE / "seed.py"), "--corpus", str(small_corpus), *TINY_ARGS, "--epochs", "1",
+    no_batch_size = [a for i, a in enumerate(TINY_ARGS) if "--batch_size" not in TINY_ARGS[max(i - 1, 0):i + 1]]
+    run_script([str(HERE / "seed.py"), "--corpus", str(small_corpus), *no_batch_size, "--epochs", "1",
                 "--global_batch", "8", "--dec_layers", "1", "--out_dir", str(out)], tmp_path)
     tokenizer = data.load_tokenizer(data.VOCAB)
     n_windows = len(data.make_windows(tokenizer, data.read_pretraining_texts(small_corpus), 64))
@@ -1433,10 +1435,10 @@ def test_flag_errors_from_inside_modules_are_value_errors_and_print_one_line(tmp
             call()
         assert not isinstance(caught.value, data.DataError)     # a flag, not a file
     code, err = run_error([HERE / "costa.py", "--granularities", "word,word", "--out_dir", tmp_path / "o"], tmp_path)
-    assert (code, err) == (1, "error: --granularities must be distinct names from word,phrase,sentence,paragraph, "
+    assert (code, err) == (1, "error: --granularities must be names from {word, phrase, sentence, paragraph}, "
                               "got 'word,word'")
     code, err = run_error([HERE / "finetune.py", "--loss", "ranknet", "--out_dir", tmp_path / "f"], tmp_path)
-    assert (code, err) == (1, "error: --loss must be softmax or hinge, got 'ranknet'")
+    assert (code, err) == (1, "error: --loss must be one of {softmax, hinge}, got 'ranknet'")
 
 
 def test_class7_resume_overwrite_logs_and_flags(tmp_path, small_corpus):
@@ -1545,3 +1547,235 @@ def test_cpdae_gradient_norms_per_term_start_where_training_started(tmp_path, sm
         assert all(math.isfinite(norm) and norm > 0 for _, norm in rows[when].values())
     assert rows["after"]["L_REC"] != start["L_REC"]                        # state.pt was loaded
     assert "| start | lambda L_CL |" in study.format_gradient_norms(rows, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reliability (issue 16): every check before any work; nothing lost on --overwrite, a full disk or
+# Ctrl-C; one line for bad input; progress on long steps
+# ----------------------------------------------------------------------------------------------
+def folder_bytes(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def test_overwrite_that_fails_a_check_leaves_the_old_run_byte_identical(tmp_path, small_corpus):
+    out = tmp_path / "run"
+    common = [HERE / "costa.py", "--corpus", small_corpus, *TINY_ARGS, "--out_dir", out]
+    run_script([str(a) for a in common + ["--steps", "2"]], tmp_path)
+    before = folder_bytes(out)
+    assert {"state.pt", "log.jsonl", "encoder/model.safetensors"} <= set(before)
+    tiny = write(tmp_path / "tiny.jsonl", json.dumps({"text": data.read_pretraining_texts(small_corpus)[0][:300]}) + "\n")
+    n_windows = len(data.make_windows(data.load_tokenizer(), data.read_pretraining_texts(tiny), 64))
+    for extra, message in (
+            (["--corpus", tiny, "--batch_size", str(n_windows + 1)], "fewer than one global batch"),
+            (["--projector", "bogus"], "--projector must be one of {nonlinear, linear, none}, got 'bogus'"),
+            (["--global_batch", "6", "--grad_accum", "4"], "--global_batch 6 is not a multiple of 1 process(es)")):
+        code, err = run_error(common + ["--overwrite", *extra], tmp_path)
+        assert code == 1 and message in err, err
+        assert folder_bytes(out) == before, extra
+
+
+def test_choice_flags_and_batch_arithmetic_fail_before_the_token_cache(tmp_path, small_corpus):
+    corpus = write(tmp_path / "c" / "corpus.jsonl", small_corpus.read_text())
+    for script, extra, message in (
+            ("costa.py", ["--projector", "bogus"], "--projector must be one of {nonlinear, linear, none}, got 'bogus'"),
+            ("costa.py", ["--granularities", "word,clause"],
+             "--granularities must be names from {word, phrase, sentence, paragraph}, got 'word,clause'"),
+            ("cpdae.py", ["--cl_mode", "bogus"], "--cl_mode must be one of {js, cls}, got 'bogus'"),
+            ("seed.py", ["--global_batch", "6", "--grad_accum", "4"], "--global_batch 6 is not a multiple of"),
+            ("seed.py", ["--global_batch", "8", "--batch_size", "16"],
+             "--batch_size 16 disagrees with --global_batch 8 on 1 process(es) x --grad_accum 1 (= 8 per rank)")):
+        code, err = run_error([HERE / script, "--corpus", corpus, "--out_dir", tmp_path / "o", *extra], tmp_path)
+        assert code == 1 and err.startswith("error: ") and message in err, err
+        assert list((tmp_path / "c").iterdir()) == [corpus], script      # no token cache was built
+        assert not (tmp_path / "o").exists()
+    beir = tiny_beir(tmp_path / "beir")
+    (beir / "qrels" / "train.tsv").write_text("q1\td1\t1\nq2\td2\t1\n")
+    code, err = run_error([HERE / "finetune.py", "--init", "", "--dataset", beir, "--index", "bogus", "--rounds", "1",
+                           "--out_dir", tmp_path / "ft"], tmp_path)
+    assert (code, err) == (1, "error: --index must be a faiss index_factory string, got 'bogus'")
+    assert not (tmp_path / "ft").exists()
+    code, err = run_error([HERE / "study.py", "--arms", "none,bogus", "--out_dir", tmp_path / "st"], tmp_path)
+    assert (code, err) == (1, "error: --arms must be names from {none, mlm, seed, cpdae, costa}, got 'none,bogus'")
+
+
+def _tiny_training(tmp_path, small_corpus):
+    import cpdae
+    c = cpdae.Config(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, max_len=64, corpus=str(small_corpus),
+                     out_dir=str(tmp_path / "run"))
+    torch.manual_seed(0)
+    model = cpdae.PretrainModel(c, cpdae.Encoder(c))
+    optimizer, scheduler = cpdae.make_optimizer(model, c)
+    return cpdae, c, model, optimizer, scheduler
+
+
+@pytest.mark.parametrize("fails", ["encoder", "state"])
+def test_a_full_disk_keeps_the_last_checkpoint_whole_and_says_so(tmp_path, small_corpus, monkeypatch, fails):
+    import errno
+    cpdae, c, model, optimizer, scheduler = _tiny_training(tmp_path, small_corpus)
+    out = Path(c.out_dir)
+    cpdae.save_checkpoint(c, model, optimizer, scheduler, 2, True)
+    before = folder_bytes(out)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)                                            # step 4's weights differ from step 2's
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    if fails == "encoder":
+        monkeypatch.setattr(data, "save_tensors", full)
+    else:   # torch.save reports a full disk as "RuntimeError: [enforce fail at inline_container.cc] unexpected pos"
+        monkeypatch.setattr(data.torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("unexpected pos")))
+        monkeypatch.setattr(data.shutil, "disk_usage", lambda folder: shutil_usage(free=0))
+    with pytest.raises(data.DataError) as caught:
+        cpdae.save_checkpoint(c, model, optimizer, scheduler, 4, True, 2)
+    target = out / ("encoder" if fails == "encoder" else "state.pt")
+    assert str(caught.value) == (f"{target}: the disk is full; {out} keeps the checkpoint of step 2; free some space, "
+                                 f"or copy {out} to a bigger disk, and continue with --resume (--out_dir the new place)")
+    assert folder_bytes(out) == before                             # encoder/ and state.pt both still step 2
+
+
+def shutil_usage(free):
+    import collections
+    return collections.namedtuple("usage", "total used free")(1 << 30, (1 << 30) - free, free)
+
+
+def test_a_checkpoint_switch_cut_by_a_kill_is_completed_or_dropped(tmp_path, small_corpus):
+    cpdae, c, model, optimizer, scheduler = _tiny_training(tmp_path, small_corpus)
+    out = Path(c.out_dir)
+    cpdae.save_checkpoint(c, model, optimizer, scheduler, 2, True)
+    step2 = folder_bytes(out)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    real_replace, calls = os.replace, []
+
+    def killed_after_commit(src, dst):    # the kill lands right after state.pt was replaced
+        real_replace(src, dst)
+        calls.append(dst)
+        if Path(dst).name == "state.pt":
+            raise KeyboardInterrupt
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(cpdae.os, "replace", killed_after_commit)
+        with pytest.raises(KeyboardInterrupt):
+            cpdae.save_checkpoint(c, model, optimizer, scheduler, 4, True, 2)
+    assert (out / ".encoder.new").is_dir() and data.load_training_state(out / "state.pt")["step"] == 4
+    cpdae.prepare_run_folder(dataclasses.replace(c, resume=True))   # the next start completes the switch
+    assert not (out / ".encoder.new").exists() and not (out / ".encoder.old").exists()
+    assert (out / "encoder" / "model.safetensors").read_bytes() != step2["encoder/model.safetensors"]
+    # Killed before the commit: the new files are dropped, step 2 stays.
+    (out / ".state.pt.new").write_bytes(b"")
+    (out / ".encoder.new").mkdir()
+    cpdae.prepare_run_folder(dataclasses.replace(c, resume=True))
+    assert not (out / ".encoder.new").exists() and not (out / ".state.pt.new").exists()
+
+
+def test_resume_from_a_run_folder_that_was_moved(tmp_path, small_corpus):
+    import shutil
+    common = [HERE / "costa.py", "--corpus", small_corpus, *TINY_ARGS, "--steps", "4"]
+    run_script([str(a) for a in common + ["--out_dir", tmp_path / "straight"]], tmp_path)
+    run_script([str(a) for a in common + ["--out_dir", tmp_path / "old", "--halt_at", "2"]], tmp_path)
+    shutil.move(tmp_path / "old", tmp_path / "bigger_disk")
+    printed = run_script([str(a) for a in common + ["--out_dir", tmp_path / "bigger_disk", "--resume"]], tmp_path)
+    assert "at step 2" in printed
+    assert [r["mlm"] for r in read_log(tmp_path / "bigger_disk")] == [r["mlm"] for r in read_log(tmp_path / "straight")]
+
+
+def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, small_corpus):
+    import signal
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.Popen([PY, str(HERE / "costa.py"), "--corpus", str(small_corpus), *TINY_ARGS, "--steps", "100000",
+                            "--save_every", "2", "--out_dir", str(out)], cwd=tmp_path, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not (out / "log.jsonl").is_file() or len(read_log(out)) < 3:
+            assert run.poll() is None and time.time() < deadline
+            time.sleep(0.2)
+        run.send_signal(signal.SIGINT)
+        _, err = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    saved = data.load_training_state(out / "state.pt")["step"]
+    assert run.returncode == 130 and "Traceback" not in err
+    match = re.fullmatch(rf"interrupted at step (\d+); last checkpoint at step {saved} in {re.escape(str(out))}; "
+                         rf"continue with --resume", err.strip())
+    assert match and int(match.group(1)) >= 3 and saved >= 2, err
+
+
+def test_bad_files_give_one_line_not_a_traceback(tmp_path):
+    for grade, message in (("inf", "is not an integer"), ("1.7", "is not an integer"), ("x", "is not a number")):
+        path = write(tmp_path / f"q-{grade}.tsv", f"query-id\tcorpus-id\tscore\nq1\td1\t{grade}\n")
+        with pytest.raises(data.DataError, match=re.escape(f"{path}:2: relevance grade {grade!r} {message}")):
+            data.read_qrels(path)
+    assert data.read_qrels(write(tmp_path / "ok.tsv", "q1\td1\t2.0\nq1\td2\t-1\n")) == {"q1": {"d1": 2, "d2": -1}}
+    init = Path(_tiny_init(tmp_path / "init"))
+    for text, message in (("[1, 2]", "expected a JSON object, got list"),
+                          ('{"hidden_size": "32"}', '"hidden_size" must be a positive integer, got \'32\''),
+                          ('{"layer_norm_eps": "x"}', '"layer_norm_eps" must be a number, got \'x\'')):
+        (init / "config.json").write_text(text)
+        code, err = run_error([HERE / "costa.py", "--init", init, "--out_dir", tmp_path / "o"], tmp_path)
+        assert (code, err) == (1, f"error: {init / 'config.json'}: {message}")
+
+
+def test_torchrun_error_is_one_line_from_rank0_and_exit_code_1(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(HERE / "costa.py"), "--corpus", str(tmp_path / "missing.jsonl"),
+                             "--out_dir", str(tmp_path / "o")], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 1
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+    assert lines == [f"error: {tmp_path / 'missing.jsonl'}: file not found"]
+    # The workers print no traceback; the one left is torchrun's own ChildFailedError summary.
+    assert (result.stdout + result.stderr).count("Traceback") <= 1 and 'File "' + str(HERE) not in result.stderr
+
+
+def test_silent_inputs_are_refused_or_named(tmp_path, capsys, monkeypatch):
+    # A path that looks local never goes to the hub.
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(data, "_hub_folder", lambda name: pytest.fail(f"{name} was sent to the hub"))
+    for name in ("runs/nonexistent_model", "./model", "/no/such/folder"):
+        with pytest.raises(data.DataError, match=re.escape(f"{name}: no such model folder")):
+            data.resolve_model(name)
+    # Empty queries are refused with file:line; empty documents are counted once.
+    queries = write(tmp_path / "queries.jsonl", '{"_id": "q1", "text": "apples"}\n{"_id": "q2", "text": "  "}\n')
+    with pytest.raises(data.DataError, match=re.escape(f"{queries}:2: empty query text")):
+        data.read_queries(queries)
+    corpus = write(tmp_path / "corpus.jsonl", '{"_id": "d1", "text": "x"}\n{"_id": "d2", "text": ""}\n'
+                                              '{"_id": "d3", "text": " ", "title": ""}\n')
+    capsys.readouterr()
+    assert len(data.read_corpus(corpus)) == 3
+    assert capsys.readouterr().out == (f"warning: {corpus}: 2 of 3 documents have no text (the first at line 2); "
+                                       f"they stay in the corpus\n")
+    # A corpus folder reads only .txt / .jsonl (.gz) and names what it skips.
+    folder = tmp_path / "pre"
+    write(folder / "a.txt", "first document\n\nsecond document\n")
+    write(folder / "notes.csv", "id,text\n1,not a document\n")
+    assert data.read_pretraining_texts(folder) == ["first document", "second document"]
+    assert capsys.readouterr().out == (f"{folder}: skipping notes.csv (a corpus folder reads only .txt, .jsonl, "
+                                       f".txt.gz, .jsonl.gz files)\n")
+    # A corpus error leaves no empty token cache folder behind.
+    empty = write(tmp_path / "empty" / "blank.txt", "\n\n\n")
+    with pytest.raises(data.DataError, match="empty corpus"):
+        data.token_windows(empty, data.VOCAB, 64, verbose=False)
+    assert [p.name for p in (tmp_path / "empty").iterdir()] == ["blank.txt"]
+
+
+def test_long_steps_print_progress_with_rate_and_eta(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(data, "PROGRESS_EVERY_S", 0.0)
+    texts = data.read_pretraining_texts(data.WIKI)[:20]
+    corpus = write(tmp_path / "wiki.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in texts))
+    data.build_token_cache(corpus, data.VOCAB, tmp_path / "cache", workers=1, chunk_chars=20_000)
+    index = evaluate.BM25(texts)
+    index.search(["the first query", "another one"], 3)
+    encoder = finetune.Encoder(finetune.Config(**TINY))
+    evaluate.encode(encoder, "cls", data.load_tokenizer(), texts, 32, 4, torch.device("cpu"))
+    evaluate.search(np.ones((3, 32), np.float32), np.ones((20, 32), np.float32), 2, batch=1)
+    printed = capsys.readouterr().out
+    number, time_ = r"[\d,]+", r"\d+m\d\ds"
+    for what, unit in (("tokenizing " + re.escape(str(corpus)) + ":", "chars"), ("BM25 indexing:", "documents"),
+                       ("BM25 search:", "queries"), ("encoding:", "texts"), ("searching:", "queries")):
+        assert re.search(rf"^{what} {number}/{number} {unit} \| {number} {unit}/s \| elapsed {time_} \| eta {time_}$",
+                         printed, re.M), (what, printed)
