@@ -920,12 +920,26 @@ class Embeddings(nn.Module):
         return dropout(self.norm(x), self.dropout, self.training)
 
 
+def attention(q, k, v, attend, p):
+    """softmax(q k^T / sqrt(d)) v per head, with dropout p on the probabilities (BERT's attention
+    dropout). q, k, v (B, heads, L, d); attend (B, 1, 1, L) or (L, L), True = key visible.
+    scaled_dot_product_attention (fused kernels) on GPU, and on CPU without gradients (encoding).
+    Training on CPU writes the equation out: 2x faster there than SDPA, whose CPU kernel has no
+    dropout (it falls back to its math path and torch's slow dropout) and a slow backward
+    (benchmark.py --micro)."""
+    if q.device.type != "cpu" or not torch.is_grad_enabled():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=p)
+    hide = torch.zeros(attend.shape).masked_fill(~attend, torch.finfo(torch.float32).min)  # like attend
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2) + hide              # (B, heads, L, L) fp32
+    probs = scores.softmax(-1).to(v.dtype)                                       # (B, heads, L, L)
+    if p == 0:
+        return probs @ v                                                         # (B, heads, L, d)
+    # dropout on the probabilities; its 1 / (1 - p) is applied to the 4x smaller output
+    return (probs.masked_fill(drop_mask(probs.shape, p), 0.0) @ v) * (1 / (1 - p))   # (B, heads, L, d)
+
+
 class SelfAttention(nn.Module):
-    """Multi-head self-attention: softmax(q k^T / sqrt(d)) v per head, with BERT's dropout on the
-    attention probabilities. scaled_dot_product_attention (fused kernels) on GPU, and on CPU without
-    gradients (encoding). Training on CPU writes the equation out: 2x faster there than SDPA, whose
-    CPU kernel has no dropout (it falls back to its math path and torch's slow dropout) and a slow
-    backward (benchmark.py --micro)."""
+    """Multi-head self-attention, BERT's: projections, attention() per head, output projection."""
 
     def __init__(self, c):
         super().__init__()
@@ -939,17 +953,7 @@ class SelfAttention(nn.Module):
         B, L, H = x.shape
         split = lambda t: t.view(B, L, self.heads, H // self.heads).transpose(1, 2)  # (B, heads, L, H/heads)
         q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
-        p = self.dropout if self.training else 0.0
-        if x.device.type == "cpu" and torch.is_grad_enabled():
-            hide = torch.zeros(attend.shape).masked_fill(~attend, torch.finfo(torch.float32).min)  # like attend
-            scores = (q * (H // self.heads) ** -0.5) @ k.transpose(-1, -2) + hide    # (B, heads, L, L) fp32
-            probs = scores.softmax(-1).to(v.dtype)                                   # (B, heads, L, L)
-            if p == 0:
-                y = probs @ v                                                        # (B, heads, L, H/heads)
-            else:       # dropout on the probabilities, its 1 / (1 - p) applied to the 4x smaller output
-                y = (probs.masked_fill(drop_mask(probs.shape, p), 0.0) @ v) * (1 / (1 - p))
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=p)
+        y = attention(q, k, v, attend, self.dropout if self.training else 0.0)      # (B, heads, L, H/heads)
         return self.out(y.transpose(1, 2).reshape(B, L, H))                      # (B, L, H)
 
 
