@@ -1,10 +1,19 @@
-"""Throughput and peak memory of each pre-training method, and of transformers' BertForMaskedLM.
+"""Speed and memory: each training step against this machine's matmul rate, the goals, and the
+throughput and peak memory of each method and of transformers' BertForMaskedLM.
 
-Every variant trains on the same real batches (the bundled Wikipedia slice, the method's own
-masking), with the same model size and batch, for --steps optimizer steps after --warmup untimed
-ones, in a fresh process of its own so that peak memory is its own:
+The default run prints, in one run (so that whatever else the machine does slows every row alike):
+this machine's bf16 and fp32 matmul rate at the models' shapes; each training step (the encoder alone
+at MiniLM's size, every method at the CPU default size and at MiniLM's, a finetune.py step), timed
+round-robin in one process, with its FLOPs (counted from the matmul shapes by torch's FlopCounterMode,
+forward + backward; the encoder's also analytically: 6 x non-embedding weights x tokens + attention)
+and the share of the matmul rate it reaches; the goals table (measure | goal | today); then the
+per-variant table: every variant trains on the same real batches (the bundled Wikipedia slice, the
+method's own masking), with the same model size and batch, for --steps optimizer steps after
+--warmup untimed ones, in a fresh process of its own so that peak memory is its own:
 
-    python benchmark.py                                   # all variants, the CPU default config
+    python benchmark.py                                   # speed table, goals, then all variants
+    python benchmark.py --st                              # ... plus finetune.py against sentence-transformers
+    python benchmark.py --micro                           # dropout and attention: ours against torch's
     python benchmark.py --variants costa-mlm,hf-bert-mlm --steps 20
     python benchmark.py --set batch_size=64 --set max_len=256
     python benchmark.py --js                              # CPDAE's contrastive loss: chunked vs naive memory
@@ -27,6 +36,7 @@ documents; real vectors with --vectors, else synthetic), then synthetic sets of 
 as the square root of the corpus (a power of two), as usual.
 """
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -91,7 +101,7 @@ def run_one(variant, overrides, steps, warmup):
         forward = lambda batch: model(batch)[0]
     model.to(device).train()
     optimizer, _ = module.make_optimizer(model, c)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    autocast = module.autocast_bf16(device)          # as training runs: bf16 on GPUs and bf16-capable CPUs
     tokens, t0 = 0, None
     for i, batch in enumerate(batches):
         if i == warmup:
@@ -428,6 +438,299 @@ def vectors_rss_table(n):
         print(f"| {name} | {search} | {r['start']:,.0f} | {r['encoded']:,.0f} | {r['searched']:,.0f} |", flush=True)
 
 
+# ----------------------------------------------------------------------------------------------
+# Speed (the default run): each training step's FLOP/s as a share of this machine's matmul rate,
+# the method ratios, fine-tuning against sentence-transformers (--st), and the goals
+# ----------------------------------------------------------------------------------------------
+MINILM = {"hidden_size": 384, "num_layers": 6, "num_heads": 12, "ffn_size": 1536}   # all-MiniLM-L6-v2's sizes
+GOALS = {"encoder": 0.40, "st_speed": 1.5, "method_vs_flops": 1.1, "st_rss": 0.5}      # issue 17
+
+
+def cpu_bf16():
+    """Whether training autocasts to bf16 on this CPU (the rule of the method files' autocast_bf16)."""
+    return any(getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile"))
+
+
+def matmul_rate(m, k, n, dtype, reps=15):
+    """GFLOP/s of one (m, k) @ (k, n) matmul in dtype on this process's threads: the median of reps."""
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    a @ b
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * m * k * n / np.median(times) / 1e9
+
+
+def encoder_flops(c, batch, length, masked=0):
+    """Analytic FLOPs of one forward + backward of the encoder: 6 x non-embedding weights x tokens (2 for
+    the forward's multiply-adds, 4 for the backward's two gradients), the attention's two (L x L) matmuls
+    per layer (12 x layers x B x L^2 x H), and the MLM head on `masked` positions (dense + vocabulary)."""
+    tokens = batch * length
+    per_layer = 4 * c.hidden_size ** 2 + 2 * c.hidden_size * c.ffn_size           # q, k, v, out; ffn in and out
+    flops = 6 * c.num_layers * per_layer * tokens + 12 * c.num_layers * batch * length ** 2 * c.hidden_size
+    return flops + 6 * masked * (c.hidden_size ** 2 + c.hidden_size * c.vocab_size)
+
+
+def counted_flops(fn):
+    """Matmul FLOPs of fn() as run (forward + backward), counted from the shapes by torch's FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def pretrain_step(module, c, batches):
+    """A closure running one full pre-training step (forward, backward, AdamW) on the next batch."""
+    model = module.PretrainModel(c, module.Encoder(c)).train()
+    optimizer, _ = module.make_optimizer(model, c)
+    autocast, it = module.autocast_bf16(torch.device("cpu"), c.bf16), iter(batches * 1000)
+
+    def step(optimize=True):
+        with autocast:
+            loss = model(next(it))[0]
+        loss.backward()
+        if optimize:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def finetune_batches(n_batches, bm25=False):
+    """finetune.py's own batches (TrainBatches) from SciFact's training queries: 32 queries x (positive + 1
+    negative), 64 / 128 tokens. Negatives from BM25 (as finetune.py's stage 1) with bm25, else random
+    documents (the step's cost depends on the lengths only)."""
+    import finetune
+    c = finetune.Config(steps=n_batches)
+    corpus, queries, qrels = data.load_beir(str(data.SCIFACT), "train")
+    doc_ids = list(corpus)
+    doc_index = {d: i for i, d in enumerate(doc_ids)}
+    doc_texts = [evaluate.passage_text(corpus[d]) for d in doc_ids]
+    examples = finetune.make_examples(queries, qrels, doc_index)
+    if bm25:
+        with tempfile.TemporaryDirectory() as tmp:
+            examples = finetune.bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index,
+                                                    Path(tmp) / "neg.tsv", torch.device("cpu"), False)
+    dataset = finetune.TrainBatches(c, examples, doc_texts, data.load_tokenizer(), 0, 1)
+    return [dataset[i] for i in range(n_batches)], doc_texts, [ex.query for ex in examples], c
+
+
+def finetune_step(batches, init=""):
+    """One finetune.py step as train_stage runs it: BiEncoder forward (autocast), backward, clipping, AdamW."""
+    import finetune
+    c = finetune.retriever_settings(finetune.Config(init=init)) if init else \
+        finetune.Config(pooling="mean", similarity="cos", **MINILM)
+    encoder = evaluate.load_encoder(init, c) if init else finetune.Encoder(c)
+    encoder.mlm_head, c = None, encoder.config
+    model = finetune.BiEncoder(encoder, c).train()
+    optimizer, _ = finetune.make_optimizer(model, dataclasses.replace(c, steps=10 ** 6))
+    autocast, it = finetune.autocast_bf16(torch.device("cpu"), c.bf16), iter(batches * 1000)
+
+    def step(optimize=True):
+        with autocast:
+            loss, _ = model(next(it))
+        loss.backward()
+        if optimize:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def speed_variants(quick=False):
+    """(name, size, step closure, analytic FLOPs or None) for every row of the speed table."""
+    import torch.nn.functional as F
+    import costa
+    rows = []
+    big = costa.Config(**MINILM)
+    encoder = costa.Encoder(big).train()
+    ids, mask = torch.randint(1000, 30000, (32, 128)), torch.ones(32, 128, dtype=torch.long)
+
+    def encoder_step(optimize=True):
+        with costa.autocast_bf16(torch.device("cpu")):
+            hidden = encoder(ids, mask)                                          # (32, 128, 384)
+        hidden.float().square().mean().backward()
+        encoder.zero_grad(set_to_none=True)
+    rows.append(("encoder fwd+bwd", "6x384", encoder_step, encoder_flops(big, 32, 128)))
+
+    def before_step(optimize=True):   # the same step with torch's dropout and SDPA: the encoder before issue 17
+        ours = costa.dropout, costa.attention
+        costa.dropout = F.dropout
+        costa.attention = lambda q, k, v, attend, p: F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=p)
+        try:
+            encoder_step()
+        finally:
+            costa.dropout, costa.attention = ours
+    rows.append(("encoder fwd+bwd, torch's dropout + SDPA (before)", "6x384", before_step, encoder_flops(big, 32, 128)))
+    sizes = [("4x256", {})] + ([] if quick else [("6x384", MINILM)])
+    for size, fields in sizes:
+        for variant in ("costa-mlm", "costa", "cpdae", "seed"):
+            module_name, fixed = VARIANTS[variant]
+            module = importlib.import_module(module_name)
+            c = module.Config(**{**fixed, **fields})
+            c.steps = 10 ** 6
+            rows.append((variant, size, pretrain_step(module, c, load_batches(module, c, 4)), None))
+    ft_batches, *_ = finetune_batches(4)
+    rows.append(("finetune", "6x384", finetune_step(ft_batches), None))
+    return rows
+
+
+def speed_table(reps, quick=False):
+    """Step times measured round-robin in this one process (median of reps), so that whatever else the
+    machine does slows every row alike; FLOPs counted per step; shares of the bf16 matmul rate."""
+    torch.manual_seed(0)
+    bf16 = cpu_bf16()
+    rate = {size: (matmul_rate(4096, h, f, torch.bfloat16), matmul_rate(4096, h, f, torch.float32))
+            for size, h, f in (("4x256", 256, 1024), ("6x384", 384, 1536))}
+    print(f"matmul rate, (4096 x H) @ (H x 4H), {torch.get_num_threads()} threads: " + "; ".join(
+        f"{size}: bf16 {b:,.0f} GFLOP/s, fp32 {f:,.0f} GFLOP/s" for size, (b, f) in rate.items()) +
+        f" (training autocasts to {'bf16' if bf16 else 'nothing: fp32'})", flush=True)
+    rows = speed_variants(quick)
+    flops, times = [], [[] for _ in rows]
+    for name, size, step, analytic in rows:
+        step()
+        flops.append(counted_flops(lambda: step(optimize=False)))
+        step()
+    for _ in range(reps):
+        for i, (_, _, step, _) in enumerate(rows):
+            t0 = time.perf_counter()
+            step()
+            times[i].append(time.perf_counter() - t0)
+    out = []
+    print(f"\n| step (batch 32 x 128) | size | ms/step | GFLOP/step | GFLOP/s | share of the {'bf16' if bf16 else 'fp32'} "
+          f"matmul rate |\n|---|---|---|---|---|---|")
+    for (name, size, _, analytic), f, t in zip(rows, flops, times):
+        ms = 1000 * float(np.median(t))
+        achieved = f / (ms / 1000) / 1e9
+        share = achieved / rate[size][0 if bf16 else 1]
+        check = f" (analytic {analytic / 1e9:.1f})" if analytic else ""
+        print(f"| {name} | {size} | {ms:,.0f} | {f / 1e9:.1f}{check} | {achieved:,.0f} | {share:.0%} |", flush=True)
+        out.append({"name": name, "size": size, "ms": ms, "flops": f, "share": share})
+    return out
+
+
+def st_one(which, n_steps, warmup):
+    """One side of the sentence-transformers comparison, in this (fresh) process: all-MiniLM-L6-v2,
+    lr 1e-4, batch 32, one BM25 negative, 128 tokens, bf16 autocast, the same batches (finetune.py's).
+    Returns median step seconds and the process's peak RSS."""
+    batches, doc_texts, _, c = finetune_batches(n_steps + warmup, bm25=True)
+    init = str(data.resolve_model("minilm"))
+    torch.manual_seed(0)
+    if which == "ours":
+        step = finetune_step(batches, init)
+    else:
+        from sentence_transformers import SentenceTransformer, losses
+        model = SentenceTransformer(init, device="cpu")
+        model.max_seq_length = c.passage_len
+        loss_fn = losses.MultipleNegativesRankingLoss(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=c.lr, weight_decay=c.weight_decay)
+        tokenizer = data.load_tokenizer()
+        queries = lambda ids: [tokenizer.decode(row.tolist()) for row in ids]     # the batch's queries, back
+        passages = lambda docs: [doc_texts[d] for d in docs.tolist()]
+        texts = [(queries(b["q_ids"]), passages(b["p_doc"][0::2]), passages(b["p_doc"][1::2])) for b in batches]
+        it = iter(texts)
+        model.train()
+
+        def step(optimize=True):
+            q, pos, neg = next(it)
+            features = [model.tokenize(x) for x in (q, pos, neg)]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_fn(features, None)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    times = []
+    for i in range(n_steps + warmup):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return {"which": which, "step_s": float(np.median(times[warmup:])),
+            "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def st_table(n_steps, warmup, pairs):
+    """Ours and sentence-transformers, each in a fresh process (peak RSS is a high-water mark), alternated
+    `pairs` times; medians."""
+    rows = {"ours": [], "st": []}
+    for _ in range(pairs):
+        for which in rows:
+            cmd = [sys.executable, __file__, "--st-one", f"{which}:{n_steps}:{warmup}"]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode:
+                sys.exit(f"error: {which}: {(result.stderr.strip().splitlines() or ['?'])[-1]}")
+            rows[which].append(json.loads(result.stdout.strip().splitlines()[-1]))
+    med = {w: {k: float(np.median([r[k] for r in rs])) for k in ("step_s", "peak_mib")} for w, rs in rows.items()}
+    print(f"\nfine-tuning step, same recipe and batches (all-MiniLM-L6-v2, lr 1e-4, batch 32 + 1 BM25 negative, "
+          f"64/128 tokens, bf16; median of {n_steps} steps after {warmup}, {pairs} process pairs)")
+    print("| | s/step | peak RSS MiB |\n|---|---|---|")
+    for w, name in (("ours", "finetune.py"), ("st", "sentence-transformers (MultipleNegativesRankingLoss)")):
+        print(f"| {name} | {med[w]['step_s']:.2f} | {med[w]['peak_mib']:,.0f} |")
+    return med
+
+
+def goals_table(speed, st):
+    """measure | goal | today, from this run's numbers."""
+    by = {(r["name"], r["size"]): r for r in speed}
+    lines = ["\n| measure | goal | today |", "|---|---|---|"]
+    enc, before = by[("encoder fwd+bwd", "6x384")], by[("encoder fwd+bwd, torch's dropout + SDPA (before)", "6x384")]
+    lines.append(f"| encoder fwd+bwd, 6x384, batch 32 x 128: share of the bf16 matmul rate | >= {GOALS['encoder']:.0%} "
+                 f"| {enc['share']:.0%} ({before['ms'] / enc['ms']:.2f}x as fast as with torch's dropout and SDPA) |")
+    for size in ("4x256", "6x384"):
+        base = by.get(("costa-mlm", size))
+        for method in ("cpdae", "seed"):
+            r = by.get((method, size))
+            if base and r:
+                time_ratio, flop_ratio = r["ms"] / base["ms"], r["flops"] / base["flops"]
+                lines.append(f"| {method} step time / MLM-only's, {size}, over their FLOP ratio ({time_ratio:.2f}x / "
+                             f"{flop_ratio:.2f}x) | <= {GOALS['method_vs_flops']} | {time_ratio / flop_ratio:.2f} |")
+    if st:
+        lines.append(f"| finetune.py step vs sentence-transformers', same recipe: speed | >= {GOALS['st_speed']}x | "
+                     f"{st['st']['step_s'] / st['ours']['step_s']:.2f}x |")
+        lines.append(f"| finetune.py peak RSS / sentence-transformers' | <= {GOALS['st_rss']}x | "
+                     f"{st['ours']['peak_mib'] / st['st']['peak_mib']:.2f}x |")
+    else:
+        lines.append(f"| finetune.py vs sentence-transformers: speed, peak RSS | >= {GOALS['st_speed']}x, "
+                     f"<= {GOALS['st_rss']}x | not run (add --st) |")
+    lines.append(f"| finetune.py vs sentence-transformers: nDCG@10, 3 seeds each | at least equal | not measured here |")
+    print("\n".join(lines))
+
+
+def micro_table(reps=7):
+    """The two changes to the encoder, each against what it replaced, on a MiniLM-size attention map
+    (32 x 12 heads x 128 x 128) under bf16 autocast, forward + backward, round-robin in this process."""
+    import torch.nn.functional as F
+    import costa
+    torch.manual_seed(0)
+    p, (B, heads, L, d) = 0.1, (32, 12, 128, 32)
+    dtype = torch.bfloat16 if cpu_bf16() else torch.float32      # what the linear layers hand over
+    q, k, v = (torch.randn(B, heads, L, d).to(dtype).requires_grad_() for _ in range(3))
+    x = torch.randn(32, 128, 384).to(dtype).requires_grad_()
+    attend = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    cases = {"mask only (32, 12, 128, 128): torch's bernoulli_":
+                 lambda: torch.empty(B, heads, L, L, dtype=dtype).bernoulli_(1 - p),
+             "mask only (32, 12, 128, 128): costa.drop_mask": lambda: costa.drop_mask((B, heads, L, L), p),
+             "dropout (32, 128, 384): F.dropout (bernoulli_)": lambda: F.dropout(x, p, True),
+             "dropout (32, 128, 384): costa.dropout (PCG64 mask)": lambda: costa.dropout(x, p, True),
+             "attention (32, 12, 128, 32), dropout 0.1: F.scaled_dot_product_attention":
+                 lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=p),
+             "attention (32, 12, 128, 32), dropout 0.1: costa.attention": lambda: costa.attention(q, k, v, attend, p)}
+    times = {name: [] for name in cases}
+    for i in range(reps + 1):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_bf16()):
+                y = fn()
+            if y.requires_grad:
+                y.float().sum().backward()
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    print("| forward + backward (masks: drawing only) | ms |\n|---|---|")
+    for name, t in times.items():
+        print(f"| {name} | {1000 * np.median(t):.1f} |")
+
+
 def parse_value(text):
     try:
         return json.loads(text)
@@ -459,6 +762,14 @@ def main():
     parser.add_argument("--vectors_rss", type=int, default=0, metavar="N", help="peak RSS of encode + search of N vectors")
     parser.add_argument("--rss-one", help=argparse.SUPPRESS)
     parser.add_argument("--one", help=argparse.SUPPRESS)          # internal: run one variant, print JSON
+    parser.add_argument("--reps", type=int, default=5, help="speed table: timed round-robin passes")
+    parser.add_argument("--quick", action="store_true", help="speed table: the methods at 4x256 only, not 6x384")
+    parser.add_argument("--st", action="store_true",
+                        help="also finetune.py against sentence-transformers (needs sentence-transformers)")
+    parser.add_argument("--st_steps", type=int, default=8, help="--st: timed steps per process")
+    parser.add_argument("--st_pairs", type=int, default=2, help="--st: process pairs, alternated")
+    parser.add_argument("--micro", action="store_true", help="dropout and attention: ours against torch's")
+    parser.add_argument("--st-one", help=argparse.SUPPRESS)
     parser.add_argument("--js-one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     overrides = {k: parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}
@@ -490,6 +801,18 @@ def main():
     if args.one:
         print(json.dumps(run_one(args.one, overrides, args.steps, args.warmup)))
         return
+    if args.st_one:
+        which, n_steps, warmup = args.st_one.split(":")
+        print(json.dumps(st_one(which, int(n_steps), int(warmup))))
+        return
+    if args.micro:
+        micro_table()
+        return
+    t0 = time.perf_counter()
+    speed = speed_table(args.reps, args.quick)
+    st = st_table(args.st_steps, 2, args.st_pairs) if args.st else None
+    goals_table(speed, st)
+    print(f"({time.perf_counter() - t0:.0f} s)\n", flush=True)
     print(f"{'variant':<14}{'tokens/s':>10}{'peak MiB':>10}  setup")
     for variant in args.variants.split(","):
         if variant not in VARIANTS:

@@ -891,6 +891,27 @@ def main(c):
 # file that has them (a test checks); read them once in costa.py
 # ==============================================================================================
 # --- shared: begin encoder ---
+def drop_mask(shape, p):
+    """A boolean mask, each element True (dropped) with probability p, for dropout on CPU. It comes from
+    numpy's PCG64, seeded from torch's generator (so torch.manual_seed still fixes every mask), one
+    uniform 32-bit integer per element: P(True) = round(p * 2^32) / 2^32. 4x faster than torch's
+    bernoulli_, which was a third of the training step (benchmark.py --micro)."""
+    n = int(np.prod(shape))
+    bits = np.random.PCG64(int(torch.randint(2**62, ()))).random_raw((n + 1) // 2)   # uint64: 2 draws each
+    draws = torch.from_numpy(bits.view(np.int32)[:n]).view(shape)                   # uniform int32
+    return draws < round(p * 2**32) - 2**31
+
+
+def dropout(x, p, training):
+    """BERT's dropout: each element zeroed with probability p, the others scaled by 1 / (1 - p);
+    drop_mask on CPU, F.dropout on GPU."""
+    if not training or p == 0.0:
+        return x
+    if x.device.type != "cpu":
+        return F.dropout(x, p, True)
+    return x.masked_fill(drop_mask(x.shape, p), 0.0) * (1 / (1 - p))
+
+
 class Embeddings(nn.Module):
     """Token + learned absolute position + token-type embeddings, then LayerNorm and dropout."""
 
@@ -900,16 +921,34 @@ class Embeddings(nn.Module):
         self.position = nn.Embedding(c.max_position, c.hidden_size)
         self.token_type = nn.Embedding(c.type_vocab_size, c.hidden_size)
         self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.dropout = nn.Dropout(c.dropout)
+        self.dropout = c.dropout
 
     def forward(self, input_ids):                                               # (B, L)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
         x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]  # (B, L, H)
-        return self.dropout(self.norm(x))
+        return dropout(self.norm(x), self.dropout, self.training)
+
+
+def attention(q, k, v, attend, p):
+    """softmax(q k^T / sqrt(d)) v per head, with dropout p on the probabilities (BERT's attention
+    dropout). q, k, v (B, heads, L, d); attend (B, 1, 1, L) or (L, L), True = key visible.
+    scaled_dot_product_attention (fused kernels) on GPU, and on CPU without gradients (encoding).
+    Training on CPU writes the equation out: 2x faster there than SDPA, whose CPU kernel has no
+    dropout (it falls back to its math path and torch's slow dropout) and a slow backward
+    (benchmark.py --micro)."""
+    if q.device.type != "cpu" or not torch.is_grad_enabled():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=p)
+    hide = torch.zeros(attend.shape).masked_fill(~attend, torch.finfo(torch.float32).min)  # like attend
+    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2) + hide              # (B, heads, L, L) fp32
+    probs = scores.softmax(-1).to(v.dtype)                                       # (B, heads, L, L)
+    if p == 0:
+        return probs @ v                                                         # (B, heads, L, d)
+    # dropout on the probabilities; its 1 / (1 - p) is applied to the 4x smaller output
+    return (probs.masked_fill(drop_mask(probs.shape, p), 0.0) @ v) * (1 / (1 - p))   # (B, heads, L, d)
 
 
 class SelfAttention(nn.Module):
-    """Multi-head self-attention through scaled_dot_product_attention (fused kernels on GPU)."""
+    """Multi-head self-attention, BERT's: projections, attention() per head, output projection."""
 
     def __init__(self, c):
         super().__init__()
@@ -923,8 +962,7 @@ class SelfAttention(nn.Module):
         B, L, H = x.shape
         split = lambda t: t.view(B, L, self.heads, H // self.heads).transpose(1, 2)  # (B, heads, L, H/heads)
         q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = attention(q, k, v, attend, self.dropout if self.training else 0.0)      # (B, heads, L, H/heads)
         return self.out(y.transpose(1, 2).reshape(B, L, H))                      # (B, L, H)
 
 
@@ -938,11 +976,12 @@ class Block(nn.Module):
         self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
         self.ffn_out = nn.Linear(c.ffn_size, c.hidden_size)
         self.ffn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.dropout = nn.Dropout(c.dropout)
+        self.dropout = c.dropout
 
     def forward(self, x, attend):                                                    # (B, L, H)
-        x = self.attn_norm(x + self.dropout(self.attn(x, attend)))
-        return self.ffn_norm(x + self.dropout(self.ffn_out(F.gelu(self.ffn_in(x)))))  # (B, L, H)
+        x = self.attn_norm(x + dropout(self.attn(x, attend), self.dropout, self.training))
+        ffn = self.ffn_out(F.gelu(self.ffn_in(x)))                                   # (B, L, H)
+        return self.ffn_norm(x + dropout(ffn, self.dropout, self.training))          # (B, L, H)
 
 
 class MLMHead(nn.Module):
