@@ -57,6 +57,7 @@ class Config:
     dropout: float = 0.1          # hidden and attention dropout
     layer_norm_eps: float = 1e-12  # BERT's LayerNorm epsilon
     init: str = ""                # start from: a BERT folder, a hub id, or "minilm" (offline package); "" = random
+    bottleneck: str = "cls"       # the text vector trained: "cls" (the papers') or "mean" (masked mean, MiniLM's pooling)
     # --- optimisation
     steps: int = 300              # optimizer steps (paper: 6 epochs of Wikipedia, 4.5.1)
     epochs: float = 0.0           # > 0: passes over the windows; sets steps from windows and global batch
@@ -67,6 +68,8 @@ class Config:
     weight_decay: float = 0.01    # AdamW weight decay (not on biases and LayerNorm)
     warmup: float = 0.1           # fraction of steps of linear warm-up, then linear decay to 0 (paper: 10%)
     clip: float = 1.0             # max gradient norm
+    head_warmup: int = 0          # first steps (of --steps) train only the heads new to the checkpoint, encoder frozen
+    head_lr: float = 1.0          # lr multiplier of those new heads (1 = one lr for all, the papers')
     mask_prob: float = 0.15       # MLM: fraction of tokens chosen
     seed: int = 0                 # model init, data order and masks
     bf16: bool = True             # bf16 autocast on GPU and on CPUs with native bf16 (AVX512-BF16, AMX)
@@ -90,6 +93,7 @@ class Config:
     span_beta: float = 2.0        # see span_alpha
     span_resample: bool = False   # fresh spans at every step (ours); default: Algorithm 1's, once per window, seeded
     projector: str = "nonlinear"  # text vector head (eq. 5): nonlinear = Tanh(Linear), linear, none (Table 6)
+    gwc_sim: str = "dot"          # sim of eq. 8: "dot" (the paper's) or "cos" (cosine, bounded logits: +-1 / tau)
 
 
 # --preset paper: section 4.5.1 "Model Pre-training". From BERT's checkpoint (--init bert-base-uncased),
@@ -111,6 +115,7 @@ FLAG_RULES = {
     "save_every": ">= 1", "halt_at": ">= 0", "prep_workers": ">= 0",
     "gwc_weight": ">= 0", "tau": "> 0", "span_T": ">= 1", "span_alpha": "> 0", "span_beta": "> 0",
     "projector": "one of {nonlinear, linear, none}", "granularities": "names from {word, phrase, sentence, paragraph}",
+    "head_warmup": ">= 0", "head_lr": "> 0", "bottleneck": "one of {cls, mean}", "gwc_sim": "one of {dot, cos}",
 }
 
 
@@ -118,6 +123,23 @@ FLAG_RULES = {
 # Model
 # ==============================================================================================
 # (The BERT encoder itself, Encoder, is a shared block at the end of this file.)
+
+
+# --- shared: begin text vector ---
+BOTTLENECKS = ("cls", "mean")   # --bottleneck: which vector of the encoder a method trains as the text's
+
+
+def text_vector(hidden, attention_mask, bottleneck="cls"):
+    """The text's vector, the one a method trains (and retrieval should read): "cls" = the last layer's
+    [CLS] state, the papers'; "mean" = the mean of the output tokens over the attention mask ([CLS],
+    [SEP] and [MASK] included, padding not), the pooling all-MiniLM-L6-v2 was trained with and
+    finetune.py reads for it. Departure ("mean"): the papers bottleneck through [CLS].
+    hidden (B, L, H), attention_mask (B, L) 1 = token -> (B, H)."""
+    if bottleneck == "cls":
+        return hidden[:, 0]                                                      # (B, H)
+    weights = attention_mask.to(hidden.dtype)[..., None]                         # (B, L, 1)
+    return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)     # (B, H)
+# --- shared: end text vector ---
 
 
 PROJECTORS = ("nonlinear", "linear", "none")
@@ -174,8 +196,21 @@ def mlm_loss(hidden, labels, head):
     return F.cross_entropy(logits, targets), n_correct, targets.numel()
 # --- shared: end mlm loss ---
 
+# --- shared: begin chance ---
+def most_frequent_accuracy(targets, token=None):
+    """The trivial baseline of a token prediction (logged as X_chance beside X_acc): the accuracy of
+    always predicting `token`, the corpus' most frequent token (data.most_frequent_token), i.e. the
+    fraction of the targets equal to it. token None: this batch's most frequent target instead (a
+    slightly higher bar). targets (N,) or (B, L), -100 = no target -> () fp32."""
+    targets = targets[targets != -100]                                           # (N,)
+    if targets.numel() == 0:
+        return torch.zeros((), device=targets.device)
+    if token is None:
+        return targets.bincount().max().float() / targets.numel()
+    return (targets == token).float().mean()
+# --- shared: end chance ---
 
-def gwc_loss(text_vecs, span_vecs, tau, n_anchors=None):
+def gwc_loss(text_vecs, span_vecs, tau, n_anchors=None, sim="dot"):
     """Group-wise contrastive loss (eq. 8), the function training runs (gwc_loss_distributed feeds it
     the vectors of every rank, this rank's first):
 
@@ -185,18 +220,22 @@ def gwc_loss(text_vecs, span_vecs, tau, n_anchors=None):
     S(i): the 4T spans of text i; j runs over the batch's N text vectors and N*4T span vectors.
     text_vecs (N, H) the z_i; span_vecs (N, S, H). Anchors: texts 0 .. n_anchors-1 (default all N).
     For anchor i the S spans of text i are positives; the denominator runs over all N (S + 1) vectors
-    except z_i itself (other texts, every span, its own spans). sim = dot product.
+    except z_i itself (other texts, every span, its own spans). sim = dot product (eq. 8); sim="cos":
+    cosine, an option: the dot product of unnormalised vectors makes logits of any size (89 nats at step
+    10 from MiniLM, against MLM's 10); cosine bounds them by 1/tau.
     Departure (costa-gwc-mean): the mean over the S positives, as eq. 8, then over the anchors where
     eq. 8 sums over texts, so that lambda does not scale with the batch size.
     Logits in fp32 with autocast off (under autocast a matmul runs in bf16 even on fp32 inputs).
     Returns (loss, accuracy: fraction of anchors whose best candidate, itself excluded, is one of its
-    own spans).
+    own spans; a random guess among the N(S+1) - 1 candidates scores S / (N(S+1) - 1), gwc_chance).
     """
     N, S = span_vecs.shape[:2]
     n = N if n_anchors is None else n_anchors
     dtype = torch.promote_types(text_vecs.dtype, torch.float32)                # fp32 (fp64 stays, for tests)
     with torch.autocast(text_vecs.device.type, enabled=False):
         candidates = torch.cat([text_vecs, span_vecs.reshape(N * S, -1)]).to(dtype)  # (N(S+1), H) all z_j
+        if sim == "cos":
+            candidates = F.normalize(candidates, dim=-1)
         logits = candidates[:n] @ candidates.T / tau                             # (n, N(S+1)) anchors z_i
     rows = torch.arange(n, device=text_vecs.device)                             # (n,)
     logits[rows, rows] = float("-inf")                                           # 1[i != j]: drop z_i itself
@@ -207,7 +246,7 @@ def gwc_loss(text_vecs, span_vecs, tau, n_anchors=None):
     return -log_prob.mean(), accuracy
 
 
-def gwc_loss_distributed(text_vecs, span_vecs, tau):
+def gwc_loss_distributed(text_vecs, span_vecs, tau, sim="dot"):
     """Eq. 8 (gwc_loss) with the negatives of every rank: the vectors all-gathered (differentiable) and
     rotated so that this rank's n texts come first, as the anchors. Eq. 8's sums are over sets, so the
     order changes nothing else. (loss, accuracy) over the local anchors; in one process exactly
@@ -216,7 +255,7 @@ def gwc_loss_distributed(text_vecs, span_vecs, tau):
     n = text_vecs.shape[0]
     all_text = gather_across_ranks(text_vecs).roll(-rank * n, dims=0)           # (N, H) this rank's first
     all_spans = gather_across_ranks(span_vecs).roll(-rank * n, dims=0)          # (N, S, H)
-    return gwc_loss(all_text, all_spans, tau, n_anchors=n)
+    return gwc_loss(all_text, all_spans, tau, n_anchors=n, sim=sim)
 
 
 # The pre-training objective (eq. 10), built from the model pieces and the losses above.
@@ -226,24 +265,41 @@ class PretrainModel(nn.Module):
     computed on the MASKED input, in the MLM forward pass (our choice: the paper does not say which
     input eq. 5-7 see; one pass costs half of two)."""
 
-    def __init__(self, c, encoder):
+    def __init__(self, c, encoder, frequent_token=None):
         super().__init__()
         self.config, self.encoder = c, encoder
         # no projector in the MLM-only baseline: DDP rejects parameters that get no gradient
         self.projector = Projector(c.hidden_size, c.projector) if c.gwc_weight else None
+        self.frequent_token = frequent_token   # the corpus' most frequent token: MLM's trivial baseline
+
+    def new_parameters(self):
+        """What the checkpoint did not bring (--head_warmup trains these first): the projector, and the
+        MLM head's dense, LayerNorm and bias when the checkpoint has none (its decoder is the embedding)."""
+        mlm_head = self.encoder.mlm_head.parameters() if getattr(self.encoder, "new_mlm_head", True) else []
+        return [*(self.projector.parameters() if self.projector else []), *mlm_head]
 
     def forward(self, batch):
+        terms, metrics = self.terms(batch)
+        return sum(terms.values()), metrics                                      # eq. 10
+
+    def terms(self, batch):
+        """Eq. 10 term by term, {name: weighted scalar}, and what to log: each accuracy X_acc with its
+        trivial baseline X_chance (study.py measures each term's gradient on the encoder)."""
+        c = self.config
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])       # (B, L, H)
         mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)
-        metrics = {"mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1)}
-        if not self.config.gwc_weight:
-            return mlm, metrics
+        metrics = {"mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
+                   "mlm_chance": most_frequent_accuracy(batch["labels"], self.frequent_token)}
+        if not c.gwc_weight:
+            return {"L_MLM": mlm}, metrics
         with torch.autocast(hidden.device.type, enabled=False):  # the vectors feeding eq. 8 in fp32
-            text_vecs = self.projector(hidden[:, 0].float())                     # (B, H) z_0, eq. 6
+            h0 = text_vector(hidden.float(), batch["attention_mask"], c.bottleneck)  # (B, H) [CLS] or mean
+            text_vecs = self.projector(h0)                                       # (B, H) z_0, eq. 6
             span_vecs = span_vectors(hidden.float(), batch["spans"])             # (B, S, H) eq. 7
-        gwc, accuracy = gwc_loss_distributed(text_vecs, span_vecs, self.config.tau)  # eq. 8 (gwc_loss)
-        total = self.config.gwc_weight * gwc + mlm                               # eq. 10
-        return total, {**metrics, "gwc": gwc.detach(), "gwc_acc": accuracy}
+        gwc, accuracy = gwc_loss_distributed(text_vecs, span_vecs, c.tau, c.gwc_sim)  # eq. 8 (gwc_loss)
+        N, S = text_vecs.shape[0] * rank_and_world()[1], span_vecs.shape[1]      # texts in the global batch, spans
+        return {"L_MLM": mlm, "lambda L_GWC": c.gwc_weight * gwc}, {             # eq. 10: lambda L_GWC + L_MLM
+            **metrics, "gwc": gwc.detach(), "gwc_acc": accuracy, "gwc_chance": S / (N * (S + 1) - 1)}
 
 
 # ==============================================================================================
@@ -376,7 +432,7 @@ ADAM_EPS = 1e-8   # torch's default: the paper does not give Adam's epsilon
 
 def build_model(c, encoder, windows, rank):
     """The encoder plus COSTA's projector (eq. 5) and loss."""
-    return PretrainModel(c, encoder)
+    return PretrainModel(c, encoder, data.most_frequent_token(windows))
 
 
 # ==============================================================================================
@@ -635,14 +691,31 @@ def make_optimizer(model, c, eps=1e-8):
     """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
     Departure (optimizer-decay): COSTA and CPDAE say only "Adam with warm-up"; weight decay and linear
     decay are BERT's and SEED's recipe, kept for every method so that they differ only in their losses.
-    eps: Adam's epsilon."""
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=c.lr, eps=eps)
-    warmup = max(1, int(c.warmup * c.steps))
-    schedule = lambda step: min((step + 1) / warmup, max(0.0, (c.steps - step) / max(1, c.steps - warmup)))
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    eps: Adam's epsilon.
+    Heads new to the checkpoint (model.new_parameters(): a fresh MLM head, a projector, a decoder) learn
+    alone for the first --head_warmup steps, at --head_lr times the lr (a random head's gradients would
+    otherwise distort the pre-trained features; Kumar et al., ICLR 2022): the encoder's groups get lr
+    factor 0 (DDP-safe: every parameter still gets its gradient), then their own warm-up and decay over
+    the steps left. Without those flags (finetune.py has none) the groups and schedule are the plain ones."""
+    head_warmup, head_lr = getattr(c, "head_warmup", 0), getattr(c, "head_lr", 1.0)
+    if head_warmup >= c.steps:
+        raise ValueError(f"--head_warmup {head_warmup} leaves none of the {c.steps} steps to the encoder")
+    new = {id(p) for p in (model.new_parameters() if hasattr(model, "new_parameters") else [])}
+    groups = []
+    for head in (False, True):            # encoder groups first: group 0 is the encoder's decayed one
+        params = [p for p in model.parameters() if (id(p) in new) == head]
+        groups += [{"params": [p for p in params if p.ndim >= 2], "weight_decay": c.weight_decay, "decay": True,
+                    "head": head},
+                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "decay": False, "head": head}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=c.lr, eps=eps)
+
+    def schedule(step, start=0, factor=1.0):          # warm-up, then decay to 0 at c.steps, from `start`
+        steps, step = c.steps - start, step - start
+        warmup = max(1, int(c.warmup * steps))
+        return 0.0 if step < 0 else factor * min((step + 1) / warmup, max(0.0, (steps - step) / max(1, steps - warmup)))
+    lambdas = [(lambda step: schedule(step, factor=head_lr)) if group["head"] else
+               (lambda step: schedule(step, start=head_warmup)) for group in optimizer.param_groups]
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
 
 # Flags that may differ on --resume: today's value applies from the next step. Every other flag defines
@@ -675,7 +748,9 @@ def apply_resume_flags(c, optimizer, scheduler):
     scheduler.base_lrs = [c.lr] * len(optimizer.param_groups)
     for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
         group["initial_lr"], group["lr"] = c.lr, c.lr * factor(scheduler.last_epoch)
-    optimizer.param_groups[0]["weight_decay"] = c.weight_decay      # group 0 is the decayed one
+    for group in optimizer.param_groups:              # the decayed groups (group 0 in an older state.pt)
+        if group.get("decay", group is optimizer.param_groups[0]):
+            group["weight_decay"] = c.weight_decay
 
 
 def stop_if_not_finite(grad_norm, step, c):
@@ -711,6 +786,14 @@ def format_seconds(s):
     return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def chance_lines(means):
+    """'X: accuracy a, chance b, ratio a/b' for every logged accuracy X_acc that has its baseline X_chance
+    (the accuracy of a trivial guess: the most frequent token, or a random candidate)."""
+    return [f"{k[:-4]}: accuracy {v:.4f}, chance {means[k[:-4] + '_chance']:.4f}, "
+            f"ratio {v / max(means[k[:-4] + '_chance'], 1e-12):.2f}" for k, v in means.items()
+            if k.endswith("_acc") and k[:-4] + "_chance" in means]
+
+
 class Progress:
     """One line per log interval on rank 0 (step, losses, lr, tokens/s, ETA) and a JSONL log."""
 
@@ -744,6 +827,8 @@ class Progress:
             with open(self.log_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": step, **means, "lr": lr, "tokens_per_s": tok_per_s,
                                     "elapsed_s": now - self.t0}) + "\n")
+            for line in chance_lines(means) if step == self.c.steps else []:  # at the end: each objective
+                print(line, flush=True)                                          # against its trivial baseline
         self.sums, self.count, self.tokens, self.t_last = {}, 0, 0, now
 
     def summary(self, device):

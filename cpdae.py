@@ -62,6 +62,7 @@ class Config:
     dropout: float = 0.1          # hidden and attention dropout
     layer_norm_eps: float = 1e-12  # BERT's LayerNorm epsilon
     init: str = ""                # start from: a BERT folder, a hub id, or "minilm" (offline package); "" = random
+    bottleneck: str = "cls"       # the text vector trained: "cls" (the papers') or "mean" (masked mean, MiniLM's pooling)
     # --- optimisation
     steps: int = 300              # optimizer steps (paper: 3 epochs of Wikipedia, 4.1.3)
     epochs: float = 0.0           # > 0: passes over the windows; sets steps from windows and global batch
@@ -72,6 +73,8 @@ class Config:
     weight_decay: float = 0.01    # AdamW weight decay (not on biases and LayerNorm)
     warmup: float = 0.1           # fraction of steps of linear warm-up, then linear decay to 0 (paper: 10%)
     clip: float = 1.0             # max gradient norm
+    head_warmup: int = 0          # first steps (of --steps) train only the heads new to the checkpoint, encoder frozen
+    head_lr: float = 1.0          # lr multiplier of those new heads (1 = one lr for all, the papers')
     mask_prob: float = 0.15       # MLM: fraction of tokens chosen
     seed: int = 0                 # model init, data order and masks
     bf16: bool = True             # bf16 autocast on GPU and on CPUs with native bf16 (AVX512-BF16, AMX)
@@ -92,6 +95,8 @@ class Config:
     cls_temperature: float = 0.1  # CPDAE_R similarity = cosine / temperature (the paper gives none: our choice)
     idf_rec: bool = False         # Table 2 "IDF-REC": weight eq. 4's word terms by IDF over the corpus windows
     js_chunk: int = 8             # anchors per block of pairwise JS: peak ~5 x js_chunk x 2M x |V| fp32
+    cl_tau: float = 1.0           # eq. 5's similarity is -JS / cl_tau (1 = the paper's; -JS alone keeps L_CL near ln(2m-1))
+    rec_reduction: str = "sum"    # eq. 4 over the vocabulary: "sum" (the paper's) or "mean" (/|V|, as DupMAE's BoW loss)
 
 
 # --preset paper: section 4.1.3 "Pre-training details". From BERT's checkpoint (--init bert-base-uncased),
@@ -114,6 +119,8 @@ FLAG_RULES = {
     "save_every": ">= 1", "halt_at": ">= 0", "prep_workers": ">= 0",
     "cl_weight": ">= 0", "cls_temperature": "> 0", "js_chunk": ">= 1",
     "cl_mode": "one of {js, cls}",
+    "head_warmup": ">= 0", "head_lr": "> 0", "cl_tau": "> 0", "bottleneck": "one of {cls, mean}",
+    "rec_reduction": "one of {sum, mean}",
 }
 
 
@@ -121,6 +128,23 @@ FLAG_RULES = {
 # Model
 # ==============================================================================================
 # (The BERT encoder itself, Encoder, is a shared block at the end of this file.)
+
+
+# --- shared: begin text vector ---
+BOTTLENECKS = ("cls", "mean")   # --bottleneck: which vector of the encoder a method trains as the text's
+
+
+def text_vector(hidden, attention_mask, bottleneck="cls"):
+    """The text's vector, the one a method trains (and retrieval should read): "cls" = the last layer's
+    [CLS] state, the papers'; "mean" = the mean of the output tokens over the attention mask ([CLS],
+    [SEP] and [MASK] included, padding not), the pooling all-MiniLM-L6-v2 was trained with and
+    finetune.py reads for it. Departure ("mean"): the papers bottleneck through [CLS].
+    hidden (B, L, H), attention_mask (B, L) 1 = token -> (B, H)."""
+    if bottleneck == "cls":
+        return hidden[:, 0]                                                      # (B, H)
+    weights = attention_mask.to(hidden.dtype)[..., None]                         # (B, L, 1)
+    return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)     # (B, H)
+# --- shared: end text vector ---
 
 
 class Decoder(nn.Module):
@@ -177,7 +201,22 @@ def mlm_loss(hidden, labels, head):
 # --- shared: end mlm loss ---
 
 
-def reconstruction_loss(logits, bag, idf=None):
+# --- shared: begin chance ---
+def most_frequent_accuracy(targets, token=None):
+    """The trivial baseline of a token prediction (logged as X_chance beside X_acc): the accuracy of
+    always predicting `token`, the corpus' most frequent token (data.most_frequent_token), i.e. the
+    fraction of the targets equal to it. token None: this batch's most frequent target instead (a
+    slightly higher bar). targets (N,) or (B, L), -100 = no target -> () fp32."""
+    targets = targets[targets != -100]                                           # (N,)
+    if targets.numel() == 0:
+        return torch.zeros((), device=targets.device)
+    if token is None:
+        return targets.bincount().max().float() / targets.numel()
+    return (targets == token).float().mean()
+# --- shared: end chance ---
+
+
+def reconstruction_loss(logits, bag, idf=None, reduction="sum"):
     """Non-autoregressive reconstruction, eq. 3-4 (multi-label binary cross-entropy):
 
         z_hat^j = sigmoid(z^j)                                                   (eq. 3)
@@ -186,6 +225,9 @@ def reconstruction_loss(logits, bag, idf=None):
     y^j = 1 iff word j occurs in the original text (bag_of_words). Departure (cpdae-eq4-typo): eq. 4 as
     printed has log z_hat^j in its second term, a typo; we use log(1 - z_hat^j). Summed over the vocabulary as eq. 4
     writes it, then averaged over the N texts. w_j = 1, or idf[j] for IDF-REC (Table 2).
+    reduction="mean" (departure, an option): the mean over the vocabulary instead of the sum, as DupMAE
+    normalises its bag-of-words loss: the sum of 30,522 terms (~21,000 nats from MiniLM) sends the
+    encoder ~10^6 times the gradient of lambda L_CL, the mean 1/|V| of it.
     BCE-with-logits (log-sigmoid) keeps it finite for any logit. fp32.
     logits (N, V), bag (N, V) 0/1, idf (V,) or None -> scalar.
     """
@@ -193,7 +235,8 @@ def reconstruction_loss(logits, bag, idf=None):
         logits.float(), bag.float(), reduction="none")                 # (N, V) -[y log z + (1-y) log(1-z)]
     if idf is not None:
         per_word = per_word * idf.float()                                        # (N, V) word j's term x idf[j]
-    return per_word.sum(dim=1).mean()                                            # sum over V, mean over texts
+    per_text = per_word.sum(dim=1) if reduction == "sum" else per_word.mean(dim=1)  # (N,) over V
+    return per_text.mean()                                                       # mean over texts
 
 
 def word_distribution(logits):
@@ -214,7 +257,7 @@ def _mixture_xlogx(p, q):
     return _xlogx(m).sum(dim=-1)                                                 # (c, B)
 
 
-def js_similarity(anchors, candidates, chunk_size=8):
+def js_similarity(anchors, candidates, chunk_size=8, tau=1.0):
     """CPDAE's similarity s = -JS of two word distributions (eq. 5), natural log, no temperature, for
     every row pair: anchors P (a, V) x candidates Q (b, V) -> (a, b) -JS(P, Q):
 
@@ -229,6 +272,8 @@ def js_similarity(anchors, candidates, chunk_size=8):
     Only the mixture term needs an (a, b, V) tensor (64 x 128 x 30,522 fp32 = 1 GB at the paper's batch).
     We build it chunk_size anchors at a time and checkpoint each chunk, so autograd keeps P and Q,
     not every chunk's intermediates; the backward recomputes them chunk by chunk. Same values. fp32.
+    JS is in [0, ln 2], so eq. 5's L_CL is bounded: ln m <= L_CL <= ln(2m - 1) with m texts, and barely
+    moves. tau (--cl_tau, an option; 1 = the paper's): -JS / tau widens the logits to [-ln 2 / tau, 0].
     """
     dtype = torch.promote_types(anchors.dtype, torch.float32)                  # fp32 (fp64 stays, for tests)
     p, q = anchors.to(dtype), candidates.to(dtype)                              # (a, V), (b, V)
@@ -239,7 +284,7 @@ def js_similarity(anchors, candidates, chunk_size=8):
         mixture = [checkpoint(_mixture_xlogx, chunk, q, use_reentrant=False) for chunk in chunks]
     else:
         mixture = [_mixture_xlogx(chunk, q) for chunk in chunks]                 # (c, b) each sum m log m
-    return -(half_p[:, None] + half_q[None, :] - torch.cat(mixture))             # (a, b) -JS
+    return -(half_p[:, None] + half_q[None, :] - torch.cat(mixture)) / tau       # (a, b) -JS / tau
 
 
 def js_divergence(p, q, chunk_size=8):
@@ -270,9 +315,11 @@ def contrastive_loss(view1, view2, similarity, n_anchors=None):
     0 .. n_anchors-1 (default all M), as eq. 5 writes it (not SimCLR's all-2m-anchors form). For
     anchor i the positive is its second view (column M + i), the anchor itself (column i) is left out
     (k != i), and the other 2M-2 views are negatives. similarity(a, b): (n, D) x (2M, D) -> (n, 2M).
+    With s = -JS in [-ln 2, 0] (no temperature), ln M <= L_CL <= ln(2M - 1): 3.47 - 4.14 at M = 32.
     Departure (cpdae-cl-mean): mean over anchors instead of eq. 5's sum, so lambda does not depend on
     the batch size.
-    Returns (loss, accuracy = fraction of anchors whose positive scores highest). fp32.
+    Returns (loss, accuracy = fraction of anchors whose positive scores highest; a random guess among
+    the 2M - 1 candidates scores 1 / (2M - 1), cl_chance). fp32.
     """
     M = view1.shape[0]
     n = M if n_anchors is None else n_anchors
@@ -301,37 +348,47 @@ class PretrainModel(nn.Module):
     """The encoder plus what pre-training adds on top of it. Returns the loss and what to log.
     Both masked views of the B texts go through the encoder as one batch of 2B rows."""
 
-    def __init__(self, c, encoder, idf=None):
+    def __init__(self, c, encoder, idf=None, frequent_token=None):
         super().__init__()
         self.config, self.encoder = c, encoder
         self.decoder = Decoder(c.hidden_size, c.vocab_size, c.layer_norm_eps)
         self.register_buffer("idf", idf)                                         # (V,) or None: IDF-REC
+        self.frequent_token = frequent_token   # the corpus' most frequent token: MLM's trivial baseline
+
+    def new_parameters(self):
+        """What the checkpoint did not bring (--head_warmup trains these first): the MLP decoder, and the
+        MLM head's dense, LayerNorm and bias when the checkpoint has none (its decoder is the embedding)."""
+        mlm_head = self.encoder.mlm_head.parameters() if getattr(self.encoder, "new_mlm_head", True) else []
+        return [*self.decoder.parameters(), *mlm_head]
 
     def forward(self, batch):
         terms, metrics = self.terms(batch)
         return sum(terms.values()), metrics                                      # eq. 6
 
     def terms(self, batch):
-        """Eq. 6 term by term, {name: scalar}, and what to log (study.py measures each term's gradient)."""
+        """Eq. 6 term by term, {name: weighted scalar}, and what to log: each accuracy X_acc with its
+        trivial baseline X_chance (study.py measures each term's gradient on the encoder)."""
         c = self.config
         attention_mask = batch["attention_mask"].repeat(2, 1)                    # (2B, L) views share padding
         hidden = self.encoder(batch["input_ids"], attention_mask)                # (2B, L, H) [d'; d'']
         mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)  # MLM on both views
-        h_cls = hidden[:, 0]                                                     # (2B, H) eq. 1
+        h_cls = text_vector(hidden, attention_mask, c.bottleneck)                # (2B, H) eq. 1: [CLS] or mean
         logits = self.decoder(h_cls)                                             # (2B, V) eq. 2
-        rec = reconstruction_loss(logits, batch["bag"].repeat(2, 1), self.idf)   # each view rebuilds its text
-        metrics = {"rec": rec.detach(), "mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1)}
+        rec = reconstruction_loss(logits, batch["bag"].repeat(2, 1), self.idf, c.rec_reduction)  # each view its text
+        metrics = {"rec": rec.detach(), "mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
+                   "mlm_chance": most_frequent_accuracy(batch["labels"], self.frequent_token)}
         if not c.cl_weight:                                                      # Table 2 "w/o CL"
             return {"L_REC": rec, "L_MLM": mlm}, metrics
         if c.cl_mode == "js":                                                    # CPDAE, eq. 5
             view1, view2 = word_distribution(logits).chunk(2)                    # (B, V) each, z_tilde
-            similarity = partial(js_similarity, chunk_size=c.js_chunk)
+            similarity = partial(js_similarity, chunk_size=c.js_chunk, tau=c.cl_tau)
         else:                                                                    # CPDAE_R
             view1, view2 = h_cls.chunk(2)                                        # (B, H) each
             similarity = partial(cosine_similarity, temperature=c.cls_temperature)
         cl, accuracy = gathered_contrastive_loss(view1, view2, similarity)      # eq. 5 (contrastive_loss)
         terms = {"L_REC": rec, "L_MLM": mlm, "lambda L_CL": c.cl_weight * cl}   # eq. 6: L_REC + L_MLM + lambda L_CL
-        return terms, {**metrics, "cl": cl.detach(), "cl_acc": accuracy}
+        views = 2 * view1.shape[0] * rank_and_world()[1]                         # 2M views in the global batch
+        return terms, {**metrics, "cl": cl.detach(), "cl_acc": accuracy, "cl_chance": 1 / (views - 1)}
 
 
 # ==============================================================================================
@@ -442,7 +499,7 @@ ADAM_EPS = 1e-8   # torch's default: the paper does not give Adam's epsilon
 def build_model(c, encoder, windows, rank):
     """The encoder plus CPDAE's decoder (eq. 2) and, with --idf_rec, the corpus IDF (from the token cache)."""
     idf = cached_idf(windows, c.vocab_size, rank) if c.idf_rec else None      # once, from the token cache
-    return PretrainModel(c, encoder, idf)
+    return PretrainModel(c, encoder, idf, data.most_frequent_token(windows))
 
 
 # ==============================================================================================
@@ -702,14 +759,31 @@ def make_optimizer(model, c, eps=1e-8):
     """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
     Departure (optimizer-decay): COSTA and CPDAE say only "Adam with warm-up"; weight decay and linear
     decay are BERT's and SEED's recipe, kept for every method so that they differ only in their losses.
-    eps: Adam's epsilon."""
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=c.lr, eps=eps)
-    warmup = max(1, int(c.warmup * c.steps))
-    schedule = lambda step: min((step + 1) / warmup, max(0.0, (c.steps - step) / max(1, c.steps - warmup)))
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    eps: Adam's epsilon.
+    Heads new to the checkpoint (model.new_parameters(): a fresh MLM head, a projector, a decoder) learn
+    alone for the first --head_warmup steps, at --head_lr times the lr (a random head's gradients would
+    otherwise distort the pre-trained features; Kumar et al., ICLR 2022): the encoder's groups get lr
+    factor 0 (DDP-safe: every parameter still gets its gradient), then their own warm-up and decay over
+    the steps left. Without those flags (finetune.py has none) the groups and schedule are the plain ones."""
+    head_warmup, head_lr = getattr(c, "head_warmup", 0), getattr(c, "head_lr", 1.0)
+    if head_warmup >= c.steps:
+        raise ValueError(f"--head_warmup {head_warmup} leaves none of the {c.steps} steps to the encoder")
+    new = {id(p) for p in (model.new_parameters() if hasattr(model, "new_parameters") else [])}
+    groups = []
+    for head in (False, True):            # encoder groups first: group 0 is the encoder's decayed one
+        params = [p for p in model.parameters() if (id(p) in new) == head]
+        groups += [{"params": [p for p in params if p.ndim >= 2], "weight_decay": c.weight_decay, "decay": True,
+                    "head": head},
+                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "decay": False, "head": head}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=c.lr, eps=eps)
+
+    def schedule(step, start=0, factor=1.0):          # warm-up, then decay to 0 at c.steps, from `start`
+        steps, step = c.steps - start, step - start
+        warmup = max(1, int(c.warmup * steps))
+        return 0.0 if step < 0 else factor * min((step + 1) / warmup, max(0.0, (steps - step) / max(1, steps - warmup)))
+    lambdas = [(lambda step: schedule(step, factor=head_lr)) if group["head"] else
+               (lambda step: schedule(step, start=head_warmup)) for group in optimizer.param_groups]
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
 
 # Flags that may differ on --resume: today's value applies from the next step. Every other flag defines
@@ -742,7 +816,9 @@ def apply_resume_flags(c, optimizer, scheduler):
     scheduler.base_lrs = [c.lr] * len(optimizer.param_groups)
     for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
         group["initial_lr"], group["lr"] = c.lr, c.lr * factor(scheduler.last_epoch)
-    optimizer.param_groups[0]["weight_decay"] = c.weight_decay      # group 0 is the decayed one
+    for group in optimizer.param_groups:              # the decayed groups (group 0 in an older state.pt)
+        if group.get("decay", group is optimizer.param_groups[0]):
+            group["weight_decay"] = c.weight_decay
 
 
 def stop_if_not_finite(grad_norm, step, c):
@@ -778,6 +854,14 @@ def format_seconds(s):
     return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def chance_lines(means):
+    """'X: accuracy a, chance b, ratio a/b' for every logged accuracy X_acc that has its baseline X_chance
+    (the accuracy of a trivial guess: the most frequent token, or a random candidate)."""
+    return [f"{k[:-4]}: accuracy {v:.4f}, chance {means[k[:-4] + '_chance']:.4f}, "
+            f"ratio {v / max(means[k[:-4] + '_chance'], 1e-12):.2f}" for k, v in means.items()
+            if k.endswith("_acc") and k[:-4] + "_chance" in means]
+
+
 class Progress:
     """One line per log interval on rank 0 (step, losses, lr, tokens/s, ETA) and a JSONL log."""
 
@@ -811,6 +895,8 @@ class Progress:
             with open(self.log_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": step, **means, "lr": lr, "tokens_per_s": tok_per_s,
                                     "elapsed_s": now - self.t0}) + "\n")
+            for line in chance_lines(means) if step == self.c.steps else []:  # at the end: each objective
+                print(line, flush=True)                                          # against its trivial baseline
         self.sums, self.count, self.tokens, self.t_last = {}, 0, 0, now
 
     def summary(self, device):

@@ -685,6 +685,22 @@ def rank0_builds(ready, build, rank, what):
         time.sleep(1)
 
 
+def most_frequent_token(windows, chunk=1 << 24):
+    """The corpus' most frequent token between [CLS] and [SEP] ('.' in SciFact, 3.6% of its tokens): the
+    MLM and SEED-decoder accuracy of always predicting it is their trivial baseline. TokenWindows: a
+    bincount of the cache's tokens, `chunk` at a time (memory bounded by the chunk); a list of Window:
+    of their bodies. None if there are no tokens."""
+    counts = np.zeros(1, np.int64)
+    parts = ((windows.tokens[a:a + chunk] for a in range(0, len(windows.tokens), chunk))
+             if isinstance(windows, TokenWindows) else (w.input_ids[1:-1] for w in windows))
+    for part in parts:
+        part_counts = np.bincount(np.asarray(part, dtype=np.int64))
+        if len(part_counts) > len(counts):
+            counts = np.pad(counts, (0, len(part_counts) - len(counts)))
+        counts[:len(part_counts)] += part_counts
+    return int(counts.argmax()) if counts.any() else None
+
+
 def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbose=True):
     """The pre-training windows of a corpus: built into a token cache on first use (rank 0; the other
     ranks wait), then mapped from it. Returns TokenWindows."""

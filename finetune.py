@@ -955,14 +955,31 @@ def make_optimizer(model, c, eps=1e-8):
     """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
     Departure (optimizer-decay): COSTA and CPDAE say only "Adam with warm-up"; weight decay and linear
     decay are BERT's and SEED's recipe, kept for every method so that they differ only in their losses.
-    eps: Adam's epsilon."""
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=c.lr, eps=eps)
-    warmup = max(1, int(c.warmup * c.steps))
-    schedule = lambda step: min((step + 1) / warmup, max(0.0, (c.steps - step) / max(1, c.steps - warmup)))
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    eps: Adam's epsilon.
+    Heads new to the checkpoint (model.new_parameters(): a fresh MLM head, a projector, a decoder) learn
+    alone for the first --head_warmup steps, at --head_lr times the lr (a random head's gradients would
+    otherwise distort the pre-trained features; Kumar et al., ICLR 2022): the encoder's groups get lr
+    factor 0 (DDP-safe: every parameter still gets its gradient), then their own warm-up and decay over
+    the steps left. Without those flags (finetune.py has none) the groups and schedule are the plain ones."""
+    head_warmup, head_lr = getattr(c, "head_warmup", 0), getattr(c, "head_lr", 1.0)
+    if head_warmup >= c.steps:
+        raise ValueError(f"--head_warmup {head_warmup} leaves none of the {c.steps} steps to the encoder")
+    new = {id(p) for p in (model.new_parameters() if hasattr(model, "new_parameters") else [])}
+    groups = []
+    for head in (False, True):            # encoder groups first: group 0 is the encoder's decayed one
+        params = [p for p in model.parameters() if (id(p) in new) == head]
+        groups += [{"params": [p for p in params if p.ndim >= 2], "weight_decay": c.weight_decay, "decay": True,
+                    "head": head},
+                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "decay": False, "head": head}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=c.lr, eps=eps)
+
+    def schedule(step, start=0, factor=1.0):          # warm-up, then decay to 0 at c.steps, from `start`
+        steps, step = c.steps - start, step - start
+        warmup = max(1, int(c.warmup * steps))
+        return 0.0 if step < 0 else factor * min((step + 1) / warmup, max(0.0, (steps - step) / max(1, steps - warmup)))
+    lambdas = [(lambda step: schedule(step, factor=head_lr)) if group["head"] else
+               (lambda step: schedule(step, start=head_warmup)) for group in optimizer.param_groups]
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
 
 # Flags that may differ on --resume: today's value applies from the next step. Every other flag defines
@@ -995,7 +1012,9 @@ def apply_resume_flags(c, optimizer, scheduler):
     scheduler.base_lrs = [c.lr] * len(optimizer.param_groups)
     for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
         group["initial_lr"], group["lr"] = c.lr, c.lr * factor(scheduler.last_epoch)
-    optimizer.param_groups[0]["weight_decay"] = c.weight_decay      # group 0 is the decayed one
+    for group in optimizer.param_groups:              # the decayed groups (group 0 in an older state.pt)
+        if group.get("decay", group is optimizer.param_groups[0]):
+            group["weight_decay"] = c.weight_decay
 
 
 def stop_if_not_finite(grad_norm, step, c):
@@ -1031,6 +1050,14 @@ def format_seconds(s):
     return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def chance_lines(means):
+    """'X: accuracy a, chance b, ratio a/b' for every logged accuracy X_acc that has its baseline X_chance
+    (the accuracy of a trivial guess: the most frequent token, or a random candidate)."""
+    return [f"{k[:-4]}: accuracy {v:.4f}, chance {means[k[:-4] + '_chance']:.4f}, "
+            f"ratio {v / max(means[k[:-4] + '_chance'], 1e-12):.2f}" for k, v in means.items()
+            if k.endswith("_acc") and k[:-4] + "_chance" in means]
+
+
 class Progress:
     """One line per log interval on rank 0 (step, losses, lr, tokens/s, ETA) and a JSONL log."""
 
@@ -1064,6 +1091,8 @@ class Progress:
             with open(self.log_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": step, **means, "lr": lr, "tokens_per_s": tok_per_s,
                                     "elapsed_s": now - self.t0}) + "\n")
+            for line in chance_lines(means) if step == self.c.steps else []:  # at the end: each objective
+                print(line, flush=True)                                          # against its trivial baseline
         self.sums, self.count, self.tokens, self.t_last = {}, 0, 0, now
 
     def summary(self, device):

@@ -58,6 +58,7 @@ class Config:
     dropout: float = 0.1          # hidden and attention dropout
     layer_norm_eps: float = 1e-12  # BERT's LayerNorm epsilon
     init: str = ""                # start from: a BERT folder, a hub id, or "minilm" (offline package); "" = random
+    bottleneck: str = "cls"       # the decoder's memory: "cls" (the paper's) or "mean" (masked mean, MiniLM's pooling)
     # --- optimisation
     steps: int = 300              # optimizer steps (paper: 1M steps, 4.1)
     epochs: float = 0.0           # > 0: passes over the windows; sets steps from windows and global batch
@@ -68,6 +69,8 @@ class Config:
     weight_decay: float = 0.01    # AdamW weight decay (not on biases and LayerNorm)
     warmup: float = 0.1           # fraction of steps of linear warm-up, then linear decay to 0 (paper: 10k of 1M)
     clip: float = 1.0             # max gradient norm
+    head_warmup: int = 0          # first steps (of --steps) train only the heads new to the checkpoint, encoder frozen
+    head_lr: float = 1.0          # lr multiplier of those new heads (1 = one lr for all, the papers')
     mask_prob: float = 0.15       # MLM: fraction of tokens chosen
     seed: int = 0                 # model init, data order and masks
     bf16: bool = True             # bf16 autocast on GPU and on CPUs with native bf16 (AVX512-BF16, AMX)
@@ -113,6 +116,7 @@ FLAG_RULES = {
     "warmup": "in [0, 1]", "clip": "> 0", "mask_prob": "in [0, 1]", "workers": ">= 0", "log_every": ">= 1",
     "save_every": ">= 1", "halt_at": ">= 0", "prep_workers": ">= 0",
     "dec_layers": ">= 1", "dec_span": ">= 0", "dec_chunk": ">= 0",
+    "head_warmup": ">= 0", "head_lr": "> 0", "bottleneck": "one of {cls, mean}",
 }
 
 
@@ -120,6 +124,23 @@ FLAG_RULES = {
 # Model
 # ==============================================================================================
 # (The BERT encoder itself, Encoder, is a shared block at the end of this file.)
+
+
+# --- shared: begin text vector ---
+BOTTLENECKS = ("cls", "mean")   # --bottleneck: which vector of the encoder a method trains as the text's
+
+
+def text_vector(hidden, attention_mask, bottleneck="cls"):
+    """The text's vector, the one a method trains (and retrieval should read): "cls" = the last layer's
+    [CLS] state, the papers'; "mean" = the mean of the output tokens over the attention mask ([CLS],
+    [SEP] and [MASK] included, padding not), the pooling all-MiniLM-L6-v2 was trained with and
+    finetune.py reads for it. Departure ("mean"): the papers bottleneck through [CLS].
+    hidden (B, L, H), attention_mask (B, L) 1 = token -> (B, H)."""
+    if bottleneck == "cls":
+        return hidden[:, 0]                                                      # (B, H)
+    weights = attention_mask.to(hidden.dtype)[..., None]                         # (B, L, 1)
+    return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)     # (B, H)
+# --- shared: end text vector ---
 
 
 def window_mask(length, k=2, device=None):
@@ -224,6 +245,22 @@ def mlm_loss(hidden, labels, head):
 # --- shared: end mlm loss ---
 
 
+# --- shared: begin chance ---
+def most_frequent_accuracy(targets, token=None):
+    """The trivial baseline of a token prediction (logged as X_chance beside X_acc): the accuracy of
+    always predicting `token`, the corpus' most frequent token (data.most_frequent_token), i.e. the
+    fraction of the targets equal to it. token None: this batch's most frequent target instead (a
+    slightly higher bar). targets (N,) or (B, L), -100 = no target -> () fp32."""
+    targets = targets[targets != -100]                                           # (N,)
+    if targets.numel() == 0:
+        return torch.zeros((), device=targets.device)
+    if token is None:
+        return targets.bincount().max().float() / targets.numel()
+    return (targets == token).float().mean()
+# --- shared: end chance ---
+
+
+
 def decoder_loss(states, weight, targets, reduction="mean"):
     """Weak-decoder reconstruction loss, eq. 9, the function training runs (chunked_decoder_loss calls
     it one chunk of positions at a time):
@@ -268,23 +305,41 @@ def chunked_decoder_loss(states, weight, targets, chunk):
 class PretrainModel(nn.Module):
     """The encoder plus what pre-training adds on top of it. Returns the loss and what to log."""
 
-    def __init__(self, c, encoder):
+    def __init__(self, c, encoder, frequent_token=None):
         super().__init__()
         self.config, self.encoder = c, encoder
         self.decoder = WeakDecoder(c, encoder.embeddings.word)
+        self.frequent_token = frequent_token   # the corpus' most frequent token: the unigram baseline
+
+    def new_parameters(self):
+        """What the checkpoint did not bring (--head_warmup trains these first): the weak decoder (its
+        output projection is the encoder's embedding), and the MLM head's dense, LayerNorm and bias when
+        the checkpoint has none (its decoder is the embedding too)."""
+        mlm_head = self.encoder.mlm_head.parameters() if getattr(self.encoder, "new_mlm_head", True) else []
+        return [*self.decoder.parameters(), *mlm_head]
 
     def forward(self, batch):
+        terms, metrics = self.terms(batch)
+        return sum(terms.values()), metrics                                      # eq. 10
+
+    def terms(self, batch):
+        """Eq. 10 term by term, {name: weighted scalar}, and what to log: each accuracy X_acc with its
+        trivial baseline X_chance, always predicting the corpus' most frequent token."""
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])       # (B, L, H) masked text
         mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)
-        states = self.decoder(batch["decoder_input"], hidden)                    # (B, L-1, H)
+        h0 = text_vector(hidden, batch["attention_mask"], self.config.bottleneck)  # (B, H) the only bridge
+        states = self.decoder.decode(self.decoder.embed(batch["decoder_input"]), h0)  # (B, L-1, H)
         kept = batch["decoder_targets"] != -100                                  # (B, L-1) every real token
         targets = batch["decoder_targets"][kept]                                 # (N,)
         dec, dec_correct = chunked_decoder_loss(                                 # eq. 9 (decoder_loss)
             states[kept], self.decoder.word_embedding[0].weight, targets, self.config.dec_chunk)
         # Eq. 10 as the paper writes it, weights 1:1. (The authors' code uses 0.5:0.5, which only halves
         # the gradient: AdamW's update is unchanged by that (up to eps), the clip norm (1.0) binds later.)
-        return mlm + dec, {"mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
-                           "dec": dec.detach(), "dec_acc": dec_correct / max(targets.numel(), 1)}
+        return {"L_MLM": mlm, "L_dec": dec}, {
+            "mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
+            "mlm_chance": most_frequent_accuracy(batch["labels"], self.frequent_token),
+            "dec": dec.detach(), "dec_acc": dec_correct / max(targets.numel(), 1),
+            "dec_chance": most_frequent_accuracy(targets, self.frequent_token)}
 
 
 # ==============================================================================================
@@ -338,7 +393,7 @@ ADAM_EPS = 1e-6   # SEED 4.1: Adam epsilon 1e-6
 
 def build_model(c, encoder, windows, rank):
     """The encoder plus SEED's weak decoder (section 3)."""
-    return PretrainModel(c, encoder)
+    return PretrainModel(c, encoder, data.most_frequent_token(windows))
 
 
 # ==============================================================================================
@@ -643,14 +698,31 @@ def make_optimizer(model, c, eps=1e-8):
     """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
     Departure (optimizer-decay): COSTA and CPDAE say only "Adam with warm-up"; weight decay and linear
     decay are BERT's and SEED's recipe, kept for every method so that they differ only in their losses.
-    eps: Adam's epsilon."""
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": c.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=c.lr, eps=eps)
-    warmup = max(1, int(c.warmup * c.steps))
-    schedule = lambda step: min((step + 1) / warmup, max(0.0, (c.steps - step) / max(1, c.steps - warmup)))
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    eps: Adam's epsilon.
+    Heads new to the checkpoint (model.new_parameters(): a fresh MLM head, a projector, a decoder) learn
+    alone for the first --head_warmup steps, at --head_lr times the lr (a random head's gradients would
+    otherwise distort the pre-trained features; Kumar et al., ICLR 2022): the encoder's groups get lr
+    factor 0 (DDP-safe: every parameter still gets its gradient), then their own warm-up and decay over
+    the steps left. Without those flags (finetune.py has none) the groups and schedule are the plain ones."""
+    head_warmup, head_lr = getattr(c, "head_warmup", 0), getattr(c, "head_lr", 1.0)
+    if head_warmup >= c.steps:
+        raise ValueError(f"--head_warmup {head_warmup} leaves none of the {c.steps} steps to the encoder")
+    new = {id(p) for p in (model.new_parameters() if hasattr(model, "new_parameters") else [])}
+    groups = []
+    for head in (False, True):            # encoder groups first: group 0 is the encoder's decayed one
+        params = [p for p in model.parameters() if (id(p) in new) == head]
+        groups += [{"params": [p for p in params if p.ndim >= 2], "weight_decay": c.weight_decay, "decay": True,
+                    "head": head},
+                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "decay": False, "head": head}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=c.lr, eps=eps)
+
+    def schedule(step, start=0, factor=1.0):          # warm-up, then decay to 0 at c.steps, from `start`
+        steps, step = c.steps - start, step - start
+        warmup = max(1, int(c.warmup * steps))
+        return 0.0 if step < 0 else factor * min((step + 1) / warmup, max(0.0, (steps - step) / max(1, steps - warmup)))
+    lambdas = [(lambda step: schedule(step, factor=head_lr)) if group["head"] else
+               (lambda step: schedule(step, start=head_warmup)) for group in optimizer.param_groups]
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
 
 # Flags that may differ on --resume: today's value applies from the next step. Every other flag defines
@@ -683,7 +755,9 @@ def apply_resume_flags(c, optimizer, scheduler):
     scheduler.base_lrs = [c.lr] * len(optimizer.param_groups)
     for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
         group["initial_lr"], group["lr"] = c.lr, c.lr * factor(scheduler.last_epoch)
-    optimizer.param_groups[0]["weight_decay"] = c.weight_decay      # group 0 is the decayed one
+    for group in optimizer.param_groups:              # the decayed groups (group 0 in an older state.pt)
+        if group.get("decay", group is optimizer.param_groups[0]):
+            group["weight_decay"] = c.weight_decay
 
 
 def stop_if_not_finite(grad_norm, step, c):
@@ -719,6 +793,14 @@ def format_seconds(s):
     return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def chance_lines(means):
+    """'X: accuracy a, chance b, ratio a/b' for every logged accuracy X_acc that has its baseline X_chance
+    (the accuracy of a trivial guess: the most frequent token, or a random candidate)."""
+    return [f"{k[:-4]}: accuracy {v:.4f}, chance {means[k[:-4] + '_chance']:.4f}, "
+            f"ratio {v / max(means[k[:-4] + '_chance'], 1e-12):.2f}" for k, v in means.items()
+            if k.endswith("_acc") and k[:-4] + "_chance" in means]
+
+
 class Progress:
     """One line per log interval on rank 0 (step, losses, lr, tokens/s, ETA) and a JSONL log."""
 
@@ -752,6 +834,8 @@ class Progress:
             with open(self.log_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": step, **means, "lr": lr, "tokens_per_s": tok_per_s,
                                     "elapsed_s": now - self.t0}) + "\n")
+            for line in chance_lines(means) if step == self.c.steps else []:  # at the end: each objective
+                print(line, flush=True)                                          # against its trivial baseline
         self.sums, self.count, self.tokens, self.t_last = {}, 0, 0, now
 
     def summary(self, device):

@@ -297,7 +297,7 @@ def test_model_total_loss_is_lambda_gwc_plus_mlm(windows, tokenizer, vocab_token
     batch = costa.Batches(c, windows, data.special_ids(tokenizer), 0, 1, vocab_tokens)[0]
     model = costa.PretrainModel(c, costa.Encoder(c)).eval()
     total, metrics = model(batch)
-    assert set(metrics) == {"mlm", "mlm_acc", "gwc", "gwc_acc"}
+    assert set(metrics) == {"mlm", "mlm_acc", "mlm_chance", "gwc", "gwc_acc", "gwc_chance"}
     torch.testing.assert_close(total, 0.5 * metrics["gwc"] + metrics["mlm"])
     hidden = model.encoder(batch["input_ids"], batch["attention_mask"])
     text_vecs = torch.tanh(model.projector.net[0](hidden[:, 0]))  # eq. 5-6
@@ -306,7 +306,7 @@ def test_model_total_loss_is_lambda_gwc_plus_mlm(windows, tokenizer, vocab_token
     torch.testing.assert_close(metrics["gwc"], costa.gwc_loss(text_vecs, spans, 1.0)[0])
     baseline = costa.PretrainModel(tiny_costa_config(gwc_weight=0.0), model.encoder)
     loss, metrics = baseline(batch)
-    assert baseline.projector is None and set(metrics) == {"mlm", "mlm_acc"}
+    assert baseline.projector is None and set(metrics) == {"mlm", "mlm_acc", "mlm_chance"}
     torch.testing.assert_close(loss, metrics["mlm"])  # gwc_weight 0: the MLM-only baseline
 
 
@@ -659,7 +659,7 @@ def test_total_loss_is_rec_plus_mlm_plus_lambda_cl(mode):
     model = cpdae.PretrainModel(c, cpdae.Encoder(c)).eval()
     batch = cpdae.Batches(c, tiny_windows(), SPECIAL, 0, 1)[0]
     total, metrics = model(batch)
-    assert set(metrics) == {"rec", "mlm", "mlm_acc", "cl", "cl_acc"}
+    assert set(metrics) == {"rec", "mlm", "mlm_acc", "mlm_chance", "cl", "cl_acc", "cl_chance"}
     torch.testing.assert_close(total, metrics["rec"] + metrics["mlm"] + 0.1 * metrics["cl"])
     with torch.no_grad():
         h_cls = model.encoder(batch["input_ids"], batch["attention_mask"].repeat(2, 1))[:, 0]  # (8, H)
@@ -1021,3 +1021,196 @@ def test_training_runs_the_functions_that_show_the_equations(monkeypatch):
     seed.PretrainModel(c, seed.Encoder(c))(batch)[0].backward()
     assert calls == {"costa.gwc_loss", "cpdae.contrastive_loss", "cpdae.js_similarity", "cpdae.reconstruction_loss",
                      "seed.decoder_loss"}
+
+
+# ==============================================================================================
+# Levers shared by the three methods (issue 19): heads that learn before they are judged
+# (--head_warmup, --head_lr), the trained text vector (--bottleneck), each term at a scale where it
+# acts (CPDAE --cl_tau / --rec_reduction, COSTA --gwc_sim), and each accuracy beside its chance
+# ==============================================================================================
+TINY = dict(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, max_len=64, batch_size=4, dropout=0.0)
+FAKE_VOCAB = [f"w{i}" for i in range(30522)]          # COSTA's stopword check: every word a content word
+
+
+def tiny_method(name, **changes):
+    """(module, PretrainModel, batch) of a tiny model of method `name` on tiny_windows()."""
+    module = {"costa": costa, "cpdae": cpdae, "seed": seed}[name]
+    c = module.Config(**{**TINY, "steps": 4, "warmup": 0.0, **changes})
+    extra = (FAKE_VOCAB,) if name == "costa" else ()
+    batch = module.Batches(c, tiny_windows(), SPECIAL, 0, 1, *extra)[0]
+    torch.manual_seed(0)
+    return module, module.PretrainModel(c, module.Encoder(c)), batch
+
+
+def optimizer_step(module, model, batch, optimizer, scheduler):
+    loss, _ = model(batch)
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("name", ["costa", "cpdae", "seed"])
+def test_head_warmup_freezes_exactly_the_encoder_then_trains_it(name):
+    module, model, batch = tiny_method(name, head_warmup=2)
+    new = {id(p) for p in model.new_parameters()}
+    heads = {n for n, p in model.named_parameters() if id(p) in new}
+    expected = {"costa": "projector.", "cpdae": "decoder.", "seed": "decoder."}[name]
+    assert {n.split(".")[0] + "." for n in heads} == {expected, "encoder."}            # its head + the new MLM head
+    assert {n for n in heads if n.startswith("encoder.")} == {f"encoder.mlm_head.{k}" for k in
+                                                               ("bias", "dense.weight", "dense.bias", "norm.weight", "norm.bias")}
+    optimizer, scheduler = module.make_optimizer(model, model.config)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for step in range(2):                                                              # the warm-up
+        optimizer_step(module, model, batch, optimizer, scheduler)
+        for n, p in model.named_parameters():
+            assert torch.equal(p, before[n]) != (n in heads), (step, n)                 # heads move, encoder not
+    optimizer_step(module, model, batch, optimizer, scheduler)                         # step 3: the encoder trains
+    assert not torch.equal(model.encoder.embeddings.word.weight, before["encoder.embeddings.word.weight"])
+    assert not torch.equal(model.encoder.blocks[0].ffn_in.weight, before["encoder.blocks.0.ffn_in.weight"])
+
+
+def test_head_schedule_and_groups():
+    """No head flags: two groups and the plain schedule (finetune.py's). --head_warmup W: the encoder's
+    factor is 0 for W steps, then its own warm-up and decay over the rest; heads: --head_lr x the plain one."""
+    c = tiny_cpdae(steps=20, warmup=0.1)
+    plain = lambda step, steps=20, start=0: (0.0 if step < start else min(
+        (step - start + 1) / max(1, int(0.1 * (steps - start))),
+        max(0.0, (steps - step) / max(1, steps - start - max(1, int(0.1 * (steps - start)))))))
+    encoder = cpdae.Encoder(c)
+    optimizer, scheduler = cpdae.make_optimizer(encoder, c)                              # no new_parameters()
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0]
+    assert [scheduler.lr_lambdas[0](s) for s in range(20)] == [plain(s) for s in range(20)]
+    model = cpdae.PretrainModel(c, encoder)
+    c = tiny_cpdae(steps=20, warmup=0.1, head_warmup=5, head_lr=10.0)
+    optimizer, scheduler = cpdae.make_optimizer(model, c)
+    assert [(g["head"], g["decay"]) for g in optimizer.param_groups] == [(False, True), (False, False), (True, True), (True, False)]
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        expected = [10 * plain(s) for s in range(20)] if group["head"] else [plain(s, start=5) for s in range(20)]
+        assert [factor(s) for s in range(20)] == pytest.approx(expected)
+    assert [factor(4) for factor in scheduler.lr_lambdas[:2]] == [0.0, 0.0]
+    with pytest.raises(ValueError, match="--head_warmup 20 leaves none of the 20 steps"):
+        cpdae.make_optimizer(model, dataclasses.replace(c, head_warmup=20))
+
+
+def test_checkpoint_heads_are_new_only_where_the_checkpoint_lacks_them():
+    _, model, _ = tiny_method("costa")
+    model.encoder.new_mlm_head = False                                 # a BERT checkpoint with its MLM head
+    assert {id(p) for p in model.new_parameters()} == {id(p) for p in model.projector.parameters()}
+    _, model, _ = tiny_method("costa", gwc_weight=0.0)                  # the MLM baseline: the MLM head only
+    assert {id(p) for p in model.new_parameters()} == {id(p) for p in model.encoder.mlm_head.parameters()}
+    assert model.encoder.embeddings.word.weight not in set(model.new_parameters())  # the tied decoder stays frozen
+
+
+def test_text_vector_mean_is_the_masked_mean():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 6, 4, generator=g)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0]])
+    got = costa.text_vector(hidden, mask, "mean")
+    for b in range(3):
+        n = int(mask[b].sum())
+        torch.testing.assert_close(got[b], sum(hidden[b, t] for t in range(n)) / n)
+    assert torch.equal(costa.text_vector(hidden, mask, "cls"), hidden[:, 0])
+    assert torch.equal(costa.text_vector(hidden, mask), hidden[:, 0])                   # the papers' by default
+
+
+@pytest.mark.parametrize("name", ["costa", "cpdae", "seed"])
+def test_bottleneck_mean_feeds_each_methods_head(name):
+    """The vector of --bottleneck mean (not [CLS]) is what COSTA projects, CPDAE decodes, SEED remembers."""
+    module, model, batch = tiny_method(name, bottleneck="mean")
+    model.eval()
+    _, metrics = model(batch)
+    mask = batch["attention_mask"].repeat(2 if name == "cpdae" else 1, 1)
+    with torch.no_grad():
+        hidden = model.encoder(batch["input_ids"], mask)
+        mean = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)           # (B, H)
+        if name == "costa":
+            spans = costa.span_vectors(hidden, batch["spans"])
+            expected, got = costa.gwc_loss(model.projector(mean), spans, model.config.tau)[0], metrics["gwc"]
+        elif name == "cpdae":
+            rec = cpdae.reconstruction_loss(model.decoder(mean), batch["bag"].repeat(2, 1))
+            expected, got = rec, metrics["rec"]
+        else:
+            states = model.decoder.decode(model.decoder.embed(batch["decoder_input"]), mean)
+            kept = batch["decoder_targets"] != -100
+            weight = model.decoder.word_embedding[0].weight
+            expected, got = seed.decoder_loss(states[kept], weight, batch["decoder_targets"][kept])[0], metrics["dec"]
+    torch.testing.assert_close(got, expected)
+    cls_model = tiny_method(name)[1].eval()
+    assert not torch.allclose(cls_model(batch)[1][{"costa": "gwc", "cpdae": "rec", "seed": "dec"}[name]], got)
+
+
+@pytest.mark.parametrize("name", ["costa", "cpdae", "seed"])
+def test_terms_sum_to_the_loss_and_every_accuracy_has_its_chance(name):
+    module, model, batch = tiny_method(name)
+    model.eval()
+    terms, metrics = model.terms(batch)
+    loss, _ = model(batch)
+    torch.testing.assert_close(loss, sum(terms.values()))
+    assert set(terms) == {"costa": {"L_MLM", "lambda L_GWC"}, "cpdae": {"L_REC", "L_MLM", "lambda L_CL"},
+                          "seed": {"L_MLM", "L_dec"}}[name]
+    accuracies = {k[:-4] for k in metrics if k.endswith("_acc")}
+    assert accuracies and {k[:-7] for k in metrics if k.endswith("_chance")} == accuracies
+    labels = batch["labels"][batch["labels"] != -100]
+    top = int(labels.bincount().argmax())                                               # no corpus token: the batch's
+    assert float(metrics["mlm_chance"]) == pytest.approx(float((labels == top).float().mean()))
+    B = batch["attention_mask"].shape[0]
+    if name == "costa":                                  # a random guess among N(S+1) - 1 candidates, S of them right
+        S = batch["spans"].shape[1]
+        assert metrics["gwc_chance"] == S / (B * (S + 1) - 1)
+    if name == "cpdae":                                  # a random guess among the 2m - 1 other views
+        assert metrics["cl_chance"] == 1 / (2 * B - 1)
+    if name == "seed":
+        model.frequent_token = 2003
+        targets = batch["decoder_targets"][batch["decoder_targets"] != -100]
+        assert float(model.terms(batch)[1]["dec_chance"]) == pytest.approx(float((targets == 2003).float().mean()))
+
+
+def test_most_frequent_token_and_its_accuracy():
+    windows = [data.Window([101, 7, 7, 9, 102], [False] * 5), data.Window([101, 9, 7, 102], [False] * 4)]
+    assert data.most_frequent_token(windows) == 7                                       # [CLS], [SEP] not counted
+    targets = torch.tensor([[7, -100, 9], [7, 7, -100]])
+    assert float(costa.most_frequent_accuracy(targets, 7)) == 0.75
+    assert float(costa.most_frequent_accuracy(targets, 9)) == 0.25
+    assert float(costa.most_frequent_accuracy(targets)) == 0.75                          # the batch's own
+    lines = costa.chance_lines({"mlm": 2.0, "mlm_acc": 0.3, "mlm_chance": 0.1, "x_acc": 0.5})
+    assert lines == ["mlm: accuracy 0.3000, chance 0.1000, ratio 3.00"]
+
+
+def test_rec_reduction_mean_is_eq4_over_the_vocabulary_size():
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(3, 20, generator=g)).requires_grad_()
+    bag = (torch.rand(3, 20, generator=g) < 0.3).float()
+    ref = reconstruction_loop(logits, bag)
+    assert abs(cpdae.reconstruction_loss(logits, bag).item() - ref.item()) < 1e-4        # default: eq. 4's sum
+    assert abs(cpdae.reconstruction_loss(logits, bag, reduction="mean").item() - ref.item() / 20) < 1e-5
+
+
+def test_cl_tau_divides_minus_js_and_tau_1_is_eq5():
+    m, v = 4, 25
+    dist1, dist2 = random_distributions(m, v, seed=4), random_distributions(m, v, seed=5)
+    literal = cpdae.gathered_contrastive_loss(dist1, dist2, cpdae.js_similarity)[0]
+    assert abs(literal.item() - contrastive_loop(dist1, dist2)) < 1e-5                    # tau 1: eq. 5
+    assert math.log(m) <= literal.item() <= math.log(2 * m - 1)                          # the bound of eq. 5
+    views = list(dist1) + list(dist2)
+    s = lambda a, b: -js_loop(a, b) / 0.05
+    expected = sum(-math.log(math.exp(s(views[i], views[m + i])) /
+                             sum(math.exp(s(views[i], views[k])) for k in range(2 * m) if k != i)) for i in range(m)) / m
+    got = cpdae.gathered_contrastive_loss(dist1, dist2, partial(cpdae.js_similarity, tau=0.05))[0]
+    assert abs(got.item() - expected) < 1e-4
+
+
+def test_gwc_cosine_is_eq8_on_unit_vectors_and_dot_is_the_default():
+    text, spans = random_group()
+    unit_text, unit_spans = F.normalize(text, dim=-1), F.normalize(spans, dim=-1)
+    torch.testing.assert_close(costa.gwc_loss(text, spans, 0.1, sim="cos")[0], naive_gwc(unit_text, unit_spans, 0.1))
+    torch.testing.assert_close(costa.gwc_loss(text, spans, 0.1)[0], naive_gwc(text, spans, 0.1))
+
+
+@pytest.mark.parametrize("name,flag", [("costa", "bottleneck"), ("costa", "gwc_sim"), ("cpdae", "rec_reduction"),
+                                       ("cpdae", "cl_mode"), ("seed", "bottleneck")])
+def test_string_flags_are_checked_against_their_choices(name, flag):
+    module = {"costa": costa, "cpdae": cpdae, "seed": seed}[name]
+    data.parse_config(module.Config, [], "", module.PAPER_PRESET, module.FLAG_RULES)
+    with pytest.raises(SystemExit, match=f"--{flag} must be one of .*, got 'avg'"):
+        data.parse_config(module.Config, [f"--{flag}", "avg"], "", module.PAPER_PRESET, module.FLAG_RULES)
