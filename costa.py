@@ -133,7 +133,7 @@ def text_vector(hidden, attention_mask, bottleneck="cls"):
     """The text's vector, the one a method trains (and retrieval should read): "cls" = the last layer's
     [CLS] state, the papers'; "mean" = the mean of the output tokens over the attention mask ([CLS],
     [SEP] and [MASK] included, padding not), the pooling all-MiniLM-L6-v2 was trained with and
-    finetune.py reads for it. Departure ("mean"): the papers bottleneck through [CLS].
+    finetune.py reads for it. Departure (option-bottleneck-mean): the papers bottleneck through [CLS].
     hidden (B, L, H), attention_mask (B, L) 1 = token -> (B, H)."""
     if bottleneck == "cls":
         return hidden[:, 0]                                                      # (B, H)
@@ -220,8 +220,8 @@ def gwc_loss(text_vecs, span_vecs, tau, n_anchors=None, sim="dot"):
     S(i): the 4T spans of text i; j runs over the batch's N text vectors and N*4T span vectors.
     text_vecs (N, H) the z_i; span_vecs (N, S, H). Anchors: texts 0 .. n_anchors-1 (default all N).
     For anchor i the S spans of text i are positives; the denominator runs over all N (S + 1) vectors
-    except z_i itself (other texts, every span, its own spans). sim = dot product (eq. 8); sim="cos":
-    cosine, an option: the dot product of unnormalised vectors makes logits of any size (89 nats at step
+    except z_i itself (other texts, every span, its own spans). sim = dot product (eq. 8).
+    Departure (option-costa-gwc-cos): sim="cos" (--gwc_sim cos), cosine / tau: the dot product of unnormalised vectors makes logits of any size (89 nats at step
     10 from MiniLM, against MLM's 10); cosine bounds them by 1/tau.
     Departure (costa-gwc-mean): the mean over the S positives, as eq. 8, then over the anchors where
     eq. 8 sums over texts, so that lambda does not scale with the batch size.

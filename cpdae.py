@@ -138,7 +138,7 @@ def text_vector(hidden, attention_mask, bottleneck="cls"):
     """The text's vector, the one a method trains (and retrieval should read): "cls" = the last layer's
     [CLS] state, the papers'; "mean" = the mean of the output tokens over the attention mask ([CLS],
     [SEP] and [MASK] included, padding not), the pooling all-MiniLM-L6-v2 was trained with and
-    finetune.py reads for it. Departure ("mean"): the papers bottleneck through [CLS].
+    finetune.py reads for it. Departure (option-bottleneck-mean): the papers bottleneck through [CLS].
     hidden (B, L, H), attention_mask (B, L) 1 = token -> (B, H)."""
     if bottleneck == "cls":
         return hidden[:, 0]                                                      # (B, H)
@@ -225,7 +225,7 @@ def reconstruction_loss(logits, bag, idf=None, reduction="sum"):
     y^j = 1 iff word j occurs in the original text (bag_of_words). Departure (cpdae-eq4-typo): eq. 4 as
     printed has log z_hat^j in its second term, a typo; we use log(1 - z_hat^j). Summed over the vocabulary as eq. 4
     writes it, then averaged over the N texts. w_j = 1, or idf[j] for IDF-REC (Table 2).
-    reduction="mean" (departure, an option): the mean over the vocabulary instead of the sum, as DupMAE
+    Departure (option-cpdae-rec-mean): reduction="mean" (--rec_reduction mean), the mean over the vocabulary instead of the sum, as DupMAE
     normalises its bag-of-words loss: the sum of 30,522 terms (~21,000 nats from MiniLM) sends the
     encoder ~10^6 times the gradient of lambda L_CL, the mean 1/|V| of it.
     BCE-with-logits (log-sigmoid) keeps it finite for any logit. fp32.
@@ -273,7 +273,7 @@ def js_similarity(anchors, candidates, chunk_size=8, tau=1.0):
     We build it chunk_size anchors at a time and checkpoint each chunk, so autograd keeps P and Q,
     not every chunk's intermediates; the backward recomputes them chunk by chunk. Same values. fp32.
     JS is in [0, ln 2], so eq. 5's L_CL is bounded: ln m <= L_CL <= ln(2m - 1) with m texts, and barely
-    moves. tau (--cl_tau, an option; 1 = the paper's): -JS / tau widens the logits to [-ln 2 / tau, 0].
+    moves. Departure (option-cpdae-cl-tau): tau (--cl_tau; 1 = the paper's): -JS / tau widens the logits to [-ln 2 / tau, 0].
     """
     dtype = torch.promote_types(anchors.dtype, torch.float32)                  # fp32 (fp64 stays, for tests)
     p, q = anchors.to(dtype), candidates.to(dtype)                              # (a, V), (b, V)

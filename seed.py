@@ -134,7 +134,7 @@ def text_vector(hidden, attention_mask, bottleneck="cls"):
     """The text's vector, the one a method trains (and retrieval should read): "cls" = the last layer's
     [CLS] state, the papers'; "mean" = the mean of the output tokens over the attention mask ([CLS],
     [SEP] and [MASK] included, padding not), the pooling all-MiniLM-L6-v2 was trained with and
-    finetune.py reads for it. Departure ("mean"): the papers bottleneck through [CLS].
+    finetune.py reads for it. Departure (option-bottleneck-mean): the papers bottleneck through [CLS].
     hidden (B, L, H), attention_mask (B, L) 1 = token -> (B, H)."""
     if bottleneck == "cls":
         return hidden[:, 0]                                                      # (B, H)
