@@ -68,13 +68,15 @@ class Config:
     tsne: str = ""                # query id for the COSTA Figure 3 t-SNE, or "auto" (first query with a hit)
     words: str = ""               # text for the CPDAE Table 4 figure (needs the CPDAE decoder)
     decoder: str = ""             # folder with cpdae.py's decoder.safetensors; "" = the model folder
+    dev_queries: int = 0          # with --split dev: the fixed sample of this many train queries that finetune.py --dev_queries holds out
 
 
 # The domain of each numeric or choice flag, checked by data.parse_config before any work.
 FLAG_RULES = {"query_len": "0 or >= 3", "passage_len": "0 or >= 3", "depth": ">= 1", "encode_batch": ">= 1",
               "k1": ">= 0", "b": "in [0, 1]", "nprobe": ">= 0", "ef_search": ">= 0", "index_train": ">= 1",
               "index": "a faiss index_factory string", "pooling": "one of {cls, mean} or empty",
-              "similarity": "one of {dot, cos} or empty"}
+              "similarity": "one of {dot, cos} or empty",
+              "dev_queries": ">= 0"}
 
 
 # ==============================================================================================
@@ -147,6 +149,21 @@ def load_split(c, split, explicit_queries="", explicit_qrels=""):
         data.check_qrels(qrels, queries, corpus, explicit_qrels)
         return corpus, {q: queries[q] for q in qrels}, qrels
     return data.load_beir(c.dataset, split)
+
+
+DEV_SEED = 20221   # the dev carve's own seed, apart from every run's --seed: one dev split for all runs
+
+
+def carve_dev(qrels, n, seed=DEV_SEED):
+    """Training qrels split into (train, dev): dev = a fixed random sample of n queries that have a
+    positive (sorted ids, numpy default_rng(seed)), the same for every run and script; train = the
+    rest. finetune.py --dev_queries n trains on train and evaluates on dev; evaluate.py --split dev
+    --dev_queries n evaluates on dev. Settings are chosen on dev, so the test split chooses nothing."""
+    judged = sorted(q for q, docs in qrels.items() if any(g > 0 for g in docs.values()))
+    if n > len(judged):
+        raise data.DataError(f"--dev_queries {n}: only {len(judged)} training queries have a positive")
+    dev = sorted(judged[i] for i in np.random.default_rng(seed).choice(len(judged), n, replace=False))
+    return {q: r for q, r in qrels.items() if q not in set(dev)}, {q: qrels[q] for q in dev}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -523,6 +540,23 @@ def paired_t_test(a, b):
     return float(result.statistic), float(result.pvalue)
 
 
+def bootstrap_difference(a, b, resamples=10000, seed=0, level=0.95):
+    """Percentile interval of mean(a - b) from a bootstrap over seeds x queries: a, b (seeds, queries)
+    arrays of a per-query metric, row s of both from seed s (the pairing is kept: a resample draws
+    seeds and queries with replacement and takes the same cells of a and b). A resample's mean is
+    w_s' D w_q / (S Q), D = a - b, w the draw counts, so all resamples are two matrix products.
+    Fixed rng (seed): the same interval every time. -> (low, high)."""
+    d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)             # (S, Q)
+    n_seeds, n_queries = d.shape
+    rng = np.random.default_rng(seed)
+    w_seeds = rng.multinomial(n_seeds, np.full(n_seeds, 1 / n_seeds), size=resamples)        # (R, S)
+    w_queries = rng.multinomial(n_queries, np.full(n_queries, 1 / n_queries), size=resamples)  # (R, Q)
+    means = np.einsum("rs,sq,rq->r", w_seeds, d, w_queries) / (n_seeds * n_queries)    # (R,)
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return float(low), float(high)
+
+
 def compare_per_query(per_query_a, per_query_b, metrics=METRICS):
     """Paired t-test of two systems' per-query metrics over the queries both were scored on
     (with the same qrels that is every counted query). -> {metric: {mean_a, mean_b, t, p, n}}."""
@@ -869,7 +903,12 @@ def main(c):
                 print(" ".join(f"{w}:{v:.3g}" for w, v, _ in words))
                 print(f"word distribution: {path}")
             return None
-        corpus, queries, qrels = load_split(c, c.split, c.queries, c.qrels)
+        if c.split == "dev" and c.dev_queries:      # the dev queries finetune.py --dev_queries held out
+            corpus, queries, qrels = load_split(c, "train", c.queries, c.qrels)
+            qrels = carve_dev(qrels, c.dev_queries)[1]
+            queries = {q: queries[q] for q in qrels}
+        else:
+            corpus, queries, qrels = load_split(c, c.split, c.queries, c.qrels)
         if c.bm25:
             if rank != 0:
                 return None

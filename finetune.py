@@ -67,6 +67,7 @@ class Config:
     query_len: int = 64           # query tokens incl. [CLS]/[SEP] (papers: 32 for MS MARCO; SciFact's claims reach 62)
     passage_len: int = 128        # passage tokens incl. [CLS]/[SEP] (papers: 128; documents 512)
     n_queries: int = 0            # low-resource setting: train on this many random training queries (0 = all)
+    dev_queries: int = 0          # hold out this many training queries as split "dev" (a fixed sample, evaluate.carve_dev): never trained on, evaluated at the end (eval-dev/)
     # --- model (sizes come from the init folder; these are for --init "")
     init: str = "minilm"          # a BERT folder, a hub id, or "minilm" (offline all-MiniLM-L6-v2); "" = random init
     pooling: str = ""             # text vector: "cls" (the papers) or "mean"; "" = what init declares, else "cls"
@@ -132,7 +133,7 @@ PAPER_PRESET = dict(lr=5e-6, batch_size=64, epochs=3.0, hard_epochs=2.0, n_negat
 
 # The domain of each numeric or choice flag, checked by data.parse_config before any work.
 FLAG_RULES = {
-    "query_len": ">= 3", "passage_len": ">= 3", "n_queries": ">= 0",  # lengths: [CLS], a token, [SEP]
+    "query_len": ">= 3", "passage_len": ">= 3", "n_queries": ">= 0", "dev_queries": ">= 0",  # lengths: [CLS], a token, [SEP]
     "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
     "max_position": ">= 1", "type_vocab_size": ">= 1", "dropout": "in [0, 1)", "layer_norm_eps": "> 0",
     "pretrain_steps": ">= 0", "n_negatives": ">= 0", "bm25_depth": ">= 1", "k1": ">= 0", "b": "in [0, 1]",
@@ -512,6 +513,7 @@ def train(c, name=""):
     c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
     tokenizer = data.load_tokenizer(tokenizer_vocab(c))
     corpus, queries, qrels = evaluate.load_split(c, c.train_split, c.queries, c.qrels)
+    qrels, dev_qrels = evaluate.carve_dev(qrels, c.dev_queries) if c.dev_queries else (qrels, {})
     if evaluates(c):                            # a bad test file stops the run now, not after training
         evaluate.load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
     doc_ids = list(corpus)
@@ -560,6 +562,9 @@ def train(c, name=""):
         save_encoder(encoder, out / "encoder", c, tokenizer_vocab(c))
         print(f"fine-tuned encoder: {out / 'encoder'}", flush=True)
     barrier()
+    if dev_qrels:                               # the held-out training queries: where settings are chosen
+        evaluate.evaluate_encoder(encoder, tokenizer, corpus, {q: queries[q] for q in dev_qrels}, dev_qrels,
+                                  out / "eval-dev", c, device, tag=f"finetune-{name.replace(' ', '-')}")
     results = None
     if evaluates(c):
         corpus, queries, qrels = evaluate.load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)

@@ -1,136 +1,271 @@
 """The study: SEED-Encoder, CPDAE and COSTA compared at an equal budget, as a results section.
 
 Every arm starts from the same checkpoint (--init), continues pre-training on the same corpus for the
-same number of steps (the same batch and window length, so the same corpus tokens), and is fine-tuned
+same number of steps (same batch and window length, so the same corpus tokens), and is fine-tuned
 identically by finetune.py; "none" fine-tunes the checkpoint directly and "mlm" is costa.py with
---gwc_weight 0 (the papers' BERT baseline). Each seed varies pre-training (masks, spans, data order)
-and fine-tuning (order, negatives). Then the low-resource curve (CPDAE Table 3, COSTA Figure 4):
-fine-tuning on a few training queries, for "none", "mlm" and the best method.
+--gwc_weight 0 (the papers' BERT baseline). One vector throughout (--vector): the one each method's own
+objective trains (--bottleneck), fine-tuning trains and evaluation reads (--pooling), for every arm.
 
-    python study.py                                    # everything, resumable: rerun to continue
-    python study.py --seeds 0 --low_resource ""        # one seed, no curve
-    python study.py --pretrain_steps 400 --finetune_args "--epochs 3"
+Design (issue 19):
+- No test leakage: finetune.py --dev_queries holds out a fixed sample of training queries (split "dev",
+  evaluate.carve_dev, its own seed); every setting is chosen on dev; test is evaluated once per run.
+- Common random numbers: seed s gives every arm the same pre-training data order, masks, head init and
+  dropout, and the same fine-tuning query sample, order and negatives (each script derives them from --seed).
+- Statistics: headline = paired t-test over seeds (each seed's mean metric, df = seeds - 1); next to it a
+  95% percentile interval of the difference from a bootstrap over queries x seeds (evaluate.bootstrap_difference);
+  std over seeds with ddof=1.
+- Zero-shot column: every pre-trained encoder evaluated before fine-tuning, with the vector it was trained on.
+- Low-resource curve: n training queries (sample s with every arm's seed-s encoder), the same number of
+  optimizer steps as the full-data run at every n, for none, mlm and the best method on DEV.
+- Provenance: each run row records the commit, whether the tree was dirty, a hash of the scripts (`code`),
+  every stage's command line and the torch version; rows of other code are refused unless --allow_mixed.
+  Each stage runs as its own process (sys.executable script.py ...), so an edit cannot mix versions mid-run.
 
-Outputs in out_dir: one folder per run (pre-training, fine-tuning, evaluation), results.jsonl (one
-line per finished run, written as soon as it finishes: a killed study continues from it), table.md,
-bars.png, low_resource.png and (with the cpdae arm) cpdae_gradients.md: each term of CPDAE's eq. 6 and
-the gradient norm it sends into the encoder, at the start and after pre-training.
+    python study.py                              # the whole study; resumable: rerun to continue, or to print the table
+    python study.py --seeds 0 --low_resource ""  # one seed, no curve
+    python study.py --arm_args "costa:--head_warmup 20;cpdae:--cl_weight 1" --vector cls
+    python study.py --quick --out_dir /tmp/q     # tiny end-to-end check (a tiny model on a SciFact subset)
+
+Outputs: results_dir (committed) holds runs/*.json (one row per finished run, written when it finishes,
+with per-query nDCG@10 / MRR@10 / Recall@100 on dev and test), table.md, differences.png and
+low_resource.png; out_dir (gitignored) holds the run folders (checkpoints, logs). A rerun skips every run
+whose row exists, so a fresh clone prints the same table without training.
 """
 import dataclasses
+import hashlib
+import importlib
+import importlib.metadata
 import json
+import re
 import shlex
+import shutil
+import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 import data
 import evaluate
-import finetune
+
+HERE = Path(__file__).resolve().parent
 
 
 @dataclass
 class Config:
     init: str = "minilm"          # the starting checkpoint of every arm (folder, hub id or "minilm")
     arms: str = "none,mlm,seed,cpdae,costa"  # none = no continued pre-training; mlm = costa.py --gwc_weight 0
-    seeds: str = "0,1,2"          # one run per arm and seed
-    pretrain_steps: int = 50      # continued pre-training steps of every method (batch 32 x 128 tokens each; 2 h in all on 2 cores)
-    pretrain_args: str = ""       # more flags for every pre-training script, e.g. "--batch_size 16"
-    finetune_args: str = ""       # more flags for every fine-tuning, e.g. "--epochs 3"
-    low_resource: str = "50,100,200"  # training-query counts of the curve ("" = no curve); all 809 = the seed runs
-    samples: int = 3              # random query samples per count
-    out_dir: str = "runs/study"   # runs, results.jsonl, table.md and the figures go here
+    seeds: str = "0,1,2,3,4"      # one run per arm and seed; seed s is the same random numbers in every arm
+    vector: str = "mean"          # "cls" or "mean": what pre-training trains (--bottleneck), fine-tuning and evaluation read (--pooling)
+    similarity: str = ""          # "dot" or "cos" for fine-tuning and evaluation; "" = what init declares (MiniLM: cos), else dot
+    pretrain_steps: int = 50      # continued pre-training steps of every method (batch 32 x 128 tokens each)
+    pretrain_lr: float = 5e-5     # continued pre-training learning rate of every method
+    pretrain_args: str = ""       # more flags for every pre-training script, e.g. "--head_warmup 20"
+    arm_args: str = ""            # more flags per arm, "arm:flags;arm:flags", e.g. "cpdae:--cl_weight 1;costa:--head_warmup 20"
+    finetune_args: str = ""       # more flags for every fine-tuning, e.g. "--lr 5e-5"
+    dataset: str = str(data.SCIFACT)  # BEIR folder: pre-training corpus, training queries (minus dev), test
+    dev_queries: int = 150        # training queries held out as the dev split (fixed: evaluate.carve_dev)
+    query_len: int = 64           # query tokens, fine-tuning and evaluation alike
+    passage_len: int = 128        # passage tokens, fine-tuning and evaluation alike
+    low_resource: str = "50,100,200"  # training-query counts of the curve ("" = no curve)
+    curve_arms: str = ""          # arms of the curve; "" = none, mlm and the method with the best DEV nDCG@10
+    resamples: int = 10000        # bootstrap resamples (queries x seeds) per interval
+    out_dir: str = "runs/study"   # run folders: checkpoints, logs (not committed)
+    results_dir: str = "results/study"  # per-run rows (committed), table.md and figures
+    allow_mixed: bool = False     # make a table from rows of other code (another scripts hash) too
+    quick: bool = False           # tiny end-to-end check: a tiny model on a SciFact subset, seconds per run
     preset: str = ""              # (no preset; the shared parser knows this field)
 
 
-FLAG_RULES = {"pretrain_steps": ">= 1", "samples": ">= 1", "arms": "names from {none, mlm, seed, cpdae, costa}"}
+FLAG_RULES = {"pretrain_steps": ">= 1", "pretrain_lr": "> 0", "dev_queries": ">= 1", "query_len": ">= 3",
+              "passage_len": ">= 3", "resamples": ">= 100",
+              "arms": "names from {none, mlm, seed, cpdae, costa}", "vector": "one of {cls, mean}",
+              "similarity": "one of {dot, cos} or empty", "curve_arms": "names from {none, mlm, seed, cpdae, costa} or empty"}
 ARMS = {"none": None, "mlm": ("costa", "--gwc_weight 0"), "seed": ("seed", ""), "cpdae": ("cpdae", ""),
         "costa": ("costa", "")}
-REPORTED = ("NDCG@10", "MRR@10", "Recall@100")
+REPORTED = ("NDCG@10", "MRR@10", "Recall@100")       # what the rows keep per query
+SCRIPTS = ("study.py", "data.py", "evaluate.py", "finetune.py", "costa.py", "cpdae.py", "seed.py")
+SET_BY_STUDY = ("init", "seed", "out_dir", "pooling", "similarity", "bottleneck", "dev_queries", "n_queries",
+                "dataset", "corpus", "query_len", "passage_len", "overwrite", "resume")
+DEFAULT_SECONDS = {"pretrain": 240, "zero_shot": 60, "finetune": 200, "gradients": 60}  # MiniLM, 2 CPU cores
+QUICK = dict(arms="none,costa", seeds="0,1", pretrain_steps=2, dev_queries=4, query_len=32, passage_len=64,
+             pretrain_args="--batch_size 4 --max_len 64 --log_every 1", arm_args="",
+             finetune_args="--steps 2 --batch_size 4 --log_every 1", low_resource="4", curve_arms="",
+             resamples=1000)
 
 
 def numbers(text):
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-# ----------------------------------------------------------------------------------------------
-# Runs: one pre-training (unless "none") and one fine-tuning each, recorded in results.jsonl
-# ----------------------------------------------------------------------------------------------
-def finished_runs(path):
-    return {r["key"]: r for r in map(json.loads, path.read_text().splitlines())} if path.is_file() else {}
+def parse_arm_args(text, arms):
+    """'arm:flags;arm:flags' -> {arm: flags}; an arm not in ARMS is one clear error."""
+    out = {}
+    for part in filter(str.strip, text.split(";")):
+        arm, sep, flags = part.partition(":")
+        if not sep or arm.strip() not in ARMS:
+            raise ValueError(f"--arm_args: expected 'arm:flags' with arm one of {', '.join(ARMS)}, got {part!r}")
+        out[arm.strip()] = f"{out.get(arm.strip(), '')} {flags}".strip()
+    return out
 
 
-def run_one(c, key, arm, seed, n_queries=0, init=""):
-    """Pre-train (arm's method, unless init is given or the arm is "none"), fine-tune, evaluate.
-    A run that did not finish before a crash starts again from scratch (--overwrite)."""
+def check_flags(c):
+    """Before any work (after FLAG_RULES): no flag the study sets itself inside the free-form flags."""
+    for name, text in (("pretrain_args", c.pretrain_args), ("finetune_args", c.finetune_args),
+                       *(("arm_args", t) for t in parse_arm_args(c.arm_args, ARMS).values())):
+        given = {f.removeprefix("--") for f in shlex.split(text) if f.startswith("--")}
+        clash = sorted(given & set(SET_BY_STUDY))
+        if clash:
+            raise ValueError(f"--{name}: --{clash[0]} is set by the study itself (use the study's own flag)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Provenance: the commit, a hash of the scripts, each stage's command
+# ----------------------------------------------------------------------------------------------
+def code_hash():
+    """sha256 of the scripts the stages run (12 hex digits): two rows with the same hash ran the same code."""
+    h = hashlib.sha256()
+    for name in SCRIPTS:
+        h.update(name.encode() + b"\0" + (HERE / name).read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def git_state(results_dir):
+    """(commit, dirty): dirty = tracked or untracked changes outside results_dir and runs/."""
+    def git(*args):
+        r = subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+    commit = git("rev-parse", "HEAD") or "unknown"
+    try:
+        rel = Path(results_dir).resolve().relative_to(HERE)
+        status = git("status", "--porcelain", "--", ".", f":(exclude){rel}")
+    except ValueError:
+        status = git("status", "--porcelain")
+    return commit, bool(status)
+
+
+def provenance(c):
+    commit, dirty = git_state(c.results_dir)
+    return {"commit": commit, "dirty": dirty, "code": code_hash(), "torch": importlib.metadata.version("torch"),
+            "python": sys.version.split()[0]}
+
+
+# ----------------------------------------------------------------------------------------------
+# Stages: each its own process, its output in a log file next to its outputs
+# ----------------------------------------------------------------------------------------------
+def run_stage(cmd, log_path):
+    """Run one stage (pre-train, evaluate, fine-tune) as `sys.executable script.py ...`; its output goes
+    to log_path. Returns (command line, seconds). A failed stage stops the study with its last lines."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    with open(log_path, "w", encoding="utf-8") as log:
+        code = subprocess.run(cmd, cwd=HERE, stdout=log, stderr=subprocess.STDOUT).returncode
+    if code:
+        tail = "\n".join(log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-15:])
+        raise RuntimeError(f"stage failed (exit {code}): {shlex.join(cmd)}\n--- {log_path} (last lines)\n{tail}")
+    return shlex.join(cmd), time.time() - t0
+
+
+def pretrain_command(c, arm, seed, folder):
+    method, own = ARMS[arm]
+    corpus = data._find(c.dataset, "corpus.jsonl")
+    return ([sys.executable, f"{method}.py", "--init", c.init, "--corpus", str(corpus), "--lr", str(c.pretrain_lr),
+             "--steps", str(c.pretrain_steps), "--seed", str(seed), "--out_dir", str(folder), "--overwrite", "--bottleneck", c.vector]
+            + shlex.split(own) + shlex.split(c.pretrain_args) + shlex.split(parse_arm_args(c.arm_args, ARMS).get(arm, "")))
+
+
+def retriever_flags(c):
+    return ["--dataset", c.dataset, "--dev_queries", str(c.dev_queries), "--pooling", c.vector,
+            "--similarity", c.similarity, "--query_len", str(c.query_len), "--passage_len", str(c.passage_len)]
+
+
+def read_metrics(folder):
+    """metrics.json -> (means of REPORTED, {qid: [values of REPORTED], rounded})."""
+    m = json.loads((Path(folder) / "metrics.json").read_text())
+    per_query = {q: [round(v[k], 4) for k in REPORTED] for q, v in m["per_query"].items()}
+    return {k: m["metrics"][k] for k in REPORTED}, per_query
+
+
+def last_log_line(folder):
+    lines = (Path(folder) / "log.jsonl").read_text().splitlines() if (Path(folder) / "log.jsonl").is_file() else []
+    return json.loads(lines[-1]) if lines else {}
+
+
+def pretrained_encoder(c, arm, seed, record):
+    """The arm's seed-`seed` encoder folder: pre-trained now unless a finished one is there (the curve
+    re-uses the full run's; on a fresh clone it is trained again, the same command). None for "none"."""
+    if not ARMS[arm]:
+        return c.init
+    folder = Path(c.out_dir) / arm / f"seed{seed}" / "pretrain"
+    cmd = pretrain_command(c, arm, seed, folder)
+    done = folder / "study-done.json"
+    marker = {"command": shlex.join(cmd), "code": code_hash()}
+    if not (done.is_file() and json.loads(done.read_text()) == marker):
+        record["commands"]["pretrain"], record["seconds"]["pretrain"] = run_stage(cmd, folder.parent / "pretrain.log")
+        data.atomic_write_json(done, marker)
+    record["commands"].setdefault("pretrain", shlex.join(cmd))
+    record["pretrain_log"] = last_log_line(folder)
+    return str(folder / "encoder")
+
+
+def zero_shot(c, arm, seed, encoder, split, row):
+    """The encoder before fine-tuning, on dev or test, with the vector it was trained on. "none" has one
+    encoder (the checkpoint) for every seed: evaluated once, its folder re-used by the other seeds."""
+    out = Path(c.out_dir) / arm / ("zero-shot" if not ARMS[arm] else f"seed{seed}") / f"zero-shot-{split}"
+    cmd = [sys.executable, "evaluate.py", "--model", encoder, "--split", split, "--out_dir", str(out),
+           "--tag", f"{arm}-zero-shot", *retriever_flags(c)]
+    marker = {"command": shlex.join(cmd), "code": code_hash()}
+    if not ((out / "study-done.json").is_file() and json.loads((out / "study-done.json").read_text()) == marker):
+        row["seconds"][f"zero_shot_{split}"] = run_stage(cmd, out / "log.txt")[1]
+        data.atomic_write_json(out / "study-done.json", marker)
+    row["commands"][f"zero_shot_{split}"] = shlex.join(cmd)
+    return read_metrics(out)[0]
+
+
+def run_one(c, arm, seed, n_queries=0, steps=0):
+    """One row: pre-training (unless "none"), zero-shot on dev and test (full-data runs), fine-tuning
+    (dev held out) and its evaluation on dev and test. n_queries > 0: the curve, with --steps steps."""
+    key = f"{arm}/seed{seed}" if not n_queries else f"{arm}/n{n_queries}/seed{seed}"
     folder = Path(c.out_dir) / key
-    argv = ["--init", c.init, "--out_dir", str(folder), "--seed", str(seed), "--overwrite",
-            "--n_queries", str(n_queries), "--pretrain_steps", str(c.pretrain_steps)] + shlex.split(c.finetune_args)
-    fc = data.parse_config(finetune.Config, argv, "", finetune.PAPER_PRESET, finetune.FLAG_RULES)
-    # Pooling and similarity come from the starting checkpoint (MiniLM: mean, cosine), for every arm: a
-    # pre-trained folder declares none, and would otherwise fall back to the papers' [CLS] and dot product.
-    fc = finetune.retriever_settings(dataclasses.replace(fc, init=data.resolve_model(fc.init)))
-    if init:                                         # the curve: an arm's pre-trained encoder, or c.init
-        fc = dataclasses.replace(fc, init=init)
-    elif ARMS[arm]:
-        method, args = ARMS[arm]
-        fc = dataclasses.replace(fc, pretrain=method, pretrain_args=f"{args} {c.pretrain_args}")
-        fc = dataclasses.replace(fc, init=finetune.pretrain(fc))
-    means, _ = finetune.train(fc, name=key)
-    _, queries, qrels = evaluate.load_split(fc, fc.train_split, fc.queries, fc.qrels)
-    n_train = n_queries or sum(any(g > 0 for g in judged.values()) for judged in qrels.values())  # as finetune counts
-    return {"key": key, "arm": arm, "seed": seed, "n_queries": n_queries, "n_train": n_train, "metrics": means,
-            "per_query": str(folder / f"eval-{fc.eval_split}" / "metrics.json"),
-            "pretrained": fc.init if ARMS[arm] else ""}
-
-
-def run_all(c):
-    """Every run the study needs, skipping those already in results.jsonl; returns them all."""
-    path = Path(c.out_dir) / "results.jsonl"
-    done = finished_runs(path)
-    plan = [(f"{arm}/seed{s}", arm, s, 0, "") for arm in c.arms.split(",") for s in numbers(c.seeds)]
-    for key, arm, seed, n, init in plan:
-        if key not in done:
-            done[key] = run_one(c, key, arm, seed, n, init)
-            with open(path, "a", encoding="utf-8") as f:   # one line per finished run, at once
-                f.write(json.dumps(done[key]) + "\n")
-    if numbers(c.low_resource):
-        for arm in curve_arms(c, done):
-            pretrained = done[f"{arm}/seed{numbers(c.seeds)[0]}"]["pretrained"]
-            for n in numbers(c.low_resource):
-                for s in range(c.samples):
-                    key = f"{arm}/n{n}/sample{s}"
-                    if key not in done:
-                        done[key] = run_one(c, key, arm, s, n, pretrained)
-                        with open(path, "a", encoding="utf-8") as f:
-                            f.write(json.dumps(done[key]) + "\n")
-    return done
-
-
-def curve_arms(c, done):
-    """none, mlm and the method with the best mean nDCG@10 over the seeds (when they were run)."""
-    methods = [a for a in c.arms.split(",") if a not in ("none", "mlm")]
-    mean = lambda arm: np.mean([r["metrics"]["NDCG@10"] for r in done.values() if r["arm"] == arm and not r["n_queries"]])
-    best = [max(methods, key=mean)] if methods else []
-    return [a for a in ("none", "mlm") if a in c.arms.split(",")] + best
+    row = {"key": key, "arm": arm, "seed": seed, "n_queries": n_queries, "vector": c.vector,
+           "similarity": c.similarity, **provenance(c), "commands": {}, "seconds": {}}
+    encoder = pretrained_encoder(c, arm, seed, row)
+    if not n_queries:
+        row["zero_shot"] = {split: zero_shot(c, arm, seed, encoder, split, row) for split in ("dev", "test")}
+        if ARMS[arm] and seed == numbers(c.seeds)[0]:
+            row["gradients"] = gradients_in_subprocess(ARMS[arm][0], Path(encoder).parent, row)
+    cmd = ([sys.executable, "finetune.py", "--init", encoder, "--seed", str(seed), "--out_dir", str(folder / "finetune"),
+            "--overwrite", *retriever_flags(c)] + shlex.split(c.finetune_args)
+           + (["--n_queries", str(n_queries), "--steps", str(steps)] if n_queries else []))
+    row["commands"]["finetune"], row["seconds"]["finetune"] = run_stage(cmd, folder / "finetune.log")
+    row["finetune_steps"] = json.loads((folder / "finetune" / "stage1" / "config.json").read_text())["steps"]
+    row["n_train"] = int(re.search(r"stage1: (\d+) queries", (folder / "finetune.log").read_text()).group(1))
+    row["metrics"], row["per_query"] = {}, {}
+    for split in ("dev", "test"):
+        row["metrics"][split], row["per_query"][split] = read_metrics(folder / "finetune" / f"eval-{split}")
+    return row
 
 
 # ----------------------------------------------------------------------------------------------
-# Why CPDAE does (not) help: the gradient each term of eq. 6 sends into the encoder
+# Why a method does (not) act: the gradient each term of its objective sends into the encoder
 # ----------------------------------------------------------------------------------------------
-def cpdae_gradient_norms(pretrain_folder, n_batches=4):
-    """L2 norm of each term's gradient on the encoder's parameters (mean over n_batches training
-    batches), at the start (the init checkpoint, new decoder) and after pre-training (state.pt)."""
-    import cpdae
-    c = cpdae.Config(**data.read_json(Path(pretrain_folder) / "config.json"))
-    windows = cpdae.load_windows(c, 0)
-    batches = cpdae.Batches(c, windows, windows.special, 0, 1)
+def gradient_norms(method, pretrain_folder, n_batches=4):
+    """L2 norm of each term's gradient on the encoder's parameters (mean over the run's first n_batches
+    batches), at the start (the init checkpoint, new heads, seeded as the run seeded them) and after
+    pre-training (state.pt): {when: {term: [loss, norm]}}. Terms come from PretrainModel.terms(batch).
+    Runs in its own process (the study imports no method file)."""
+    import torch
+    module = importlib.import_module(method)
+    c = module.Config(**data.read_json(Path(pretrain_folder) / "config.json"))
+    windows = module.load_windows(c, 0)
+    batches = module.make_batches(c, windows, 0, 1)                          # the run's batches, in its order
     rows = {}
     for when in ("start", "after"):
-        torch.manual_seed(c.seed)                                                # the same new decoder as the run's
-        model = cpdae.PretrainModel(c, cpdae.Encoder.from_pretrained(c.init, c) if c.init else cpdae.Encoder(c))
+        torch.manual_seed(c.seed)                                                # the same new heads as the run's
+        encoder = module.Encoder.from_pretrained(c.init, c) if c.init else module.Encoder(c)
+        model = module.build_model(c, encoder, windows, 0)                       # the run's hook (IDF, frequent token)
         if when == "after":
             model.load_state_dict(data.load_training_state(Path(pretrain_folder) / "state.pt")["model"])
         params = [p for p in model.encoder.parameters() if p.requires_grad]
@@ -139,10 +274,18 @@ def cpdae_gradient_norms(pretrain_folder, n_batches=4):
             torch.manual_seed(data.step_seed(c.seed, 0, i))                      # dropout as in training
             for name, loss in model.terms(batches[i])[0].items():
                 grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-                norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads if g is not None))
-                norms.setdefault(name, []).append((loss.item(), norm.item()))
+                norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads if g is not None) + 0.0)
+                norms.setdefault(name, []).append((loss.item(), float(norm)))
         rows[when] = {name: np.mean(v, axis=0).tolist() for name, v in norms.items()}
     return rows
+
+
+def gradients_in_subprocess(method, folder, row):
+    cmd = [sys.executable, "-c", "import json, sys, study; print(json.dumps(study.gradient_norms(sys.argv[1], sys.argv[2])))",
+           method, str(folder)]
+    log = Path(folder).parent / "gradients.log"
+    row["commands"]["gradients"], row["seconds"]["gradients"] = run_stage(cmd, log)
+    return json.loads(log.read_text().strip().splitlines()[-1])
 
 
 def format_gradient_norms(rows, steps):
@@ -154,86 +297,302 @@ def format_gradient_norms(rows, steps):
 
 
 # ----------------------------------------------------------------------------------------------
-# Report: table with mean +- std over seeds and paired t-tests, figures
+# The plan, resumable: a run whose row is in results_dir is never run again
 # ----------------------------------------------------------------------------------------------
-def per_query_mean(runs):
-    """Per-query metrics averaged over runs (seeds): the unit of the paired t-test is the query."""
-    tables = [json.loads(Path(r["per_query"]).read_text())["per_query"] for r in runs]
-    return {q: {m: float(np.mean([t[q][m] for t in tables])) for m in evaluate.METRICS} for q in tables[0]}
+def row_path(c, key):
+    return Path(c.results_dir) / "runs" / (key.replace("/", "-") + ".json")
 
 
-def report(c, done):
+def load_rows(c):
+    """Every row in results_dir; rows of other code (another scripts hash) stop the study unless --allow_mixed."""
+    rows = {}
+    for path in sorted((Path(c.results_dir) / "runs").glob("*.json")):
+        try:
+            row = json.loads(path.read_text())
+        except ValueError:
+            raise data.DataError(f"{path}: not a JSON row (a cut write?); delete it to run it again") from None
+        rows[row["key"]] = row
+    here = code_hash()
+    other = sorted({(r["code"], r["commit"][:10]) for r in rows.values() if r["code"] != here})
+    if other and not c.allow_mixed:
+        raise data.DataError(f"{c.results_dir}: {sum(r['code'] != here for r in rows.values())} rows come from other "
+                             f"code (scripts hash, commit: {other[:3]}) than this one ({here}); move them away to "
+                             f"run them again, or pass --allow_mixed to mix them knowingly")
+    return rows
+
+
+def estimate(rows, stage):
+    seen = [s for r in rows.values() for k, s in r["seconds"].items() if k.startswith(stage)]
+    return float(np.median(seen)) if seen else DEFAULT_SECONDS[stage]
+
+
+def run_cost(c, rows, arm, n_queries):
+    cost = estimate(rows, "finetune")
+    if not n_queries:
+        cost += 2 * estimate(rows, "zero_shot") + (estimate(rows, "pretrain") if ARMS[arm] else 0)
+    return cost
+
+
+def run_plan(c, plan, rows, t0, done_before):
+    """Run every (arm, seed, n, steps) not yet in rows, printing progress and ETA; returns rows."""
+    todo = [p for p in plan if p[0] not in rows]
+    total = len(plan)
+    for i, (key, arm, seed, n, steps) in enumerate(todo):
+        left = sum(run_cost(c, rows, a, m) for _, a, _, m, _ in todo[i:])
+        print(f"[{total - len(todo) + i + 1}/{total}] {key}: running | elapsed {format_seconds(time.time() - t0)} | "
+              f"eta {format_seconds(left)}", flush=True)
+        before = code_hash()
+        row = run_one(c, arm, seed, n, steps)
+        if code_hash() != before:
+            raise RuntimeError(f"{key}: the scripts changed while it ran; its row is not written (rerun the study)")
+        rows[key] = row
+        data.atomic_write_json(row_path(c, key), row)    # at once: a killed study continues from it
+    return rows
+
+
+def full_plan(c):
+    return [(f"{a}/seed{s}", a, s, 0, 0) for a in c.arms.split(",") for s in numbers(c.seeds)]
+
+
+def curve_plan(c, rows):
+    arms = curve_arms(c, rows)
+    return [(f"{a}/n{n}/seed{s}", a, s, n, rows[f"none/seed{s}"]["finetune_steps"] if f"none/seed{s}" in rows
+             else rows[f"{a}/seed{s}"]["finetune_steps"]) for a in arms for n in numbers(c.low_resource)
+            for s in numbers(c.seeds)]
+
+
+def curve_arms(c, rows):
+    """--curve_arms, else none, mlm and the method with the best mean DEV nDCG@10 over the seeds."""
+    if c.curve_arms:
+        return c.curve_arms.split(",")
     arms = c.arms.split(",")
-    seed_runs = {a: [r for r in done.values() if r["arm"] == a and not r["n_queries"]] for a in arms}
-    averaged = {a: per_query_mean(runs) for a, runs in seed_runs.items()}
-    lines = [f"| arm | {' | '.join(REPORTED)} | nDCG@10 p vs mlm | nDCG@10 p vs none |", "|---" * (len(REPORTED) + 3) + "|"]
+    methods = [a for a in arms if a not in ("none", "mlm")]
+    dev = lambda arm: np.mean([rows[f"{arm}/seed{s}"]["metrics"]["dev"]["NDCG@10"] for s in numbers(c.seeds)])
+    return [a for a in ("none", "mlm") if a in arms] + ([max(methods, key=dev)] if methods else [])
+
+
+def print_plan(c, rows):
+    full = full_plan(c)
+    todo = [p for p in full if p[0] not in rows]
+    n_curve = len(numbers(c.low_resource)) * len(numbers(c.seeds)) * (len(c.curve_arms.split(",")) if c.curve_arms else
+                                                                    min(3, len(c.arms.split(","))))
+    seconds = sum(run_cost(c, rows, a, n) for _, a, _, n, _ in todo)
+    curve_seconds = n_curve * estimate(rows, "finetune")
+    print(f"study plan: {len(full)} full-data runs ({len(full) - len(todo)} done), then {n_curve} curve runs | "
+          f"vector {c.vector}, {c.similarity}, {len(numbers(c.seeds))} seeds, dev {c.dev_queries} queries | estimated "
+          f"{format_seconds(seconds)} + curve up to {format_seconds(curve_seconds)} (medians of the finished stages, "
+          f"else {DEFAULT_SECONDS})", flush=True)
+
+
+def format_seconds(s):
+    s = int(s)
+    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+# ----------------------------------------------------------------------------------------------
+# Report: seed-level tests, bootstrap intervals, objective vs chance, figures
+# ----------------------------------------------------------------------------------------------
+def per_query_matrix(runs, split, metric):
+    """(seeds, queries) array of one metric, queries in sorted id order; runs sorted by seed."""
+    j = REPORTED.index(metric)
+    qids = sorted(runs[0]["per_query"][split])
+    return np.array([[r["per_query"][split][q][j] for q in qids] for r in runs])
+
+
+def compare(a_runs, b_runs, split, metric, resamples):
+    """A vs B over the seeds both have: difference of means, paired t over seed means, bootstrap interval."""
+    seeds = sorted({r["seed"] for r in a_runs} & {r["seed"] for r in b_runs})
+    a = per_query_matrix([r for r in a_runs if r["seed"] in seeds], split, metric)
+    b = per_query_matrix([r for r in b_runs if r["seed"] in seeds], split, metric)
+    t, p = evaluate.paired_t_test(a.mean(1), b.mean(1))          # over seeds, df = seeds - 1
+    low, high = evaluate.bootstrap_difference(a, b, resamples) if len(seeds) else (np.nan, np.nan)
+    return {"diff": float((a - b).mean()), "low": low, "high": high, "p": p, "seeds": len(seeds)}
+
+
+def arm_table(c, full, split):
+    arms = [a for a in c.arms.split(",") if full.get(a)]
+    refs = [b for b in ("none", "mlm") if full.get(b)]
+    head = (["arm", "seeds", "zero-shot nDCG@10"] + list(REPORTED)
+            + [f"nDCG@10 {w} vs {b}" for b in refs for w in ("diff [95% CI]", "p")])
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for a in arms:
-        cells = [f"{np.mean(v):.4f} +- {np.std(v):.4f}" for v in
-                 ([r["metrics"][m] for r in seed_runs[a]] for m in REPORTED)]
-        tests = [evaluate.compare_per_query(averaged[a], averaged[b], ["NDCG@10"])["NDCG@10"]["p"]
-                 if b in averaged and b != a else float("nan") for b in ("mlm", "none")]
-        lines.append(f"| {a} | {' | '.join(cells)} | " + " | ".join("" if np.isnan(p) else f"{p:.3g}" for p in tests) + " |")
-    table = "\n".join(lines)
-    seeds = len(numbers(c.seeds))
-    text = (f"{seeds} seeds, mean +- std over seeds; p: paired two-tailed t-test over the test queries of the "
-            f"per-query metric averaged over seeds.\n\n{table}\n")
-    data.atomic_write_text(Path(c.out_dir) / "table.md", text)
+        runs = full[a]
+        cell = lambda v: f"{np.mean(v):.4f} +- {np.std(v, ddof=1):.4f}" if len(v) > 1 else f"{np.mean(v):.4f}"
+        cells = [a, str(len(runs)), cell([r["zero_shot"][split]["NDCG@10"] for r in runs])]
+        cells += [cell([r["metrics"][split][m] for r in runs]) for m in REPORTED]
+        for b in refs:
+            if b == a:
+                cells += ["", ""]
+                continue
+            d = compare(runs, full[b], split, "NDCG@10", c.resamples)
+            cells += [f"{d['diff']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]", f"{d['p']:.3g}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def chance_table(full):
+    """Each pre-training arm's own objective against its trivial baseline at its last logged step."""
+    lines = ["| arm | accuracy | at the end | chance | ratio |", "|---|---|---|---|---|"]
+    for arm, runs in full.items():
+        logs = [r.get("pretrain_log") or {} for r in runs]
+        for key in sorted({k for log in logs for k in log if k.endswith("_acc")}):
+            acc = np.mean([log[key] for log in logs if key in log])
+            chances = [log[key + "_chance"] for log in logs if key + "_chance" in log]
+            chance = f"{np.mean(chances):.4f}" if chances else "n/a"
+            ratio = f"{acc / np.mean(chances):.2f}" if chances and np.mean(chances) > 0 else "n/a"
+            lines.append(f"| {arm} | {key} | {acc:.4f} | {chance} | {ratio} |")
+    return "\n".join(lines)
+
+
+def curve_table(rows, split="test"):
+    curve = [r for r in rows.values() if r["n_queries"]]
+    arms = list(dict.fromkeys(r["arm"] for r in curve))
+    ns = sorted({r["n_queries"] for r in curve})
+    lines = ["| arm | " + " | ".join(f"n = {n}" for n in ns) + " |", "|---" * (len(ns) + 1) + "|"]
+    for a in arms:
+        cells = []
+        for n in ns:
+            v = [r["metrics"][split]["NDCG@10"] for r in curve if r["arm"] == a and r["n_queries"] == n]
+            cells.append(f"{np.mean(v):.4f} +- {np.std(v, ddof=1):.4f}" if len(v) > 1 else f"{np.mean(v):.4f}")
+        lines.append(f"| {a} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(c, rows):
+    full = {a: sorted((r for r in rows.values() if r["arm"] == a and not r["n_queries"]), key=lambda r: r["seed"])
+            for a in c.arms.split(",")}
+    full = {a: runs for a, runs in full.items() if runs}
+    some = next(iter(rows.values()))
+    commits = sorted({(r["commit"][:10], r["code"], r["dirty"]) for r in rows.values()})
+    parts = [f"# The study\n\nVector {some['vector']} in pre-training, fine-tuning and evaluation ({some['similarity']}); "
+             f"code {commits} (commit, scripts hash, dirty); torch {some['torch']}.\n",
+             "mean +- std over seeds (ddof=1). diff: mean difference in nDCG@10, paired by seed; [95% CI]: "
+             f"percentile interval from a bootstrap over queries x seeds ({c.resamples} resamples, pairing kept); "
+             "p: two-tailed paired t-test over seeds of each seed's mean nDCG@10 (df = seeds - 1).\n"]
+    for split in ("test", "dev"):
+        n_q = len(next(iter(full.values()))[0]["per_query"][split])
+        parts.append(f"## {split} ({n_q} queries{'; settings are chosen here' if split == 'dev' else ''})\n\n"
+                     f"{arm_table(c, full, split)}\n")
+    parts.append(f"## Each arm's own objective at the end of pre-training vs its chance level (mean over seeds)\n\n"
+                 f"{chance_table({a: r for a, r in full.items() if ARMS[a]})}\n")
+    for a, runs in full.items():
+        grads = [r["gradients"] for r in runs if r.get("gradients")]
+        if grads:
+            parts.append(f"## {a}: gradient norm of each term on the encoder (seed {runs[0]['seed']})\n\n"
+                         f"{format_gradient_norms(grads[0], c.pretrain_steps)}\n")
+    if any(r["n_queries"] for r in rows.values()):
+        arms = list(dict.fromkeys(r["arm"] for r in rows.values() if r["n_queries"]))
+        parts.append(f"## Low-resource curve, test nDCG@10 (arms {', '.join(arms)}, the method picked on dev; "
+                     f"the same optimizer steps at every n as the full-data run; sample s with seed-s encoders)\n\n"
+                     f"{curve_table(rows)}\n")
+    text = "\n".join(parts)
+    data.atomic_write_text(Path(c.results_dir) / "table.md", text)
     print(text)
-    plot_bars(seed_runs, Path(c.out_dir) / "bars.png")
-    if "cpdae" in arms:
-        folder = Path(seed_runs["cpdae"][0]["pretrained"]).parent
-        norms = format_gradient_norms(cpdae_gradient_norms(folder), c.pretrain_steps)
-        print(norms)
-        data.atomic_write_text(Path(c.out_dir) / "cpdae_gradients.md", norms + "\n")
-    curve = [r for r in done.values() if r["n_queries"]]
-    if curve:
-        plot_curve(curve, seed_runs, Path(c.out_dir) / "low_resource.png")
+    plot_differences(c, full, Path(c.results_dir) / "differences.png")
+    if any(r["n_queries"] for r in rows.values()):
+        plot_curve(rows, full, Path(c.results_dir) / "low_resource.png")
+    return text
 
 
-def plot_bars(seed_runs, path):
+def plot_differences(c, full, path, split="test"):
+    """Each arm minus "none" per metric, with the bootstrap 95% interval; 0 (no difference) marked."""
+    if "none" not in full or len(full) < 2:
+        return
     plt = evaluate._pyplot()
-    fig, axes = plt.subplots(1, len(REPORTED), figsize=(4 * len(REPORTED), 3.2))
+    arms = [a for a in full if a != "none"]
+    fig, axes = plt.subplots(1, len(REPORTED), figsize=(4 * len(REPORTED), 3.2), sharey=False)
     for ax, m in zip(axes, REPORTED):
-        values = [[r["metrics"][m] for r in runs] for runs in seed_runs.values()]
-        ax.bar(list(seed_runs), [np.mean(v) for v in values], yerr=[np.std(v) for v in values], capsize=4,
-               color="#4c72b0")
-        low = min(min(v) for v in values)
-        ax.set_ylim(max(0.0, low - 0.05), None)
-        ax.set_title(m)
-    fig.suptitle("Continued pre-training, then fine-tuning (mean +- std over seeds)", y=1.04)
+        ds = [compare(full[a], full["none"], split, m, c.resamples) for a in arms]
+        ax.errorbar(range(len(arms)), [d["diff"] for d in ds], fmt="o", capsize=4, color="#4c72b0",
+                    yerr=[[d["diff"] - d["low"] for d in ds], [d["high"] - d["diff"] for d in ds]])
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(arms)), arms)
+        ax.set_title(f"{m}: arm minus none")
+    axes[0].set_ylabel("difference (0 = as none)")
+    fig.suptitle(f"{split}: difference from fine-tuning the checkpoint directly, 95% bootstrap interval "
+                 f"(queries x seeds)", y=1.04)
     evaluate._save_figure(fig, path)
 
 
-def plot_curve(curve, seed_runs, path):
+def plot_curve(rows, full, path, split="test"):
+    """Test nDCG@10 against training queries; y axis from 0; bars: std over seeds (ddof=1)."""
     plt = evaluate._pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.5))
+    curve = [r for r in rows.values() if r["n_queries"]]
+    ticks = set()
     for arm in dict.fromkeys(r["arm"] for r in curve):
         ns = sorted({r["n_queries"] for r in curve if r["arm"] == arm})
-        values = [[r["metrics"]["NDCG@10"] for r in curve if r["arm"] == arm and r["n_queries"] == n] for n in ns]
-        ns, values = ns + [seed_runs[arm][0]["n_train"]], values + [[r["metrics"]["NDCG@10"] for r in seed_runs[arm]]]
-        ax.errorbar(ns, [np.mean(v) for v in values], yerr=[np.std(v) for v in values], marker="o", capsize=3, label=arm)
+        values = [[r["metrics"][split]["NDCG@10"] for r in curve if r["arm"] == arm and r["n_queries"] == n] for n in ns]
+        if arm in full:                                      # the full-data runs close the curve
+            ns, values = ns + [full[arm][0]["n_train"]], values + [[r["metrics"][split]["NDCG@10"] for r in full[arm]]]
+        ticks |= set(ns)
+        ax.errorbar(ns, [np.mean(v) for v in values], yerr=[np.std(v, ddof=1) if len(v) > 1 else 0 for v in values],
+                    marker="o", capsize=3, label=arm)
     ax.set_xscale("log")
-    ticks = sorted({r["n_queries"] for r in curve} | {runs[0]["n_train"] for runs in seed_runs.values() if runs})
-    ax.set_xticks(ticks, [str(n) for n in ticks])                 # the counts themselves, not 10^k labels
+    ax.set_xticks(sorted(ticks), [str(n) for n in sorted(ticks)])
     ax.minorticks_off()
+    ax.set_ylim(0, None)
     ax.set_xlabel("training queries")
-    ax.set_ylabel("nDCG@10")
+    ax.set_ylabel(f"{split} nDCG@10 (axis from 0)")
     ax.legend()
     evaluate._save_figure(fig, path)
 
 
+# ----------------------------------------------------------------------------------------------
+# --quick: a tiny model on a SciFact subset, the whole study in seconds
+# ----------------------------------------------------------------------------------------------
+def quick_setup(c):
+    """Writes (once) a tiny BEIR folder cut from the bundled SciFact and a tiny random BERT under out_dir."""
+    root = Path(c.out_dir) / "quick-data"
+    beir, init = root / "scifact-subset", root / "tiny-bert"
+    if not (init / "config.json").is_file():
+        import gzip
+        src = Path(data.SCIFACT)
+        corpus, _, train = data.load_beir(src, "train")
+        _, _, test = data.load_beir(src, "test")
+        queries = data.read_queries(data._find(src, "queries.jsonl"))
+        train, test = dict(sorted(train.items())[:16]), dict(sorted(test.items())[:8])
+        keep = sorted({d for qr in (train, test) for docs in qr.values() for d in docs} | set(list(corpus)[:40]))
+        (beir / "qrels").mkdir(parents=True, exist_ok=True)
+        with gzip.open(beir / "corpus.jsonl.gz", "wt") as f:
+            f.writelines(json.dumps({"_id": d, "title": corpus[d]["title"], "text": corpus[d]["text"]}) + "\n" for d in keep)
+        (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": q, "text": queries[q]}) + "\n"
+                                                    for q in [*train, *test]))
+        for name, qr in (("train", train), ("test", test)):
+            (beir / "qrels" / f"{name}.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
+                f"{q}\t{d}\t{g}\n" for q, docs in qr.items() for d, g in docs.items()))
+        subprocess.run([sys.executable, "-c", "import sys, torch, finetune; torch.manual_seed(0); finetune.Encoder("
+                        "finetune.Config(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, dropout=0.0))"
+                        ".save_pretrained(sys.argv[1])", str(init)], cwd=HERE, check=True)
+    return dataclasses.replace(c, **QUICK, init=str(init), dataset=str(beir))
+
+
 def main(argv):
     c = data.parse_config(Config, argv, __doc__, {}, FLAG_RULES)
-    unknown = [a for a in c.arms.split(",") if a not in ARMS]
-    if unknown:
-        raise ValueError(f"--arms: unknown {unknown}; choose from {', '.join(ARMS)}")
-    report(c, run_all(c))
+    if c.quick:
+        if c.out_dir == Config.out_dir:
+            c = dataclasses.replace(c, out_dir="runs/study-quick")
+        if c.results_dir == Config.results_dir:
+            c = dataclasses.replace(c, results_dir=str(Path(c.out_dir) / "results"))
+        c = quick_setup(c)
+    check_flags(c)
+    if not c.similarity:                      # the checkpoint's own similarity (MiniLM: cos), else the papers' dot
+        c = dataclasses.replace(c, similarity=data.read_retriever_settings(data.resolve_model(c.init)).get("similarity", "dot"))
+    t0 = time.time()
+    rows = load_rows(c)
+    print_plan(c, rows)
+    rows = run_plan(c, full_plan(c), rows, t0, len(rows))
+    if numbers(c.low_resource):
+        rows = run_plan(c, curve_plan(c, rows), rows, t0, len(rows))
+    plan = full_plan(c) + (curve_plan(c, rows) if numbers(c.low_resource) else [])
+    report(c, {key: rows[key] for key, *_ in plan})          # in plan order: the same table on every rerun
+    print(f"study: {format_seconds(time.time() - t0)}; rows in {Path(c.results_dir) / 'runs'}")
 
 
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except ValueError as e:   # data.DataError is one: bad input, one line
+    except (ValueError, RuntimeError) as e:   # data.DataError is a ValueError: bad input, one line
         data.exit_with(f"error: {e}", 1)
     except KeyboardInterrupt:
-        data.exit_with("interrupted; the same command continues (finished runs are kept in results.jsonl)", 130)
+        data.exit_with("interrupted; the same command continues (finished runs are kept in results/study/runs)", 130)

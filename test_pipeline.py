@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -1519,48 +1520,117 @@ def test_class8_all_zero_judged_queries_count_as_zero_like_trec_eval(tmp_path):
 
 
 # ------------------------------------------------------------------ the study (study.py)
-def test_study_runs_every_arm_writes_table_and_figures_and_resumes(tmp_path, capsys):
+def test_dev_split_is_fixed_and_disjoint_from_training_and_test():
+    _, _, train = data.load_beir(data.SCIFACT, "train")
+    _, _, test = data.load_beir(data.SCIFACT, "test")
+    rest, dev = evaluate.carve_dev(train, 150)
+    assert len(dev) == 150 and len(rest) == len(train) - 150
+    assert not set(dev) & set(rest) and not set(dev) & set(test)
+    assert all(any(g > 0 for g in dev[q].values()) for q in dev)            # dev queries have a positive
+    shuffled = dict(sorted(train.items(), reverse=True))                    # the carve ignores dict order
+    assert evaluate.carve_dev(shuffled, 150)[1] == dev
+    assert list(evaluate.carve_dev(train, 150, seed=1)[1]) != list(dev)     # it is the fixed seed that fixes it
+    with pytest.raises(data.DataError, match="--dev_queries 5000"):
+        evaluate.carve_dev(train, 5000)
+
+
+def test_seed_level_paired_t_test_by_hand():
+    # Seed means of A and B differ by 0.01 .. 0.05: mean 0.03, sd sqrt(2.5) * 0.01, t = 0.03 / (sd / sqrt 5),
+    # df = 4; two-tailed p from Student's t table: 0.013236.
+    b = np.array([0.60, 0.62, 0.58, 0.61, 0.59])
+    a = b + np.array([1, 2, 3, 4, 5]) / 100
+    t, p = evaluate.paired_t_test(a, b)
+    assert t == pytest.approx(0.03 / (math.sqrt(2.5) * 0.01 / math.sqrt(5)))
+    assert t == pytest.approx(4.242641, abs=1e-5) and p == pytest.approx(0.013236, abs=1e-6)
+
+
+def test_bootstrap_difference_against_exact_enumeration():
+    # Constant difference: the interval is that difference.
+    assert evaluate.bootstrap_difference(np.full((3, 4), 0.7), np.full((3, 4), 0.5), 500) == pytest.approx((0.2, 0.2))
+    # 2 seeds, 1 query, differences 0 and 1: resample means 0, 0.5, 1 with chances 1/4, 1/2, 1/4,
+    # so the 2.5% and 97.5% points are exactly 0 and 1.
+    assert evaluate.bootstrap_difference(np.array([[0.0], [1.0]]), np.zeros((2, 1)), 4000) == (0.0, 1.0)
+    # 3 seeds x 3 queries: every one of the 27 x 27 equally likely resamples, enumerated.
+    d = np.random.default_rng(5).normal(size=(3, 3))
+    import itertools
+    draws = list(itertools.product(range(3), repeat=3))
+    exact = [d[np.ix_(s, q)].mean() for s in draws for q in draws]
+    low, high = evaluate.bootstrap_difference(d, np.zeros_like(d), 100_000)
+    spread = np.ptp(exact)
+    assert low == pytest.approx(np.percentile(exact, 2.5), abs=0.01 * spread)
+    assert high == pytest.approx(np.percentile(exact, 97.5), abs=0.01 * spread)
+    # Pairing kept: a large seed effect shared by A and B cancels; the interval is the constant 0.01.
+    seed_effect = np.array([[0.0], [0.3], [-0.2]])
+    b = np.full((3, 5), 0.5) + seed_effect
+    assert evaluate.bootstrap_difference(b + 0.01, b, 500) == pytest.approx((0.01, 0.01))
+
+
+def test_study_flags_per_arm_and_refuses_its_own():
     import study
 
-    beir = _scifact_subset(tmp_path / "beir", n_train=12, n_test=8, n_other=40)
-    out = tmp_path / "study"
-    init = _tiny_init(tmp_path / "tiny")
-    data.write_retriever_settings(init, "mean", "cos", 64, 64)     # a starting point that declares its vectors
-    argv = ["--init", init, "--arms", "none,mlm,costa", "--seeds", "0,1",
-            "--pretrain_steps", "2", "--pretrain_args", "--batch_size 4 --max_len 64 --log_every 1",
-            "--finetune_args", f"--dataset {beir} --steps 2 --batch_size 4 --passage_len 64 --log_every 1",
-            "--low_resource", "4", "--samples", "2", "--out_dir", str(out)]
+    assert study.parse_arm_args("costa:--head_warmup 20;cpdae:--cl_weight 1; costa:--tau 0.1", study.ARMS) == {
+        "costa": "--head_warmup 20 --tau 0.1", "cpdae": "--cl_weight 1"}
+    c = study.Config(arm_args="mlm:--mask_prob 0.3", pretrain_args="--batch_size 8")
+    cmd = study.pretrain_command(c, "mlm", 3, "out")
+    assert cmd[1] == "costa.py" and " --gwc_weight 0 --batch_size 8 --mask_prob 0.3" in " ".join(cmd)
+    assert ("--bottleneck" in cmd) == study.supports_flag("costa.py", "bottleneck")
+    for bad, match in ((dict(finetune_args="--pooling cls"), "--pooling is set by the study"),
+                       (dict(arm_args="cpdae:--seed 3"), "--seed is set by the study"),
+                       (dict(arm_args="bert:--x 1"), "arm:flags"), (dict(vector="max"), "--vector")):
+        with pytest.raises(ValueError, match=match):
+            study.check_flags(dataclasses.replace(c, **bad))
+
+
+def test_study_quick_end_to_end_resumes_without_training_and_refuses_mixed_code(tmp_path, capsys, monkeypatch):
+    import study
+
+    out, results = tmp_path / "study", tmp_path / "results"
+    argv = ["--quick", "--out_dir", str(out), "--results_dir", str(results)]
     study.main(argv)
-    runs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    # 3 arms x 2 seeds, then the curve for none, mlm and the best method (costa): 3 x 1 count x 2 samples.
-    assert [r["key"] for r in runs[:6]] == ["none/seed0", "none/seed1", "mlm/seed0", "mlm/seed1", "costa/seed0", "costa/seed1"]
-    assert sorted(r["key"] for r in runs[6:]) == sorted(f"{a}/n4/sample{s}" for a in ("none", "mlm", "costa") for s in (0, 1))
-    assert (out / "mlm" / "seed1" / "pretrain" / "encoder" / "config.json").is_file()
-    assert json.loads((out / "mlm" / "seed0" / "pretrain" / "config.json").read_text())["gwc_weight"] == 0.0
-    for run in ("none/seed0", "costa/seed1", "costa/n4/sample0"):   # every arm fine-tunes with the init's vectors
-        settings = data.read_retriever_settings(out / run / "encoder")
-        assert (settings["pooling"], settings["similarity"]) == ("mean", "cos"), run
-    table = (out / "table.md").read_text()
-    for arm in ("none", "mlm", "costa"):
-        assert re.search(rf"^\| {arm} \| 0\.\d{{4}} \+- 0\.\d{{4}} \|", table, re.M), arm
-    assert (out / "bars.png").stat().st_size > 1000 and (out / "low_resource.png").stat().st_size > 1000
-    # Resumable: a run missing from results.jsonl is the only one run again.
-    kept = (out / "results.jsonl").read_text().splitlines()
-    (out / "results.jsonl").write_text("\n".join(kept[:-1]) + "\n")
-    before = (out / "none" / "seed0" / "eval-test" / "metrics.json").stat().st_mtime_ns
+    rows = {p.stem: json.loads(p.read_text()) for p in (results / "runs").glob("*.json")}
+    full = [f"{a}-seed{s}" for a in ("none", "costa") for s in (0, 1)]
+    assert sorted(rows) == sorted(full + [f"{a}-n4-seed{s}" for a in ("none", "costa") for s in (0, 1)])
+    _, _, train = data.load_beir(out / "quick-data" / "scifact-subset", "train")
+    _, _, test = data.load_beir(out / "quick-data" / "scifact-subset", "test")
+    for key in full:
+        r = rows[key]
+        assert r["code"] == study.code_hash() and len(r["commit"]) == 40 and r["torch"]
+        assert sorted(r["per_query"]["dev"]) == sorted(evaluate.carve_dev(train, 4)[1])   # the fixed dev queries
+        assert sorted(r["per_query"]["test"]) == sorted(test)
+        assert r["n_train"] == len(train) - 4                                               # dev is not trained on
+        assert "--pooling mean" in r["commands"]["finetune"] and "--pooling mean" in r["commands"]["zero_shot_dev"]
+        assert set(r["zero_shot"]) == {"dev", "test"}
+    assert rows["costa-seed0"]["commands"]["pretrain"].split()[1] == "costa.py"
+    assert "pretrain_log" in rows["costa-seed1"] and "gradients" in rows["costa-seed0"]
+    for s in (0, 1):   # the curve: sample s with seed s, as many steps as the full-data run
+        assert f"--n_queries 4 --steps {rows[f'none-seed{s}']['finetune_steps']}" in rows[f"costa-n4-seed{s}"]["commands"]["finetune"]
+    table = (results / "table.md").read_text()
+    assert "paired t-test over seeds" in table and "bootstrap over queries x seeds" in table
+    assert re.search(r"^\| costa \| 2 \| 0\.\d{4} \+- 0\.\d{4} \| .* \| [+-]0\.\d{4} \[[+-]0\.\d{4}, [+-]0\.\d{4}\] \| [\d.]+", table, re.M)
+    assert "## dev (4 queries" in table and "| costa | mlm_acc |" in table
+    for figure in ("differences.png", "low_resource.png"):
+        assert (results / figure).stat().st_size > 1000
+    # A rerun (a fresh clone: no run folders) trains nothing and prints the same table.
+    shutil.rmtree(out / "none")
+    calls = []
+    monkeypatch.setattr(study, "run_stage", lambda cmd, log: calls.append(cmd) or pytest.fail(f"ran {cmd}"))
     capsys.readouterr()
     study.main(argv)
-    assert len((out / "results.jsonl").read_text().splitlines()) == len(kept)
-    assert (out / "none" / "seed0" / "eval-test" / "metrics.json").stat().st_mtime_ns == before
-    assert capsys.readouterr().out.count("stage1: done") == 1
+    assert not calls and (results / "table.md").read_text() == table and table in capsys.readouterr().out
+    # A row from other code is refused, unless asked for.
+    row = json.loads((results / "runs" / "none-seed1.json").read_text())
+    (results / "runs" / "none-seed1.json").write_text(json.dumps({**row, "code": "0123456789ab"}))
+    with pytest.raises(data.DataError, match="1 rows come from other code"):
+        study.main(argv)
+    study.main(argv + ["--allow_mixed"])
 
 
-def test_cpdae_gradient_norms_per_term_start_where_training_started(tmp_path, small_corpus):
+def test_gradient_norms_per_term_start_where_training_started(tmp_path, small_corpus):
     import study
 
     run_script([str(a) for a in [HERE / "cpdae.py", "--corpus", small_corpus, *TINY_ARGS, "--steps", "2",
                                  "--bf16", "false", "--out_dir", tmp_path / "cp"]], tmp_path)
-    rows = study.cpdae_gradient_norms(tmp_path / "cp", n_batches=1)
+    rows = study.gradient_norms("cpdae", tmp_path / "cp", n_batches=1)
     first = json.loads((tmp_path / "cp" / "log.jsonl").read_text().splitlines()[0])    # step 1: batch 0
     assert first["step"] == 1
     start = rows["start"]
