@@ -17,7 +17,7 @@ Design (issue 19):
 - Zero-shot column: every pre-trained encoder evaluated before fine-tuning, with the vector it was trained on.
 - Low-resource curve: n training queries (sample s with every arm's seed-s encoder), the same number of
   optimizer steps as the full-data run at every n, for none, mlm and the best method on DEV.
-- Provenance: each run row records the commit, whether the tree was dirty, a hash of the scripts (`code`),
+- Provenance: each run row records the commit, whether the scripts differed from it (dirty), a hash of the scripts (`code`),
   every stage's command line and the torch version; rows of other code are refused unless --allow_mixed.
   Each stage runs as its own process (sys.executable script.py ...), so an edit cannot mix versions mid-run.
 
@@ -132,22 +132,16 @@ def code_hash():
     return h.hexdigest()[:12]
 
 
-def git_state(results_dir):
-    """(commit, dirty): dirty = tracked or untracked changes outside results_dir and runs/."""
+def git_state():
+    """(commit, dirty): dirty = the scripts the stages run differ from that commit (README or test edits do not count)."""
     def git(*args):
         r = subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True)
         return r.stdout.strip() if r.returncode == 0 else None
-    commit = git("rev-parse", "HEAD") or "unknown"
-    try:
-        rel = Path(results_dir).resolve().relative_to(HERE)
-        status = git("status", "--porcelain", "--", ".", f":(exclude){rel}")
-    except ValueError:
-        status = git("status", "--porcelain")
-    return commit, bool(status)
+    return git("rev-parse", "HEAD") or "unknown", bool(git("status", "--porcelain", "--", *SCRIPTS))
 
 
 def provenance(c):
-    commit, dirty = git_state(c.results_dir)
+    commit, dirty = git_state()
     return {"commit": commit, "dirty": dirty, "code": code_hash(), "torch": importlib.metadata.version("torch"),
             "python": sys.version.split()[0]}
 

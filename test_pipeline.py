@@ -1573,12 +1573,15 @@ def test_study_flags_per_arm_and_refuses_its_own():
     c = study.Config(arm_args="mlm:--mask_prob 0.3", pretrain_args="--batch_size 8")
     cmd = study.pretrain_command(c, "mlm", 3, "out")
     assert cmd[1] == "costa.py" and " --gwc_weight 0 --batch_size 8 --mask_prob 0.3" in " ".join(cmd)
-    assert ("--bottleneck" in cmd) == study.supports_flag("costa.py", "bottleneck")
+    assert cmd[cmd.index("--bottleneck") + 1] == c.vector        # the vector pre-training trains is the one read
     for bad, match in ((dict(finetune_args="--pooling cls"), "--pooling is set by the study"),
                        (dict(arm_args="cpdae:--seed 3"), "--seed is set by the study"),
-                       (dict(arm_args="bert:--x 1"), "arm:flags"), (dict(vector="max"), "--vector")):
+                       (dict(arm_args="bert:--x 1"), "arm:flags")):
         with pytest.raises(ValueError, match=match):
             study.check_flags(dataclasses.replace(c, **bad))
+    for flags in (["--vector", "max"], ["--arms", "none,bert"], ["--arms", "none,none"]):
+        with pytest.raises(SystemExit, match=f"--{flags[0][2:]}"):
+            data.parse_config(study.Config, flags, "", {}, study.FLAG_RULES)
 
 
 def test_study_quick_end_to_end_resumes_without_training_and_refuses_mixed_code(tmp_path, capsys, monkeypatch):
