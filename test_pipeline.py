@@ -1880,3 +1880,14 @@ def test_long_steps_print_progress_with_rate_and_eta(tmp_path, capsys, monkeypat
                        ("BM25 search:", "queries"), ("encoding:", "texts"), ("searching:", "queries")):
         assert re.search(rf"^{what} {number}/{number} {unit} \| {number} {unit}/s \| elapsed {time_} \| eta {time_}$",
                          printed, re.M), (what, printed)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux only")
+def test_benchmark_peak_rss_counts_the_steps_not_the_setup():
+    import benchmark
+
+    setup = np.ones(300 * 2**20, dtype=np.uint8)          # 300 MiB touched, as reading a corpus would
+    before = benchmark.peak_rss_mib()
+    del setup
+    assert benchmark.reset_peak_rss()
+    assert benchmark.peak_rss_mib() < before - 200        # the setup's peak is gone from the mark
