@@ -26,7 +26,9 @@ import operator
 import os
 import resource
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -1029,6 +1031,7 @@ def train(c):
     autocast = autocast_bf16(device, c.bf16)
     progress = Progress(c, start_step, is_rank0)
     batches, step, saved = iter(loader), start_step, start_step
+    ctrl_c = catch_ctrl_c()
     try:
         for step in range(start_step + 1, c.steps + 1):
             for micro in range(c.grad_accum):
@@ -1055,6 +1058,8 @@ def train(c):
                 saved = step
             if step == c.halt_at:
                 break
+            if ctrl_c:          # a Ctrl-C whose KeyboardInterrupt Python dropped (see catch_ctrl_c)
+                raise KeyboardInterrupt
     except KeyboardInterrupt:
         last = f"last checkpoint at step {saved} in {c.out_dir}" if saved else f"no checkpoint yet in {c.out_dir}"
         raise Interrupted(f"interrupted at step {step}; {last}; continue with --resume") from None
@@ -1114,6 +1119,19 @@ def finish_checkpoint_switch(out):
             os.replace(out / "encoder", old_encoder)
         os.replace(new_encoder, out / "encoder")
     shutil.rmtree(old_encoder, ignore_errors=True)
+
+
+def catch_ctrl_c():
+    """Ctrl-C raises KeyboardInterrupt as usual, and is also recorded in the returned list: Python drops
+    a KeyboardInterrupt raised while it runs a finalizer ("Exception ignored in ..."), and the training
+    loop then still stops at the end of the step. A SIGINT that the shell ignores stays ignored."""
+    seen = []
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler and threading.current_thread() is threading.main_thread():
+        def on_ctrl_c(signum, frame):
+            seen.append(signum)
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, on_ctrl_c)
+    return seen
 
 
 def run_command_line(run):
