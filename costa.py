@@ -963,7 +963,7 @@ def train(c):
     autocast = autocast_bf16(device, c.bf16)
     progress = Progress(c, start_step, is_rank0)
     batches, step, saved = iter(loader), start_step, start_step
-    ctrl_c = catch_ctrl_c()
+    ctrl_c, restore_sigint = catch_ctrl_c()
     try:
         for step in range(start_step + 1, c.steps + 1):
             for micro in range(c.grad_accum):
@@ -995,6 +995,8 @@ def train(c):
     except KeyboardInterrupt:
         last = f"last checkpoint at step {saved} in {c.out_dir}" if saved else f"no checkpoint yet in {c.out_dir}"
         raise Interrupted(f"interrupted at step {step}; {last}; continue with --resume") from None
+    finally:
+        restore_sigint()   # the caller's own handler again (a test, a notebook, study.py)
     if is_rank0:
         print(f"done: {progress.summary(device)}; encoder in {Path(c.out_dir) / 'encoder'}")
     if world > 1:
@@ -1056,14 +1058,16 @@ def finish_checkpoint_switch(out):
 def catch_ctrl_c():
     """Ctrl-C raises KeyboardInterrupt as usual, and is also recorded in the returned list: Python drops
     a KeyboardInterrupt raised while it runs a finalizer ("Exception ignored in ..."), and the training
-    loop then still stops at the end of the step. A SIGINT that the shell ignores stays ignored."""
-    seen = []
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler and threading.current_thread() is threading.main_thread():
-        def on_ctrl_c(signum, frame):
-            seen.append(signum)
-            raise KeyboardInterrupt
-        signal.signal(signal.SIGINT, on_ctrl_c)
-    return seen
+    loop then still stops at the end of the step. A SIGINT that the shell ignores stays ignored.
+    Returns (that list, a function that puts the previous handler back)."""
+    seen, before = [], signal.getsignal(signal.SIGINT)
+    if before is not signal.default_int_handler or threading.current_thread() is not threading.main_thread():
+        return seen, lambda: None
+    def on_ctrl_c(signum, frame):
+        seen.append(signum)
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, on_ctrl_c)
+    return seen, lambda: signal.signal(signal.SIGINT, before)
 
 
 def run_command_line(run):

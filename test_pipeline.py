@@ -1800,6 +1800,21 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, small_corpus):
     assert match and int(match.group(1)) >= 3 and saved >= 2, err
 
 
+def test_catch_ctrl_c_records_the_signal_and_puts_the_old_handler_back():
+    import signal
+    import cpdae
+    import seed as seed_encoder
+    for method in (costa, cpdae, seed_encoder):
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        seen, restore = method.catch_ctrl_c()
+        assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        with pytest.raises(KeyboardInterrupt):
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+        assert seen == [signal.SIGINT]
+        restore()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_bad_files_give_one_line_not_a_traceback(tmp_path):
     for grade, message in (("inf", "is not an integer"), ("1.7", "is not an integer"), ("x", "is not a number")):
         path = write(tmp_path / f"q-{grade}.tsv", f"query-id\tcorpus-id\tscore\nq1\td1\t{grade}\n")
