@@ -345,14 +345,15 @@ def run_plan(c, plan, rows, t0, done_before):
 
 
 def full_plan(c):
-    return [(f"{a}/seed{s}", a, s, 0, 0) for a in c.arms.split(",") for s in numbers(c.seeds)]
+    """Seed-major: a study stopped part-way holds every arm of its first seeds (paired comparisons)."""
+    return [(f"{a}/seed{s}", a, s, 0, 0) for s in numbers(c.seeds) for a in c.arms.split(",")]
 
 
 def curve_plan(c, rows):
     arms = curve_arms(c, rows)
     return [(f"{a}/n{n}/seed{s}", a, s, n, rows[f"none/seed{s}"]["finetune_steps"] if f"none/seed{s}" in rows
-             else rows[f"{a}/seed{s}"]["finetune_steps"]) for a in arms for n in numbers(c.low_resource)
-            for s in numbers(c.seeds)]
+             else rows[f"{a}/seed{s}"]["finetune_steps"]) for s in numbers(c.seeds) for n in numbers(c.low_resource)
+            for a in arms]
 
 
 def curve_arms(c, rows):
