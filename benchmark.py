@@ -14,6 +14,7 @@ method's own masking), with the same model size and batch, for --steps optimizer
     python benchmark.py                                   # speed table, goals, then all variants
     python benchmark.py --st                              # ... plus finetune.py against sentence-transformers
     python benchmark.py --micro                           # dropout and attention: ours against torch's
+    python benchmark.py --gpu                             # BERT-base, batch 32 x 512, on one GPU: MFU per method
     python benchmark.py --variants costa-mlm,hf-bert-mlm --steps 20
     python benchmark.py --set batch_size=64 --set max_len=256
     python benchmark.py --js                              # CPDAE's contrastive loss: chunked vs naive memory
@@ -64,9 +65,9 @@ VARIANTS = {
 }
 
 
-def load_batches(module, c, n_batches):
-    """The first n_batches of the method's own data path, built from 40 real articles."""
-    texts = data.read_pretraining_texts(c.corpus)[:40]
+def load_batches(module, c, n_batches, n_texts=40):
+    """The first n_batches of the method's own data path, built from n_texts real articles."""
+    texts = data.read_pretraining_texts(c.corpus)[:n_texts]
     with tempfile.TemporaryDirectory() as tmp:
         c.corpus = str(Path(tmp) / "corpus.jsonl")
         Path(c.corpus).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
@@ -503,15 +504,22 @@ def counted_flops(fn):
     return counter.get_total_flops()
 
 
-def pretrain_step(module, c, batches):
-    """A closure running one full pre-training step (forward, backward, AdamW) on the next batch."""
-    model = module.PretrainModel(c, module.Encoder(c)).train()
+def pretrain_step(module, c, batches, device=torch.device("cpu"), hf=False):
+    """A closure running one full pre-training step (forward, backward, AdamW) on the next batch; with hf,
+    of transformers' BertForMaskedLM on the same batches."""
+    if hf:
+        forward, model = hf_model(c)
+    else:
+        model = module.PretrainModel(c, module.Encoder(c))
+        forward = lambda batch: model(batch)[0]
+    model.to(device).train()
     optimizer, _ = module.make_optimizer(model, c)
-    autocast, it = module.autocast_bf16(torch.device("cpu"), c.bf16), iter(batches * 1000)
+    batches = [{k: v.to(device) for k, v in batch.items()} for batch in batches]
+    autocast, it = module.autocast_bf16(device, c.bf16), iter(batches * 1000)
 
     def step(optimize=True):
         with autocast:
-            loss = model(next(it))[0]
+            loss = forward(next(it))
         loss.backward()
         if optimize:
             optimizer.step()
@@ -630,6 +638,65 @@ def speed_table(reps, quick=False):
         print(f"| {name} | {size} | {ms:,.0f} | {f / 1e9:.1f}{check} | {achieved:,.0f} | {share:.0%} |", flush=True)
         out.append({"name": name, "size": size, "ms": ms, "flops": f, "share": share})
     return out
+
+
+# --gpu: the papers' size on one GPU, as model FLOP utilisation (MFU)
+# ----------------------------------------------------------------------------------------------
+BERT_BASE = {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "ffn_size": 3072}
+NOMINAL_BF16_TFLOPS = {"H100 80GB HBM3": 989, "H100 PCIe": 756, "H200": 989, "A100": 312}   # dense, spec sheets
+
+
+def cuda_matmul_rate(m, k, n, reps=20):
+    """TFLOP/s of one bf16 (m, k) @ (k, n) matmul on the GPU: the median of reps, each timed by CUDA events."""
+    a, b = (torch.randn(m, k, device="cuda").bfloat16(), torch.randn(k, n, device="cuda").bfloat16())
+    times = []
+    for _ in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return 2 * m * k * n / np.median(times[3:]) / 1e12
+
+
+def gpu_table(batch, length, steps, warmup, variants):
+    """BERT-base (the papers' size) on one GPU at batch x length, bf16 autocast, one variant after the other
+    in this process: step time, tokens/s, peak memory, FLOPs per step (FlopCounterMode, forward + backward)
+    and MFU, the achieved FLOP/s over the measured bf16 matmul rate and over the card's nominal peak."""
+    device, name = torch.device("cuda"), torch.cuda.get_device_name()
+    nominal = next((v for k, v in NOMINAL_BF16_TFLOPS.items() if k in name), None)
+    rate, ceiling = cuda_matmul_rate(batch * length, 768, 3072), cuda_matmul_rate(8192, 8192, 8192)
+    print(f"{name}: bf16 matmul {rate:,.0f} TFLOP/s at (B*L x 768) @ (768 x 3072), {ceiling:,.0f} at 8192^3; "
+          f"nominal dense bf16 peak {nominal or '?'} TFLOP/s", flush=True)
+    print(f"\n| step, 12x768, batch {batch} x {length} | ms/step | tokens/s | peak GiB | TFLOP/step | TFLOP/s "
+          f"| MFU (measured rate) | MFU (nominal) |\n|---|---|---|---|---|---|---|---|")
+    for variant in variants:
+        module_name, fixed = VARIANTS[variant]
+        module = importlib.import_module(module_name)
+        c = module.Config(**{**fixed, **BERT_BASE, "max_len": length, "batch_size": batch})
+        c.steps = 10 ** 6
+        torch.manual_seed(0)
+        batches = load_batches(module, c, 4, n_texts=400)
+        step = pretrain_step(module, c, batches, device, hf=variant == "hf-bert-mlm")
+        step()
+        flops = counted_flops(lambda: step(optimize=False))
+        tokens = sum(int(b["attention_mask"].sum()) for b in batches) / len(batches)
+        for _ in range(warmup):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        s = (time.perf_counter() - t0) / steps
+        achieved = flops / s / 1e12
+        print(f"| {variant} | {1000 * s:,.1f} | {tokens / s:,.0f} | {torch.cuda.max_memory_allocated() / 2**30:.1f} | "
+              f"{flops / 1e12:.2f} | {achieved:,.0f} | {achieved / rate:.0%} | "
+              f"{f'{achieved / nominal:.0%}' if nominal else '?'} |", flush=True)
+        del step
+        torch.cuda.empty_cache()
 
 
 def st_one(which, n_steps, warmup):
@@ -791,6 +858,9 @@ def main():
     parser.add_argument("--st_steps", type=int, default=8, help="--st: timed steps per process")
     parser.add_argument("--st_pairs", type=int, default=2, help="--st: process pairs, alternated")
     parser.add_argument("--micro", action="store_true", help="dropout and attention: ours against torch's")
+    parser.add_argument("--gpu", action="store_true", help="BERT-base on one GPU: step time, memory and MFU per method")
+    parser.add_argument("--gpu_batch", type=int, default=32, help="--gpu: texts per step")
+    parser.add_argument("--gpu_len", type=int, default=512, help="--gpu: tokens per text")
     parser.add_argument("--st-one", help=argparse.SUPPRESS)
     parser.add_argument("--js-one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -829,6 +899,11 @@ def main():
         return
     if args.micro:
         micro_table()
+        return
+    if args.gpu:
+        if not torch.cuda.is_available():
+            sys.exit("error: --gpu: no CUDA device")
+        gpu_table(args.gpu_batch, args.gpu_len, args.steps, args.warmup, [v for v in args.variants.split(",") if v])
         return
     variants = [v for v in args.variants.split(",") if v]          # "" = no per-variant table
     unknown = [v for v in variants if v not in VARIANTS]
