@@ -696,11 +696,14 @@ def setup_distributed():
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    local_rank = int(os.environ["LOCAL_RANK"])
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if backend == "nccl" and local_world > torch.cuda.device_count():
+        raise ValueError(f"torchrun --nproc_per_node={local_world}, but this machine has {torch.cuda.device_count()} "
+                         f"GPU(s): one process per GPU (CUDA_VISIBLE_DEVICES= runs every process on the CPU)")
     device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)   # NCCL bound to its GPU
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -1067,7 +1070,7 @@ def train(c):
         restore_sigint()   # the caller's own handler again (a test, a notebook, study.py)
     if is_rank0:
         print(f"done: {progress.summary(device)}; encoder in {Path(c.out_dir) / 'encoder'}")
-    if world > 1:
+    if dist.is_initialized():   # under torchrun, one process included
         dist.barrier()   # every rank is past its last collective before the group is torn down
         dist.destroy_process_group()
 

@@ -5,6 +5,7 @@ shared blocks, fine-tuning and evaluation. Loss equations are proven in test_los
 """
 import dataclasses
 import gzip
+import importlib
 import json
 import math
 import os
@@ -1798,6 +1799,18 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, small_corpus):
     match = re.fullmatch(rf"interrupted at step (\d+); last checkpoint at step {saved} in {re.escape(str(out))}; "
                          rf"continue with --resume", err.strip())
     assert match and int(match.group(1)) >= 3 and saved >= 2, err
+
+
+@pytest.mark.parametrize("name", ["costa", "cpdae", "seed", "finetune", "evaluate"])
+def test_more_processes_than_gpus_is_one_error_before_the_process_group(name, monkeypatch):
+    module = importlib.import_module(name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=r"--nproc_per_node=2, but this machine has 1 GPU\(s\)"):
+        module.setup_distributed()
+    assert not torch.distributed.is_initialized()
 
 
 def test_catch_ctrl_c_records_the_signal_and_puts_the_old_handler_back():
