@@ -62,9 +62,9 @@ class Config:
     similarity: str = ""          # "dot" or "cos" for fine-tuning and evaluation; "" = what init declares (MiniLM: cos), else dot
     pretrain_steps: int = 50      # continued pre-training steps of every method (batch 32 x 128 tokens each)
     pretrain_lr: float = 5e-5     # continued pre-training learning rate of every method
-    pretrain_args: str = ""       # more flags for every pre-training script, e.g. "--head_warmup 20"
-    arm_args: str = ""            # more flags per arm, "arm:flags;arm:flags", e.g. "cpdae:--cl_weight 1;costa:--head_warmup 20"
-    finetune_args: str = ""       # more flags for every fine-tuning, e.g. "--lr 5e-5"
+    pretrain_args: str = "--head_warmup 20 --head_lr 20"  # more flags for every pre-training script (the heads' warm-up: results/levers)
+    arm_args: str = "costa:--gwc_sim cos;cpdae:--rec_reduction mean --cl_tau 0.02"  # more flags per arm, "arm:flags;arm:flags" (results/levers)
+    finetune_args: str = "--lr 2e-4"  # more flags for every fine-tuning (lr: best mean dev nDCG@10 of the none arm, results/dev)
     dataset: str = str(data.SCIFACT)  # BEIR folder: pre-training corpus, training queries (minus dev), test
     dev_queries: int = 150        # training queries held out as the dev split (fixed: evaluate.carve_dev)
     query_len: int = 64           # query tokens, fine-tuning and evaluation alike
