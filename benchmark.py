@@ -788,7 +788,8 @@ def goals_table(speed, st):
 
 def micro_table(reps=7):
     """The two changes to the encoder, each against what it replaced, on a MiniLM-size attention map
-    (32 x 12 heads x 128 x 128) under bf16 autocast, forward + backward, round-robin in this process."""
+    (32 x 12 heads x 128 x 128), and a fused QKV projection against the three the encoder has, under bf16
+    autocast, forward + backward, round-robin in this process."""
     import torch.nn.functional as F
     import costa
     torch.manual_seed(0)
@@ -797,6 +798,7 @@ def micro_table(reps=7):
     q, k, v = (torch.randn(B, heads, L, d).to(dtype).requires_grad_() for _ in range(3))
     x = torch.randn(32, 128, 384).to(dtype).requires_grad_()
     attend = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    separate, fused = [torch.nn.Linear(384, 384) for _ in range(3)], torch.nn.Linear(384, 3 * 384)
     cases = {"mask only (32, 12, 128, 128): torch's bernoulli_":
                  lambda: torch.empty(B, heads, L, L, dtype=dtype).bernoulli_(1 - p),
              "mask only (32, 12, 128, 128): costa.drop_mask": lambda: costa.drop_mask((B, heads, L, L), p),
@@ -804,7 +806,10 @@ def micro_table(reps=7):
              "dropout (32, 128, 384): costa.dropout (PCG64 mask)": lambda: costa.dropout(x, p, True),
              "attention (32, 12, 128, 32), dropout 0.1: F.scaled_dot_product_attention":
                  lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=p),
-             "attention (32, 12, 128, 32), dropout 0.1: costa.attention": lambda: costa.attention(q, k, v, attend, p)}
+             "attention (32, 12, 128, 32), dropout 0.1: costa.attention": lambda: costa.attention(q, k, v, attend, p),
+             "q, k, v projections of (32, 128, 384): three Linear(384, 384), as the encoder has them":
+                 lambda: sum(lin(x) for lin in separate),                       # q + k + v: one output to backward
+             "q, k, v projections of (32, 128, 384): one fused Linear(384, 1152) (a candidate, issue 17)": lambda: sum(fused(x).chunk(3, -1))}
     times = {name: [] for name in cases}
     for i in range(reps + 1):
         for name, fn in cases.items():
