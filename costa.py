@@ -1002,9 +1002,8 @@ def train(c):
         restore_sigint()   # the caller's own handler again (a test, a notebook, study.py)
     if is_rank0:
         print(f"done: {progress.summary(device)}; encoder in {Path(c.out_dir) / 'encoder'}")
-    if dist.is_initialized():   # under torchrun, one process included
-        dist.barrier()   # every rank is past its last collective before the group is torn down
-        dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.barrier()   # every rank is past its last collective (the group ends in data.leave_distributed)
 
 
 def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved=0):
@@ -1079,6 +1078,7 @@ def run_command_line(run):
     leaves the process group and exits with code 1 (130), without a traceback."""
     try:
         run()
+        data.leave_distributed()   # under torchrun: the process group ended, gloo's without its teardown
         return
     except ValueError as e:   # a bad flag (ValueError) or a bad input file (data.DataError, one too)
         line, code = f"error: {e}", 1

@@ -885,44 +885,40 @@ def main(c):
         return compare_command(c)
     if not c.bm25 and not c.model:
         raise ValueError("give --model FOLDER (a saved encoder) or --bm25")
-    rank, world, device = setup_distributed()
+    rank, _, device = setup_distributed()
     out_dir = default_out_dir(c)
     tag = c.tag or (Path(c.model).resolve().parent.name if Path(c.model).is_dir() else c.model)
     c = dataclasses.replace(c, model=data.resolve_model(c.model))    # 'minilm' or a hub id -> a folder
     c = resolve_retriever(c)
-    try:
-        if c.words:
-            if rank == 0:
-                encoder = load_encoder(c.model).to(device)
-                check_lengths(c, encoder.config.max_position)
-                tokenizer = data.load_tokenizer(resolve_vocab(c))
-                decoder = load_cpdae_decoder(c.decoder or c.model).to(device)
-                probs = word_distribution(encoder, decoder, tokenizer, c.words, c.passage_len, device)
-                path = out_dir / "words.png"
-                words = plot_word_distribution(probs, c.words, tokenizer, path)
-                print(" ".join(f"{w}:{v:.3g}" for w, v, _ in words))
-                print(f"word distribution: {path}")
+    if c.words:
+        if rank == 0:
+            encoder = load_encoder(c.model).to(device)
+            check_lengths(c, encoder.config.max_position)
+            tokenizer = data.load_tokenizer(resolve_vocab(c))
+            decoder = load_cpdae_decoder(c.decoder or c.model).to(device)
+            probs = word_distribution(encoder, decoder, tokenizer, c.words, c.passage_len, device)
+            path = out_dir / "words.png"
+            words = plot_word_distribution(probs, c.words, tokenizer, path)
+            print(" ".join(f"{w}:{v:.3g}" for w, v, _ in words))
+            print(f"word distribution: {path}")
+        return None
+    if c.split == "dev" and c.dev_queries:      # the dev queries finetune.py --dev_queries held out
+        corpus, queries, qrels = load_split(c, "train", c.queries, c.qrels)
+        qrels = carve_dev(qrels, c.dev_queries)[1]
+        queries = {q: queries[q] for q in qrels}
+    else:
+        corpus, queries, qrels = load_split(c, c.split, c.queries, c.qrels)
+    if c.bm25:
+        if rank != 0:
             return None
-        if c.split == "dev" and c.dev_queries:      # the dev queries finetune.py --dev_queries held out
-            corpus, queries, qrels = load_split(c, "train", c.queries, c.qrels)
-            qrels = carve_dev(qrels, c.dev_queries)[1]
-            queries = {q: queries[q] for q in qrels}
-        else:
-            corpus, queries, qrels = load_split(c, c.split, c.queries, c.qrels)
-        if c.bm25:
-            if rank != 0:
-                return None
-            result = evaluate_bm25(corpus, queries, qrels, out_dir, c.k1, c.b, c.depth)
-            print(format_table({f"BM25 (k1={c.k1}, b={c.b})": result}, title=f"{c.split}: {len(result[1])} queries"))
-            return result
-        encoder = load_encoder(c.model).to(device)
-        check_lengths(c, encoder.config.max_position)
-        tokenizer = data.load_tokenizer(resolve_vocab(c))
-        return evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c,
-                                device, tag, c.tsne, c.depth)
-    finally:
-        if torch.distributed.is_initialized():   # under torchrun, one process included
-            torch.distributed.destroy_process_group()
+        result = evaluate_bm25(corpus, queries, qrels, out_dir, c.k1, c.b, c.depth)
+        print(format_table({f"BM25 (k1={c.k1}, b={c.b})": result}, title=f"{c.split}: {len(result[1])} queries"))
+        return result
+    encoder = load_encoder(c.model).to(device)
+    check_lengths(c, encoder.config.max_position)
+    tokenizer = data.load_tokenizer(resolve_vocab(c))
+    return evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c,
+                            device, tag, c.tsne, c.depth)
 
 
 # ==============================================================================================
@@ -1176,3 +1172,4 @@ if __name__ == "__main__":
         data.exit_with(f"error: {e}", 1)
     except KeyboardInterrupt:
         data.exit_with("interrupted; run it again to evaluate", 130)
+    data.leave_distributed()   # under torchrun: the process group ended, gloo's without its teardown

@@ -688,9 +688,6 @@ def pipeline(c):
         rows[f"{name} + fine-tune"] = train(dataclasses.replace(c, out_dir=str(out / "no-pretrain")), name)
     pretrained = pretrain(c)
     rows[f"{name} + {c.pretrain} + fine-tune"] = train(dataclasses.replace(c, init=pretrained), f"{name}-{c.pretrain}")
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()   # every rank is past its last collective before the group is torn down
-        dist.destroy_process_group()
     if any(r is None for r in rows.values()):  # halted
         return
     corpus, queries, qrels = evaluate.load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
@@ -710,8 +707,7 @@ def main(argv):
         return
     train(c)
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()   # every rank is past its last collective before the group is torn down
-        dist.destroy_process_group()
+        dist.barrier()   # every rank is past its last collective before the group ends (data.leave_distributed)
 
 
 # ==============================================================================================
@@ -1145,3 +1141,4 @@ if __name__ == "__main__":
         data.exit_with(f"error: {e}", 1)
     except KeyboardInterrupt:
         data.exit_with("interrupted; continue with --resume (each stage from its last checkpoint)", 130)
+    data.leave_distributed()   # under torchrun: the process group ended, gloo's without its teardown

@@ -1813,6 +1813,21 @@ def test_more_processes_than_gpus_is_one_error_before_the_process_group(name, mo
     assert not torch.distributed.is_initialized()
 
 
+def test_leave_distributed_ends_a_gloo_process_at_once_with_its_output_flushed(tmp_path):
+    # gloo's teardown aborted a rank now and then (SIGABRT): the process leaves with os._exit(code) instead,
+    # after flushing what it printed; outside torchrun leave_distributed does nothing
+    script = ("import datetime, sys, torch.distributed as dist, data\n"
+              "data.leave_distributed(5)\n"
+              "dist.init_process_group('gloo', init_method=sys.argv[1], rank=0, world_size=1,"
+              " timeout=datetime.timedelta(seconds=60))\n"
+              "print('written', end='')\n"
+              "data.leave_distributed(7)\n"
+              "print('never')\n")
+    result = subprocess.run([PY, "-c", script, f"file://{tmp_path}/rendezvous"], cwd=HERE, capture_output=True,
+                            text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (7, "written"), result.stderr
+
+
 def test_catch_ctrl_c_records_the_signal_and_puts_the_old_handler_back():
     import signal
     import cpdae
