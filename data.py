@@ -1206,9 +1206,17 @@ def parse_config(Config, argv, doc="", preset=None, rules=None):
 def exit_with(line, code):
     """End a script after an expected failure: one line on stderr (under torchrun from rank 0 only),
     the process group left (as leave_distributed), exit code `code` (1 = bad input, 130 = Ctrl-C). No traceback."""
-    if os.environ.get("RANK", "0") == "0":
-        print(line, file=sys.stderr, flush=True)
-    leave_distributed(code)
+    rank0 = os.environ.get("RANK", "0") == "0"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if rank0:
+            print(line, file=sys.stderr, flush=True)
+        leave_distributed(code)     # gloo: the process ends here
+        sys.exit(code)
+    if not rank0:
+        sys.exit(code)
+    if code == 1:
+        sys.exit(line)              # Python prints it on stderr and exits with 1 (SystemExit carries the line)
+    print(line, file=sys.stderr, flush=True)
     sys.exit(code)
 
 
