@@ -1784,7 +1784,10 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, small_corpus):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.Popen([PY, str(HERE / "costa.py"), "--corpus", str(small_corpus), *TINY_ARGS, "--steps", "100000",
                             "--save_every", "2", "--out_dir", str(out)], cwd=tmp_path, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           # as from a terminal: a suite started in the background (nohup ... &) ignores
+                           # SIGINT, and an ignored signal stays ignored across exec
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 240
         while time.time() < deadline and not (out / "log.jsonl").is_file() or len(read_log(out)) < 3:
@@ -1832,15 +1835,18 @@ def test_catch_ctrl_c_records_the_signal_and_puts_the_old_handler_back():
     import signal
     import cpdae
     import seed as seed_encoder
-    for method in (costa, cpdae, seed_encoder):
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        seen, restore = method.catch_ctrl_c()
-        assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-        with pytest.raises(KeyboardInterrupt):
-            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
-        assert seen == [signal.SIGINT]
-        restore()
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)   # as Python starts from a terminal
+    try:
+        for method in (costa, cpdae, seed_encoder):
+            seen, restore = method.catch_ctrl_c()
+            assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+            with pytest.raises(KeyboardInterrupt):
+                signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+            assert seen == [signal.SIGINT]
+            restore()
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, outer)   # a suite started with nohup ... & ignores SIGINT
 
 
 def test_bad_files_give_one_line_not_a_traceback(tmp_path):
