@@ -1207,6 +1207,9 @@ def exit_with(line, code):
     """End a script after an expected failure: one line on stderr (under torchrun from rank 0 only),
     the process group left (as leave_distributed), exit code `code` (1 = bad input, 130 = Ctrl-C). No traceback."""
     rank0 = os.environ.get("RANK", "0") == "0"
+    if not rank0:
+        time.sleep(10)   # rank 0 prints and exits first, then torchrun stops this rank: else torchrun could
+                         # stop rank 0 before its line (seen once in a loaded .ci/run)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         if rank0:
             print(line, file=sys.stderr, flush=True)
