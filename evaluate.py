@@ -43,7 +43,7 @@ class Config:
     model: str = ""               # BERT folder to evaluate (ours, any BERT or sentence-transformers one), hub id, or "minilm"
     bm25: bool = False            # evaluate BM25 instead of a model
     dataset: str = str(data.SCIFACT)  # BEIR folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' ok)
-    split: str = "test"           # qrels/{split}.tsv
+    split: str = "test"           # qrels/{split}.tsv; several, comma-separated (dev,test): one encoding of the corpus, split s in {out_dir}/eval-{s}
     corpus: str = ""              # explicit corpus (BEIR .jsonl or MS MARCO collection.tsv); overrides dataset
     queries: str = ""             # explicit queries file (with corpus)
     qrels: str = ""               # explicit qrels file (with corpus; also the qrels for --compare)
@@ -434,9 +434,21 @@ def merge_topk_across_ranks(scores, ids, k, device, chunk=16384):
     return np.concatenate(out_s)[:len(scores)], np.concatenate(out_i)[:len(scores)]
 
 
-def retrieve(encoder, tokenizer, doc_texts, query_texts, k, c, device, timings=None):
+def encode_corpus_shard(encoder, tokenizer, doc_texts, c, device):
+    """This rank's contiguous shard of the corpus (data.shard) encoded: (n, H) vectors, in memory or, with
+    c.vectors_dir, an fp16 memmap there. retrieve() takes it back (doc_vecs=) so that several query sets
+    (dev and test) are searched against one encoding of the corpus."""
+    rank, world = rank_and_world()
+    shard = data.shard(len(doc_texts), rank, world)
+    path = Path(c.vectors_dir) / f"docs-{rank}-of-{world}.npy" if c.vectors_dir else ""
+    return encode(encoder, c.pooling, tokenizer, [doc_texts[i] for i in shard], c.passage_len,
+                  c.encode_batch, device, c.bf16, c.similarity, path)                      # (n, H)
+
+
+def retrieve(encoder, tokenizer, doc_texts, query_texts, k, c, device, timings=None, doc_vecs=None):
     """Dense retrieval: (scores (Q, k), corpus indices (Q, k)) best first, on EVERY rank. Exact with
     c.index "Flat", else with that faiss index (search(); c.nprobe, c.ef_search, c.index_train).
+    doc_vecs: this rank's shard of doc_texts as encode_corpus_shard() gave it (else encoded here).
 
     Under torchrun rank r encodes only its contiguous shard of the corpus (data.shard: no document
     twice, none dropped), searches it with faiss, and the per-shard top-k lists are all-gathered
@@ -450,9 +462,10 @@ def retrieve(encoder, tokenizer, doc_texts, query_texts, k, c, device, timings=N
     new_index(c.index, encoder.config.hidden_size)  # a bad --index fails now, not after encoding the corpus
     shard = data.shard(len(doc_texts), rank, world)
     t0 = time.time()
-    path = Path(c.vectors_dir) / f"docs-{rank}-of-{world}.npy" if c.vectors_dir else ""
-    doc_vecs = encode(encoder, c.pooling, tokenizer, [doc_texts[i] for i in shard], c.passage_len,
-                      c.encode_batch, device, c.bf16, c.similarity, path)                  # (n, H)
+    if doc_vecs is None:
+        doc_vecs = encode_corpus_shard(encoder, tokenizer, doc_texts, c, device)          # (n, H)
+    elif len(doc_vecs) != len(shard):
+        raise ValueError(f"doc_vecs has {len(doc_vecs)} rows but this rank's shard of the corpus has {len(shard)}")
     t1 = time.time()
     query_vecs = encode(encoder, c.pooling, tokenizer, list(query_texts), c.query_len,
                         c.encode_batch, device, c.bf16, c.similarity)                      # (Q, H)
@@ -606,10 +619,11 @@ def evaluate_bm25(corpus, queries, qrels, out_dir, k1=1.2, b=0.75, depth=1000, v
 
 
 def evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c, device, tag="dense",
-                     tsne="", depth=1000):
+                     tsne="", depth=1000, doc_vecs=None):
     """Dense retrieval with retrieve() (corpus sharded across ranks, faiss search with c.index), then
     rank 0 saves and scores the run, prints the metrics and returns (means, per_query); other ranks
-    return None. tsne: a query id or "auto" for the COSTA Figure 3 plot. Every rank must call this."""
+    return None. tsne: a query id or "auto" for the COSTA Figure 3 plot. doc_vecs: this rank's corpus
+    shard already encoded (evaluate_splits). Every rank must call this."""
     rank, world = rank_and_world()
     doc_ids = list(corpus)
     doc_texts = [passage_text(corpus[d]) for d in doc_ids]
@@ -617,16 +631,17 @@ def evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c, dev
     timings = {}
     t0 = time.time()
     scores, ids = retrieve(encoder, tokenizer, doc_texts, [queries[q] for q in qids], depth, c,
-                           device, timings)
+                           device, timings, doc_vecs)
     timings["total_s"] = time.time() - t0
     if rank != 0:
         return None
     run = {q: {doc_ids[j]: float(s) for s, j in zip(scores[r], ids[r]) if j >= 0} for r, q in enumerate(qids)}
     info = {"pooling": c.pooling, "similarity": c.similarity, "world": world, "device": device.type, "n_docs": len(doc_ids), **timings}
     means, per_query = save_and_score(run, qrels, out_dir, tag, info)
-    print(f"{tag}: encoded {len(doc_ids):,} passages in {timings['encode_docs_s']:.1f}s "
-          f"({timings['docs_per_s_per_rank'] * world:,.0f} docs/s over {world} process(es)), "
-          f"{len(qids)} queries in {timings['encode_queries_s']:.1f}s, {c.index} search {timings['search_s']:.2f}s "
+    encoded = ("the corpus vectors encoded once for every split" if doc_vecs is not None else
+               f"encoded {len(doc_ids):,} passages in {timings['encode_docs_s']:.1f}s "
+               f"({timings['docs_per_s_per_rank'] * world:,.0f} docs/s over {world} process(es))")
+    print(f"{tag}: {encoded}, {len(qids)} queries in {timings['encode_queries_s']:.1f}s, {c.index} search {timings['search_s']:.2f}s "
           f"-> {Path(out_dir) / 'run.trec'}")
     print(format_table({tag: (means, per_query)}))
     if tsne:
@@ -642,6 +657,28 @@ def evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c, dev
         plot_tsne(qvec, vecs, relevant, path, title=f"{tag}: query {qid}, top {len(top)} ({sum(relevant)} relevant)")
         print(f"t-SNE of query {qid} and its top {len(top)}: {path}")
     return means, per_query
+
+
+def evaluate_splits(encoder, tokenizer, splits, c, device, tag="dense", depth=1000):
+    """evaluate_encoder on each (corpus, queries, qrels, out_dir) of splits, encoding a corpus once for
+    all the splits that share it (BEIR's splits share corpus.jsonl): dev and test cost one encoding.
+    Returns evaluate_encoder's result per split. Every rank must call this."""
+    results, encoded = [], (None, None)                    # (the corpus, this rank's shard vectors)
+    for corpus, queries, qrels, out_dir in splits:
+        doc_ids = list(corpus)
+        same = encoded[0] is not None and (corpus is encoded[0] or (doc_ids == list(encoded[0]) and corpus == encoded[0]))
+        if not same:                                                       # same ids, in the same order, same texts
+            t0 = time.time()
+            encoded = (corpus, encode_corpus_shard(encoder, tokenizer, [passage_text(corpus[d]) for d in doc_ids],
+                                                   c, device))
+            rank, world = rank_and_world()
+            if rank == 0:
+                seconds = time.time() - t0
+                print(f"{tag}: encoded {len(doc_ids):,} passages in {seconds:.1f}s ({len(doc_ids) / max(seconds, 1e-9):,.0f} "
+                      f"docs/s over {world} process(es))", flush=True)
+        results.append(evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c, device, tag,
+                                        depth=depth, doc_vecs=encoded[1]))
+    return results
 
 
 def pick_tsne_query(run, qrels):
@@ -881,12 +918,14 @@ def compare_command(c):
 
 
 def main(c):
+    names = split_names(c)
     if c.compare:
         return compare_command(c)
     if not c.bm25 and not c.model:
         raise ValueError("give --model FOLDER (a saved encoder) or --bm25")
     rank, _, device = setup_distributed()
     out_dir = default_out_dir(c)
+    out_dirs = [split_out_dir(c, name, len(names) > 1) for name in names]   # before 'minilm' becomes a folder
     tag = c.tag or (Path(c.model).resolve().parent.name if Path(c.model).is_dir() else c.model)
     c = dataclasses.replace(c, model=data.resolve_model(c.model))    # 'minilm' or a hub id -> a folder
     c = resolve_retriever(c)
@@ -902,23 +941,53 @@ def main(c):
             print(" ".join(f"{w}:{v:.3g}" for w, v, _ in words))
             print(f"word distribution: {path}")
         return None
-    if c.split == "dev" and c.dev_queries:      # the dev queries finetune.py --dev_queries held out
-        corpus, queries, qrels = load_split(c, "train", c.queries, c.qrels)
-        qrels = carve_dev(qrels, c.dev_queries)[1]
-        queries = {q: queries[q] for q in qrels}
-    else:
-        corpus, queries, qrels = load_split(c, c.split, c.queries, c.qrels)
+    splits = [(*load_eval_split(c, name), out) for name, out in zip(names, out_dirs)]
     if c.bm25:
         if rank != 0:
             return None
-        result = evaluate_bm25(corpus, queries, qrels, out_dir, c.k1, c.b, c.depth)
-        print(format_table({f"BM25 (k1={c.k1}, b={c.b})": result}, title=f"{c.split}: {len(result[1])} queries"))
-        return result
-    encoder = load_encoder(c.model).to(device)
-    check_lengths(c, encoder.config.max_position)
-    tokenizer = data.load_tokenizer(resolve_vocab(c))
-    return evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c,
-                            device, tag, c.tsne, c.depth)
+        results = []
+        for name, (corpus, queries, qrels, out) in zip(names, splits):
+            results.append(evaluate_bm25(corpus, queries, qrels, out, c.k1, c.b, c.depth))
+            print(format_table({f"BM25 (k1={c.k1}, b={c.b})": results[-1]}, title=f"{name}: {len(results[-1][1])} queries"))
+    else:
+        encoder = load_encoder(c.model).to(device)
+        check_lengths(c, encoder.config.max_position)
+        tokenizer = data.load_tokenizer(resolve_vocab(c))
+        if len(names) == 1:
+            results = [evaluate_encoder(encoder, tokenizer, *splits[0], c, device, tag, c.tsne, c.depth)]
+        else:
+            results = evaluate_splits(encoder, tokenizer, splits, c, device, tag, c.depth)
+    return results[0] if len(names) == 1 else dict(zip(names, results))
+
+
+def split_names(c):
+    """--split as a list. Several (dev,test) share one corpus, encoded once: BEIR folders only, and not
+    with the flags that act on one split (--compare, --tsne, --words)."""
+    names = [s.strip() for s in c.split.split(",") if s.strip()]
+    if not names:
+        raise ValueError("--split: give a split (test) or several, comma-separated (dev,test)")
+    several = len(names) > 1
+    for flag in ("corpus", "compare", "tsne", "words"):
+        if several and getattr(c, flag):
+            raise ValueError(f"--split {c.split}: several splits need the BEIR folder (--dataset) and cannot "
+                             f"go with --{flag}; give one split")
+    return names
+
+
+def split_out_dir(c, split, several):
+    """One split: --out_dir, else default_out_dir. Several: split s goes to {out_dir}/eval-{s}, else to its default."""
+    if several and c.out_dir:
+        return Path(c.out_dir) / f"eval-{split}"
+    return default_out_dir(dataclasses.replace(c, split=split))
+
+
+def load_eval_split(c, split):
+    """(corpus, queries, qrels) of one split; "dev" with --dev_queries is the sample finetune.py held out."""
+    if split == "dev" and c.dev_queries:
+        corpus, queries, qrels = load_split(c, "train", c.queries, c.qrels)
+        qrels = carve_dev(qrels, c.dev_queries)[1]
+        return corpus, {q: queries[q] for q in qrels}, qrels
+    return load_split(c, split, c.queries, c.qrels)
 
 
 # ==============================================================================================

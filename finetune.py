@@ -562,16 +562,13 @@ def train(c, name=""):
         save_encoder(encoder, out / "encoder", c, tokenizer_vocab(c))
         print(f"fine-tuned encoder: {out / 'encoder'}", flush=True)
     barrier()
-    if dev_qrels:                               # the held-out training queries: where settings are chosen
-        evaluate.evaluate_encoder(encoder, tokenizer, corpus, {q: queries[q] for q in dev_qrels}, dev_qrels,
-                                  out / "eval-dev", c, device, tag=f"finetune-{name.replace(' ', '-')}")
-    results = None
+    splits = []                                 # dev (the held-out training queries: where settings are chosen), test
+    if dev_qrels:
+        splits.append((corpus, {q: queries[q] for q in dev_qrels}, dev_qrels, out / "eval-dev"))
     if evaluates(c):
-        corpus, queries, qrels = evaluate.load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
-        results = evaluate.evaluate_encoder(encoder, tokenizer, corpus, queries, qrels,
-                                            out / f"eval-{c.eval_split}", c, device,
-                                            tag=f"finetune-{name.replace(' ', '-')}")
-    return results
+        splits.append((*evaluate.load_split(c, c.eval_split, c.eval_queries, c.eval_qrels), out / f"eval-{c.eval_split}"))
+    results = evaluate.evaluate_splits(encoder, tokenizer, splits, c, device, tag=f"finetune-{name.replace(' ', '-')}")
+    return results[-1] if evaluates(c) else None      # one encoding of the corpus when they share it
 
 
 def evaluates(c):

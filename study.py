@@ -36,6 +36,7 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
+import platform
 import re
 import shlex
 import shutil
@@ -140,10 +141,23 @@ def git_state():
     return git("rev-parse", "HEAD") or "unknown", bool(git("status", "--porcelain", "--", *SCRIPTS))
 
 
+def machine():
+    """Where the stages ran: the GPU, else the CPU's model and vector unit (bf16 matmuls take other kernels,
+    with other roundings, on AMX than on AVX512-BF16: rows from two machines are close, not identical)."""
+    import torch
+    if torch.cuda.is_available():
+        return f"cuda: {torch.cuda.get_device_name(0)}"
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    name = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
+    amx = " + AMX" if re.search(r"^flags\s*:.*\bamx_tile\b", info, re.M) else ""
+    return (f"cpu: {name.group(1).strip() if name else platform.processor() or 'unknown'}, "
+            f"{torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}{amx}")
+
+
 def provenance(c):
     commit, dirty = git_state()
     return {"commit": commit, "dirty": dirty, "code": code_hash(), "torch": importlib.metadata.version("torch"),
-            "python": sys.version.split()[0]}
+            "python": sys.version.split()[0], "machine": machine()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -204,18 +218,19 @@ def pretrained_encoder(c, arm, seed, record):
     return str(folder / "encoder")
 
 
-def zero_shot(c, arm, seed, encoder, split, row):
-    """The encoder before fine-tuning, on dev or test, with the vector it was trained on. "none" has one
-    encoder (the checkpoint) for every seed: evaluated once, its folder re-used by the other seeds."""
-    out = Path(c.out_dir) / arm / ("zero-shot" if not ARMS[arm] else f"seed{seed}") / f"zero-shot-{split}"
-    cmd = [sys.executable, "evaluate.py", "--model", encoder, "--split", split, "--out_dir", str(out),
+def zero_shot(c, arm, seed, encoder, row):
+    """The encoder before fine-tuning, on dev and test (one evaluate.py, one encoding of the corpus), with
+    the vector it was trained on: {split: means}. "none" has one encoder (the checkpoint) for every seed:
+    evaluated once, its folder re-used by the other seeds."""
+    out = Path(c.out_dir) / arm / ("zero-shot" if not ARMS[arm] else f"seed{seed}") / "zero-shot"
+    cmd = [sys.executable, "evaluate.py", "--model", encoder, "--split", "dev,test", "--out_dir", str(out),
            "--tag", f"{arm}-zero-shot", *retriever_flags(c)]
     marker = {"command": shlex.join(cmd), "code": code_hash()}
     if not ((out / "study-done.json").is_file() and json.loads((out / "study-done.json").read_text()) == marker):
-        row["seconds"][f"zero_shot_{split}"] = run_stage(cmd, out / "log.txt")[1]
+        row["seconds"]["zero_shot"] = run_stage(cmd, out / "log.txt")[1]
         data.atomic_write_json(out / "study-done.json", marker)
-    row["commands"][f"zero_shot_{split}"] = shlex.join(cmd)
-    return read_metrics(out)[0]
+    row["commands"]["zero_shot"] = shlex.join(cmd)
+    return {split: read_metrics(out / f"eval-{split}")[0] for split in ("dev", "test")}
 
 
 def run_one(c, arm, seed, n_queries=0, steps=0):
@@ -227,7 +242,7 @@ def run_one(c, arm, seed, n_queries=0, steps=0):
            "similarity": c.similarity, **provenance(c), "commands": {}, "seconds": {}}
     encoder = pretrained_encoder(c, arm, seed, row)
     if not n_queries:
-        row["zero_shot"] = {split: zero_shot(c, arm, seed, encoder, split, row) for split in ("dev", "test")}
+        row["zero_shot"] = zero_shot(c, arm, seed, encoder, row)
         if ARMS[arm] and seed == numbers(c.seeds)[0]:
             row["gradients"] = gradients_in_subprocess(ARMS[arm][0], Path(encoder).parent, row)
     cmd = ([sys.executable, "finetune.py", "--init", encoder, "--seed", str(seed), "--out_dir", str(folder / "finetune"),
@@ -323,7 +338,7 @@ def estimate(rows, stage):
 def run_cost(c, rows, arm, n_queries):
     cost = estimate(rows, "finetune")
     if not n_queries:
-        cost += 2 * estimate(rows, "zero_shot") + (estimate(rows, "pretrain") if ARMS[arm] else 0)
+        cost += estimate(rows, "zero_shot") + (estimate(rows, "pretrain") if ARMS[arm] else 0)
     return cost
 
 

@@ -1117,6 +1117,38 @@ def _tiny_init(folder):
     return str(folder)
 
 
+def _count_corpus_encodings(monkeypatch):
+    calls, real = [], evaluate.encode_corpus_shard
+    monkeypatch.setattr(evaluate, "encode_corpus_shard", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_several_splits_share_one_encoding_of_the_corpus(tmp_path, monkeypatch):
+    beir, init = _scifact_subset(tmp_path / "beir"), _tiny_init(tmp_path / "tiny")
+    calls = _count_corpus_encodings(monkeypatch)
+    flags = dict(model=init, dataset=str(beir), dev_queries=4, pooling="mean", similarity="cos")
+    both = evaluate.main(evaluate.Config(split="dev,test", out_dir=str(tmp_path / "both"), **flags))
+    assert len(calls) == 1 and set(both) == {"dev", "test"}
+    for split in ("dev", "test"):   # the same run, file for file, as each split evaluated alone
+        alone = evaluate.main(evaluate.Config(split=split, out_dir=str(tmp_path / split), **flags))
+        assert alone[0] == both[split][0] and len(alone[1]) == (4 if split == "dev" else 16)
+        assert (tmp_path / "both" / f"eval-{split}" / "run.trec").read_bytes() == (tmp_path / split / "run.trec").read_bytes()
+    assert len(calls) == 3
+    for bad in (dict(split="dev,test", tsne="auto"), dict(split=" , ")):
+        with pytest.raises(ValueError, match="--split"):
+            evaluate.main(evaluate.Config(**{**flags, **bad}))
+
+
+def test_finetune_evaluates_dev_and_test_on_one_encoding_of_the_corpus(tmp_path, monkeypatch):
+    beir = _scifact_subset(tmp_path / "beir")
+    calls = _count_corpus_encodings(monkeypatch)
+    finetune.main(["--init", _tiny_init(tmp_path / "tiny"), "--dataset", str(beir), "--dev_queries", "4", "--steps", "1",
+                   "--batch_size", "4", "--passage_len", "64", "--log_every", "1", "--out_dir", str(tmp_path / "ft")])
+    assert len(calls) == 1
+    for split, n in (("dev", 4), ("test", 16)):
+        assert json.loads((tmp_path / "ft" / f"eval-{split}" / "metrics.json").read_text())["n_queries"] == n
+
+
 def test_end_to_end_pretrain_finetune_evaluate(tmp_path, capsys):
     beir = _scifact_subset(tmp_path / "beir")
     out = tmp_path / "run"
@@ -1598,11 +1630,11 @@ def test_study_quick_end_to_end_resumes_without_training_and_refuses_mixed_code(
     _, _, test = data.load_beir(out / "quick-data" / "scifact-subset", "test")
     for key in full:
         r = rows[key]
-        assert r["code"] == study.code_hash() and len(r["commit"]) == 40 and r["torch"]
+        assert r["code"] == study.code_hash() and len(r["commit"]) == 40 and r["torch"] and r["machine"].startswith("cpu: ")
         assert sorted(r["per_query"]["dev"]) == sorted(evaluate.carve_dev(train, 4)[1])   # the fixed dev queries
         assert sorted(r["per_query"]["test"]) == sorted(test)
         assert r["n_train"] == len(train) - 4                                               # dev is not trained on
-        assert "--pooling mean" in r["commands"]["finetune"] and "--pooling mean" in r["commands"]["zero_shot_dev"]
+        assert "--pooling mean" in r["commands"]["finetune"] and "--split dev,test" in r["commands"]["zero_shot"]
         assert set(r["zero_shot"]) == {"dev", "test"}
     assert rows["costa-seed0"]["commands"]["pretrain"].split()[1] == "costa.py"
     assert "pretrain_log" in rows["costa-seed1"] and "gradients" in rows["costa-seed0"]
