@@ -1034,7 +1034,7 @@ def train(c):
     autocast = autocast_bf16(device, c.bf16)
     progress = Progress(c, start_step, is_rank0)
     batches, step, saved = iter(loader), start_step, start_step
-    ctrl_c, restore_sigint = catch_ctrl_c()
+    ctrl_c, hold_ctrl_c, restore_sigint = catch_ctrl_c()
     try:
         for step in range(start_step + 1, c.steps + 1):
             for micro in range(c.grad_accum):
@@ -1057,11 +1057,12 @@ def train(c):
             if step % c.log_every == 0 or step == c.steps:
                 progress.report(step, scheduler.get_last_lr()[0], device)
             if step % c.save_every == 0 or step == c.steps or step == c.halt_at:
-                save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, saved)
-                saved = step
+                with hold_ctrl_c():   # a Ctrl-C now stops after the checkpoint, which the line then names
+                    save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, saved)
+                    saved = step
             if step == c.halt_at:
                 break
-            if ctrl_c:          # a Ctrl-C whose KeyboardInterrupt Python dropped (see catch_ctrl_c)
+            if ctrl_c:          # a Ctrl-C held during the save, or whose KeyboardInterrupt Python dropped
                 raise KeyboardInterrupt
     except KeyboardInterrupt:
         last = f"last checkpoint at step {saved} in {c.out_dir}" if saved else f"no checkpoint yet in {c.out_dir}"
@@ -1128,16 +1129,26 @@ def finish_checkpoint_switch(out):
 def catch_ctrl_c():
     """Ctrl-C raises KeyboardInterrupt as usual, and is also recorded in the returned list: Python drops
     a KeyboardInterrupt raised while it runs a finalizer ("Exception ignored in ..."), and the training
-    loop then still stops at the end of the step. A SIGINT that the shell ignores stays ignored.
-    Returns (that list, a function that puts the previous handler back)."""
-    seen, before = [], signal.getsignal(signal.SIGINT)
+    loop then still stops at the end of the step. Inside hold() a Ctrl-C is only recorded: a checkpoint
+    being written is finished, so that "last checkpoint at step M" is the one on disk. A SIGINT that the
+    shell ignores stays ignored. Returns (that list, hold, a function that puts the previous handler back)."""
+    seen, holding, before = [], [], signal.getsignal(signal.SIGINT)
+
+    @contextlib.contextmanager
+    def hold():
+        holding.append(True)
+        try:
+            yield
+        finally:
+            holding.pop()
     if before is not signal.default_int_handler or threading.current_thread() is not threading.main_thread():
-        return seen, lambda: None
+        return seen, hold, lambda: None
     def on_ctrl_c(signum, frame):
         seen.append(signum)
-        raise KeyboardInterrupt
+        if not holding:
+            raise KeyboardInterrupt
     signal.signal(signal.SIGINT, on_ctrl_c)
-    return seen, lambda: signal.signal(signal.SIGINT, before)
+    return seen, hold, lambda: signal.signal(signal.SIGINT, before)
 
 
 def run_command_line(run):

@@ -90,7 +90,7 @@ REPORTED = ("NDCG@10", "MRR@10", "Recall@100")       # what the rows keep per qu
 SCRIPTS = ("study.py", "data.py", "evaluate.py", "finetune.py", "costa.py", "cpdae.py", "seed.py")
 SET_BY_STUDY = ("init", "seed", "out_dir", "pooling", "similarity", "bottleneck", "dev_queries", "n_queries",
                 "dataset", "corpus", "query_len", "passage_len", "overwrite", "resume")
-DEFAULT_SECONDS = {"pretrain": 240, "zero_shot": 60, "finetune": 200, "gradients": 60}  # MiniLM, 2 CPU cores
+DEFAULT_SECONDS = {"pretrain": 300, "zero_shot": 110, "finetune": 250, "gradients": 60}  # MiniLM, 2 CPU cores
 QUICK = dict(arms="none,costa", seeds="0,1", pretrain_steps=2, dev_queries=4, query_len=32, passage_len=64,
              pretrain_args="--batch_size 4 --max_len 64 --log_every 1", arm_args="",
              finetune_args="--steps 2 --batch_size 4 --log_every 1", low_resource="4", curve_arms="",
@@ -222,7 +222,7 @@ def zero_shot(c, arm, seed, encoder, row):
     """The encoder before fine-tuning, on dev and test (one evaluate.py, one encoding of the corpus), with
     the vector it was trained on: {split: means}. "none" has one encoder (the checkpoint) for every seed:
     evaluated once, its folder re-used by the other seeds."""
-    out = Path(c.out_dir) / arm / ("zero-shot" if not ARMS[arm] else f"seed{seed}") / "zero-shot"
+    out = Path(c.out_dir) / arm / (f"seed{seed}" if ARMS[arm] else "") / "zero-shot"
     cmd = [sys.executable, "evaluate.py", "--model", encoder, "--split", "dev,test", "--out_dir", str(out),
            "--tag", f"{arm}-zero-shot", *retriever_flags(c)]
     marker = {"command": shlex.join(cmd), "code": code_hash()}
