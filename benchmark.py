@@ -14,6 +14,7 @@ method's own masking), with the same model size and batch, for --steps optimizer
     python benchmark.py                                   # speed table, goals, then all variants
     python benchmark.py --st                              # ... plus finetune.py against sentence-transformers
     python benchmark.py --micro                           # dropout and attention: ours against torch's
+    python benchmark.py --profile costa-mlm,cpdae,seed    # each step's time by op kind (torch.profiler)
     python benchmark.py --gpu                             # BERT-base, batch 32 x 512, on one GPU: MFU per method
     python benchmark.py --variants costa-mlm,hf-bert-mlm --steps 20
     python benchmark.py --set batch_size=64 --set max_len=256
@@ -825,6 +826,52 @@ def micro_table(reps=7):
         print(f"| {name} | {1000 * np.median(t):.1f} |")
 
 
+# --profile: where a method's step time goes beyond its FLOP ratio to MLM-only
+# ----------------------------------------------------------------------------------------------
+OP_GROUPS = (("matmul", ("mm", "addmm", "bmm", "matmul", "linear")),
+             ("softmax / log-softmax", ("_softmax", "_log_softmax", "_softmax_backward_data",
+                                        "_log_softmax_backward_data")),
+             ("copies and casts", ("copy_", "to", "_to_copy", "clone", "contiguous")),
+             ("fills and masks", ("fill_", "zero_", "masked_fill_", "bernoulli_", "where")))
+
+
+def op_group(name):
+    """The group of a profiler op name (aten::mm -> matmul); everything else is elementwise / other."""
+    op = name.split("::")[-1]
+    return next((group for group, ops in OP_GROUPS if op in ops), "elementwise and other")
+
+
+def profile_table(variants, steps=2):
+    """Self CPU time of steps full training steps per variant (4 x 256, batch 32 x 128, bf16 where the
+    CPU has it), grouped by op kind, next to the step's matmul FLOPs: a method whose time share outside
+    matmul is large spends it on work that the FLOP ratio does not count."""
+    from torch.profiler import ProfilerActivity, profile
+    print(f"| variant | ms/step | GFLOP/step | " + " | ".join(g for g, _ in OP_GROUPS) +
+          " | elementwise and other | top 3 ops (share of self time) |\n|" + "---|" * (len(OP_GROUPS) + 5))
+    for variant in variants:
+        module_name, fixed = VARIANTS[variant]
+        module = importlib.import_module(module_name)
+        c = module.Config(**fixed)
+        c.steps = 10 ** 6
+        step = pretrain_step(module, c, load_batches(module, c, 4))
+        step()
+        flops = counted_flops(lambda: step(optimize=False))
+        step()
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
+        ms = 1000 * (time.perf_counter() - t0) / steps
+        ops = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]
+        total = sum(t for _, t in ops) or 1
+        share = {g: 0.0 for g, _ in OP_GROUPS + (("elementwise and other", ()),)}
+        for name, t in ops:
+            share[op_group(name)] += t / total
+        top = ", ".join(f"{name.split('::')[-1]} {t / total:.0%}" for name, t in sorted(ops, key=lambda o: -o[1])[:3])
+        print(f"| {variant} | {ms:,.0f} | {flops / 1e9:.1f} | " + " | ".join(f"{v:.0%}" for v in share.values()) +
+              f" | {top} |", flush=True)
+
+
 def parse_value(text):
     try:
         return json.loads(text)
@@ -863,6 +910,8 @@ def main():
     parser.add_argument("--st_steps", type=int, default=8, help="--st: timed steps per process")
     parser.add_argument("--st_pairs", type=int, default=2, help="--st: process pairs, alternated")
     parser.add_argument("--micro", action="store_true", help="dropout and attention: ours against torch's")
+    parser.add_argument("--profile", default="", metavar="VARIANTS",
+                        help="torch.profiler: each variant's step time by op kind, e.g. costa-mlm,cpdae,seed")
     parser.add_argument("--gpu", action="store_true", help="BERT-base on one GPU: step time, memory and MFU per method")
     parser.add_argument("--gpu_batch", type=int, default=32, help="--gpu: texts per step")
     parser.add_argument("--gpu_len", type=int, default=512, help="--gpu: tokens per text")
@@ -904,6 +953,12 @@ def main():
         return
     if args.micro:
         micro_table()
+        return
+    if args.profile:
+        unknown = [v for v in args.profile.split(",") if v not in VARIANTS or v == "hf-bert-mlm"]
+        if unknown:
+            sys.exit(f"error: --profile: unknown {unknown}; choose from costa-mlm, costa, cpdae, seed")
+        profile_table(args.profile.split(","))
         return
     if args.gpu:
         if not torch.cuda.is_available():
