@@ -18,12 +18,15 @@ Design (issue 19):
 - Low-resource curve: n training queries (sample s with every arm's seed-s encoder), the same number of
   optimizer steps as the full-data run at every n, for none, mlm and the best method on DEV.
 - Provenance: each run row records the commit, whether the scripts differed from it (dirty), a hash of the scripts (`code`),
-  every stage's command line and the torch version; rows of other code are refused unless --allow_mixed.
+  every stage's command line, the torch version and the settings its numbers depend on; a table never
+  mixes rows of several codes or of other settings unless --allow_mixed. Rows that all come from one
+  other code are reported with that code named (a fresh clone of a later commit still prints the study).
   Each stage runs as its own process (sys.executable script.py ...), so an edit cannot mix versions mid-run.
 
     python study.py                              # the whole study; resumable: rerun to continue, or to print the table
     python study.py --seeds 0 --low_resource ""  # one seed, no curve
     python study.py --arm_args "costa:--head_warmup 20;cpdae:--cl_weight 1" --vector cls
+    python study.py --report_only                # the table from the rows there are, while the study is part-way
     python study.py --quick --out_dir /tmp/q     # tiny end-to-end check (a tiny model on a SciFact subset)
 
 Outputs: results_dir (committed) holds runs/*.json (one row per finished run, written when it finishes,
@@ -75,7 +78,8 @@ class Config:
     resamples: int = 10000        # bootstrap resamples (queries x seeds) per interval
     out_dir: str = "runs/study"   # run folders: checkpoints, logs (not committed)
     results_dir: str = "results/study"  # per-run rows (committed), table.md and figures
-    allow_mixed: bool = False     # make a table from rows of other code (another scripts hash) too
+    allow_mixed: bool = False     # make one table from rows of several codes or settings (refused otherwise)
+    report_only: bool = False     # print the table from the rows there are (a study part-way), run nothing
     quick: bool = False           # tiny end-to-end check: a tiny model on a SciFact subset, seconds per run
     preset: str = ""              # (no preset; the shared parser knows this field)
 
@@ -152,6 +156,27 @@ def machine():
     amx = " + AMX" if re.search(r"^flags\s*:.*\bamx_tile\b", info, re.M) else ""
     return (f"cpu: {name.group(1).strip() if name else platform.processor() or 'unknown'}, "
             f"{torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}{amx}")
+
+
+def portable(path):
+    """A path inside this repository as a relative one, so that a row reads the same in any clone."""
+    try:
+        return str(Path(path).resolve().relative_to(HERE))
+    except ValueError:
+        return str(path)
+
+
+def settings(c, arm):
+    """What a row's numbers depend on besides the code and the seed: a rerun with other settings must not
+    reuse the row (the arm's own flags only, so that changing one arm's flags leaves the others' rows)."""
+    out = {"init": c.init if c.init == "minilm" else portable(c.init), "vector": c.vector,
+           "similarity": c.similarity, "dataset": portable(c.dataset), "dev_queries": c.dev_queries,
+           "query_len": c.query_len, "passage_len": c.passage_len, "finetune_args": c.finetune_args}
+    if ARMS[arm]:
+        flags = [ARMS[arm][1], c.pretrain_args, parse_arm_args(c.arm_args, ARMS).get(arm, "")]
+        out.update(pretrain_steps=c.pretrain_steps, pretrain_lr=c.pretrain_lr,
+                   pretrain_flags=" ".join(f for f in flags if f))
+    return out
 
 
 def provenance(c):
@@ -239,7 +264,7 @@ def run_one(c, arm, seed, n_queries=0, steps=0):
     key = f"{arm}/seed{seed}" if not n_queries else f"{arm}/n{n_queries}/seed{seed}"
     folder = Path(c.out_dir) / key
     row = {"key": key, "arm": arm, "seed": seed, "n_queries": n_queries, "vector": c.vector,
-           "similarity": c.similarity, **provenance(c), "commands": {}, "seconds": {}}
+           "similarity": c.similarity, "settings": settings(c, arm), **provenance(c), "commands": {}, "seconds": {}}
     encoder = pretrained_encoder(c, arm, seed, row)
     if not n_queries:
         row["zero_shot"] = zero_shot(c, arm, seed, encoder, row)
@@ -313,7 +338,7 @@ def row_path(c, key):
 
 
 def load_rows(c):
-    """Every row in results_dir; rows of other code (another scripts hash) stop the study unless --allow_mixed."""
+    """Every row in results_dir, {key: row}."""
     rows = {}
     for path in sorted((Path(c.results_dir) / "runs").glob("*.json")):
         try:
@@ -321,13 +346,30 @@ def load_rows(c):
         except ValueError:
             raise data.DataError(f"{path}: not a JSON row (a cut write?); delete it to run it again") from None
         rows[row["key"]] = row
-    here = code_hash()
-    other = sorted({(r["code"], r["commit"][:10]) for r in rows.values() if r["code"] != here})
-    if other and not c.allow_mixed:
-        raise data.DataError(f"{c.results_dir}: {sum(r['code'] != here for r in rows.values())} rows come from other "
-                             f"code (scripts hash, commit: {other[:3]}) than this one ({here}); move them away to "
-                             f"run them again, or pass --allow_mixed to mix them knowingly")
     return rows
+
+
+def check_rows(c, rows, runs_left):
+    """One table, one code and one set of settings (unless --allow_mixed): a row made with other settings
+    (say --vector cls) is refused; so are rows of several codes, and rows of another code while runs are
+    left (they would be mixed with this code's). Rows that all come from one other code, with nothing left
+    to run, are reported as what they are: the table names their commit and hash."""
+    if c.allow_mixed:
+        return
+    for key, row in rows.items():
+        want = settings(c, row["arm"])
+        if row.get("settings") != want:
+            got = row.get("settings") or {}
+            field = next((k for k in want if got.get(k) != want[k]), "settings")
+            raise data.DataError(f"{row_path(c, key)}: made with {field} {got.get(field)!r}, this study has "
+                                 f"{want.get(field)!r}; use another --results_dir (or move the row away to run it again)")
+    here = code_hash()
+    codes = sorted({(r["code"], r["commit"][:10]) for r in rows.values()})
+    if len(codes) > 1 or (runs_left and codes and codes[0][0] != here):
+        n_other = sum(r["code"] != here for r in rows.values())
+        raise data.DataError(f"{c.results_dir}: {n_other} rows come from other code (scripts hash, commit: "
+                             f"{[x for x in codes if x[0] != here][:3]}) than this one ({here}); move them away to "
+                             f"run them again, or pass --allow_mixed to mix them knowingly")
 
 
 def estimate(rows, stage):
@@ -357,6 +399,14 @@ def run_plan(c, plan, rows, t0, done_before):
         rows[key] = row
         data.atomic_write_json(row_path(c, key), row)    # at once: a killed study continues from it
     return rows
+
+
+def runs_left(c, rows):
+    """The runs of the plan that have no row yet (the curve's once the full-data runs are all there)."""
+    todo = [p for p in full_plan(c) if p[0] not in rows]
+    if not todo and numbers(c.low_resource):
+        todo = [p for p in curve_plan(c, rows) if p[0] not in rows]
+    return todo
 
 
 def full_plan(c):
@@ -410,32 +460,58 @@ def per_query_matrix(runs, split, metric):
 
 
 def compare(a_runs, b_runs, split, metric, resamples):
-    """A vs B over the seeds both have: difference of means, paired t over seed means, bootstrap interval."""
+    """A vs B over the seeds both have: difference of means, paired t over seed means (p None with fewer
+    than 2 seeds), bootstrap interval (over queries only with 1 seed). None when no seed is shared."""
     seeds = sorted({r["seed"] for r in a_runs} & {r["seed"] for r in b_runs})
+    if not seeds:
+        return None
     a = per_query_matrix([r for r in a_runs if r["seed"] in seeds], split, metric)
     b = per_query_matrix([r for r in b_runs if r["seed"] in seeds], split, metric)
-    t, p = evaluate.paired_t_test(a.mean(1), b.mean(1))          # over seeds, df = seeds - 1
-    low, high = evaluate.bootstrap_difference(a, b, resamples) if len(seeds) else (np.nan, np.nan)
+    p = evaluate.paired_t_test(a.mean(1), b.mean(1))[1] if len(seeds) > 1 else None   # over seeds, df = seeds - 1
+    low, high = evaluate.bootstrap_difference(a, b, resamples)
     return {"diff": float((a - b).mean()), "low": low, "high": high, "p": p, "seeds": len(seeds)}
+
+
+def holm(pvalues):
+    """Holm's step-down adjustment of a family of p-values (None stays None): {key: adjusted p}."""
+    ranked = sorted((p, k) for k, p in pvalues.items() if p is not None)
+    out, running = {k: None for k, p in pvalues.items() if p is None}, 0.0
+    for i, (p, k) in enumerate(ranked):
+        running = max(running, min(1.0, (len(ranked) - i) * p))
+        out[k] = running
+    return out
+
+
+def format_difference(d, n_runs):
+    """The diff [95% CI] and p cells of one comparison; seeds named when fewer than the arm's own."""
+    if d is None:
+        return ["n/a (no seed in common)", ""]
+    paired = f" ({d['seeds']} paired seeds)" if d["seeds"] != n_runs else ""
+    interval = f"{d['diff']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]" + (" (queries only)" if d["seeds"] < 2 else "")
+    p = "n/a (1 seed)" if d["p"] is None else f"{d['p']:.3g}" + (f" (Holm {d['holm']:.3g})" if d.get("holm") is not None else "")
+    return [interval + paired, p]
 
 
 def arm_table(c, full, split):
     arms = [a for a in c.arms.split(",") if full.get(a)]
     refs = [b for b in ("none", "mlm") if full.get(b)]
-    head = (["arm", "seeds", "zero-shot nDCG@10"] + list(REPORTED)
-            + [f"nDCG@10 {w} vs {b}" for b in refs for w in ("diff [95% CI]", "p")])
+    head = (["arm", "seeds", "pre-training s (median)", "zero-shot nDCG@10"] + list(REPORTED)
+            + [f"nDCG@10 {w} vs {b}" for b in refs for w in ("diff [95% CI]", "p (paired t over seeds)")])
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    pairs = [(a, b) for a in arms for b in refs if a != b and (a, b) != ("none", "mlm")]   # mlm's row has mlm vs none
+    diffs = {(a, b): compare(full[a], full[b], split, "NDCG@10", c.resamples) for a, b in pairs}
+    for key, adjusted in holm({k: d["p"] for k, d in diffs.items() if d}).items():   # the table's tests: one family
+        diffs[key]["holm"] = adjusted
+    cell = lambda v: f"{np.mean(v):.4f} +- {np.std(v, ddof=1):.4f}" if len(v) > 1 else f"{np.mean(v):.4f}"
     for a in arms:
         runs = full[a]
-        cell = lambda v: f"{np.mean(v):.4f} +- {np.std(v, ddof=1):.4f}" if len(v) > 1 else f"{np.mean(v):.4f}"
-        cells = [a, str(len(runs)), cell([r["zero_shot"][split]["NDCG@10"] for r in runs])]
+        zero = [r["zero_shot"][split]["NDCG@10"] for r in runs]
+        seconds = [r["seconds"]["pretrain"] for r in runs if "pretrain" in r["seconds"]]   # equal steps, not equal compute
+        cells = [a, str(len(runs)), f"{np.median(seconds):.0f}" if seconds else "0",
+                 f"{zero[0]:.4f} (one encoder)" if not ARMS[a] else cell(zero)]
         cells += [cell([r["metrics"][split][m] for r in runs]) for m in REPORTED]
         for b in refs:
-            if b == a:
-                cells += ["", ""]
-                continue
-            d = compare(runs, full[b], split, "NDCG@10", c.resamples)
-            cells += [f"{d['diff']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]", f"{d['p']:.3g}"]
+            cells += format_difference(diffs[(a, b)], len(runs)) if (a, b) in diffs else ["", ""]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -447,24 +523,44 @@ def chance_table(full):
         logs = [r.get("pretrain_log") or {} for r in runs]
         for key in sorted({k for log in logs for k in log if k.endswith("_acc")}):
             acc = np.mean([log[key] for log in logs if key in log])
-            chances = [log[key + "_chance"] for log in logs if key + "_chance" in log]
+            chance_key = key.removesuffix("_acc") + "_chance"                    # mlm_acc -> mlm_chance
+            chances = [log[chance_key] for log in logs if chance_key in log]
             chance = f"{np.mean(chances):.4f}" if chances else "n/a"
             ratio = f"{acc / np.mean(chances):.2f}" if chances and np.mean(chances) > 0 else "n/a"
             lines.append(f"| {arm} | {key} | {acc:.4f} | {chance} | {ratio} |")
     return "\n".join(lines)
 
 
-def curve_table(rows, split="test"):
+def curve_table(c, rows, split="test"):
+    """Mean +- std over seeds at every n, and each arm against none and mlm at the same n and seed
+    (paired t over seeds, bootstrap interval, Holm over the curve's tests)."""
     curve = [r for r in rows.values() if r["n_queries"]]
     arms = list(dict.fromkeys(r["arm"] for r in curve))
     ns = sorted({r["n_queries"] for r in curve})
+    runs = {(a, n): sorted((r for r in curve if r["arm"] == a and r["n_queries"] == n), key=lambda r: r["seed"])
+            for a in arms for n in ns}
     lines = ["| arm | " + " | ".join(f"n = {n}" for n in ns) + " |", "|---" * (len(ns) + 1) + "|"]
     for a in arms:
         cells = []
         for n in ns:
-            v = [r["metrics"][split]["NDCG@10"] for r in curve if r["arm"] == a and r["n_queries"] == n]
-            cells.append(f"{np.mean(v):.4f} +- {np.std(v, ddof=1):.4f}" if len(v) > 1 else f"{np.mean(v):.4f}")
+            v = [r["metrics"][split]["NDCG@10"] for r in runs[(a, n)]]
+            cells.append(f"{np.mean(v):.4f} +- {np.std(v, ddof=1):.4f}" if len(v) > 1 else f"{np.mean(v):.4f}" if v else "")
         lines.append(f"| {a} | " + " | ".join(cells) + " |")
+    refs = [b for b in ("none", "mlm") if b in arms]
+    diffs = {(a, n, b): compare(runs[(a, n)], runs[(b, n)], split, "NDCG@10", c.resamples)
+             for a in arms for n in ns for b in refs
+             if a != b and (a, b) != ("none", "mlm") and runs[(a, n)] and runs[(b, n)]}
+    if diffs:
+        for key, adjusted in holm({k: d["p"] for k, d in diffs.items() if d}).items():
+            diffs[key]["holm"] = adjusted
+        lines += ["", "| arm | n | " + " | ".join(f"vs {b}: diff [95% CI] | p (paired t over seeds)" for b in refs) + " |",
+                  "|---" * (2 + 2 * len(refs)) + "|"]
+        for a in arms:
+            for n in ns:
+                if any((a, n, b) in diffs for b in refs):
+                    cells = [cell for b in refs for cell in (format_difference(diffs[(a, n, b)], len(runs[(a, n)]))
+                                                             if (a, n, b) in diffs else ["", ""])]
+                    lines.append(f"| {a} | {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -474,27 +570,37 @@ def report(c, rows):
     full = {a: runs for a, runs in full.items() if runs}
     some = next(iter(rows.values()))
     commits = sorted({(r["commit"][:10], r["code"], r["dirty"]) for r in rows.values()})
+    here = code_hash()
+    n_seeds = max(len(runs) for runs in full.values())
     parts = [f"# The study\n\nVector {some['vector']} in pre-training, fine-tuning and evaluation ({some['similarity']}); "
-             f"code {commits} (commit, scripts hash, dirty); torch {some['torch']}.\n",
-             "mean +- std over seeds (ddof=1). diff: mean difference in nDCG@10, paired by seed; [95% CI]: "
-             f"percentile interval from a bootstrap over queries x seeds ({c.resamples} resamples, pairing kept); "
-             "p: two-tailed paired t-test over seeds of each seed's mean nDCG@10 (df = seeds - 1).\n"]
+             f"code {commits} (commit, scripts hash, dirty); torch {some['torch']}; {some['machine']}.\n"
+             + ("" if all(code == here for _, code, _ in commits) else
+                f"\nThe rows come from other code than this checkout's (scripts hash {here}): rerunning them here "
+                f"could give other numbers.\n"),
+             "mean +- std over seeds (ddof=1). diff: mean difference in nDCG@10 (arm minus reference), paired by "
+             f"seed; [95% CI]: percentile interval from a bootstrap over queries x seeds ({c.resamples} resamples, "
+             "pairing kept; not adjusted for multiplicity); p: two-tailed paired t-test over seeds of each seed's mean "
+             "nDCG@10 (df = seeds - 1), unadjusted, with Holm's adjustment over the table's tests in brackets. "
+             "The none arm's zero-shot is one evaluation of the checkpoint, the same for every seed.\n"
+             + (f"\n**{n_seeds} seed(s), fewer than the 5 the design asks for: the study is part-way; read the "
+                f"tests as indicative.**\n" if n_seeds < 5 else "")]
     for split in ("test", "dev"):
         n_q = len(next(iter(full.values()))[0]["per_query"][split])
-        parts.append(f"## {split} ({n_q} queries{'; settings are chosen here' if split == 'dev' else ''})\n\n"
-                     f"{arm_table(c, full, split)}\n")
+        note = "; settings were chosen on this split, so its p-values are descriptive only" if split == "dev" else ""
+        parts.append(f"## {split} ({n_q} queries{note})\n\n{arm_table(c, full, split)}\n")
     parts.append(f"## Each arm's own objective at the end of pre-training vs its chance level (mean over seeds)\n\n"
                  f"{chance_table({a: r for a, r in full.items() if ARMS[a]})}\n")
     for a, runs in full.items():
-        grads = [r["gradients"] for r in runs if r.get("gradients")]
-        if grads:
-            parts.append(f"## {a}: gradient norm of each term on the encoder (seed {runs[0]['seed']})\n\n"
-                         f"{format_gradient_norms(grads[0], c.pretrain_steps)}\n")
+        with_grads = [r for r in runs if r.get("gradients")]
+        if with_grads:
+            parts.append(f"## {a}: gradient norm of each term on the encoder (seed {with_grads[0]['seed']})\n\n"
+                         f"{format_gradient_norms(with_grads[0]['gradients'], c.pretrain_steps)}\n")
     if any(r["n_queries"] for r in rows.values()):
         arms = list(dict.fromkeys(r["arm"] for r in rows.values() if r["n_queries"]))
-        parts.append(f"## Low-resource curve, test nDCG@10 (arms {', '.join(arms)}, the method picked on dev; "
+        how = "given by --curve_arms" if c.curve_arms else "none, mlm and the method with the best dev nDCG@10"
+        parts.append(f"## Low-resource curve, test nDCG@10 (arms {', '.join(arms)}: {how}; "
                      f"the same optimizer steps at every n as the full-data run; sample s with seed-s encoders)\n\n"
-                     f"{curve_table(rows)}\n")
+                     f"{curve_table(c, rows)}\n")
     text = "\n".join(parts)
     data.atomic_write_text(Path(c.results_dir) / "table.md", text)
     print(text)
@@ -509,7 +615,10 @@ def plot_differences(c, full, path, split="test"):
     if "none" not in full or len(full) < 2:
         return
     plt = evaluate._pyplot()
-    arms = [a for a in full if a != "none"]
+    shares_a_seed = lambda a: {r["seed"] for r in full[a]} & {r["seed"] for r in full["none"]}
+    arms = [a for a in full if a != "none" and shares_a_seed(a)]
+    if not arms:
+        return
     fig, axes = plt.subplots(1, len(REPORTED), figsize=(4 * len(REPORTED), 3.2), sharey=False)
     for ax, m in zip(axes, REPORTED):
         ds = [compare(full[a], full["none"], split, m, c.resamples) for a in arms]
@@ -519,8 +628,9 @@ def plot_differences(c, full, path, split="test"):
         ax.set_xticks(range(len(arms)), arms)
         ax.set_title(f"{m}: arm minus none")
     axes[0].set_ylabel("difference (0 = as none)")
+    seeds = max(len(full[a]) for a in arms)
     fig.suptitle(f"{split}: difference from fine-tuning the checkpoint directly, 95% bootstrap interval "
-                 f"(queries x seeds)", y=1.04)
+                 f"({'queries x seeds' if seeds > 1 else 'queries only: 1 seed'})", y=1.04)
     evaluate._save_figure(fig, path)
 
 
@@ -542,7 +652,8 @@ def plot_curve(rows, full, path, split="test"):
     ax.set_xticks(sorted(ticks), [str(n) for n in sorted(ticks)])
     ax.minorticks_off()
     ax.set_ylim(0, None)
-    ax.set_xlabel("training queries")
+    ax.set_xlabel("training queries (log scale)")
+    ax.set_title("mean, bars: std over seeds (ddof=1)", fontsize=9)
     ax.set_ylabel(f"{split} nDCG@10 (axis from 0)")
     ax.legend()
     evaluate._save_figure(fig, path)
@@ -590,6 +701,15 @@ def main(argv):
         c = dataclasses.replace(c, similarity=data.read_retriever_settings(data.resolve_model(c.init)).get("similarity", "dot"))
     t0 = time.time()
     rows = load_rows(c)
+    if c.report_only:
+        check_rows(c, rows, runs_left=False)
+        keys = [key for key, *_ in full_plan(c)] + sorted(k for k, r in rows.items() if r["n_queries"])
+        present = {key: rows[key] for key in keys if key in rows}
+        if not present:
+            raise data.DataError(f"{c.results_dir}: no rows yet")
+        report(c, present)                                      # a study part-way: what there is
+        return
+    check_rows(c, rows, runs_left=bool(runs_left(c, rows)))
     print_plan(c, rows)
     rows = run_plan(c, full_plan(c), rows, t0, len(rows))
     if numbers(c.low_resource):

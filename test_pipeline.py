@@ -1642,8 +1642,12 @@ def test_study_quick_end_to_end_resumes_without_training_and_refuses_mixed_code(
         assert f"--n_queries 4 --steps {rows[f'none-seed{s}']['finetune_steps']}" in rows[f"costa-n4-seed{s}"]["commands"]["finetune"]
     table = (results / "table.md").read_text()
     assert "paired t-test over seeds" in table and "bootstrap over queries x seeds" in table
-    assert re.search(r"^\| costa \| 2 \| 0\.\d{4} \+- 0\.\d{4} \| .* \| [+-]0\.\d{4} \[[+-]0\.\d{4}, [+-]0\.\d{4}\] \| [\d.]+", table, re.M)
-    assert "## dev (4 queries" in table and "| costa | mlm_acc |" in table
+    assert re.search(r"^\| costa \| 2 \| \d+ \| 0\.\d{4} \+- 0\.\d{4} \| .* \| [+-]0\.\d{4} \[[+-]0\.\d{4}, [+-]0\.\d{4}\] \| [\d.]+", table, re.M)
+    assert "## dev (4 queries" in table and re.search(r"^\| costa \| mlm_acc \| 0\.\d{4} \| 0\.\d{4} \| \d+\.\d\d \|$", table, re.M)
+    assert "Holm" in table and "fewer than the 5" in table and "| none | 2 | 0 | 0." in table and "(one encoder)" in table
+    for r in rows.values():                    # what the numbers depend on, besides code and seed
+        assert r["settings"]["vector"] == "mean" and r["settings"]["dev_queries"] == 4
+    assert "pretrain_flags" in rows["costa-seed0"]["settings"] and "pretrain_flags" not in rows["none-seed0"]["settings"]
     for figure in ("differences.png", "low_resource.png"):
         assert (results / figure).stat().st_size > 1000
     # A rerun (a fresh clone: no run folders) trains nothing and prints the same table.
@@ -1653,12 +1657,39 @@ def test_study_quick_end_to_end_resumes_without_training_and_refuses_mixed_code(
     capsys.readouterr()
     study.main(argv)
     assert not calls and (results / "table.md").read_text() == table and table in capsys.readouterr().out
-    # A row from other code is refused, unless asked for.
+    # Other settings: the rows are refused, not reused (here: the vector).
+    with pytest.raises(data.DataError, match=r"seed0.json: made with vector 'mean', this study has 'cls'"):
+        study.main(argv + ["--vector", "cls"])
+    # --report_only: the table from the rows there are, running nothing (a study part-way: seed 0 only).
+    for key in ("none-seed1", "costa-seed1", "none-n4-seed1", "costa-n4-seed1"):
+        (results / "runs" / f"{key}.json").rename(tmp_path / f"{key}.json")
+    capsys.readouterr()
+    study.main(argv + ["--report_only"])
+    partial = capsys.readouterr().out
+    assert not calls and "| costa | 1 |" in partial and "n/a (1 seed)" in partial and "(queries only)" in partial
+    for key in ("none-seed1", "costa-seed1", "none-n4-seed1", "costa-n4-seed1"):
+        (tmp_path / f"{key}.json").rename(results / "runs" / f"{key}.json")
+    # Rows that all come from one other code, with nothing left to run: reported, that code named.
+    for path in (results / "runs").glob("*.json"):
+        path.write_text(json.dumps({**json.loads(path.read_text()), "code": "0123456789ab"}))
+    capsys.readouterr()
+    study.main(argv)
+    assert not calls and "rows come from other code than this checkout's" in capsys.readouterr().out
+    # Rows of two codes are refused, unless asked for.
     row = json.loads((results / "runs" / "none-seed1.json").read_text())
-    (results / "runs" / "none-seed1.json").write_text(json.dumps({**row, "code": "0123456789ab"}))
-    with pytest.raises(data.DataError, match="1 rows come from other code"):
+    (results / "runs" / "none-seed1.json").write_text(json.dumps({**row, "code": "ba9876543210"}))
+    with pytest.raises(data.DataError, match="rows come from other code"):
         study.main(argv)
     study.main(argv + ["--allow_mixed"])
+
+
+def test_holm_adjustment_by_hand():
+    import study
+
+    # sorted 0.01, 0.03, 0.04: x3 = 0.03, x2 = 0.06, x1 = 0.04 -> 0.06 (never below the one before)
+    assert study.holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": None}) == pytest.approx(
+        {"a": 0.03, "b": 0.06, "c": 0.06, "d": None})
+    assert study.holm({"a": 0.6, "b": 0.7}) == {"a": 1.0, "b": 1.0}               # capped at 1
 
 
 def test_gradient_norms_per_term_start_where_training_started(tmp_path, small_corpus):
