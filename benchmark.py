@@ -13,6 +13,7 @@ method's own masking), with the same model size and batch, for --steps optimizer
 
     python benchmark.py                                   # speed table, goals, then all variants
     python benchmark.py --st                              # ... plus finetune.py against sentence-transformers
+    python benchmark.py --st_memory                       # fine-tuning memory: live vs kept by malloc, both tools
     python benchmark.py --micro                           # dropout and attention: ours against torch's
     python benchmark.py --profile costa-mlm,cpdae,seed    # each step's time by op kind (torch.profiler)
     python benchmark.py --gpu                             # BERT-base, batch 32 x 512, on one GPU: MFU per method
@@ -95,6 +96,33 @@ def peak_rss_mib():
         return int(status.split("VmHWM:")[1].split()[0]) / 1024
     except (OSError, IndexError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def rss_mib():
+    """This process's resident set now, MiB (Linux; 0 elsewhere)."""
+    try:
+        return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) / 1024
+    except (OSError, IndexError):
+        return 0.0
+
+
+def st_memory_table(n_steps=2, warmup=1):
+    """Fine-tuning memory, ours and sentence-transformers', each in a fresh process, with glibc's malloc as
+    is and with its mmap threshold pinned at 64 KiB (freed activations go back to the OS, so the peak is
+    live memory and the resident set between steps is what the step keeps): how much of each peak is
+    memory that malloc retained rather than memory the step needs."""
+    print("| fine-tuning step, MiniLM, batch 32 x (1 + 2) texts | malloc | resident between steps MiB | peak MiB |\n"
+          "|---|---|---|---|")
+    for which in ("ours", "st"):
+        for name, env in (("as is", os.environ), ("mmap threshold 64 KiB", {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})):
+            cmd = [sys.executable, __file__, "--st-one", f"{which}:{n_steps}:{warmup}"]
+            result = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if result.returncode:
+                print(f"| {which} | {name} | failed: {(result.stderr.strip().splitlines() or ['?'])[-1]} | |")
+                continue
+            r = json.loads(result.stdout.strip().splitlines()[-1])
+            label = "finetune.py" if which == "ours" else "sentence-transformers"
+            print(f"| {label} | {name} | {r['between_mib']:,.0f} | {r['peak_mib']:,.0f} |", flush=True)
 
 
 def hf_model(c):
@@ -731,13 +759,16 @@ def st_one(which, n_steps, warmup):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    times = []
+    times, between = [], 0.0
     reset_peak_rss()                      # the training steps' peak: BM25 and the batches are the same for both
     for i in range(n_steps + warmup):
+        if i == warmup:
+            between = rss_mib()           # resident between two steps: weights, optimizer, and what malloc kept
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return {"which": which, "step_s": float(np.median(times[warmup:])), "peak_mib": peak_rss_mib()}
+    return {"which": which, "step_s": float(np.median(times[warmup:])), "peak_mib": peak_rss_mib(),
+            "between_mib": between}
 
 
 def st_table(n_steps, warmup, pairs):
@@ -907,6 +938,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="speed table: the methods at 4x256 only, not 6x384")
     parser.add_argument("--st", action="store_true",
                         help="also finetune.py against sentence-transformers (needs sentence-transformers)")
+    parser.add_argument("--st_memory", action="store_true",
+                        help="fine-tuning memory, ours and sentence-transformers', malloc as is and pinned")
     parser.add_argument("--st_steps", type=int, default=8, help="--st: timed steps per process")
     parser.add_argument("--st_pairs", type=int, default=2, help="--st: process pairs, alternated")
     parser.add_argument("--micro", action="store_true", help="dropout and attention: ours against torch's")
@@ -953,6 +986,9 @@ def main():
         return
     if args.micro:
         micro_table()
+        return
+    if args.st_memory:
+        st_memory_table()
         return
     if args.profile:
         unknown = [v for v in args.profile.split(",") if v not in VARIANTS or v == "hf-bert-mlm"]
