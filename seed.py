@@ -90,6 +90,7 @@ class Config:
     # --- SEED-Encoder's weak decoder (section 3.4; Figure 3 ablations)
     dec_layers: int = 3           # decoder Transformer blocks (paper: 3; Figure 3 also tries 1 and 5)
     dec_span: int = 2             # self-attention span k of eq. 9 (paper: 2); 0 = full causal, the "strong decoder"
+    dec_weight: float = 1.0       # weight of L_dec in eq. 10 (paper: 1, L_MLM + L_dec)
     dec_chunk: int = 2048         # decoder positions per chunk of vocabulary logits (peak ~ chunk x |V| fp32); 0 = all
     diagnose: str = ""            # encoder folder: print Figure 5's [CLS] cosine by length, then exit (no training)
 
@@ -117,7 +118,7 @@ FLAG_RULES = {
     "steps": ">= 1", "epochs": ">= 0", "batch_size": ">= 1", "global_batch": ">= 0", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
     "warmup": "in [0, 1]", "clip": "> 0", "mask_prob": "in [0, 1]", "workers": ">= 0", "log_every": ">= 1",
     "save_every": ">= 1", "halt_at": ">= 0", "prep_workers": ">= 0",
-    "dec_layers": ">= 1", "dec_span": ">= 0", "dec_chunk": ">= 0",
+    "dec_layers": ">= 1", "dec_span": ">= 0", "dec_chunk": ">= 0", "dec_weight": "> 0",
     "head_warmup": ">= 0", "head_lr": "> 0", "bottleneck": "one of {cls, mean}",
 }
 
@@ -337,7 +338,10 @@ class PretrainModel(nn.Module):
             states[kept], self.decoder.word_embedding[0].weight, targets, self.config.dec_chunk)
         # Eq. 10 as the paper writes it, weights 1:1. (The authors' code uses 0.5:0.5, which only halves
         # the gradient: AdamW's update is unchanged by that (up to eps), the clip norm (1.0) binds later.)
-        return {"L_MLM": mlm, "L_dec": dec}, {
+        # Departure (option-seed-dec-weight): off by default; --dec_weight w weighs L_dec w times L_MLM.
+        terms = {"L_MLM": mlm, "L_dec": dec} if self.config.dec_weight == 1 else \
+            {"L_MLM": mlm, "w L_dec": self.config.dec_weight * dec}
+        return terms, {
             "mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
             "mlm_chance": most_frequent_accuracy(batch["labels"], self.frequent_token),
             "dec": dec.detach(), "dec_acc": dec_correct / max(targets.numel(), 1),

@@ -67,7 +67,7 @@ class Config:
     pretrain_steps: int = 50      # continued pre-training steps of every method (batch 32 x 128 tokens each)
     pretrain_lr: float = 5e-5     # continued pre-training learning rate of every method
     pretrain_args: str = "--head_warmup 20 --head_lr 20"  # more flags for every pre-training script (the heads' warm-up: results/levers)
-    arm_args: str = "costa:--gwc_sim cos;cpdae:--rec_reduction mean --cl_tau 0.02"  # more flags per arm, "arm:flags;arm:flags" (results/levers)
+    arm_args: str = "costa:--gwc_sim cos;cpdae:--rec_reduction mean --cl_tau 0.02;seed:--dec_weight 8"  # more flags per arm, "arm:flags;arm:flags" (results/levers)
     finetune_args: str = "--lr 2e-4"  # more flags for every fine-tuning (lr: best mean dev nDCG@10 of the none arm, results/dev)
     dataset: str = str(data.SCIFACT)  # BEIR folder: pre-training corpus, training queries (minus dev), test
     dev_queries: int = 150        # training queries held out as the dev split (fixed: evaluate.carve_dev)
@@ -91,7 +91,8 @@ FLAG_RULES = {"pretrain_steps": ">= 1", "pretrain_lr": "> 0", "dev_queries": ">=
 ARMS = {"none": None, "mlm": ("costa", "--gwc_weight 0"), "seed": ("seed", ""), "cpdae": ("cpdae", ""),
         "costa": ("costa", "")}
 REPORTED = ("NDCG@10", "MRR@10", "Recall@100")       # what the rows keep per query
-SCRIPTS = ("study.py", "data.py", "evaluate.py", "finetune.py", "costa.py", "cpdae.py", "seed.py")
+SHARED = ("study.py", "data.py", "evaluate.py", "finetune.py")   # what every row's stages run
+SCRIPTS = SHARED + ("costa.py", "cpdae.py", "seed.py")
 SET_BY_STUDY = ("init", "seed", "out_dir", "pooling", "similarity", "bottleneck", "dev_queries", "n_queries",
                 "dataset", "corpus", "query_len", "passage_len", "overwrite", "resume")
 DEFAULT_SECONDS = {"pretrain": 300, "zero_shot": 110, "finetune": 250, "gradients": 60}  # MiniLM, 2 CPU cores
@@ -129,10 +130,16 @@ def check_flags(c):
 # ----------------------------------------------------------------------------------------------
 # Provenance: the commit, a hash of the scripts, each stage's command
 # ----------------------------------------------------------------------------------------------
-def code_hash():
-    """sha256 of the scripts the stages run (12 hex digits): two rows with the same hash ran the same code."""
+def scripts_of(arm):
+    """The scripts an arm's stages run: the shared ones and its method file ("none": no method file)."""
+    return SHARED + ((f"{ARMS[arm][0]}.py",) if ARMS[arm] else ())
+
+
+def code_hash(names=SCRIPTS):
+    """sha256 of the scripts (12 hex digits): two rows with the same hash of their arm's scripts (a row's
+    `code`) ran the same code, so an edit to seed.py leaves the other arms' rows standing."""
     h = hashlib.sha256()
-    for name in SCRIPTS:
+    for name in names:
         h.update(name.encode() + b"\0" + (HERE / name).read_bytes() + b"\0")
     return h.hexdigest()[:12]
 
@@ -179,9 +186,10 @@ def settings(c, arm):
     return out
 
 
-def provenance(c):
+def provenance(c, arm):
     commit, dirty = git_state()
-    return {"commit": commit, "dirty": dirty, "code": code_hash(), "torch": importlib.metadata.version("torch"),
+    return {"commit": commit, "dirty": dirty, "code": code_hash(scripts_of(arm)), "shared_code": code_hash(SHARED),
+            "torch": importlib.metadata.version("torch"),
             "python": sys.version.split()[0], "machine": machine()}
 
 
@@ -234,7 +242,7 @@ def pretrained_encoder(c, arm, seed, record):
     folder = Path(c.out_dir) / arm / f"seed{seed}" / "pretrain"
     cmd = pretrain_command(c, arm, seed, folder)
     done = folder / "study-done.json"
-    marker = {"command": shlex.join(cmd), "code": code_hash()}
+    marker = {"command": shlex.join(cmd), "code": code_hash(scripts_of(arm))}
     if not (done.is_file() and json.loads(done.read_text()) == marker):
         record["commands"]["pretrain"], record["seconds"]["pretrain"] = run_stage(cmd, folder.parent / "pretrain.log")
         data.atomic_write_json(done, marker)
@@ -250,7 +258,7 @@ def zero_shot(c, arm, seed, encoder, row):
     out = Path(c.out_dir) / arm / (f"seed{seed}" if ARMS[arm] else "") / "zero-shot"
     cmd = [sys.executable, "evaluate.py", "--model", encoder, "--split", "dev,test", "--out_dir", str(out),
            "--tag", f"{arm}-zero-shot", *retriever_flags(c)]
-    marker = {"command": shlex.join(cmd), "code": code_hash()}
+    marker = {"command": shlex.join(cmd), "code": code_hash(scripts_of(arm))}
     if not ((out / "study-done.json").is_file() and json.loads((out / "study-done.json").read_text()) == marker):
         row["seconds"]["zero_shot"] = run_stage(cmd, out / "log.txt")[1]
         data.atomic_write_json(out / "study-done.json", marker)
@@ -264,7 +272,7 @@ def run_one(c, arm, seed, n_queries=0, steps=0):
     key = f"{arm}/seed{seed}" if not n_queries else f"{arm}/n{n_queries}/seed{seed}"
     folder = Path(c.out_dir) / key
     row = {"key": key, "arm": arm, "seed": seed, "n_queries": n_queries, "vector": c.vector,
-           "similarity": c.similarity, "settings": settings(c, arm), **provenance(c), "commands": {}, "seconds": {}}
+           "similarity": c.similarity, "settings": settings(c, arm), **provenance(c, arm), "commands": {}, "seconds": {}}
     encoder = pretrained_encoder(c, arm, seed, row)
     if not n_queries:
         row["zero_shot"] = zero_shot(c, arm, seed, encoder, row)
@@ -350,10 +358,11 @@ def load_rows(c):
 
 
 def check_rows(c, rows, runs_left):
-    """One table, one code and one set of settings (unless --allow_mixed): a row made with other settings
-    (say --vector cls) is refused; so are rows of several codes, and rows of another code while runs are
-    left (they would be mixed with this code's). Rows that all come from one other code, with nothing left
-    to run, are reported as what they are: the table names their commit and hash."""
+    """One table, one code per arm and one set of settings (unless --allow_mixed): a row made with other
+    settings (say --vector cls) is refused; so are rows of several codes for one arm or for the shared
+    scripts, and rows of another code while runs that would join them are left (runs_left: the plan's runs
+    without a row). Rows from other code, with nothing of theirs left to run, are reported as what they
+    are: the table names their commit and hash."""
     if c.allow_mixed:
         return
     for key, row in rows.items():
@@ -363,13 +372,19 @@ def check_rows(c, rows, runs_left):
             field = next((k for k in want if got.get(k) != want[k]), "settings")
             raise data.DataError(f"{row_path(c, key)}: made with {field} {got.get(field)!r}, this study has "
                                  f"{want.get(field)!r}; use another --results_dir (or move the row away to run it again)")
-    here = code_hash()
-    codes = sorted({(r["code"], r["commit"][:10]) for r in rows.values()})
-    if len(codes) > 1 or (runs_left and codes and codes[0][0] != here):
-        n_other = sum(r["code"] != here for r in rows.values())
-        raise data.DataError(f"{c.results_dir}: {n_other} rows come from other code (scripts hash, commit: "
-                             f"{[x for x in codes if x[0] != here][:3]}) than this one ({here}); move them away to "
-                             f"run them again, or pass --allow_mixed to mix them knowingly")
+    if not rows:
+        return
+    shared = {r.get("shared_code") for r in rows.values()}                  # commits may differ, code may not
+    per_arm = {a: sorted({r["code"] for r in rows.values() if r["arm"] == a}) for a in {r["arm"] for r in rows.values()}}
+    stale = {a for a, codes in per_arm.items() if codes[0] != code_hash(scripts_of(a))}
+    arms_left = {p[1] for p in runs_left}
+    mixed = len(shared) > 1 or any(len(codes) > 1 for codes in per_arm.values())
+    joined = arms_left & stale or (arms_left and shared != {code_hash(SHARED)})  # new rows beside rows of other code
+    if mixed or joined:
+        raise data.DataError(f"{c.results_dir}: rows of other code than this one would share a table (rows' code "
+                             f"by arm: { {a: per_arm[a] for a in sorted(per_arm)} }; this checkout: "
+                             f"{ {a: code_hash(scripts_of(a)) for a in sorted(per_arm)} }); move them away to run "
+                             f"them again, or pass --allow_mixed to mix them knowingly")
 
 
 def estimate(rows, stage):
@@ -392,9 +407,9 @@ def run_plan(c, plan, rows, t0, done_before):
         left = sum(run_cost(c, rows, a, m) for _, a, _, m, _ in todo[i:])
         print(f"[{total - len(todo) + i + 1}/{total}] {key}: running | elapsed {format_seconds(time.time() - t0)} | "
               f"eta {format_seconds(left)}", flush=True)
-        before = code_hash()
+        before = code_hash(scripts_of(arm))
         row = run_one(c, arm, seed, n, steps)
-        if code_hash() != before:
+        if code_hash(scripts_of(arm)) != before:
             raise RuntimeError(f"{key}: the scripts changed while it ran; its row is not written (rerun the study)")
         rows[key] = row
         data.atomic_write_json(row_path(c, key), row)    # at once: a killed study continues from it
@@ -569,14 +584,15 @@ def report(c, rows):
             for a in c.arms.split(",")}
     full = {a: runs for a, runs in full.items() if runs}
     some = next(iter(rows.values()))
-    commits = sorted({(r["commit"][:10], r["code"], r["dirty"]) for r in rows.values()})
-    here = code_hash()
+    code = "; ".join(f"{a} {h} ({', '.join(sorted({r['commit'][:10] + ('+dirty' if r['dirty'] else '') for r in rows.values() if r['arm'] == a and r['code'] == h}))})"
+                     for a in dict.fromkeys(r["arm"] for r in rows.values())
+                     for h in sorted({r["code"] for r in rows.values() if r["arm"] == a}))
     n_seeds = max(len(runs) for runs in full.values())
     parts = [f"# The study\n\nVector {some['vector']} in pre-training, fine-tuning and evaluation ({some['similarity']}); "
-             f"code {commits} (commit, scripts hash, dirty); torch {some['torch']}; {some['machine']}.\n"
-             + ("" if all(code == here for _, code, _ in commits) else
-                f"\nThe rows come from other code than this checkout's (scripts hash {here}): rerunning them here "
-                f"could give other numbers.\n"),
+             f"code by arm: {code} (scripts hash (commits)); torch {some['torch']}; {some['machine']}.\n"
+             + ("" if all(r["code"] == code_hash(scripts_of(r["arm"])) for r in rows.values()) else
+                "\nSome rows come from other code than this checkout's (their arm's scripts hash differs): "
+                "rerunning them here could give other numbers.\n"),
              "mean +- std over seeds (ddof=1). diff: mean difference in nDCG@10 (arm minus reference), paired by "
              f"seed; [95% CI]: percentile interval from a bootstrap over queries x seeds ({c.resamples} resamples, "
              "pairing kept; not adjusted for multiplicity); p: two-tailed paired t-test over seeds of each seed's mean "
@@ -702,14 +718,14 @@ def main(argv):
     t0 = time.time()
     rows = load_rows(c)
     if c.report_only:
-        check_rows(c, rows, runs_left=False)
+        check_rows(c, rows, [])
         keys = [key for key, *_ in full_plan(c)] + sorted(k for k, r in rows.items() if r["n_queries"])
         present = {key: rows[key] for key in keys if key in rows}
         if not present:
             raise data.DataError(f"{c.results_dir}: no rows yet")
         report(c, present)                                      # a study part-way: what there is
         return
-    check_rows(c, rows, runs_left=bool(runs_left(c, rows)))
+    check_rows(c, rows, runs_left(c, rows))
     print_plan(c, rows)
     rows = run_plan(c, full_plan(c), rows, t0, len(rows))
     if numbers(c.low_resource):

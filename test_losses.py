@@ -1166,6 +1166,17 @@ def test_terms_sum_to_the_loss_and_every_accuracy_has_its_chance(name):
         assert float(model.terms(batch)[1]["dec_chance"]) == pytest.approx(float((targets == 2003).float().mean()))
 
 
+def test_seed_dec_weight_scales_only_the_decoder_term():
+    _, plain, batch = tiny_method("seed")
+    _, weighted, _ = tiny_method("seed", dec_weight=3.0)            # same seed: the same weights
+    plain.eval(), weighted.eval()
+    terms, weighted_terms = plain.terms(batch)[0], weighted.terms(batch)[0]
+    assert set(weighted_terms) == {"L_MLM", "w L_dec"}
+    torch.testing.assert_close(weighted_terms["L_MLM"], terms["L_MLM"])
+    torch.testing.assert_close(weighted_terms["w L_dec"], 3.0 * terms["L_dec"])
+    torch.testing.assert_close(weighted(batch)[0], terms["L_MLM"] + 3.0 * terms["L_dec"])     # eq. 10, weighted
+
+
 def test_most_frequent_token_and_its_accuracy():
     windows = [data.Window([101, 7, 7, 9, 102], [False] * 5), data.Window([101, 9, 7, 102], [False] * 4)]
     assert data.most_frequent_token(windows) == 7                                       # [CLS], [SEP] not counted

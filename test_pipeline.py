@@ -1630,7 +1630,8 @@ def test_study_quick_end_to_end_resumes_without_training_and_refuses_mixed_code(
     _, _, test = data.load_beir(out / "quick-data" / "scifact-subset", "test")
     for key in full:
         r = rows[key]
-        assert r["code"] == study.code_hash() and len(r["commit"]) == 40 and r["torch"] and r["machine"].startswith("cpu: ")
+        assert r["code"] == study.code_hash(study.scripts_of(r["arm"])) and r["shared_code"] == study.code_hash(study.SHARED)
+        assert len(r["commit"]) == 40 and r["torch"] and r["machine"].startswith("cpu: ")
         assert sorted(r["per_query"]["dev"]) == sorted(evaluate.carve_dev(train, 4)[1])   # the fixed dev queries
         assert sorted(r["per_query"]["test"]) == sorted(test)
         assert r["n_train"] == len(train) - 4                                               # dev is not trained on
@@ -1669,18 +1670,36 @@ def test_study_quick_end_to_end_resumes_without_training_and_refuses_mixed_code(
     assert not calls and "| costa | 1 |" in partial and "n/a (1 seed)" in partial and "(queries only)" in partial
     for key in ("none-seed1", "costa-seed1", "none-n4-seed1", "costa-n4-seed1"):
         (tmp_path / f"{key}.json").rename(results / "runs" / f"{key}.json")
-    # Rows that all come from one other code, with nothing left to run: reported, that code named.
-    for path in (results / "runs").glob("*.json"):
+    # An arm's rows from other code (an edit to its method file), nothing of it left to run: reported, named.
+    for path in (results / "runs").glob("costa-*.json"):
         path.write_text(json.dumps({**json.loads(path.read_text()), "code": "0123456789ab"}))
     capsys.readouterr()
     study.main(argv)
-    assert not calls and "rows come from other code than this checkout's" in capsys.readouterr().out
-    # Rows of two codes are refused, unless asked for.
+    assert not calls and "costa 0123456789ab (" in capsys.readouterr().out
+    # ... but with one of its runs left, the new row would join them: refused (the other arms' are not).
+    (results / "runs" / "costa-n4-seed1.json").rename(tmp_path / "costa-n4-seed1.json")
+    with pytest.raises(data.DataError, match="rows of other code than this one would share a table"):
+        study.main(argv)
+    (tmp_path / "costa-n4-seed1.json").rename(results / "runs" / "costa-n4-seed1.json")
+    # Rows of two codes for one arm are refused, unless asked for.
     row = json.loads((results / "runs" / "none-seed1.json").read_text())
     (results / "runs" / "none-seed1.json").write_text(json.dumps({**row, "code": "ba9876543210"}))
-    with pytest.raises(data.DataError, match="rows come from other code"):
+    with pytest.raises(data.DataError, match="rows of other code than this one would share a table"):
         study.main(argv)
     study.main(argv + ["--allow_mixed"])
+
+
+def test_study_code_hash_covers_the_shared_scripts_and_the_arms_own_method_file():
+    import study
+
+    assert study.scripts_of("none") == study.SHARED and "finetune.py" in study.SHARED and "data.py" in study.SHARED
+    assert study.scripts_of("mlm") == study.scripts_of("costa") == study.SHARED + ("costa.py",)
+    assert study.scripts_of("seed")[-1] == "seed.py" and study.scripts_of("cpdae")[-1] == "cpdae.py"
+    hashes = {arm: study.code_hash(study.scripts_of(arm)) for arm in study.ARMS}
+    assert len(set(hashes.values())) == 4 and hashes["mlm"] == hashes["costa"]
+    import evaluate, finetune
+    for module in (evaluate, finetune):      # the shared scripts import no method file: an edit to one cannot reach them
+        assert not {"costa", "cpdae", "seed"} & set(vars(module)), module.__name__
 
 
 def test_holm_adjustment_by_hand():
