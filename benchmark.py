@@ -13,6 +13,7 @@ method's own masking), with the same model size and batch, for --steps optimizer
 
     python benchmark.py                                   # speed table, goals, then all variants
     python benchmark.py --st                              # ... plus finetune.py against sentence-transformers
+    python benchmark.py --st_ndcg 0,1,2                   # test nDCG@10, finetune.py against sentence-transformers, per seed
     python benchmark.py --st_memory                       # fine-tuning memory: live vs kept by malloc, both tools
     python benchmark.py --micro                           # dropout and attention: ours against torch's
     python benchmark.py --profile costa-mlm,cpdae,seed    # each step's time by op kind (torch.profiler)
@@ -495,6 +496,7 @@ def vectors_rss_table(n):
 # the method ratios, fine-tuning against sentence-transformers (--st), and the goals
 # ----------------------------------------------------------------------------------------------
 MINILM = {"hidden_size": 384, "num_layers": 6, "num_heads": 12, "ffn_size": 1536}   # all-MiniLM-L6-v2's sizes
+ST_NDCG_RESULTS = Path("results/st-ndcg")    # --st_ndcg's rows (committed)
 GOALS = {"encoder": 0.40, "st_speed": 1.5, "method_vs_flops": 1.1, "st_rss": 0.5}      # issue 17
 
 
@@ -791,6 +793,116 @@ def st_table(n_steps, warmup, pairs):
     return med
 
 
+def st_triplets(batches, step):
+    """finetune.py's batch at `step` (TrainBatches, one rank, one negative) as sentence-transformers' texts:
+    (queries, positives, negatives), in the batch's order."""
+    c, examples, doc_texts = batches.c, batches.examples, batches.doc_texts
+    rows = data.batch_indices(len(examples), c.batch_size, 0, 1, c.seed, step)      # TrainBatches' own rows
+    docs = batches[step]["p_doc"].tolist()                                          # positive, negative, ...
+    return [examples[i].query for i in rows], [doc_texts[d] for d in docs[0::2]], [doc_texts[d] for d in docs[1::2]]
+
+
+def st_ndcg_one(which, seed, out_root):
+    """One full fine-tuning of all-MiniLM-L6-v2 on SciFact train, evaluated on test, with finetune.py's
+    recipe and seed: "ours" runs `finetune.py --init minilm --seed S` (BM25 negatives, 2 epochs, lr 1e-4,
+    batch 32 + 1 negative, 64/128 tokens, bf16); "st" trains sentence-transformers'
+    MultipleNegativesRankingLoss (scale 20 = finetune.py's tau 0.05) on the same (query, positive,
+    negative) triplets in the same order (TrainBatches' draws for that seed, from ours' BM25 pools), with
+    finetune.py's optimizer and schedule (make_optimizer), clipping and autocast; then encodes with
+    SentenceTransformer.encode and is scored by evaluate.py like ours. Returns the test metrics row."""
+    import finetune
+    ours_dir = out_root / f"ours-seed{seed}"
+    if which == "ours":
+        cmd = [sys.executable, "finetune.py", "--init", "minilm", "--seed", str(seed), "--out_dir", str(ours_dir),
+               "--overwrite"]
+        if subprocess.run(cmd).returncode:
+            sys.exit(f"error: {' '.join(cmd)} failed")
+        return json.loads((ours_dir / "eval-test" / "metrics.json").read_text())
+    from sentence_transformers import SentenceTransformer, losses
+    init = str(data.resolve_model("minilm"))
+    c = finetune.retriever_settings(finetune.Config(init=init, seed=seed))
+    corpus, queries, qrels = data.load_beir(str(data.SCIFACT), "train")
+    doc_ids = list(corpus)
+    doc_index = {d: i for i, d in enumerate(doc_ids)}
+    doc_texts = [evaluate.passage_text(corpus[d]) for d in doc_ids]
+    ranked = finetune.read_negatives(ours_dir / "negatives_bm25.tsv", doc_index)    # ours' BM25 pools
+    examples = [ex._replace(negatives=finetune.negatives_from_ranking(ranked.get(ex.qid, [])[:c.bm25_depth],
+                                                                      ex.positives))
+                for ex in finetune.make_examples(queries, qrels, doc_index)]
+    c.steps = finetune.stage_steps(c, len(examples), c.epochs, 1)
+    batches = finetune.TrainBatches(c, examples, doc_texts, data.load_tokenizer(), 0, 1)
+    torch.manual_seed(seed)
+    model = SentenceTransformer(init, device="cpu")
+    model.max_seq_length = c.passage_len
+    loss_fn = losses.MultipleNegativesRankingLoss(model, scale=1 / c.tau)
+    optimizer, scheduler = finetune.make_optimizer(model, c)
+    model.train()
+    t0 = time.time()
+    for step in range(c.steps):
+        texts = st_triplets(batches, step)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=c.bf16 and cpu_bf16()):
+            loss = loss_fn([model.tokenize(t) for t in texts], None)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if (step + 1) % 10 == 0 or step + 1 == c.steps:
+            rate = (step + 1) / (time.time() - t0)
+            print(f"st seed {seed}: step {step + 1}/{c.steps} | loss {loss.item():.4f} | {rate * 60:.1f} steps/min | "
+                  f"eta {(c.steps - step - 1) / rate:.0f}s", flush=True)
+    model.eval()
+    corpus, queries, qrels = data.load_beir(str(data.SCIFACT), "test")
+    doc_ids, qids = list(corpus), sorted(qrels)
+    encode = lambda texts: model.encode(texts, batch_size=c.encode_batch, normalize_embeddings=True,
+                                        convert_to_numpy=True, show_progress_bar=True).astype(np.float32)
+    doc_vecs, query_vecs = encode([evaluate.passage_text(corpus[d]) for d in doc_ids]), encode([queries[q] for q in qids])
+    scores, ids = evaluate.search(query_vecs, doc_vecs, 1000)
+    run = {q: {doc_ids[j]: float(s) for s, j in zip(scores[r], ids[r]) if j >= 0} for r, q in enumerate(qids)}
+    out = out_root / f"st-seed{seed}" / "eval-test"
+    out.mkdir(parents=True, exist_ok=True)
+    evaluate.save_and_score(run, qrels, out, "sentence-transformers", {"steps": c.steps, "seed": seed})
+    return json.loads((out / "metrics.json").read_text())
+
+
+def st_ndcg_table(seeds, out_root, results):
+    """nDCG@10 on SciFact test, finetune.py and sentence-transformers at the same recipe, one full run per
+    tool and seed (each seed: the same batches for both); a row per run in results/, resumed from there."""
+    results.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    for seed in seeds:
+        for which in ("ours", "st"):                       # ours first: st reads its BM25 pools
+            path = results / f"{which}-seed{seed}.json"
+            if path.is_file():
+                continue
+            t0 = time.time()
+            m = st_ndcg_one(which, seed, out_root)
+            row = {"which": which, "seed": seed, "metrics": m["metrics"], "per_query": m["per_query"],
+                   "seconds": round(time.time() - t0), "commit": commit, "torch": torch.__version__,
+                   "command": f"python benchmark.py --st_ndcg {','.join(map(str, seeds))}"}
+            data.atomic_write_json(path, row)
+            print(f"{which} seed {seed}: test nDCG@10 {m['metrics']['NDCG@10']:.4f} ({row['seconds']} s) -> {path}",
+                  flush=True)
+    print(st_ndcg_summary(results) or "no rows")
+
+
+def st_ndcg_summary(results):
+    """'ours mean ± std vs st mean ± std, paired t over seeds' from the rows in results/, or ''."""
+    rows = {}
+    for path in sorted(Path(results).glob("*-seed*.json")):
+        r = json.loads(path.read_text())
+        rows.setdefault(r["which"], {})[r["seed"]] = r["metrics"]["NDCG@10"]
+    seeds = sorted(set(rows.get("ours", {})) & set(rows.get("st", {})))
+    if not seeds:
+        return ""
+    ours, st = ([rows[w][s] for s in seeds] for w in ("ours", "st"))
+    sd = lambda x: np.std(x, ddof=1) if len(x) > 1 else float("nan")
+    t, p = evaluate.paired_t_test(ours, st)
+    return (f"{np.mean(ours):.4f} ± {sd(ours):.4f} against {np.mean(st):.4f} ± {sd(st):.4f} (mean ± std over "
+            f"seeds {','.join(map(str, seeds))}; difference {np.mean(ours) - np.mean(st):+.4f}, paired t over "
+            f"seeds p = {p:.2f}; {results})")
+
+
 def goals_table(speed, st):
     """measure | goal | today, from this run's numbers."""
     by = {(r["name"], r["size"]): r for r in speed}
@@ -814,7 +926,9 @@ def goals_table(speed, st):
     else:
         lines.append(f"| finetune.py vs sentence-transformers: speed, peak RSS | >= {GOALS['st_speed']}x, "
                      f"<= {GOALS['st_rss']}x | not run (add --st) |")
-    lines.append(f"| finetune.py vs sentence-transformers: nDCG@10, 3 seeds each | at least equal | not measured here |")
+    ndcg = st_ndcg_summary(ST_NDCG_RESULTS)
+    lines.append(f"| finetune.py vs sentence-transformers: test nDCG@10, 3 seeds each | at least equal | "
+                 f"{ndcg or 'not measured (--st_ndcg 0,1,2)'} |")
     print("\n".join(lines))
 
 
@@ -942,6 +1056,9 @@ def main():
                         help="fine-tuning memory, ours and sentence-transformers', malloc as is and pinned")
     parser.add_argument("--st_steps", type=int, default=8, help="--st: timed steps per process")
     parser.add_argument("--st_pairs", type=int, default=2, help="--st: process pairs, alternated")
+    parser.add_argument("--st_ndcg", default="", metavar="SEEDS",
+                        help="full fine-tuning, finetune.py and sentence-transformers, test nDCG@10 per seed, e.g. 0,1,2")
+    parser.add_argument("--st_ndcg_dir", default="runs/st-ndcg", help="--st_ndcg: run folders (not committed)")
     parser.add_argument("--micro", action="store_true", help="dropout and attention: ours against torch's")
     parser.add_argument("--profile", default="", metavar="VARIANTS",
                         help="torch.profiler: each variant's step time by op kind, e.g. costa-mlm,cpdae,seed")
@@ -983,6 +1100,9 @@ def main():
     if args.st_one:
         which, n_steps, warmup = args.st_one.split(":")
         print(json.dumps(st_one(which, int(n_steps), int(warmup))))
+        return
+    if args.st_ndcg:
+        st_ndcg_table([int(x) for x in args.st_ndcg.split(",")], Path(args.st_ndcg_dir), ST_NDCG_RESULTS)
         return
     if args.micro:
         micro_table()

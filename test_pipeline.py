@@ -2052,3 +2052,42 @@ def test_benchmark_peak_rss_counts_the_steps_not_the_setup():
     del setup
     assert benchmark.reset_peak_rss()
     assert benchmark.peak_rss_mib() < before - 200        # the setup's peak is gone from the mark
+
+
+def test_benchmark_st_triplets_are_finetune_batches():
+    """benchmark.py --st_ndcg trains sentence-transformers on finetune.py's own batches: the texts it
+    hands over tokenize back to the batch's queries and its (positive, negative) passages, in order."""
+    import benchmark
+
+    queries = {f"q{i}": f"claim number {i} about cells" for i in range(7)}
+    qrels = {f"q{i}": {f"d{i}": 1, f"d{i + 10}": 1} for i in range(7)}
+    docs = {f"d{i}": i for i in range(30)}
+    doc_texts = [f"passage {i} on topic {i % 4}" for i in range(30)]
+    examples = [ex._replace(negatives=finetune.negatives_from_ranking(list(range(30)), ex.positives))
+                for ex in finetune.make_examples(queries, qrels, docs)]
+    c = finetune.Config(batch_size=3, n_negatives=1, steps=5, seed=3)
+    batches = finetune.TrainBatches(c, examples, doc_texts, _tokenizer(), 0, 1)
+    for step in range(5):                                    # 2 batches per epoch: crosses epochs
+        b = batches[step]
+        q, pos, neg = benchmark.st_triplets(batches, step)
+        assert torch.equal(data.encode_texts(_tokenizer(), q, c.query_len)[0], b["q_ids"])
+        interleaved = [t for pair in zip(pos, neg) for t in pair]
+        assert torch.equal(data.encode_texts(_tokenizer(), interleaved, c.passage_len)[0], b["p_ids"])
+
+
+def test_benchmark_st_ndcg_summary_pairs_the_seeds(tmp_path):
+    import benchmark
+    from scipy.stats import ttest_rel
+
+    ours, st = [0.72, 0.73, 0.71], [0.70, 0.74, 0.69]
+    for which, values in (("ours", ours), ("st", st)):
+        for seed, v in enumerate(values):
+            (tmp_path / f"{which}-seed{seed}.json").write_text(
+                json.dumps({"which": which, "seed": seed, "metrics": {"NDCG@10": v}}))
+    (tmp_path / "ours-seed5.json").write_text(json.dumps({"which": "ours", "seed": 5, "metrics": {"NDCG@10": 0.9}}))
+    line = benchmark.st_ndcg_summary(tmp_path)              # seed 5 has no sentence-transformers run: left out
+    p = ttest_rel(ours, st).pvalue
+    assert line.startswith(f"{np.mean(ours):.4f} ± {np.std(ours, ddof=1):.4f} against "
+                           f"{np.mean(st):.4f} ± {np.std(st, ddof=1):.4f}")
+    assert "seeds 0,1,2" in line and f"p = {p:.2f}" in line and f"{np.mean(ours) - np.mean(st):+.4f}" in line
+    assert benchmark.st_ndcg_summary(tmp_path / "none") == ""
