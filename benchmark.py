@@ -496,7 +496,7 @@ def vectors_rss_table(n):
 # the method ratios, fine-tuning against sentence-transformers (--st), and the goals
 # ----------------------------------------------------------------------------------------------
 MINILM = {"hidden_size": 384, "num_layers": 6, "num_heads": 12, "ffn_size": 1536}   # all-MiniLM-L6-v2's sizes
-ST_NDCG_RESULTS = Path("results/st-ndcg")    # --st_ndcg's rows (committed)
+ST_NDCG_RESULTS = Path(__file__).resolve().parent / "results" / "st-ndcg"   # --st_ndcg's rows (committed)
 GOALS = {"encoder": 0.40, "st_speed": 1.5, "method_vs_flops": 1.1, "st_rss": 0.5}      # issue 17
 
 
@@ -900,7 +900,7 @@ def st_ndcg_summary(results):
     t, p = evaluate.paired_t_test(ours, st)
     return (f"{np.mean(ours):.4f} ± {sd(ours):.4f} against {np.mean(st):.4f} ± {sd(st):.4f} (mean ± std over "
             f"seeds {','.join(map(str, seeds))}; difference {np.mean(ours) - np.mean(st):+.4f}, paired t over "
-            f"seeds p = {p:.2f}; {results})")
+            f"seeds p = {p:.2f})")
 
 
 def goals_table(speed, st):
@@ -928,7 +928,7 @@ def goals_table(speed, st):
                      f"<= {GOALS['st_rss']}x | not run (add --st) |")
     ndcg = st_ndcg_summary(ST_NDCG_RESULTS)
     lines.append(f"| finetune.py vs sentence-transformers: test nDCG@10, 3 seeds each | at least equal | "
-                 f"{ndcg or 'not measured (--st_ndcg 0,1,2)'} |")
+                 f"{ndcg + ', results/st-ndcg' if ndcg else 'not measured (--st_ndcg 0,1,2)'} |")
     print("\n".join(lines))
 
 
