@@ -813,7 +813,7 @@ def st_ndcg_one(which, seed, out_root):
     import finetune
     ours_dir = out_root / f"ours-seed{seed}"
     if which == "ours":
-        cmd = [sys.executable, "finetune.py", "--init", "minilm", "--seed", str(seed), "--out_dir", str(ours_dir),
+        cmd = [sys.executable, str(Path(__file__).resolve().parent / "finetune.py"), "--init", "minilm", "--seed", str(seed), "--out_dir", str(ours_dir),
                "--overwrite"]
         if subprocess.run(cmd).returncode:
             sys.exit(f"error: {' '.join(cmd)} failed")
@@ -825,10 +825,9 @@ def st_ndcg_one(which, seed, out_root):
     doc_ids = list(corpus)
     doc_index = {d: i for i, d in enumerate(doc_ids)}
     doc_texts = [evaluate.passage_text(corpus[d]) for d in doc_ids]
-    ranked = finetune.read_negatives(ours_dir / "negatives_bm25.tsv", doc_index)    # ours' BM25 pools
-    examples = [ex._replace(negatives=finetune.negatives_from_ranking(ranked.get(ex.qid, [])[:c.bm25_depth],
-                                                                      ex.positives))
-                for ex in finetune.make_examples(queries, qrels, doc_index)]
+    ours_dir.mkdir(parents=True, exist_ok=True)                  # ours' BM25 pools, made again if gone
+    examples = finetune.bm25_negative_pools(dataclasses.replace(c, resume=True), finetune.make_examples(
+        queries, qrels, doc_index), doc_texts, doc_ids, doc_index, ours_dir / "negatives_bm25.tsv", torch.device("cpu"), True)
     c.steps = finetune.stage_steps(c, len(examples), c.epochs, 1)
     batches = finetune.TrainBatches(c, examples, doc_texts, data.load_tokenizer(), 0, 1)
     torch.manual_seed(seed)
