@@ -16,6 +16,7 @@ method's own masking), with the same model size and batch, for --steps optimizer
     python benchmark.py --st_ndcg 0,1,2                   # test nDCG@10, finetune.py against sentence-transformers, per seed
     python benchmark.py --st_memory                       # fine-tuning memory: live vs kept by malloc, both tools
     python benchmark.py --micro                           # dropout and attention: ours against torch's
+    python benchmark.py --levers                          # candidate encoder changes on finetune.py's step: time, loss, memory
     python benchmark.py --profile costa-mlm,cpdae,seed    # each step's time by op kind (torch.profiler)
     python benchmark.py --gpu                             # BERT-base, batch 32 x 512, on one GPU: MFU per method
     python benchmark.py --variants costa-mlm,hf-bert-mlm --steps 20
@@ -577,26 +578,118 @@ def finetune_batches(n_batches, bm25=False):
     return [dataset[i] for i in range(n_batches)], doc_texts, [ex.query for ex in examples], c
 
 
-def finetune_step(batches, init=""):
-    """One finetune.py step as train_stage runs it: BiEncoder forward (autocast), backward, clipping, AdamW."""
+def finetune_step(batches, init="", lever="as shipped"):
+    """One finetune.py step as train_stage runs it: BiEncoder forward (autocast), backward, clipping, AdamW;
+    with a candidate change to the encoder (LEVERS) applied for the step."""
     import finetune
     c = finetune.retriever_settings(finetune.Config(init=init)) if init else \
         finetune.Config(pooling="mean", similarity="cos", **MINILM)
     encoder = evaluate.load_encoder(init, c) if init else finetune.Encoder(c)
     encoder.mlm_head, c = None, encoder.config
     model = finetune.BiEncoder(encoder, c).train()
+    lever_context = apply_lever(lever, encoder)
     optimizer, _ = finetune.make_optimizer(model, dataclasses.replace(c, steps=10 ** 6))
     autocast, it = finetune.autocast_bf16(torch.device("cpu"), c.bf16), iter(batches * 1000)
 
     def step(optimize=True):
-        with autocast:
-            loss, _ = model(next(it))
-        loss.backward()
+        with lever_context():
+            with autocast:
+                loss, _ = model(next(it))
+            loss.backward()
         if optimize:
             torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss.item()
     return step
+
+
+# --levers: the encoder changes issue 17 left as candidates, each on finetune.py's step
+# ----------------------------------------------------------------------------------------------
+LEVERS = ("as shipped", "fused qkv", "attention recomputed in the backward", "no attention dropout",
+          "no attention dropout, SDPA", "fused qkv + no attention dropout, SDPA")
+
+
+class FusedQKV(torch.nn.Module):
+    """A candidate (issue 17): q, k and v from one (H -> 3H) projection holding the three's weights, so that
+    the forward and each backward matmul run once at 3x the width instead of three times."""
+
+    def __init__(self, attn, module):
+        super().__init__()
+        self.heads, self.dropout, self.out, self.module = attn.heads, attn.dropout, attn.out, module
+        H = attn.query.in_features
+        self.qkv = torch.nn.Linear(H, 3 * H)
+        with torch.no_grad():
+            self.qkv.weight.copy_(torch.cat([attn.query.weight, attn.key.weight, attn.value.weight]))   # (3H, H)
+            self.qkv.bias.copy_(torch.cat([attn.query.bias, attn.key.bias, attn.value.bias]))           # (3H,)
+
+    def forward(self, x, attend):                                                  # (B, L, H)
+        B, L, H = x.shape
+        q, k, v = self.qkv(x).view(B, L, 3, self.heads, H // self.heads).permute(2, 0, 3, 1, 4)  # 3 x (B, heads, L, d)
+        y = self.module.attention(q, k, v, attend, self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(B, L, H))                        # (B, L, H)
+
+
+def apply_lever(lever, encoder):
+    """Apply one of LEVERS to this encoder: module swaps now, and a context that swaps the attention
+    function of the encoder's module (evaluate's, finetune's or a method file's) for the step only."""
+    import contextlib
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+    if lever not in LEVERS:
+        raise ValueError(f"unknown lever {lever!r}; choose from {', '.join(LEVERS)}")
+    module = sys.modules[type(encoder).__module__]
+    shipped = module.attention
+    if "fused qkv" in lever:
+        for block in encoder.blocks:
+            block.attn = FusedQKV(block.attn, module)
+    swap = {"attention recomputed in the backward":        # keeps q, k, v; the (L x L) maps are made again
+                lambda q, k, v, attend, p: checkpoint(shipped, q, k, v, attend, p, use_reentrant=False),
+            "no attention dropout": lambda q, k, v, attend, p: shipped(q, k, v, attend, 0.0),
+            "no attention dropout, SDPA": lambda q, k, v, attend, p: F.scaled_dot_product_attention(q, k, v, attn_mask=attend)}
+    swap["fused qkv + no attention dropout, SDPA"] = swap["no attention dropout, SDPA"]
+
+    @contextlib.contextmanager
+    def context():
+        module.attention = swap.get(lever, shipped)
+        try:
+            yield
+        finally:
+            module.attention = shipped
+    return context
+
+
+def lever_table(reps, memory=True):
+    """Each lever's finetune.py step (MiniLM, the --st recipe's batches with random negatives): time
+    round-robin in this process, in a shuffled order each pass (ratio to as shipped), the first step's loss (the same random numbers: a
+    lever that changes only the arithmetic's order moves it by rounding), and, each in a fresh process
+    with malloc's mmap threshold pinned (freed activations go back to the OS), the peak RSS of its steps."""
+    batches, *_ = finetune_batches(4)
+    init = str(data.resolve_model("minilm"))
+    steps, losses = {}, {}
+    for lever in LEVERS:
+        torch.manual_seed(0)
+        steps[lever] = finetune_step(batches, init, lever)
+        torch.manual_seed(1)
+        losses[lever] = steps[lever](optimize=False)
+    times, order = {lever: [] for lever in LEVERS}, np.random.default_rng(0)
+    for i in range(reps + 1):
+        for lever in order.permutation(LEVERS):          # a new order each pass: no lever always runs first
+            t0 = time.perf_counter()
+            steps[lever]()
+            if i:
+                times[lever].append(time.perf_counter() - t0)
+    base = np.median(times["as shipped"])
+    print(f"\n| finetune.py step, MiniLM, batch 32 x (1 + 2) texts | ms/step | speed vs as shipped | first loss "
+          f"(seed 1) | peak RSS MiB, fresh process |\n|---|---|---|---|---|")
+    for lever in LEVERS:
+        peak = ""
+        if memory:
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+            r = subprocess.run([sys.executable, __file__, "--st-one", f"ours:2:1:{lever}"], capture_output=True, text=True, env=env)
+            peak = f"{json.loads(r.stdout.strip().splitlines()[-1])['peak_mib']:,.0f}" if r.returncode == 0 else "failed"
+        ms = 1000 * np.median(times[lever])
+        print(f"| {lever} | {ms:,.0f} | {1000 * base / ms:.2f}x | {losses[lever]:.6f} | {peak} |", flush=True)
 
 
 def speed_variants(quick=False):
@@ -730,7 +823,7 @@ def gpu_table(batch, length, steps, warmup, variants):
         torch.cuda.empty_cache()
 
 
-def st_one(which, n_steps, warmup):
+def st_one(which, n_steps, warmup, lever="as shipped"):
     """One side of the sentence-transformers comparison, in this (fresh) process: all-MiniLM-L6-v2,
     lr 1e-4, batch 32, one BM25 negative, 128 tokens, bf16 autocast, the same batches (finetune.py's).
     Returns median step seconds and the process's peak RSS."""
@@ -738,7 +831,7 @@ def st_one(which, n_steps, warmup):
     init = str(data.resolve_model("minilm"))
     torch.manual_seed(0)
     if which == "ours":
-        step = finetune_step(batches, init)
+        step = finetune_step(batches, init, lever)
     else:
         from sentence_transformers import SentenceTransformer, losses
         model = SentenceTransformer(init, device="cpu")
@@ -1059,6 +1152,8 @@ def main():
                         help="full fine-tuning, finetune.py and sentence-transformers, test nDCG@10 per seed, e.g. 0,1,2")
     parser.add_argument("--st_ndcg_dir", default="runs/st-ndcg", help="--st_ndcg: run folders (not committed)")
     parser.add_argument("--micro", action="store_true", help="dropout and attention: ours against torch's")
+    parser.add_argument("--levers", action="store_true",
+                        help="candidate encoder changes (fused QKV, attention recomputed, no attention dropout) on finetune.py's step")
     parser.add_argument("--profile", default="", metavar="VARIANTS",
                         help="torch.profiler: each variant's step time by op kind, e.g. costa-mlm,cpdae,seed")
     parser.add_argument("--gpu", action="store_true", help="BERT-base on one GPU: step time, memory and MFU per method")
@@ -1097,14 +1192,17 @@ def main():
         print(json.dumps(run_one(args.one, overrides, args.steps, args.warmup)))
         return
     if args.st_one:
-        which, n_steps, warmup = args.st_one.split(":")
-        print(json.dumps(st_one(which, int(n_steps), int(warmup))))
+        which, n_steps, warmup, *lever = args.st_one.split(":")
+        print(json.dumps(st_one(which, int(n_steps), int(warmup), *lever)))
         return
     if args.st_ndcg:
         st_ndcg_table([int(x) for x in args.st_ndcg.split(",")], Path(args.st_ndcg_dir), ST_NDCG_RESULTS)
         return
     if args.micro:
         micro_table()
+        return
+    if args.levers:
+        lever_table(args.reps)
         return
     if args.st_memory:
         st_memory_table()

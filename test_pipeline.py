@@ -2091,3 +2091,49 @@ def test_benchmark_st_ndcg_summary_pairs_the_seeds(tmp_path):
                            f"{np.mean(st):.4f} ± {np.std(st, ddof=1):.4f}")
     assert "seeds 0,1,2" in line and f"p = {p:.2f}" in line and f"{np.mean(ours) - np.mean(st):+.4f}" in line
     assert benchmark.st_ndcg_summary(tmp_path / "none") == ""
+
+
+def test_benchmark_levers_change_the_arithmetic_only():
+    """benchmark.py --levers: the fused QKV projection and the recomputed attention compute the same
+    function as the shipped encoder (outputs in eval mode; loss and gradients in train mode, dropout on,
+    from the same seed), and the attention swap lasts for the step only."""
+    import benchmark
+
+    c = evaluate.EncoderConfig(vocab_size=120, hidden_size=32, num_layers=2, num_heads=4, ffn_size=64, max_position=16)
+    ids, mask = torch.randint(5, 120, (3, 12)), torch.ones(3, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+
+    def run(lever, train):
+        torch.manual_seed(0)
+        encoder = evaluate.Encoder(c)
+        encoder.mlm_head = None
+        context = benchmark.apply_lever(lever, encoder)
+        encoder.train(train)
+        torch.manual_seed(1)
+        with context():
+            out = encoder(ids, mask)
+            out.square().mean().backward()
+        grads = {n: p.grad for n, p in encoder.named_parameters() if p.grad is not None}
+        if lever == "fused qkv":                       # the fused weight's rows are q's, k's, v's
+            for i, block in enumerate(encoder.blocks):
+                g = grads.pop(f"blocks.{i}.attn.qkv.weight").chunk(3)
+                gb = grads.pop(f"blocks.{i}.attn.qkv.bias").chunk(3)
+                for j, name in enumerate(("query", "key", "value")):
+                    grads[f"blocks.{i}.attn.{name}.weight"], grads[f"blocks.{i}.attn.{name}.bias"] = g[j], gb[j]
+        return out, grads
+
+    for train in (False, True):
+        ref_out, ref_grads = run("as shipped", train)
+        for lever in ("fused qkv", "attention recomputed in the backward"):
+            out, grads = run(lever, train)
+            assert torch.allclose(out, ref_out, atol=1e-5), (lever, train)
+            assert grads.keys() == ref_grads.keys()
+            for name, g in grads.items():
+                assert torch.allclose(g, ref_grads[name], atol=1e-5), (lever, train, name)
+    shipped = evaluate.attention
+    context = benchmark.apply_lever("no attention dropout, SDPA", evaluate.Encoder(c))
+    with context():
+        assert evaluate.attention is not shipped
+    assert evaluate.attention is shipped
+    with pytest.raises(ValueError, match="unknown lever"):
+        benchmark.apply_lever("faster", evaluate.Encoder(c))
