@@ -660,10 +660,11 @@ def apply_lever(lever, encoder):
 
 
 def lever_table(reps, memory=True):
-    """Each lever's finetune.py step (MiniLM, the --st recipe's batches with random negatives): time
-    round-robin in this process, in a shuffled order each pass (ratio to as shipped), the first step's loss (the same random numbers: a
-    lever that changes only the arithmetic's order moves it by rounding), and, each in a fresh process
-    with malloc's mmap threshold pinned (freed activations go back to the OS), the peak RSS of its steps."""
+    """Each lever's finetune.py step (MiniLM, the --st recipe's batches with random negatives): its time,
+    round-robin in this process in a shuffled order each pass (ratio to as shipped); its first loss from
+    the same seed (a lever that only reorders the arithmetic moves it by rounding at most); and, each in a
+    fresh process with malloc's mmap threshold pinned (freed activations go back to the OS), the peak RSS
+    of its steps on the --st recipe's BM25 batches."""
     batches, *_ = finetune_batches(4)
     init = str(data.resolve_model("minilm"))
     steps, losses = {}, {}
