@@ -73,7 +73,7 @@ class Config:
     dev_queries: int = 150        # training queries held out as the dev split (fixed: evaluate.carve_dev)
     query_len: int = 64           # query tokens, fine-tuning and evaluation alike
     passage_len: int = 128        # passage tokens, fine-tuning and evaluation alike
-    low_resource: str = "50,100,200"  # training-query counts of the curve ("" = no curve)
+    low_resource: str = "50"      # training-query counts of the curve, e.g. "50,100,200" ("" = no curve); 50: the regime issue 19 names
     curve_arms: str = ""          # arms of the curve; "" = none, mlm and the method with the best DEV nDCG@10
     resamples: int = 10000        # bootstrap resamples (queries x seeds) per interval
     out_dir: str = "runs/study"   # run folders: checkpoints, logs (not committed)
@@ -357,6 +357,12 @@ def load_rows(c):
     return rows
 
 
+def design_order(rows):
+    """Rows as the design lists them (full data, then the curve; arms as in ARMS; seeds): one table on every rerun."""
+    order = lambda row: (row["n_queries"], list(ARMS).index(row["arm"]) if row["arm"] in ARMS else len(ARMS), row["seed"])
+    return {row["key"]: row for row in sorted(rows.values(), key=order)}
+
+
 def check_rows(c, rows, runs_left):
     """One table, one code per arm and one set of settings (unless --allow_mixed): a row made with other
     settings (say --vector cls) is refused; so are rows of several codes for one arm or for the shared
@@ -510,7 +516,7 @@ def format_difference(d, n_runs):
 def arm_table(c, full, split):
     arms = [a for a in c.arms.split(",") if full.get(a)]
     refs = [b for b in ("none", "mlm") if full.get(b)]
-    head = (["arm", "seeds", "pre-training s (median)", "zero-shot nDCG@10"] + list(REPORTED)
+    head = (["arm", "seeds", "pre-training loop s (median)", "zero-shot nDCG@10"] + list(REPORTED)
             + [f"nDCG@10 {w} vs {b}" for b in refs for w in ("diff [95% CI]", "p (paired t over seeds)")])
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     pairs = [(a, b) for a in arms for b in refs if a != b and (a, b) != ("none", "mlm")]   # mlm's row has mlm vs none
@@ -521,8 +527,8 @@ def arm_table(c, full, split):
     for a in arms:
         runs = full[a]
         zero = [r["zero_shot"][split]["NDCG@10"] for r in runs]
-        seconds = [r["seconds"]["pretrain"] for r in runs if "pretrain" in r["seconds"]]   # equal steps, not equal compute
-        cells = [a, str(len(runs)), f"{np.median(seconds):.0f}" if seconds else "0",
+        seconds = [r["pretrain_log"]["elapsed_s"] for r in runs if "elapsed_s" in (r.get("pretrain_log") or {})]
+        cells = [a, str(len(runs)), f"{np.median(seconds):.0f}" if seconds else "",   # equal steps, not equal compute
                  f"{zero[0]:.4f} (one encoder)" if not ARMS[a] else cell(zero)]
         cells += [cell([r["metrics"][split][m] for r in runs]) for m in REPORTED]
         for b in refs:
@@ -554,9 +560,10 @@ def curve_table(c, rows, split="test"):
     ns = sorted({r["n_queries"] for r in curve})
     runs = {(a, n): sorted((r for r in curve if r["arm"] == a and r["n_queries"] == n), key=lambda r: r["seed"])
             for a in arms for n in ns}
-    lines = ["| arm | " + " | ".join(f"n = {n}" for n in ns) + " |", "|---" * (len(ns) + 1) + "|"]
+    lines = ["| arm | zero-shot (n = 0) | " + " | ".join(f"n = {n}" for n in ns) + " |", "|---" * (len(ns) + 2) + "|"]
     for a in arms:
-        cells = []
+        zero = [r["zero_shot"][split]["NDCG@10"] for r in rows.values() if r["arm"] == a and not r["n_queries"]]
+        cells = [f"{np.mean(zero):.4f}" if zero else ""]                  # the fine-tuning's starting point
         for n in ns:
             v = [r["metrics"][split]["NDCG@10"] for r in runs[(a, n)]]
             cells.append(f"{np.mean(v):.4f} +- {np.std(v, ddof=1):.4f}" if len(v) > 1 else f"{np.mean(v):.4f}" if v else "")
@@ -651,7 +658,8 @@ def plot_differences(c, full, path, split="test"):
 
 
 def plot_curve(rows, full, path, split="test"):
-    """Test nDCG@10 against training queries; y axis from 0; bars: std over seeds (ddof=1)."""
+    """Test nDCG@10 against training queries; y axis from 0; bars: std over seeds (ddof=1); dashed: each
+    arm's zero-shot mean (the encoder fine-tuning starts from)."""
     plt = evaluate._pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.5))
     curve = [r for r in rows.values() if r["n_queries"]]
@@ -662,8 +670,11 @@ def plot_curve(rows, full, path, split="test"):
         if arm in full:                                      # the full-data runs close the curve
             ns, values = ns + [full[arm][0]["n_train"]], values + [[r["metrics"][split]["NDCG@10"] for r in full[arm]]]
         ticks |= set(ns)
-        ax.errorbar(ns, [np.mean(v) for v in values], yerr=[np.std(v, ddof=1) if len(v) > 1 else 0 for v in values],
-                    marker="o", capsize=3, label=arm)
+        line = ax.errorbar(ns, [np.mean(v) for v in values], yerr=[np.std(v, ddof=1) if len(v) > 1 else 0 for v in values],
+                           marker="o", capsize=3, label=arm)
+        if arm in full:                                      # where fine-tuning starts: the encoder before it
+            ax.axhline(np.mean([r["zero_shot"][split]["NDCG@10"] for r in full[arm]]), linestyle="--",
+                       linewidth=0.9, color=line[0].get_color(), label=f"{arm} zero-shot")
     ax.set_xscale("log")
     ax.set_xticks(sorted(ticks), [str(n) for n in sorted(ticks)])
     ax.minorticks_off()
@@ -671,7 +682,7 @@ def plot_curve(rows, full, path, split="test"):
     ax.set_xlabel("training queries (log scale)")
     ax.set_title("mean, bars: std over seeds (ddof=1)", fontsize=9)
     ax.set_ylabel(f"{split} nDCG@10 (axis from 0)")
-    ax.legend()
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
     evaluate._save_figure(fig, path)
 
 
@@ -723,7 +734,7 @@ def main(argv):
         present = {key: rows[key] for key in keys if key in rows}
         if not present:
             raise data.DataError(f"{c.results_dir}: no rows yet")
-        report(c, present)                                      # a study part-way: what there is
+        report(c, design_order(present))                        # a study part-way: what there is
         return
     check_rows(c, rows, runs_left(c, rows))
     print_plan(c, rows)
@@ -731,7 +742,7 @@ def main(argv):
     if numbers(c.low_resource):
         rows = run_plan(c, curve_plan(c, rows), rows, t0, len(rows))
     plan = full_plan(c) + (curve_plan(c, rows) if numbers(c.low_resource) else [])
-    report(c, {key: rows[key] for key, *_ in plan})          # in plan order: the same table on every rerun
+    report(c, design_order({key: rows[key] for key, *_ in plan}))
     print(f"study: {format_seconds(time.time() - t0)}; rows in {Path(c.results_dir) / 'runs'}")
 
 
