@@ -33,6 +33,7 @@ import json
 import os
 import resource
 import shlex
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -592,9 +593,12 @@ def check_run_folder(c, names):
 
 def clear_stale_outputs(out):
     """A fresh (not --resume) run must not mistake an older run's finished stages, checkpoints or mined
-    negatives for its own if it is resumed later: remove those (rank 0, before any use)."""
+    negatives for its own if it is resumed later, nor leave that run's evaluations (eval-{split}/) beside
+    its own encoder: remove those (rank 0, before any use)."""
     for path in [*out.glob("stage*/done.json"), *out.glob("stage*/state.pt"), *out.glob("negatives_*.tsv")]:
         path.unlink()
+    for folder in out.glob("eval-*"):
+        shutil.rmtree(folder)
 
 
 def _random_encoder(c):

@@ -1147,6 +1147,11 @@ def test_finetune_evaluates_dev_and_test_on_one_encoding_of_the_corpus(tmp_path,
     assert len(calls) == 1
     for split, n in (("dev", 4), ("test", 16)):
         assert json.loads((tmp_path / "ft" / f"eval-{split}" / "metrics.json").read_text())["n_queries"] == n
+    # --overwrite without test: the old run's eval-test/ goes, so no older metrics sit beside the new encoder.
+    finetune.main(["--init", _tiny_init(tmp_path / "tiny"), "--dataset", str(beir), "--dev_queries", "4", "--steps", "1",
+                   "--batch_size", "4", "--passage_len", "64", "--out_dir", str(tmp_path / "ft"), "--overwrite",
+                   "--eval_split", ""])
+    assert (tmp_path / "ft" / "eval-dev" / "metrics.json").is_file() and not (tmp_path / "ft" / "eval-test").exists()
 
 
 def test_end_to_end_pretrain_finetune_evaluate(tmp_path, capsys):
@@ -1645,7 +1650,8 @@ def test_study_quick_end_to_end_resumes_without_training_and_refuses_mixed_code(
     assert "paired t-test over seeds" in table and "bootstrap over queries x seeds" in table
     assert re.search(r"^\| costa \| 2 \| \d+ \| 0\.\d{4} \+- 0\.\d{4} \| .* \| [+-]0\.\d{4} \[[+-]0\.\d{4}, [+-]0\.\d{4}\] \| [\d.]+", table, re.M)
     assert "## dev (4 queries" in table and re.search(r"^\| costa \| mlm_acc \| 0\.\d{4} \| 0\.\d{4} \| \d+\.\d\d \|$", table, re.M)
-    assert "Holm" in table and "fewer than the 5" in table and "| none | 2 | 0 | 0." in table and "(one encoder)" in table
+    assert "Holm" in table and "fewer than the 5" in table and "| none | 2 |  | 0." in table and "(one encoder)" in table
+    assert "| arm | zero-shot (n = 0) | n = 4 |" in table                     # the curve starts from each arm's zero-shot
     for r in rows.values():                    # what the numbers depend on, besides code and seed
         assert r["settings"]["vector"] == "mean" and r["settings"]["dev_queries"] == 4
     assert "pretrain_flags" in rows["costa-seed0"]["settings"] and "pretrain_flags" not in rows["none-seed0"]["settings"]
