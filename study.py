@@ -458,8 +458,10 @@ def print_plan(c, rows):
     n_curve = len(numbers(c.low_resource)) * len(numbers(c.seeds)) * (len(c.curve_arms.split(",")) if c.curve_arms else
                                                                     min(3, len(c.arms.split(","))))
     seconds = sum(run_cost(c, rows, a, n) for _, a, _, n, _ in todo)
-    curve_seconds = n_curve * estimate(rows, "finetune")
-    print(f"study plan: {len(full)} full-data runs ({len(full) - len(todo)} done), then {n_curve} curve runs | "
+    curve_done = len([k for k, r in rows.items() if r["n_queries"] in numbers(c.low_resource)]) if not todo else 0
+    curve_seconds = (n_curve - curve_done) * estimate(rows, "finetune")
+    print(f"study plan: {len(full)} full-data runs ({len(full) - len(todo)} done), then {n_curve} curve runs "
+          f"({curve_done} done) | "
           f"vector {c.vector}, {c.similarity}, {len(numbers(c.seeds))} seeds, dev {c.dev_queries} queries | estimated "
           f"{format_seconds(seconds)} + curve up to {format_seconds(curve_seconds)} (medians of the finished stages, "
           f"else {DEFAULT_SECONDS})", flush=True)
