@@ -7,9 +7,17 @@ Read top to bottom:
   4. windows         documents -> [CLS] ... [SEP] windows of at most max_len tokens, with word starts
   4b. token cache    a corpus tokenized once into memory-mapped files; windows cut from them
   5. batches         BERT masking, padding, and which examples each rank gets at each step
-  6. checkpoints     Hugging Face BERT folders and training state, written atomically
+Then the run machinery, which no method is about (a reader of a method can skip it):
+  6. checkpoints     Hugging Face BERT folders (save_pretrained, load_pretrained), written atomically
   7. command line    a script's Config from '--field value' flags, each checked before any work
+  8-9. progress      a line with rate and ETA on every long step; a full disk said in one line
+  10. TrainConfig    the flags every pre-training script shares (a method's Config adds its own)
+  11-12.             the optimizer and its schedule, autocast, the training log; resume
+  13-14.             run folders (one run at a time, never overwritten silently); atomic checkpoints
+  15. TrainingRun    what a training loop does around its steps: resume, log, checkpoints, --halt_at
+  16-17.             Ctrl-C and SIGTERM; one line for every expected failure (run_command_line)
 """
+import contextlib
 import dataclasses
 import functools
 import gzip
@@ -839,6 +847,10 @@ def shard(n_items, rank, world):
     return range(bounds[rank], bounds[rank + 1])
 
 
+# ==============================================================================================
+# Run machinery: what every training loop needs and no method is about. The method files' train()
+# calls each piece once; a reader of a method can stop above this line.
+# ==============================================================================================
 # ----------------------------------------------------------------------------------------------
 # 6. Checkpoints
 # ----------------------------------------------------------------------------------------------
@@ -995,6 +1007,43 @@ def load_encoder_folder(folder):
         raise DataError(f"{vocab}: {vocab_size_of(vocab)} entries, but config.json says "
                         f"vocab_size {hf_config.get('vocab_size')}")
     return hf_config, state
+
+
+def hf_config(c):
+    """A Hugging Face BertForMaskedLM config.json from an Encoder's Config."""
+    sizes = {theirs: getattr(c, ours) for ours, theirs in HF_CONFIG_KEYS.items()}
+    return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
+            "attention_probs_dropout_prob": c.dropout, "initializer_range": 0.02,
+            "pad_token_id": 0, "position_embedding_type": "absolute", **sizes}
+
+
+def save_pretrained(encoder, folder, vocab=VOCAB):
+    """An Encoder as a Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
+    state = {to_hf_name(k): v for k, v in encoder.state_dict().items()}
+    save_encoder_folder(folder, state, hf_config(encoder.config), vocab)
+
+
+def load_pretrained(Encoder, folder, config):
+    """An Encoder (the calling script's class) from a Hugging Face BERT folder: ours, bert-base-uncased,
+    a sentence-transformers folder, 'minilm' or a hub id. config: a Config whose model fields are
+    replaced by the folder's config.json. A folder without an MLM head (a bare BertModel) gets a fresh
+    one, its decoder tied to the embeddings; encoder.new_mlm_head says so."""
+    hf, hf_state = load_encoder_folder(folder)
+    sizes = {ours: hf[theirs] for ours, theirs in HF_CONFIG_KEYS.items() if theirs in hf}
+    model = Encoder(dataclasses.replace(config, **sizes))
+    state = {from_hf_name(k): v for k, v in hf_state.items()}
+    ours = model.state_dict()
+    for name, tensor in state.items():
+        if name in ours and ours[name].shape != tensor.shape:
+            raise DataError(f"{folder}: {to_hf_name(name)} has shape {tuple(tensor.shape)}, "
+                            f"the model expects {tuple(ours[name].shape)}")
+    state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
+    missing = [k for k in ours if k not in state]
+    if [k for k in missing if not k.startswith("mlm_head.")]:
+        raise DataError(f"{folder}: missing encoder weights, e.g. {to_hf_name(missing[0])}")
+    model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
+    model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
+    return model
 
 
 # Starting checkpoints: a local folder, the offline MiniLM package, or a Hugging Face hub id.
@@ -1169,7 +1218,8 @@ def parse_config(Config, argv, doc="", preset=None, rules=None):
     A bad flag exits with one line 'error: ...'."""
     if argv[:1] in (["-h"], ["--help"]):               # the docstring, then every field with its comment
         try:
-            print(doc, inspect.getsource(Config), sep="\n", flush=True)
+            sources = [inspect.getsource(k) for k in Config.__mro__[::-1] if dataclasses.is_dataclass(k)]
+            print(doc, *sources, sep="\n", flush=True)
         except BrokenPipeError:                         # `x.py --help | head` stopped reading: fine
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
@@ -1197,6 +1247,11 @@ def parse_config(Config, argv, doc="", preset=None, rules=None):
         exit_with(f"error: --preset must be paper (or empty), got {overrides['preset']!r}", 1)
     chosen = (preset or {}) if overrides.get("preset") == "paper" else {}
     c = Config(**{**chosen, **overrides})
+    for name, value in overrides.items():             # inf and nan parse as floats: refuse them here
+        if isinstance(value, float) and not math.isfinite(value):
+            exit_with(f"error: --{name} must be a finite number, got {value!r}", 1)
+    if issubclass(Config, TrainConfig):                # the shared pre-training flags' rules, then the method's
+        rules = {**TRAIN_RULES, **(rules or {})}
     for name, rule in (rules or {}).items():
         if not satisfies(getattr(c, name), rule):
             exit_with(f"error: --{name} must be {rule}, got {getattr(c, name)!r}", 1)
@@ -1332,3 +1387,634 @@ def disk_full_error(target, out_dir, last_saved):
             f"no checkpoint was written yet")
     return DataError(f"{target}: the disk is full; {kept}; free some space, or copy {out_dir} to a bigger disk, "
                      f"and continue with --resume (--out_dir the new place)")
+
+
+# ----------------------------------------------------------------------------------------------
+# 10. The flags every pre-training script shares (a method's Config adds its own and sets out_dir)
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class TrainConfig:
+    # --- data
+    corpus: str = str(WIKI)       # pre-training corpus: .txt / .jsonl file or folder ('.gz' ok)
+    vocab: str = str(VOCAB)       # WordPiece vocab.txt (BERT uncased, 30,522 entries)
+    max_len: int = 128            # tokens per window incl. [CLS] and [SEP] (the papers: 512)
+    # --- model (CPU default is small; --preset paper gives BERT-base)
+    vocab_size: int = 30522       # rows of the token embedding; must match the vocab file
+    hidden_size: int = 256        # H (BERT-base: 768)
+    num_layers: int = 4           # Transformer blocks (BERT-base: 12)
+    num_heads: int = 4            # attention heads (BERT-base: 12)
+    ffn_size: int = 1024          # feed-forward inner size (BERT-base: 3072)
+    max_position: int = 512       # learned absolute positions
+    type_vocab_size: int = 2      # token types (all 0 here; kept for BERT checkpoint compatibility)
+    dropout: float = 0.1          # hidden and attention dropout
+    layer_norm_eps: float = 1e-12  # BERT's LayerNorm epsilon
+    init: str = ""                # start from: a BERT folder, a hub id, or "minilm" (offline package); "" = random
+    bottleneck: str = "cls"       # the text vector trained: "cls" (the papers') or "mean" (masked mean, MiniLM's pooling)
+    # --- optimisation (each method's PAPER_PRESET comment gives its paper's values)
+    steps: int = 300              # optimizer steps
+    epochs: float = 0.0           # > 0: passes over the windows; sets steps from windows and global batch
+    batch_size: int = 32          # texts per rank per micro-step
+    global_batch: int = 0         # > 0: texts per optimizer step on all ranks; sets batch_size
+    grad_accum: int = 1           # micro-steps per optimizer step (adds no negatives to a contrastive loss)
+    lr: float = 5e-4              # peak learning rate
+    weight_decay: float = 0.01    # AdamW weight decay (not on biases and LayerNorm)
+    warmup: float = 0.1           # fraction of steps of linear warm-up, then linear decay to 0
+    clip: float = 1.0             # max gradient norm
+    head_warmup: int = 0          # first steps (of --steps) train only the heads new to the checkpoint, encoder frozen
+    head_lr: float = 1.0          # lr multiplier of those new heads (1 = one lr for all, the papers')
+    mask_prob: float = 0.15       # MLM: fraction of tokens chosen
+    seed: int = 0                 # model init, data order and masks
+    bf16: bool = True             # bf16 autocast on GPU and on CPUs with native bf16 (AVX512-BF16, AMX)
+    workers: int = 0              # data-loader worker processes building batches
+    cache_dir: str = ""           # token cache folder ("" = next to the corpus; see token_windows)
+    prep_workers: int = 0         # processes tokenizing the corpus into the cache, first run only (0 = all cores)
+    # --- bookkeeping
+    out_dir: str = "runs/run"     # checkpoints, config.json and log.jsonl go here (each method sets its own)
+    log_every: int = 10           # steps between progress lines
+    save_every: int = 100         # steps between checkpoints (and one at the end)
+    resume: bool = False          # continue from out_dir/state.pt
+    overwrite: bool = False       # replace a run already in out_dir (without it or --resume: refused)
+    halt_at: int = 0              # stop after this step as if killed (0 = never); to test --resume
+    preset: str = ""              # "paper": BERT-base sizes and the paper's hyper-parameters
+
+
+# The domain of each shared flag, checked by parse_config before any work (a method adds its own).
+TRAIN_RULES = {
+    "max_len": ">= 10",  # 8 tokens between [CLS] and [SEP]: shorter windows are dropped (make_windows)
+    "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
+    "max_position": ">= 1", "type_vocab_size": ">= 1", "dropout": "in [0, 1)", "layer_norm_eps": "> 0",
+    "steps": ">= 1", "epochs": ">= 0", "batch_size": ">= 1", "global_batch": ">= 0", "grad_accum": ">= 1",
+    "lr": "> 0", "weight_decay": ">= 0", "warmup": "in [0, 1]", "clip": "> 0", "mask_prob": "in [0, 1]",
+    "workers": ">= 0", "log_every": ">= 1", "save_every": ">= 1", "halt_at": ">= 0", "prep_workers": ">= 0",
+    "head_warmup": ">= 0", "head_lr": "> 0", "bottleneck": "one of {cls, mean}",
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# 11. Optimizer, autocast, logging
+# ----------------------------------------------------------------------------------------------
+def make_optimizer(model, c, eps=1e-8):
+    """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
+    Departure (optimizer-decay): COSTA and CPDAE say only "Adam with warm-up"; weight decay and linear
+    decay are BERT's and SEED's recipe, kept for every method so that they differ only in their losses.
+    eps: Adam's epsilon.
+    Heads new to the checkpoint (model.new_parameters(): a fresh MLM head, a projector, a decoder) learn
+    alone for the first --head_warmup steps, at --head_lr times the lr (a random head's gradients would
+    otherwise distort the pre-trained features; Kumar et al., ICLR 2022): the encoder's groups get lr
+    factor 0 (DDP-safe: every parameter still gets its gradient), then their own warm-up and decay over
+    the steps left. Without those flags (finetune.py has none) the groups and schedule are the plain ones."""
+    head_warmup, head_lr = getattr(c, "head_warmup", 0), getattr(c, "head_lr", 1.0)
+    if head_warmup >= c.steps:
+        raise ValueError(f"--head_warmup {head_warmup} leaves none of the {c.steps} steps to the encoder")
+    new = {id(p) for p in (model.new_parameters() if hasattr(model, "new_parameters") else [])}
+    groups = []
+    for head in (False, True):            # encoder groups first: group 0 is the encoder's decayed one
+        params = [p for p in model.parameters() if (id(p) in new) == head]
+        groups += [{"params": [p for p in params if p.ndim >= 2], "weight_decay": c.weight_decay, "decay": True,
+                    "head": head},
+                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "decay": False, "head": head}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=c.lr, eps=eps)
+
+    def schedule(step, start=0, factor=1.0):          # warm-up, then decay to 0 at c.steps, from `start`
+        steps, step = c.steps - start, step - start
+        warmup = max(1, int(c.warmup * steps))
+        return 0.0 if step < 0 else factor * min((step + 1) / warmup, max(0.0, (steps - step) / max(1, steps - warmup)))
+    lambdas = [(lambda step: schedule(step, factor=head_lr)) if group["head"] else
+               (lambda step: schedule(step, start=head_warmup)) for group in optimizer.param_groups]
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+
+
+def autocast_bf16(device, enabled=True):
+    """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
+    as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
+    cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
+    native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
+
+
+def most_frequent_accuracy(targets, token=None):
+    """The trivial baseline of a token prediction (logged as X_chance beside X_acc): the accuracy of
+    always predicting `token`, the corpus' most frequent token (most_frequent_token), i.e. the
+    fraction of the targets equal to it. token None: this batch's most frequent target instead (a
+    slightly higher bar). targets (N,) or (B, L), -100 = no target -> () fp32."""
+    targets = targets[targets != -100]                                           # (N,)
+    if targets.numel() == 0:
+        return torch.zeros((), device=targets.device)
+    if token is None:
+        return targets.bincount().max().float() / targets.numel()
+    return (targets == token).float().mean()
+
+
+def _distributed():
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def average_across_ranks(values, device):
+    """Mean of a dict of floats over ranks, for logging (every rank must call it)."""
+    if not _distributed():
+        return values
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return dict(zip(values, (t / torch.distributed.get_world_size()).tolist()))
+
+
+def barrier():
+    if _distributed():
+        torch.distributed.barrier()
+
+
+def peak_memory_mb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10   # Linux reports KiB
+
+
+def chance_lines(means):
+    """'X: accuracy a, chance b, ratio a/b' for every logged accuracy X_acc that has its baseline X_chance
+    (the accuracy of a trivial guess: the most frequent token, or a random candidate)."""
+    return [f"{k[:-4]}: accuracy {v:.4f}, chance {means[k[:-4] + '_chance']:.4f}, "
+            f"ratio {v / max(means[k[:-4] + '_chance'], 1e-12):.2f}" for k, v in means.items()
+            if k.endswith("_acc") and k[:-4] + "_chance" in means]
+
+
+def keep_log_until(path, step):
+    """Drop the log lines after `step` (written after the checkpoint a resumed run restarts from, or by a
+    replaced run) and a line cut by a kill, so that the log holds each step once."""
+    def logged(line):
+        try:
+            return json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):
+            return False
+    if path.is_file():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        atomic_write_text(path, "".join(line + "\n" for line in lines if logged(line)))
+
+
+class Progress:
+    """One line per log interval on rank 0 (step, losses, lr, tokens/s, ETA) and a JSONL log."""
+
+    def __init__(self, c, start_step, is_rank0):
+        self.c, self.is_rank0, self.start_step = c, is_rank0, start_step
+        self.t0 = self.t_last = time.time()
+        self.tokens = self.tokens_total = 0
+        self.sums, self.count = {}, 0
+        self.log_path = Path(c.out_dir) / "log.jsonl"
+        if is_rank0:
+            keep_log_until(self.log_path, start_step)
+
+    def add(self, metrics, n_tokens):
+        for k, v in metrics.items():   # tensors stay on the device until report(): no sync per step
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.count += 1
+        self.tokens += n_tokens
+
+    def report(self, step, lr, device):
+        """Every rank calls this at log steps (the average is a collective); rank 0 prints."""
+        means = average_across_ranks({k: float(v) / self.count for k, v in self.sums.items()}, device)
+        now = time.time()
+        world = torch.distributed.get_world_size() if _distributed() else 1
+        tok_per_s = self.tokens * world / (now - self.t_last)
+        self.tokens_total += self.tokens * world
+        done = step - self.start_step
+        eta = (now - self.t0) / done * (self.c.steps - step)
+        if self.is_rank0:
+            parts = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
+            print(f"step {step:>6}/{self.c.steps} | {parts} | lr {lr:.2e} | {tok_per_s:,.0f} tok/s | "
+                  f"elapsed {format_seconds(now - self.t0)} | eta {format_seconds(eta)}", flush=True)
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step, **means, "lr": lr, "tokens_per_s": tok_per_s,
+                                    "elapsed_s": now - self.t0}) + "\n")
+            for line in chance_lines(means) if step == self.c.steps else []:  # at the end: each objective
+                print(line, flush=True)                                          # against its trivial baseline
+        self.sums, self.count, self.tokens, self.t_last = {}, 0, 0, now
+
+    def summary(self, device):
+        elapsed = time.time() - self.t0
+        return (f"{self.tokens_total / max(elapsed, 1e-9):,.0f} tokens/s over {format_seconds(elapsed)}, "
+                f"peak memory {peak_memory_mb(device):,.0f} MiB ({device.type})")
+
+
+def stop_if_not_finite(grad_norm, step, c, last_saved=0):
+    """A NaN or infinite loss makes the gradient norm NaN or infinite on every rank alike (DDP sums the
+    gradients), so all ranks stop together, before the optimizer step: no checkpoint ever holds such
+    weights. (One host-device sync per step: the price of never saving NaNs.)"""
+    if not torch.isfinite(grad_norm):
+        kept = (f"{c.out_dir} keeps its last good checkpoint, step {last_saved}" if last_saved else
+                f"no checkpoint was written")
+        raise DataError(f"step {step}: the loss is not finite (gradient norm {float(grad_norm)}); stopped "
+                        f"without saving; {kept}")
+
+
+# ----------------------------------------------------------------------------------------------
+# 12. Resume: a run continues exactly from its last checkpoint
+# ----------------------------------------------------------------------------------------------
+# Flags that may differ on --resume: today's value applies from the next step. Every other flag defines
+# the model, the data or the batches of the saved run, so a resumed run refuses to change it.
+RESUMABLE = ("steps", "epochs", "hard_epochs", "lr", "weight_decay", "warmup", "clip", "bf16", "workers",
+             "log_every", "save_every", "encode_batch", "preset", "eval_split", "eval_queries", "eval_qrels",
+             "cache_dir", "prep_workers", "index", "nprobe", "ef_search", "index_train", "vectors_dir",
+             "out_dir")  # where and how, not what (out_dir: a run folder moved or copied resumes where it is)
+
+
+def check_resume_flags(c, saved, path):
+    """Stop with one line if state.pt is another script's, or if a flag that cannot change on resume
+    did. Returns the changed flags that may change, as '--lr 0.0005 -> 0.001' (or "")."""
+    now = dataclasses.asdict(c)
+    foreign = sorted(set(saved) - set(now))
+    if foreign:
+        raise DataError(f"{path}: written by another script (it has --{foreign[0]}); resume it with that "
+                        f"script, or start again with --overwrite")
+    changed = {k: (v, now[k]) for k, v in saved.items() if now[k] != v and k not in ("resume", "overwrite", "halt_at")}
+    frozen = ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items() if k not in RESUMABLE)
+    if frozen:
+        raise DataError(f"{path}: these flags cannot change on --resume: {frozen}; resume with the saved "
+                        f"values, or start again with --overwrite")
+    return ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items())
+
+
+def apply_resume_flags(c, optimizer, scheduler):
+    """The state_dicts bring back the saved lr and weight decay: put today's in (the same numbers when
+    unchanged). The schedule itself is today's: make_optimizer built it from today's steps and warmup."""
+    scheduler.base_lrs = [c.lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = c.lr, c.lr * factor(scheduler.last_epoch)
+    for group in optimizer.param_groups:              # the decayed groups (group 0 in an older state.pt)
+        if group.get("decay", group is optimizer.param_groups[0]):
+            group["weight_decay"] = c.weight_decay
+
+
+def load_checkpoint(c, model, optimizer, scheduler, is_rank0):
+    """Restore out_dir/state.pt; returns the step to continue from (0 if there is none yet). Batches,
+    masks and dropout are functions of the step, so nothing else needs restoring. The flags in force
+    are today's; one that cannot change on resume stops the run (check_resume_flags)."""
+    path = Path(c.out_dir) / "state.pt"
+    if not path.is_file():
+        if is_rank0:
+            print(f"resume: no {path} yet, starting from step 0")
+        return 0
+    state = load_training_state(path)
+    changed = check_resume_flags(c, state["config"], path)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:     # same flags, other weights: a state.pt from an older layout of the model
+        raise DataError(f"{path}: its weights do not fit this model ({str(e).splitlines()[-1].strip()}); "
+                        f"start again with --overwrite") from None
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    apply_resume_flags(c, optimizer, scheduler)
+    if is_rank0:
+        print(f"resume: {path} at step {state['step']}"
+              + (f"; changed flags apply from now: {changed}" if changed else ""))
+    return state["step"]
+
+
+# ----------------------------------------------------------------------------------------------
+# 13. Run folders: one run at a time, never overwritten silently
+# ----------------------------------------------------------------------------------------------
+RUN_FILES = ("state.pt", "log.jsonl", "encoder")     # these show that a folder holds a pre-training run
+LOCK_FILE = ".lock"
+_LOCKS = {}                                          # folder -> the open lock file this process holds
+
+
+def check_run_folder(c, names=RUN_FILES):
+    """Before any work: a fresh run into a folder holding a run needs --overwrite (--resume continues it)."""
+    held = [name for name in names if (Path(c.out_dir) / name).exists()]
+    if c.resume and c.overwrite:
+        raise ValueError("--resume continues the run in out_dir and --overwrite replaces it: give one")
+    if held and not (c.resume or c.overwrite):
+        raise DataError(f"{c.out_dir} already holds a run ({', '.join(held)}); continue it with --resume "
+                        f"or replace it with --overwrite")
+
+
+def lock_run_folder(folder):
+    """Make `folder` this process's alone: an exclusive OS lock (flock) on folder/.lock, held until
+    release_run_folder or the process ends (kill -9 included: the kernel drops it, nothing to clean up).
+    Rank 0 takes it, every rank hears the outcome, so a second run (--overwrite too) is refused in one
+    line before it touches anything. Taking it again in the same process is a no-op."""
+    import fcntl
+    folder = Path(folder).resolve()
+    error = ""
+    if _rank() == 0 and folder not in _LOCKS:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / LOCK_FILE, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            handle.seek(0), handle.truncate(), handle.write(f"{os.getpid()}\n"), handle.flush()
+            _LOCKS[folder] = handle
+        except BlockingIOError:
+            handle.seek(0)
+            pid = handle.read().strip() or "?"
+            handle.close()
+            error = (f"{folder} is in use by another run (process {pid}); wait for it to end, or give "
+                     f"another --out_dir")
+    if _distributed():
+        shared = [error]
+        torch.distributed.broadcast_object_list(shared, src=0)   # the other ranks wait on rank 0's check
+        error = shared[0]
+    if error:
+        raise DataError(error)
+
+
+def release_run_folder(folder):
+    handle = _LOCKS.pop(Path(folder).resolve(), None)
+    if handle:
+        handle.close()                  # closing the file drops the flock
+
+
+def _rank():
+    return torch.distributed.get_rank() if _distributed() else int(os.environ.get("RANK", "0"))
+
+
+def prepare_run_folder(c):
+    """Rank 0, after the last input check, before the first write: remove the .tmp files of killed
+    writes, finish a cut checkpoint switch and, with --overwrite, remove the replaced run's checkpoint
+    (Progress trims its log)."""
+    out = Path(c.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out)
+    finish_checkpoint_switch(out)           # a save cut short by a kill: complete it or drop it
+    if c.overwrite:
+        (out / "state.pt").unlink(missing_ok=True)
+        shutil.rmtree(out / "encoder", ignore_errors=True)
+
+
+def start_run(c, world):
+    """Every check of a pre-training run that needs no model, before any work: --init resolved to a
+    folder ('minilm' or a hub id), the run folder (free, and holding no run unless --resume or
+    --overwrite), the batch arithmetic (--global_batch). Returns c with --init and batch_size resolved."""
+    c = dataclasses.replace(c, init=resolve_model(c.init))
+    check_run_folder(c)                      # a run folder is never overwritten silently
+    lock_run_folder(c.out_dir)               # ... nor shared by two runs at once
+    return resolve_batch(c, world)           # before the token cache
+
+
+def init_encoder(Encoder, c):
+    """The run's encoder (the calling script's class): BERT's random init, or the --init checkpoint,
+    whose model sizes replace c's. Says so when the checkpoint brings no MLM head."""
+    if not c.init:
+        return Encoder(c)
+    encoder = load_pretrained(Encoder, c.init, c)
+    if _rank() == 0 and encoder.new_mlm_head:
+        print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
+    return encoder
+
+
+def resolve_vocab(c):
+    """Before any work: the vocabulary is --vocab when given, else the --init folder's vocab.txt (its
+    embedding rows are that vocabulary's), else BERT's bundled one. It must match the model, and the
+    windows must fit the model's learned positions."""
+    own = Path(c.init) / "vocab.txt" if c.init else None
+    if c.vocab == str(VOCAB) and own and own.is_file():
+        c = dataclasses.replace(c, vocab=str(own))
+    n = vocab_size_of(c.vocab) if Path(c.vocab).is_file() else c.vocab_size  # (missing: load_tokenizer says)
+    model = f"the --init model {c.init}" if c.init else "the model"
+    if n != c.vocab_size:
+        raise DataError(f"{c.vocab}: {n} entries, but {model} has vocab_size {c.vocab_size}")
+    if c.max_len > c.max_position:
+        raise ValueError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
+                         f"(max_position)")
+    return c
+
+
+def load_windows(c, rank):
+    """The corpus' windows, mapped from its token cache (built by rank 0 on the first run)."""
+    t0 = time.time()
+    windows = token_windows(c.corpus, c.vocab, c.max_len, rank, c.cache_dir, c.prep_workers, rank == 0)
+    if rank == 0:
+        print(f"data: {c.corpus}: {len(windows):,} windows, {windows.n_tokens:,} tokens, mapped from "
+              f"{windows.folder} ({time.time() - t0:.1f}s)")
+    return windows
+
+
+# ----------------------------------------------------------------------------------------------
+# 14. Checkpoints: the encoder and the training state, switched together
+# ----------------------------------------------------------------------------------------------
+def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved=0, extra_files=None):
+    """Rank 0 writes the encoder (a Hugging Face folder, for fine-tuning, plus extra_files(folder)) and
+    the full training state (every module, optimizer, scheduler) for --resume (batches, masks and dropout
+    are functions of the step: no RNG state is saved). Both go to temporaries first and are switched
+    only when both are whole (see finish_checkpoint_switch), so a full disk or a kill leaves the last
+    checkpoint whole: encoder/ and state.pt never hold different steps. A full disk stops the run with
+    one line naming the file and the last good step."""
+    if is_rank0:
+        out = Path(c.out_dir)
+        new_encoder, new_state = out / ".encoder.new", out / ".state.pt.new"
+        target = out / "encoder"
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            new_state.write_bytes(b"")              # while it exists, the switch has not begun
+            shutil.rmtree(new_encoder, ignore_errors=True)
+            save_pretrained(model.encoder, new_encoder, c.vocab)
+            if c.init:   # the starting checkpoint's pooling and similarity (sentence-transformers files)
+                copy_retriever_settings(c.init, new_encoder)
+            if extra_files:
+                extra_files(new_encoder)
+            target = out / "state.pt"
+            save_training_state(new_state, {
+                "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "config": dataclasses.asdict(c)})
+        except Exception as e:  # noqa: BLE001 -- torch.save reports a full disk as a RuntimeError
+            shutil.rmtree(new_encoder, ignore_errors=True)
+            new_state.unlink(missing_ok=True)
+            if is_disk_full(e, out):
+                raise disk_full_error(target, out, last_saved) from None
+            raise
+        os.replace(new_state, out / "state.pt")     # the commit: from here on step `step` is the checkpoint
+        finish_checkpoint_switch(out)
+    barrier()   # short: nobody races ahead of a checkpoint being written
+
+
+def finish_checkpoint_switch(out):
+    """Complete or undo a checkpoint switch cut short by a kill: .state.pt.new still there = state.pt
+    was not replaced yet, so drop the new files; else state.pt is new and .encoder.new its encoder."""
+    out = Path(out)
+    new_encoder, old_encoder, new_state = out / ".encoder.new", out / ".encoder.old", out / ".state.pt.new"
+    if new_state.exists():
+        new_state.unlink()
+        shutil.rmtree(new_encoder, ignore_errors=True)
+    if new_encoder.is_dir():
+        shutil.rmtree(old_encoder, ignore_errors=True)
+        if (out / "encoder").exists():
+            os.replace(out / "encoder", old_encoder)
+        os.replace(new_encoder, out / "encoder")
+    shutil.rmtree(old_encoder, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# 15. A training run: the loop's bookkeeping in one object
+# ----------------------------------------------------------------------------------------------
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM during training, carrying the one line that says where the run stopped."""
+    code = 130
+
+
+class Terminated(Interrupted):
+    """SIGTERM (what a cluster scheduler sends before it kills a job): exit code 143 = 128 + 15."""
+    code = 143
+
+
+class TrainingRun:
+    """What a pre-training loop does around its steps, so that the loop shows only the steps: resume
+    from state.pt (--resume), the run folder made ready (after every check: --overwrite deletes only
+    now), config.json, the progress lines and log, a checkpoint every --save_every steps (with the
+    method's extra_files), --halt_at, and a clean stop on Ctrl-C or SIGTERM (stops_cleanly)."""
+
+    def __init__(self, c, model, optimizer, scheduler, device, n_windows, extra_files=None):
+        self.c, self.model, self.optimizer, self.scheduler, self.device = c, model, optimizer, scheduler, device
+        self.rank, self.world = (_rank(), torch.distributed.get_world_size()) if _distributed() else (0, 1)
+        self.is_rank0, self.extra_files = self.rank == 0, extra_files
+        self.start_step = load_checkpoint(c, model, optimizer, scheduler, self.is_rank0) if c.resume else 0
+        self.saved = self.step = self.start_step
+        if self.is_rank0:
+            prepare_run_folder(c)                       # after the last check: --overwrite deletes only now
+            atomic_write_json(Path(c.out_dir) / "config.json", dataclasses.asdict(c))
+            n_params = sum(p.numel() for p in model.parameters())
+            left_out = n_windows % (c.batch_size * self.world)
+            print(f"model: {n_params / 1e6:.1f}M parameters | {self.world} process(es) on {device.type} | "
+                  f"global batch {c.batch_size * self.world * c.grad_accum} | {left_out} windows sit out each epoch")
+        self.progress = Progress(c, self.start_step, self.is_rank0)
+
+    def stop_if_not_finite(self, grad_norm, step):
+        self.step = step
+        stop_if_not_finite(grad_norm, step, self.c, self.saved)
+
+    def end_of_step(self, step):
+        """After the optimizer step: log, checkpoint, and say whether to stop (--halt_at, or SIGTERM;
+        a Ctrl-C held during a save is raised here)."""
+        c, self.step = self.c, step
+        if step % c.log_every == 0 or step == c.steps:
+            self.progress.report(step, self.scheduler.get_last_lr()[0], self.device)
+        terminate = _all_ranks_agree(bool(_SIGNALS["term"]), self.device) if self.world > 1 else bool(_SIGNALS["term"])
+        due = step % c.save_every == 0 or step == c.steps or step == c.halt_at
+        if due or (terminate and step - self.saved > c.save_every / 2):   # SIGTERM: save first if it is worth it
+            with _hold_ctrl_c():   # a Ctrl-C now stops after the checkpoint, which the line then names
+                save_checkpoint(c, self.model, self.optimizer, self.scheduler, step, self.is_rank0, self.saved,
+                                self.extra_files)
+                self.saved = step
+        if terminate:
+            raise Terminated
+        if _SIGNALS["int"]:       # a Ctrl-C held during the save, or whose KeyboardInterrupt Python dropped
+            raise KeyboardInterrupt
+        return step == c.halt_at
+
+    @contextlib.contextmanager
+    def stops_cleanly(self):
+        """Around the loop: Ctrl-C or SIGTERM becomes one line with the step and the last checkpoint."""
+        restore = _catch_stop_signals(defer_term=True)
+        try:
+            yield
+        except KeyboardInterrupt as e:
+            last = (f"last checkpoint at step {self.saved} in {self.c.out_dir}" if self.saved else
+                    f"no checkpoint yet in {self.c.out_dir}")
+            kind = Terminated if isinstance(e, Terminated) else Interrupted
+            what = "terminated (SIGTERM)" if kind is Terminated else "interrupted"
+            raise kind(f"{what} at step {self.step}; {last}; continue with --resume") from None
+        finally:
+            restore()   # the caller's own handlers again (a test, a notebook, study.py)
+            release_run_folder(self.c.out_dir)
+
+    def finish(self):
+        if self.is_rank0:
+            print(f"done: {self.progress.summary(self.device)}; encoder in {Path(self.c.out_dir) / 'encoder'}")
+        barrier()   # every rank is past its last collective (the group ends in leave_distributed)
+
+
+def _all_ranks_agree(flag, device):
+    """True on every rank if any rank saw it (one tiny all-reduce per step, only under torchrun): the
+    ranks stop at the same step, so their collectives stay matched."""
+    t = torch.tensor([float(flag)], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+# ----------------------------------------------------------------------------------------------
+# 16. Signals: Ctrl-C and SIGTERM
+# ----------------------------------------------------------------------------------------------
+_SIGNALS = {"int": [], "term": [], "holding": []}
+
+
+@contextlib.contextmanager
+def _hold_ctrl_c():
+    """Inside, a Ctrl-C is only recorded: a checkpoint being written is finished, so that "last
+    checkpoint at step M" is the one on disk."""
+    _SIGNALS["holding"].append(True)
+    try:
+        yield
+    finally:
+        _SIGNALS["holding"].pop()
+
+
+def _catch_stop_signals(defer_term=False):
+    """Ctrl-C raises KeyboardInterrupt as usual, and is also recorded: Python drops a KeyboardInterrupt
+    raised while it runs a finalizer ("Exception ignored in ..."), and the training loop then still stops
+    at the end of the step. SIGTERM raises Terminated at once, or with defer_term (in the training loop)
+    is recorded and acted on at the end of the step, after a checkpoint. A signal the shell ignores
+    stays ignored; off the main thread nothing changes. Returns a function that puts the old handlers back."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    _SIGNALS["int"].clear(), _SIGNALS["term"].clear()
+
+    def on_ctrl_c(signum, frame):
+        _SIGNALS["int"].append(signum)
+        if not _SIGNALS["holding"]:
+            raise KeyboardInterrupt
+
+    def on_term(signum, frame):
+        _SIGNALS["term"].append(signum)
+        if not defer_term:
+            raise Terminated
+    if before[signal.SIGINT] is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_ctrl_c)
+    if before[signal.SIGTERM] in (signal.SIG_DFL, None) or getattr(before[signal.SIGTERM], "__name__", "") == "on_term":
+        signal.signal(signal.SIGTERM, on_term)
+
+    def restore():
+        for s, handler in before.items():
+            if handler is not None:
+                signal.signal(s, handler)
+    return restore
+
+
+# ----------------------------------------------------------------------------------------------
+# 17. The end of a script: one line for every expected failure
+# ----------------------------------------------------------------------------------------------
+def os_error_line(e):
+    """One line for an operating-system error: the path, the cause, what to do."""
+    import errno
+    path = e.filename or "a file"
+    fixes = {errno.EACCES: "permission denied; choose a folder you can write to (--out_dir) or fix its permissions",
+             errno.EPERM: "operation not permitted; choose a folder you can write to (--out_dir)",
+             errno.EROFS: "read-only file system; choose a writable folder (--out_dir, --cache_dir)",
+             errno.ENOSPC: "no space left on the disk; free some space or choose another disk (--out_dir)",
+             errno.EDQUOT: "disk quota exceeded; free some space or choose another disk (--out_dir)",
+             errno.ENOTDIR: "a path on the way is a file, not a folder; choose another path",
+             errno.EEXIST: "already exists as a file; choose another path",
+             errno.EISDIR: "is a folder where a file is expected; choose another path",
+             errno.ENOENT: "not found"}
+    return f"error: {path}: {fixes.get(e.errno, e.strerror or str(e))}"
+
+
+def run_command_line(run, interrupted="interrupted before the first step; nothing was trained"):
+    """run() with one line for each expected failure: a bad flag or input file (ValueError, DataError),
+    an operating-system error (OSError: permission, read-only, full disk, a path that is a file), Ctrl-C
+    (exit code 130), SIGTERM (143). Under torchrun only rank 0 prints, and every rank leaves the process
+    group without a traceback (torchrun then stops the ranks still running, and exits with 1)."""
+    restore = _catch_stop_signals()                  # SIGTERM before the training loop: one line too
+    try:
+        run()
+        leave_distributed()   # under torchrun: the process group ended, gloo's without its teardown
+        return
+    except ValueError as e:   # a bad flag (ValueError) or a bad input file (DataError, one too)
+        line, code = f"error: {e}", 1
+    except OSError as e:
+        line, code = os_error_line(e), 1
+    except KeyboardInterrupt as e:
+        code = getattr(e, "code", 130)
+        line = str(e) or (interrupted if code == 130 else interrupted.replace("interrupted", "terminated (SIGTERM)"))
+    finally:
+        restore()
+    exit_with(line, code)   # one line (rank 0 only under torchrun), the process group left, no traceback

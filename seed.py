@@ -1,36 +1,34 @@
 """SEED-Encoder: pre-train a text encoder whose [CLS] vector must feed a weak decoder.
 
-Lu et al., EMNLP 2021 (arXiv:2102.09206, section 3.4, eq. 9-10). One file, top to bottom: config,
-model, loss, data, training loop, checkpoint, the Figure 5 diagnostic; then the blocks every method
-shares (the BERT encoder, distributed and training helpers). It has costa.py's skeleton section for
-section, with COSTA's own parts (spans, projector, eq. 8) swapped for a weak decoder: `diff costa.py
-seed.py` shows that swap section by section; the skeleton and the shared blocks give no diff lines.
+Lu et al., EMNLP 2021 (arXiv:2102.09206, section 3.4). A decoder too weak to lean on its own context
+(3 layers, each token sees only the k = 2 tokens before it) must rebuild the text from the encoder's
+[CLS] vector, so that vector has to carry the text. The paper's equations and the functions:
+
+    eq. 9     L_dec = - sum_t log P(x_t | x_{t-k..t-1}, [CLS])         decoder_loss (chunked: chunked_decoder_loss),
+              the restricted span and the shifted text                 window_mask, decoder_inputs_and_targets,
+              the decoder that reads only [CLS]                        WeakDecoder
+    eq. 10    L = L_MLM + L_dec                                        PretrainModel.terms (L_MLM: mlm_loss)
+    Figure 5  [CLS] cosine of random text pairs by length               evaluate.py --cls_by_length
+
+It has costa.py's skeleton section for section, with COSTA's own parts (spans, projector, eq. 8)
+swapped for the weak decoder: `diff costa.py seed.py` shows only that swap. The run machinery (run
+folder, resume, checkpoints, progress, Ctrl-C) is in data.py, one call each from train().
 
     python seed.py                                   # small model, bundled Wikipedia slice, CPU
     python seed.py --dec_span 0 --dec_layers 5       # Figure 3's "strong decoder" ablation
     torchrun --nproc_per_node=4 seed.py --preset paper
     python seed.py --resume                          # continue from out_dir/state.pt exactly
     python seed.py --overwrite                       # start again in an out_dir that holds a run (else refused)
-    python seed.py --diagnose runs/seed/encoder      # Figure 5: [CLS] cosine of random text pairs by length
 
 The encoder is written to {out_dir}/encoder as a Hugging Face BERT folder for finetune.py; the decoder
-lives only in {out_dir}/state.pt (the training state). To compare with an MLM-only encoder, train one with
-`python costa.py --gwc_weight 0` and run --diagnose on both folders (--max_len sets the longest length).
+lives only in {out_dir}/state.pt (the training state). Figure 5 for it and an MLM-only encoder
+(`python costa.py --gwc_weight 0`): `python evaluate.py --model A,B --cls_by_length`.
 """
 import contextlib
-import dataclasses
-import json
 import os
-import resource
-import shutil
-import signal
 import sys
-import threading
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -44,55 +42,15 @@ import data
 # Config
 # ==============================================================================================
 @dataclass
-class Config:
-    # --- data
-    corpus: str = str(data.WIKI)  # pre-training corpus: .txt / .jsonl file or folder ('.gz' ok)
-    vocab: str = str(data.VOCAB)  # WordPiece vocab.txt (BERT uncased, 30,522 entries)
-    max_len: int = 128            # tokens per window incl. [CLS] and [SEP] (paper: 512)
-    # --- model (CPU default is small; --preset paper gives BERT-base)
-    vocab_size: int = 30522       # rows of the token embedding; must match the vocab file (paper: 32,768)
-    hidden_size: int = 256        # H (paper: 768)
-    num_layers: int = 4           # Transformer blocks (paper: 12)
-    num_heads: int = 4            # attention heads (paper: 12, BERT-base's; its text says 8)
-    ffn_size: int = 1024          # feed-forward inner size (paper: 3072)
-    max_position: int = 512       # learned absolute positions
-    type_vocab_size: int = 2      # token types (all 0 here; kept for BERT checkpoint compatibility)
-    dropout: float = 0.1          # hidden and attention dropout
-    layer_norm_eps: float = 1e-12  # BERT's LayerNorm epsilon
-    init: str = ""                # start from: a BERT folder, a hub id, or "minilm" (offline package); "" = random
-    bottleneck: str = "cls"       # the decoder's memory: "cls" (the paper's) or "mean" (masked mean, MiniLM's pooling)
-    # --- optimisation
-    steps: int = 300              # optimizer steps (paper: 1M steps, 4.1)
-    epochs: float = 0.0           # > 0: passes over the windows; sets steps from windows and global batch
-    batch_size: int = 32          # texts per rank per micro-step
-    global_batch: int = 0         # > 0: texts per optimizer step on all ranks; sets batch_size (paper: 256, 4.1)
-    grad_accum: int = 1           # micro-steps per optimizer step (adds no negatives to the contrastive loss)
-    lr: float = 5e-4              # peak learning rate (paper: 1e-4, from scratch, 4.1)
-    weight_decay: float = 0.01    # AdamW weight decay (not on biases and LayerNorm)
-    warmup: float = 0.1           # fraction of steps of linear warm-up, then linear decay to 0 (paper: 10k of 1M)
-    clip: float = 1.0             # max gradient norm
-    head_warmup: int = 0          # first steps (of --steps) train only the heads new to the checkpoint, encoder frozen
-    head_lr: float = 1.0          # lr multiplier of those new heads (1 = one lr for all, the papers')
-    mask_prob: float = 0.15       # MLM: fraction of tokens chosen
-    seed: int = 0                 # model init, data order and masks
-    bf16: bool = True             # bf16 autocast on GPU and on CPUs with native bf16 (AVX512-BF16, AMX)
-    workers: int = 0              # data-loader worker processes building batches
-    cache_dir: str = ""           # token cache folder ("" = next to the corpus; see data.token_windows)
-    prep_workers: int = 0         # processes tokenizing the corpus into the cache, first run only (0 = all cores)
-    # --- bookkeeping
-    out_dir: str = "runs/seed"    # checkpoints, config.json and log.jsonl go here
-    log_every: int = 10           # steps between progress lines
-    save_every: int = 100         # steps between checkpoints (and one at the end)
-    resume: bool = False          # continue from out_dir/state.pt
-    overwrite: bool = False       # replace a run already in out_dir (without it or --resume: refused)
-    halt_at: int = 0              # stop after this step as if killed (0 = never); to test --resume
-    preset: str = ""              # "paper": BERT-base sizes and the paper's hyper-parameters
-    # --- SEED-Encoder's weak decoder (section 3.4; Figure 3 ablations)
+class Config(data.TrainConfig):
+    """SEED-Encoder's own flags (section 3.4; Figure 3 ablations). The flags every method shares
+    (corpus, model size, optimisation, run folder) are data.TrainConfig's. For --bottleneck mean the
+    decoder's memory is the masked mean of the output tokens instead of [CLS]."""
     dec_layers: int = 3           # decoder Transformer blocks (paper: 3; Figure 3 also tries 1 and 5)
     dec_span: int = 2             # self-attention span k of eq. 9 (paper: 2); 0 = full causal, the "strong decoder"
     dec_weight: float = 1.0       # weight of L_dec in eq. 10 (paper: 1, L_MLM + L_dec)
     dec_chunk: int = 2048         # decoder positions per chunk of vocabulary logits (peak ~ chunk x |V| fp32); 0 = all
-    diagnose: str = ""            # encoder folder: print Figure 5's [CLS] cosine by length, then exit (no training)
+    out_dir: str = "runs/seed"    # checkpoints, config.json and log.jsonl go here
 
 
 # Section 4.1: from scratch, peak lr 1e-4, 10k of 1M steps warm-up.
@@ -110,25 +68,13 @@ PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072,
                     weight_decay=0.01)
 
 
-# The domain of each numeric or choice flag, checked by data.parse_config before any work.
-FLAG_RULES = {
-    "max_len": ">= 10",  # 8 tokens between [CLS] and [SEP]: shorter windows are dropped (data.make_windows)
-    "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
-    "max_position": ">= 1", "type_vocab_size": ">= 1", "dropout": "in [0, 1)", "layer_norm_eps": "> 0",
-    "steps": ">= 1", "epochs": ">= 0", "batch_size": ">= 1", "global_batch": ">= 0", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
-    "warmup": "in [0, 1]", "clip": "> 0", "mask_prob": "in [0, 1]", "workers": ">= 0", "log_every": ">= 1",
-    "save_every": ">= 1", "halt_at": ">= 0", "prep_workers": ">= 0",
-    "dec_layers": ">= 1", "dec_span": ">= 0", "dec_chunk": ">= 0", "dec_weight": "> 0",
-    "head_warmup": ">= 0", "head_lr": "> 0", "bottleneck": "one of {cls, mean}",
-}
+# The domain of each of SEED's flags, checked by data.parse_config before any work (with TrainConfig's).
+FLAG_RULES = {"dec_layers": ">= 1", "dec_span": ">= 0", "dec_chunk": ">= 0", "dec_weight": "> 0"}
 
 
 # ==============================================================================================
-# Model
+# Model: the encoder is the shared block at the end of this file; SEED adds the weak decoder
 # ==============================================================================================
-# (The BERT encoder itself, Encoder, is a shared block at the end of this file.)
-
-
 # --- shared: begin text vector ---
 BOTTLENECKS = ("cls", "mean")   # --bottleneck: which vector of the encoder a method trains as the text's
 
@@ -150,7 +96,8 @@ def window_mask(length, k=2, device=None):
     """The weak decoder's self-attention mask (eq. 9), True = may attend: query i sees keys
     {0} U {i-k+1, ..., i}, i.e. itself, the k-1 previous positions and the start symbol at 0 (as the
     authors' code does). k = 0, None or "full" gives the plain causal mask: Figure 3's "strong decoder".
-    Applied in every layer, so the receptive field grows with depth (3 layers, k = 2: 0 and i-3..i)."""
+    Applied in every layer, so the receptive field grows with depth (3 layers, k = 2: 0 and i-3..i),
+    as in the authors' code; eq. 9's condition on x_{t-k..t-1} holds exactly for one layer."""
     query = torch.arange(length, device=device)[:, None]                        # (L, 1)
     key = torch.arange(length, device=device)[None, :]                          # (1, L)
     causal = key <= query                                                       # (L, L)
@@ -159,6 +106,17 @@ def window_mask(length, k=2, device=None):
     if int(k) < 1:
         raise ValueError(f"span k must be >= 1, or 0 / None / 'full' for causal; got {k!r}")
     return causal & ((key > query - int(k)) | (key == 0))                       # (L, L)
+
+
+def decoder_inputs_and_targets(input_ids, attention_mask, ignore_index=-100):
+    """`[CLS] x1..xn [SEP] [PAD]..` (unmasked) -> the decoder's input `[CLS] x1..xn`, the text shifted
+    right with [CLS] as start symbol, and its target `x1..xn [SEP]`; padding targets = ignore_index.
+    A shorter row's input keeps its [SEP]/[PAD] tail: the mask is causal, so no real position sees it.
+    With window_mask, position t-1 holds x_{t-1} and predicts x_t; in one layer it sees [CLS] (position
+    0, the start symbol) and x_{t-k..t-1}: eq. 9's condition."""
+    decoder_input = input_ids[:, :-1]                                                 # (B, L-1)
+    targets = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, ignore_index)  # (B, L-1)
+    return decoder_input, targets
 
 
 class DecoderBlock(nn.Module):
@@ -219,8 +177,8 @@ class WeakDecoder(nn.Module):
             x = block(x, h0, attend)
         return self.final_norm(x)                                               # (B, L, H)
 
-    def forward(self, input_ids, encoder_hidden):     # (B, L) shifted-right text; (B, L_enc, H)
-        return self.decode(self.embed(input_ids), encoder_hidden[:, 0])  # [CLS] is the only bridge
+    def forward(self, input_ids, h0):                # (B, L) shifted-right text; (B, H) the text vector
+        return self.decode(self.embed(input_ids), h0)  # h0 ([CLS]) is its only view of the encoder
 
 
 # ==============================================================================================
@@ -246,21 +204,6 @@ def mlm_loss(hidden, labels, head):
     n_correct = (logits.argmax(-1) == targets).sum()            # () a tensor: no GPU sync here
     return F.cross_entropy(logits, targets), n_correct, targets.numel()
 # --- shared: end mlm loss ---
-
-
-# --- shared: begin chance ---
-def most_frequent_accuracy(targets, token=None):
-    """The trivial baseline of a token prediction (logged as X_chance beside X_acc): the accuracy of
-    always predicting `token`, the corpus' most frequent token (data.most_frequent_token), i.e. the
-    fraction of the targets equal to it. token None: this batch's most frequent target instead (a
-    slightly higher bar). targets (N,) or (B, L), -100 = no target -> () fp32."""
-    targets = targets[targets != -100]                                           # (N,)
-    if targets.numel() == 0:
-        return torch.zeros((), device=targets.device)
-    if token is None:
-        return targets.bincount().max().float() / targets.numel()
-    return (targets == token).float().mean()
-# --- shared: end chance ---
 
 
 
@@ -321,17 +264,15 @@ class PretrainModel(nn.Module):
         mlm_head = self.encoder.mlm_head.parameters() if getattr(self.encoder, "new_mlm_head", True) else []
         return [*self.decoder.parameters(), *mlm_head]
 
-    def forward(self, batch):
-        terms, metrics = self.terms(batch)
-        return sum(terms.values()), metrics                                      # eq. 10
-
     def terms(self, batch):
         """Eq. 10 term by term, {name: weighted scalar}, and what to log: each accuracy X_acc with its
         trivial baseline X_chance, always predicting the corpus' most frequent token."""
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])       # (B, L, H) masked text
         mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)
         h0 = text_vector(hidden, batch["attention_mask"], self.config.bottleneck)  # (B, H) the only bridge
-        states = self.decoder.decode(self.decoder.embed(batch["decoder_input"]), h0)  # (B, L-1, H)
+        # The encoder reads the masked text, the decoder rebuilds the unmasked one, and h0 is not
+        # detached: L_dec trains the encoder through it (both choices the paper leaves open).
+        states = self.decoder(batch["decoder_input"], h0)                        # (B, L-1, H)
         kept = batch["decoder_targets"] != -100                                  # (B, L-1) every real token
         targets = batch["decoder_targets"][kept]                                 # (N,)
         dec, dec_correct = chunked_decoder_loss(                                 # eq. 9 (decoder_loss)
@@ -343,9 +284,13 @@ class PretrainModel(nn.Module):
             {"L_MLM": mlm, "w L_dec": self.config.dec_weight * dec}
         return terms, {
             "mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
-            "mlm_chance": most_frequent_accuracy(batch["labels"], self.frequent_token),
+            "mlm_chance": data.most_frequent_accuracy(batch["labels"], self.frequent_token),
             "dec": dec.detach(), "dec_acc": dec_correct / max(targets.numel(), 1),
-            "dec_chance": most_frequent_accuracy(targets, self.frequent_token)}
+            "dec_chance": data.most_frequent_accuracy(targets, self.frequent_token)}
+
+    def forward(self, batch):
+        terms, metrics = self.terms(batch)
+        return sum(terms.values()), metrics                                      # eq. 10
 
 
 # ==============================================================================================
@@ -355,8 +300,8 @@ class Batches(torch.utils.data.Dataset):
     """Item m is this rank's batch at micro-step m: a pure function of (seed, rank, m), so data-loader
     workers can build batches ahead on the CPU and a resumed run sees exactly the same batches."""
 
-    def __init__(self, c, windows, special, rank, world):
-        self.c, self.windows, self.special, self.rank, self.world = c, windows, special, rank, world
+    def __init__(self, c, windows, rank, world):
+        self.c, self.windows, self.special, self.rank, self.world = c, windows, windows.special, rank, world
 
     def __len__(self):
         return self.c.steps * self.c.grad_accum
@@ -374,93 +319,57 @@ class Batches(torch.utils.data.Dataset):
                 "decoder_input": decoder_input, "decoder_targets": decoder_targets}
 
 
-def decoder_inputs_and_targets(input_ids, attention_mask, ignore_index=-100):
-    """`[CLS] x1..xn [SEP] [PAD]..` (unmasked) -> the decoder's input `[CLS] x1..xn`, the text shifted
-    right with [CLS] as start symbol, and its target `x1..xn [SEP]`; padding targets = ignore_index.
-    A shorter row's input keeps its [SEP]/[PAD] tail: the mask is causal, so no real position sees it."""
-    decoder_input = input_ids[:, :-1]                                                 # (B, L-1)
-    targets = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, ignore_index)  # (B, L-1)
-    return decoder_input, targets
-
-
-def make_batches(c, windows, rank, world):
-    """This method's Batches for the shared train loop."""
-    return Batches(c, windows, windows.special, rank, world)
-
-
 # ==============================================================================================
 # Training loop
 # ==============================================================================================
-
-
-# The loop itself, train(), is the shared block "train" at the end of this file; SEED's parts of it:
-ADAM_EPS = 1e-6   # SEED 4.1: Adam epsilon 1e-6
-
-
-def build_model(c, encoder, windows, rank):
-    """The encoder plus SEED's weak decoder (section 3)."""
-    return PretrainModel(c, encoder, data.most_frequent_token(windows))
-
-
-# ==============================================================================================
-# Checkpoint
-# ==============================================================================================
-# save_checkpoint() is the shared block "train" at the end of this file; SEED's part of it:
-def save_extra_files(c, model, folder):
-    """Nothing beyond the encoder: the weak decoder is pre-training only (it is in state.pt for --resume)."""
-
-
-# ==============================================================================================
-# Diagnostic: Figure 5
-# ==============================================================================================
-@torch.no_grad()
-def cls_similarity_by_length(encoder, tokenizer, texts, lengths=(32, 64, 128, 256, 512), n_pairs=200, seed=0,
-                             batch_size=16):
-    """Section 4.6.2 / Figure 5: mean cosine similarity of the [CLS] vectors of random pairs of
-    different texts, each cut to exactly `length` tokens ([CLS] + length-2 pieces + [SEP]). A
-    collapsed encoder (Optimus in Figure 1b) gives values near 1 for long texts. Returns {length: cos}.
-    Only texts with >= length-2 pieces take part at a length; a length with < 2 of them is left out."""
-    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
-    pieces = [e.ids for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
-    device, was_training = next(encoder.parameters()).device, encoder.training
-    encoder.eval()
-    generator = torch.Generator().manual_seed(seed)
-    result = {}
-    for length in lengths:
-        eligible = [ids for ids in pieces if len(ids) >= length - 2]
-        if len(eligible) < 2:
-            continue
-        first = torch.randint(len(eligible), (n_pairs,), generator=generator)            # (P,)
-        second = (first + torch.randint(1, len(eligible), (n_pairs,), generator=generator)) % len(eligible)
-        used = torch.cat([first, second]).unique()                                       # (U,) sorted
-        rows = torch.tensor([[cls_id] + eligible[i][:length - 2] + [sep_id] for i in used.tolist()])  # (U, len)
-        vectors = torch.cat([encoder(chunk.to(device), torch.ones_like(chunk, device=device))[:, 0].float().cpu()
-                             for chunk in rows.split(batch_size)])                       # (U, H)
-        a, b = vectors[torch.searchsorted(used, first)], vectors[torch.searchsorted(used, second)]  # (P, H)
-        result[length] = F.cosine_similarity(a, b, dim=-1).mean().item()
-    encoder.train(was_training)
-    return result
-
-
-def diagnose(c):
-    """`python seed.py --diagnose FOLDER`: Figure 5 for an exported encoder on texts of c.corpus,
-    lengths 32, 64, ... up to --max_len (default 128, the small model's training length)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    encoder = Encoder.from_pretrained(c.diagnose, c).to(device)
-    lengths = [n for n in (32, 64, 128, 256, 512) if n <= min(c.max_len, encoder.config.max_position)]
-    texts = data.read_pretraining_texts(c.corpus)
-    n_pairs = 200
-    result = cls_similarity_by_length(encoder, data.load_tokenizer(c.vocab), texts, lengths, n_pairs, c.seed)
-    print(f"{c.diagnose}: mean cosine of [CLS] vectors of {n_pairs} random text pairs (seed {c.seed})")
-    for length, cosine in result.items():
-        print(f"  length {length:>4}: {cosine:.3f}")
+def train(c):
+    """Pre-train with SEED-Encoder. Every check comes first (flags when parsed; here the run folder, --init,
+    the vocabulary, the batch arithmetic, the corpus), then the steps. The method (PretrainModel,
+    Batches) and the distributed steps are here; each piece of run machinery is one call into data.py."""
+    rank, world, device = setup_distributed()                    # torchrun: one process per device
+    torch.manual_seed(c.seed)                                    # the encoder's and the decoder's init
+    c = data.start_run(c, world)                                 # --init found, run folder free, batch split
+    encoder = data.init_encoder(Encoder, c)                      # random, or the --init checkpoint
+    c = data.resolve_vocab(encoder.config)                       # --init brings its sizes and vocabulary
+    windows = data.load_windows(c, rank)                         # the token cache, built once by rank 0
+    c = data.resolve_schedule(c, world, len(windows))            # --epochs -> steps
+    model = PretrainModel(c, encoder, data.most_frequent_token(windows)).to(device)
+    optimizer, scheduler = data.make_optimizer(model, c, eps=1e-6)   # SEED 4.1: Adam's epsilon 1e-6
+    run = data.TrainingRun(c, model, optimizer, scheduler, device, len(windows))  # resume, run folder, log
+    # Each rank trains on its own slice of every global batch (data.batch_indices); DDP averages the
+    # gradients over the ranks (SEED's losses are per text: nothing to gather).
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    loader = torch.utils.data.DataLoader(
+        Batches(c, windows, rank, world), batch_size=None, num_workers=c.workers,
+        sampler=range(run.start_step * c.grad_accum, c.steps * c.grad_accum),
+        generator=torch.Generator())  # its own generator: the global RNG (dropout) resumes exactly
+    autocast, batches = data.autocast_bf16(device, c.bf16), iter(loader)
+    with run.stops_cleanly():                                    # Ctrl-C, SIGTERM: one line, then --resume
+        for step in range(run.start_step + 1, c.steps + 1):
+            for micro in range(c.grad_accum):
+                batch = next(batches)
+                n_tokens = int(batch["attention_mask"].sum())
+                batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+                # dropout, like the batch, is a function of the step: resume is exact without saving RNG state
+                torch.manual_seed(data.step_seed(c.seed, rank, (step - 1) * c.grad_accum + micro))
+                last = micro == c.grad_accum - 1
+                with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
+                    with autocast:
+                        loss, metrics = ddp(batch)                   # eq. 10
+                    (loss / c.grad_accum).backward()
+                run.progress.add(metrics, n_tokens)
+            run.stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if run.end_of_step(step):                            # log, checkpoint; True at --halt_at
+                break
+    run.finish()
 
 
 # ==============================================================================================
-# Shared blocks, below the method: the BERT encoder, distributed helpers, bf16 autocast, training
-# helpers, resume, run setup and the training loop itself (train, save_checkpoint, with this method's
-# hooks above). Byte-identical in every file that has them (a test checks, and
-# `diff costa.py cpdae.py` skips them): read them once, in costa.py.
+# The blocks every method file owns a copy of, byte-identical (a test checks, and `diff costa.py
+# cpdae.py` skips them): the BERT encoder (eq. 4) and the distributed steps. Read them once, here.
 # ==============================================================================================
 # --- shared: begin encoder ---
 def drop_mask(shape, p):
@@ -573,7 +482,8 @@ class MLMHead(nn.Module):
 
 class Encoder(nn.Module):
     """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
-    forward returns the last hidden states; the text vector is position 0 ([CLS])."""
+    forward returns the last hidden states, from which text_vector takes the text's vector. Loading
+    and saving Hugging Face folders: data.load_pretrained(Encoder, folder, c), data.save_pretrained."""
 
     def __init__(self, c):
         super().__init__()
@@ -597,38 +507,6 @@ class Encoder(nn.Module):
         for block in self.blocks:
             x = block(x, attend)
         return x                                                    # (B, L, H)
-
-    def hf_config(self):
-        c = {theirs: getattr(self.config, ours) for ours, theirs in data.HF_CONFIG_KEYS.items()}
-        return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
-                "attention_probs_dropout_prob": self.config.dropout, "initializer_range": 0.02,
-                "pad_token_id": 0, "position_embedding_type": "absolute", **c}
-
-    def save_pretrained(self, folder, vocab=data.VOCAB):
-        """Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
-        state = {data.to_hf_name(k): v for k, v in self.state_dict().items()}
-        data.save_encoder_folder(folder, state, self.hf_config(), vocab)
-
-    @classmethod
-    def from_pretrained(cls, folder, config=None):
-        """Load a Hugging Face BERT folder (ours, or e.g. bert-base-uncased downloaded by the user).
-        config: a Config whose model fields are replaced by the folder's config.json."""
-        hf_config, hf_state = data.load_encoder_folder(folder)
-        sizes = {ours: hf_config[theirs] for ours, theirs in data.HF_CONFIG_KEYS.items() if theirs in hf_config}
-        model = cls(dataclasses.replace(config or Config(), **sizes))
-        state = {data.from_hf_name(k): v for k, v in hf_state.items()}
-        ours = model.state_dict()
-        for name, tensor in state.items():
-            if name in ours and ours[name].shape != tensor.shape:
-                raise data.DataError(f"{folder}: {data.to_hf_name(name)} has shape {tuple(tensor.shape)}, "
-                                     f"the model expects {tuple(ours[name].shape)}")
-        state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
-        missing = [k for k in ours if k not in state]
-        if [k for k in missing if not k.startswith("mlm_head.")]:
-            raise data.DataError(f"{folder}: missing encoder weights, e.g. {data.to_hf_name(missing[0])}")
-        model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
-        model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
-        return model
 # --- shared: end encoder ---
 
 
@@ -680,436 +558,8 @@ def gather_across_ranks(t):
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return t
     return GatherWithGrad.apply(t.contiguous())
-
-
-def average_across_ranks(values, device):
-    """Mean of a dict of floats over ranks, for logging (every rank must call it)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return dict(zip(values, (t / dist.get_world_size()).tolist()))
 # --- shared: end distributed ---
 
 
-# --- shared: begin autocast ---
-def autocast_bf16(device, enabled=True):
-    """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
-    as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
-    cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
-    native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
-# --- shared: end autocast ---
-
-
-# --- shared: begin training helpers ---
-def make_optimizer(model, c, eps=1e-8):
-    """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
-    Departure (optimizer-decay): COSTA and CPDAE say only "Adam with warm-up"; weight decay and linear
-    decay are BERT's and SEED's recipe, kept for every method so that they differ only in their losses.
-    eps: Adam's epsilon.
-    Heads new to the checkpoint (model.new_parameters(): a fresh MLM head, a projector, a decoder) learn
-    alone for the first --head_warmup steps, at --head_lr times the lr (a random head's gradients would
-    otherwise distort the pre-trained features; Kumar et al., ICLR 2022): the encoder's groups get lr
-    factor 0 (DDP-safe: every parameter still gets its gradient), then their own warm-up and decay over
-    the steps left. Without those flags (finetune.py has none) the groups and schedule are the plain ones."""
-    head_warmup, head_lr = getattr(c, "head_warmup", 0), getattr(c, "head_lr", 1.0)
-    if head_warmup >= c.steps:
-        raise ValueError(f"--head_warmup {head_warmup} leaves none of the {c.steps} steps to the encoder")
-    new = {id(p) for p in (model.new_parameters() if hasattr(model, "new_parameters") else [])}
-    groups = []
-    for head in (False, True):            # encoder groups first: group 0 is the encoder's decayed one
-        params = [p for p in model.parameters() if (id(p) in new) == head]
-        groups += [{"params": [p for p in params if p.ndim >= 2], "weight_decay": c.weight_decay, "decay": True,
-                    "head": head},
-                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "decay": False, "head": head}]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=c.lr, eps=eps)
-
-    def schedule(step, start=0, factor=1.0):          # warm-up, then decay to 0 at c.steps, from `start`
-        steps, step = c.steps - start, step - start
-        warmup = max(1, int(c.warmup * steps))
-        return 0.0 if step < 0 else factor * min((step + 1) / warmup, max(0.0, (steps - step) / max(1, steps - warmup)))
-    lambdas = [(lambda step: schedule(step, factor=head_lr)) if group["head"] else
-               (lambda step: schedule(step, start=head_warmup)) for group in optimizer.param_groups]
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
-
-
-# Flags that may differ on --resume: today's value applies from the next step. Every other flag defines
-# the model, the data or the batches of the saved run, so a resumed run refuses to change it.
-RESUMABLE = ("steps", "epochs", "hard_epochs", "lr", "weight_decay", "warmup", "clip", "bf16", "workers",
-             "log_every", "save_every", "encode_batch", "preset", "eval_split", "eval_queries", "eval_qrels",
-             "cache_dir", "prep_workers", "index", "nprobe", "ef_search", "index_train", "vectors_dir",
-             "out_dir")  # where and how, not what (out_dir: a run folder moved or copied resumes where it is)
-
-
-def check_resume_flags(c, saved, path):
-    """Stop with one line if state.pt is another script's, or if a flag that cannot change on resume
-    did. Returns the changed flags that may change, as '--lr 0.0005 -> 0.001' (or "")."""
-    now = dataclasses.asdict(c)
-    foreign = sorted(set(saved) - set(now))
-    if foreign:
-        raise data.DataError(f"{path}: written by another script (it has --{foreign[0]}); resume it with that "
-                             f"script, or start again with --overwrite")
-    changed = {k: (v, now[k]) for k, v in saved.items() if now[k] != v and k not in ("resume", "overwrite", "halt_at")}
-    frozen = ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items() if k not in RESUMABLE)
-    if frozen:
-        raise data.DataError(f"{path}: these flags cannot change on --resume: {frozen}; resume with the saved "
-                             f"values, or start again with --overwrite")
-    return ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items())
-
-
-def apply_resume_flags(c, optimizer, scheduler):
-    """The state_dicts bring back the saved lr and weight decay: put today's in (the same numbers when
-    unchanged). The schedule itself is today's: make_optimizer built it from today's steps and warmup."""
-    scheduler.base_lrs = [c.lr] * len(optimizer.param_groups)
-    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
-        group["initial_lr"], group["lr"] = c.lr, c.lr * factor(scheduler.last_epoch)
-    for group in optimizer.param_groups:              # the decayed groups (group 0 in an older state.pt)
-        if group.get("decay", group is optimizer.param_groups[0]):
-            group["weight_decay"] = c.weight_decay
-
-
-def stop_if_not_finite(grad_norm, step, c):
-    """A NaN or infinite loss makes the gradient norm NaN or infinite on every rank alike (DDP sums the
-    gradients), so all ranks stop together, before the optimizer step: no checkpoint ever holds such
-    weights. (One host-device sync per step: the price of never saving NaNs.)"""
-    if not torch.isfinite(grad_norm):
-        raise data.DataError(f"step {step}: the loss is not finite (gradient norm {float(grad_norm)}); stopped "
-                             f"without saving, so {c.out_dir} keeps its last good checkpoint")
-
-
-def keep_log_until(path, step):
-    """Drop the log lines after `step` (written after the checkpoint a resumed run restarts from, or by a
-    replaced run) and a line cut by a kill, so that the log holds each step once."""
-    def logged(line):
-        try:
-            return json.loads(line)["step"] <= step
-        except (ValueError, KeyError, TypeError):
-            return False
-    if path.is_file():
-        lines = path.read_text(encoding="utf-8").splitlines()
-        data.atomic_write_text(path, "".join(line + "\n" for line in lines if logged(line)))
-
-
-def peak_memory_mb(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10   # Linux reports KiB
-
-
-def format_seconds(s):
-    s = int(s)
-    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-def chance_lines(means):
-    """'X: accuracy a, chance b, ratio a/b' for every logged accuracy X_acc that has its baseline X_chance
-    (the accuracy of a trivial guess: the most frequent token, or a random candidate)."""
-    return [f"{k[:-4]}: accuracy {v:.4f}, chance {means[k[:-4] + '_chance']:.4f}, "
-            f"ratio {v / max(means[k[:-4] + '_chance'], 1e-12):.2f}" for k, v in means.items()
-            if k.endswith("_acc") and k[:-4] + "_chance" in means]
-
-
-class Progress:
-    """One line per log interval on rank 0 (step, losses, lr, tokens/s, ETA) and a JSONL log."""
-
-    def __init__(self, c, start_step, is_rank0):
-        self.c, self.is_rank0, self.start_step = c, is_rank0, start_step
-        self.t0 = self.t_last = time.time()
-        self.tokens = self.tokens_total = 0
-        self.sums, self.count = {}, 0
-        self.log_path = Path(c.out_dir) / "log.jsonl"
-        if is_rank0:
-            keep_log_until(self.log_path, start_step)
-
-    def add(self, metrics, n_tokens):
-        for k, v in metrics.items():   # tensors stay on the device until report(): no sync per step
-            self.sums[k] = self.sums.get(k, 0.0) + v
-        self.count += 1
-        self.tokens += n_tokens
-
-    def report(self, step, lr, device):
-        """Every rank calls this at log steps (the average is a collective); rank 0 prints."""
-        means = average_across_ranks({k: float(v) / self.count for k, v in self.sums.items()}, device)
-        now, (_, world) = time.time(), rank_and_world()
-        tok_per_s = self.tokens * world / (now - self.t_last)
-        self.tokens_total += self.tokens * world
-        done = step - self.start_step
-        eta = (now - self.t0) / done * (self.c.steps - step)
-        if self.is_rank0:
-            parts = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
-            print(f"step {step:>6}/{self.c.steps} | {parts} | lr {lr:.2e} | {tok_per_s:,.0f} tok/s | "
-                  f"elapsed {format_seconds(now - self.t0)} | eta {format_seconds(eta)}", flush=True)
-            with open(self.log_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"step": step, **means, "lr": lr, "tokens_per_s": tok_per_s,
-                                    "elapsed_s": now - self.t0}) + "\n")
-            for line in chance_lines(means) if step == self.c.steps else []:  # at the end: each objective
-                print(line, flush=True)                                          # against its trivial baseline
-        self.sums, self.count, self.tokens, self.t_last = {}, 0, 0, now
-
-    def summary(self, device):
-        elapsed = time.time() - self.t0
-        return (f"{self.tokens_total / max(elapsed, 1e-9):,.0f} tokens/s over {format_seconds(elapsed)}, "
-                f"peak memory {peak_memory_mb(device):,.0f} MiB ({device.type})")
-# --- shared: end training helpers ---
-
-
-# --- shared: begin resume ---
-def load_checkpoint(c, model, optimizer, scheduler, is_rank0):
-    """Restore out_dir/state.pt; returns the step to continue from (0 if there is none yet). Batches,
-    masks and dropout are functions of the step, so nothing else needs restoring. The flags in force
-    are today's; one that cannot change on resume stops the run (check_resume_flags)."""
-    path = Path(c.out_dir) / "state.pt"
-    if not path.is_file():
-        if is_rank0:
-            print(f"resume: no {path} yet, starting from step 0")
-        return 0
-    state = data.load_training_state(path)
-    changed = check_resume_flags(c, state["config"], path)
-    try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as e:     # same flags, other weights: a state.pt from an older layout of the model
-        raise data.DataError(f"{path}: its weights do not fit this model ({str(e).splitlines()[-1].strip()}); "
-                             f"start again with --overwrite") from None
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    apply_resume_flags(c, optimizer, scheduler)
-    if is_rank0:
-        print(f"resume: {path} at step {state['step']}"
-              + (f"; changed flags apply from now: {changed}" if changed else ""))
-    return state["step"]
-# --- shared: end resume ---
-
-
-# --- shared: begin run setup ---
-# A run folder is never overwritten silently: these files show that one holds a run.
-RUN_FILES = ("state.pt", "log.jsonl", "encoder")
-
-
-def check_run_folder(c):
-    """Before any work: a fresh run into a folder holding a run needs --overwrite (--resume continues it)."""
-    held = [name for name in RUN_FILES if (Path(c.out_dir) / name).exists()]
-    if c.resume and c.overwrite:
-        raise ValueError("--resume continues the run in out_dir and --overwrite replaces it: give one")
-    if held and not (c.resume or c.overwrite):
-        raise data.DataError(f"{c.out_dir} already holds a run ({', '.join(held)}); continue it with --resume "
-                             f"or replace it with --overwrite")
-
-
-def prepare_run_folder(c):
-    """Rank 0, after the last input check (train calls it last), before the first write: remove the
-    .tmp files of killed writes, finish a cut checkpoint switch and, with --overwrite, remove the
-    replaced run's checkpoint (Progress trims its log)."""
-    out = Path(c.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    data.remove_stale_temporaries(out)
-    finish_checkpoint_switch(out)           # a save cut short by a kill: complete it or drop it
-    if c.overwrite:
-        (out / "state.pt").unlink(missing_ok=True)
-        shutil.rmtree(out / "encoder", ignore_errors=True)
-
-
-def resolve_vocab(c):
-    """Before any work: the vocabulary is --vocab when given, else the --init folder's vocab.txt (its
-    embedding rows are that vocabulary's), else BERT's bundled one. It must match the model, and the
-    windows must fit the model's learned positions."""
-    own = Path(c.init) / "vocab.txt" if c.init else None
-    if c.vocab == str(data.VOCAB) and own and own.is_file():
-        c = dataclasses.replace(c, vocab=str(own))
-    n = data.vocab_size_of(c.vocab) if Path(c.vocab).is_file() else c.vocab_size  # (missing: load_tokenizer says)
-    model = f"the --init model {c.init}" if c.init else "the model"
-    if n != c.vocab_size:
-        raise data.DataError(f"{c.vocab}: {n} entries, but {model} has vocab_size {c.vocab_size}")
-    if c.max_len > c.max_position:
-        raise ValueError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
-                             f"(max_position)")
-    return c
-# --- shared: end run setup ---
-
-
-# --- shared: begin train ---
-def load_windows(c, rank):
-    """The corpus' windows, mapped from its token cache (built by rank 0 on the first run)."""
-    t0 = time.time()
-    windows = data.token_windows(c.corpus, c.vocab, c.max_len, rank, c.cache_dir, c.prep_workers, rank == 0)
-    if rank == 0:
-        print(f"data: {c.corpus}: {len(windows):,} windows, {windows.n_tokens:,} tokens, mapped from "
-              f"{windows.folder} ({time.time() - t0:.1f}s)")
-    return windows
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during training, carrying the one line that says where the run stopped."""
-
-
-def train(c):
-    """Every check first (flags at parse time; here the run folder, --init, the vocab, the batch
-    arithmetic, the corpus's windows, a resumed state's flags), then the run folder, then the steps.
-    This method's own parts are the hooks in its sections above: make_batches, build_model, ADAM_EPS
-    and save_extra_files."""
-    rank, world, device = setup_distributed()
-    is_rank0 = rank == 0
-    torch.manual_seed(c.seed)
-    c = dataclasses.replace(c, init=data.resolve_model(c.init))   # 'minilm' or a hub id -> a local folder
-    check_run_folder(c)                             # before any work: a run folder is never overwritten silently
-    c = data.resolve_batch(c, world)                # --global_batch / --batch_size: before the token cache
-    encoder = Encoder.from_pretrained(c.init, c) if c.init else Encoder(c)
-    c = resolve_vocab(encoder.config)               # --init brings the checkpoint's model sizes and vocab
-    if is_rank0 and getattr(encoder, "new_mlm_head", False):
-        print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
-    windows = load_windows(c, rank)
-    c = data.resolve_schedule(c, world, len(windows))   # --epochs -> steps; fewer windows than one batch: stop
-    model = build_model(c, encoder, windows, rank).to(device)
-    optimizer, scheduler = make_optimizer(model, c, eps=ADAM_EPS)
-    start_step = load_checkpoint(c, model, optimizer, scheduler, is_rank0) if c.resume else 0
-    if is_rank0:
-        prepare_run_folder(c)                       # after the last check: --overwrite deletes only now
-        data.atomic_write_json(Path(c.out_dir) / "config.json", dataclasses.asdict(c))
-        n_params = sum(p.numel() for p in model.parameters())
-        left_out = len(windows) % (c.batch_size * world)
-        print(f"model: {n_params / 1e6:.1f}M parameters | {world} process(es) on {device.type} | "
-              f"global batch {c.batch_size * world * c.grad_accum} | {left_out} windows sit out each epoch")
-    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    loader = torch.utils.data.DataLoader(
-        make_batches(c, windows, rank, world), batch_size=None, num_workers=c.workers,
-        sampler=range(start_step * c.grad_accum, c.steps * c.grad_accum),
-        generator=torch.Generator())  # its own generator: the global RNG (dropout) resumes exactly
-    autocast = autocast_bf16(device, c.bf16)
-    progress = Progress(c, start_step, is_rank0)
-    batches, step, saved = iter(loader), start_step, start_step
-    ctrl_c, hold_ctrl_c, restore_sigint = catch_ctrl_c()
-    try:
-        for step in range(start_step + 1, c.steps + 1):
-            for micro in range(c.grad_accum):
-                micro_step = (step - 1) * c.grad_accum + micro
-                batch = next(batches)
-                progress_tokens = int(batch["attention_mask"].sum())
-                batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-                # dropout, like the batch, is a function of the step: resume is exact without saving RNG state
-                torch.manual_seed(data.step_seed(c.seed, rank, micro_step))
-                last = micro == c.grad_accum - 1
-                with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
-                    with autocast:
-                        loss, metrics = ddp(batch)
-                    (loss / c.grad_accum).backward()
-                progress.add(metrics, progress_tokens)
-            stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, c)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            if step % c.log_every == 0 or step == c.steps:
-                progress.report(step, scheduler.get_last_lr()[0], device)
-            if step % c.save_every == 0 or step == c.steps or step == c.halt_at:
-                with hold_ctrl_c():   # a Ctrl-C now stops after the checkpoint, which the line then names
-                    save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, saved)
-                    saved = step
-            if step == c.halt_at:
-                break
-            if ctrl_c:          # a Ctrl-C held during the save, or whose KeyboardInterrupt Python dropped
-                raise KeyboardInterrupt
-    except KeyboardInterrupt:
-        last = f"last checkpoint at step {saved} in {c.out_dir}" if saved else f"no checkpoint yet in {c.out_dir}"
-        raise Interrupted(f"interrupted at step {step}; {last}; continue with --resume") from None
-    finally:
-        restore_sigint()   # the caller's own handler again (a test, a notebook, study.py)
-    if is_rank0:
-        print(f"done: {progress.summary(device)}; encoder in {Path(c.out_dir) / 'encoder'}")
-    if dist.is_initialized():
-        dist.barrier()   # every rank is past its last collective (the group ends in data.leave_distributed)
-
-
-def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved=0):
-    """Rank 0 writes the encoder (a Hugging Face folder, for fine-tuning, plus save_extra_files) and the
-    full training state (every module, optimizer, scheduler) for --resume (batches, masks and dropout
-    are functions of the step: no RNG state is saved). Both go to temporaries first and are switched
-    only when both are whole (see finish_checkpoint_switch), so a full disk or a kill leaves the last
-    checkpoint whole: encoder/ and state.pt never hold different steps. A full disk stops the run with
-    one line naming the file and the last good step."""
-    if is_rank0:
-        out = Path(c.out_dir)
-        new_encoder, new_state = out / ".encoder.new", out / ".state.pt.new"
-        target = out / "encoder"
-        out.mkdir(parents=True, exist_ok=True)
-        try:
-            new_state.write_bytes(b"")              # while it exists, the switch has not begun
-            shutil.rmtree(new_encoder, ignore_errors=True)
-            model.encoder.save_pretrained(new_encoder, c.vocab)
-            if c.init:   # the starting checkpoint's pooling and similarity (sentence-transformers files)
-                data.copy_retriever_settings(c.init, new_encoder)
-            save_extra_files(c, model, new_encoder)
-            target = out / "state.pt"
-            data.save_training_state(new_state, {
-                "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "config": dataclasses.asdict(c)})
-        except Exception as e:  # noqa: BLE001 -- torch.save reports a full disk as a RuntimeError
-            shutil.rmtree(new_encoder, ignore_errors=True)
-            new_state.unlink(missing_ok=True)
-            if data.is_disk_full(e, out):
-                raise data.disk_full_error(target, out, last_saved) from None
-            raise
-        os.replace(new_state, out / "state.pt")     # the commit: from here on step `step` is the checkpoint
-        finish_checkpoint_switch(out)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()   # short: nobody races ahead of a checkpoint being written
-
-
-def finish_checkpoint_switch(out):
-    """Complete or undo a checkpoint switch cut short by a kill: .state.pt.new still there = state.pt
-    was not replaced yet, so drop the new files; else state.pt is new and .encoder.new its encoder."""
-    out = Path(out)
-    new_encoder, old_encoder, new_state = out / ".encoder.new", out / ".encoder.old", out / ".state.pt.new"
-    if new_state.exists():
-        new_state.unlink()
-        shutil.rmtree(new_encoder, ignore_errors=True)
-    if new_encoder.is_dir():
-        shutil.rmtree(old_encoder, ignore_errors=True)
-        if (out / "encoder").exists():
-            os.replace(out / "encoder", old_encoder)
-        os.replace(new_encoder, out / "encoder")
-    shutil.rmtree(old_encoder, ignore_errors=True)
-
-
-def catch_ctrl_c():
-    """Ctrl-C raises KeyboardInterrupt as usual, and is also recorded in the returned list: Python drops
-    a KeyboardInterrupt raised while it runs a finalizer ("Exception ignored in ..."), and the training
-    loop then still stops at the end of the step. Inside hold() a Ctrl-C is only recorded: a checkpoint
-    being written is finished, so that "last checkpoint at step M" is the one on disk. A SIGINT that the
-    shell ignores stays ignored. Returns (that list, hold, a function that puts the previous handler back)."""
-    seen, holding, before = [], [], signal.getsignal(signal.SIGINT)
-
-    @contextlib.contextmanager
-    def hold():
-        holding.append(True)
-        try:
-            yield
-        finally:
-            holding.pop()
-    if before is not signal.default_int_handler or threading.current_thread() is not threading.main_thread():
-        return seen, hold, lambda: None
-    def on_ctrl_c(signum, frame):
-        seen.append(signum)
-        if not holding:
-            raise KeyboardInterrupt
-    signal.signal(signal.SIGINT, on_ctrl_c)
-    return seen, hold, lambda: signal.signal(signal.SIGINT, before)
-
-
-def run_command_line(run):
-    """run() with one line for each expected failure: a bad flag or input file (ValueError, DataError),
-    a full disk (DataError), Ctrl-C (exit code 130). Under torchrun only rank 0 prints, and every rank
-    leaves the process group and exits with code 1 (130), without a traceback."""
-    try:
-        run()
-        data.leave_distributed()   # under torchrun: the process group ended, gloo's without its teardown
-        return
-    except ValueError as e:   # a bad flag (ValueError) or a bad input file (data.DataError, one too)
-        line, code = f"error: {e}", 1
-    except KeyboardInterrupt as e:
-        line, code = str(e) or "interrupted before the first step; nothing was trained", 130
-    data.exit_with(line, code)   # one line (rank 0 only under torchrun), the process group left, no traceback
-# --- shared: end train ---
-
-
 if __name__ == "__main__":
-    c = data.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES)
-    run_command_line(lambda: diagnose(c) if c.diagnose else train(c))
+    data.run_command_line(lambda: train(data.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES)))
