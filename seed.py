@@ -29,6 +29,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
