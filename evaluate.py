@@ -129,7 +129,7 @@ def load_encoder(folder, c=None):
     unused parameters would make DistributedDataParallel fail. Saved folders then have no MLM head;
     transformers.AutoModel still loads them. c: a Config with the encoder's fields (finetune.py's),
     else EncoderConfig; the folder's config.json replaces its sizes."""
-    encoder = Encoder.from_pretrained(folder, c or EncoderConfig())
+    encoder = data.load_pretrained(Encoder, folder, c or EncoderConfig())
     encoder.mlm_head = None
     return encoder
 
@@ -395,7 +395,7 @@ def _encode_into(out, encoder, pooling, tokenizer, texts, max_len, batch_size, d
     """Fill out (N, H) row by row with encode()'s vectors, in its dtype; returns out."""
     was_training = encoder.training
     encoder.eval()
-    autocast = autocast_bf16(device, bf16)
+    autocast = data.autocast_bf16(device, bf16)
     order = np.argsort([len(t) for t in texts], kind="stable")
     progress = data.ProgressLine("encoding:", len(texts), "texts")
     for start in range(0, len(texts), batch_size):
@@ -1105,7 +1105,8 @@ class MLMHead(nn.Module):
 
 class Encoder(nn.Module):
     """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
-    forward returns the last hidden states; the text vector is position 0 ([CLS])."""
+    forward returns the last hidden states, from which text_vector takes the text's vector. Loading
+    and saving Hugging Face folders: data.load_pretrained(Encoder, folder, c), data.save_pretrained."""
 
     def __init__(self, c):
         super().__init__()
@@ -1129,38 +1130,6 @@ class Encoder(nn.Module):
         for block in self.blocks:
             x = block(x, attend)
         return x                                                    # (B, L, H)
-
-    def hf_config(self):
-        c = {theirs: getattr(self.config, ours) for ours, theirs in data.HF_CONFIG_KEYS.items()}
-        return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
-                "attention_probs_dropout_prob": self.config.dropout, "initializer_range": 0.02,
-                "pad_token_id": 0, "position_embedding_type": "absolute", **c}
-
-    def save_pretrained(self, folder, vocab=data.VOCAB):
-        """Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
-        state = {data.to_hf_name(k): v for k, v in self.state_dict().items()}
-        data.save_encoder_folder(folder, state, self.hf_config(), vocab)
-
-    @classmethod
-    def from_pretrained(cls, folder, config=None):
-        """Load a Hugging Face BERT folder (ours, or e.g. bert-base-uncased downloaded by the user).
-        config: a Config whose model fields are replaced by the folder's config.json."""
-        hf_config, hf_state = data.load_encoder_folder(folder)
-        sizes = {ours: hf_config[theirs] for ours, theirs in data.HF_CONFIG_KEYS.items() if theirs in hf_config}
-        model = cls(dataclasses.replace(config or Config(), **sizes))
-        state = {data.from_hf_name(k): v for k, v in hf_state.items()}
-        ours = model.state_dict()
-        for name, tensor in state.items():
-            if name in ours and ours[name].shape != tensor.shape:
-                raise data.DataError(f"{folder}: {data.to_hf_name(name)} has shape {tuple(tensor.shape)}, "
-                                     f"the model expects {tuple(ours[name].shape)}")
-        state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
-        missing = [k for k in ours if k not in state]
-        if [k for k in missing if not k.startswith("mlm_head.")]:
-            raise data.DataError(f"{folder}: missing encoder weights, e.g. {data.to_hf_name(missing[0])}")
-        model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
-        model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
-        return model
 # --- shared: end encoder ---
 
 
@@ -1212,33 +1181,9 @@ def gather_across_ranks(t):
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return t
     return GatherWithGrad.apply(t.contiguous())
-
-
-def average_across_ranks(values, device):
-    """Mean of a dict of floats over ranks, for logging (every rank must call it)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return dict(zip(values, (t / dist.get_world_size()).tolist()))
 # --- shared: end distributed ---
 
 
-# --- shared: begin autocast ---
-def autocast_bf16(device, enabled=True):
-    """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
-    as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
-    cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
-    native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
-# --- shared: end autocast ---
-
-
 if __name__ == "__main__":
-    try:
-        main(data.parse_config(Config, sys.argv[1:], __doc__, rules=FLAG_RULES))
-    except ValueError as e:   # a bad flag (ValueError) or a bad input file (data.DataError, one too)
-        data.exit_with(f"error: {e}", 1)
-    except KeyboardInterrupt:
-        data.exit_with("interrupted; run it again to evaluate", 130)
-    data.leave_distributed()   # under torchrun: the process group ended, gloo's without its teardown
+    data.run_command_line(lambda: main(data.parse_config(Config, sys.argv[1:], __doc__, rules=FLAG_RULES)),
+                          interrupted="interrupted; run it again to evaluate")

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 import data
 import evaluate   # the retrieval layer: BM25, encode, exact search, metrics
+from evaluate import Encoder, gather_across_ranks, rank_and_world, setup_distributed   # the shared encoder
 
 
 # ==============================================================================================
@@ -152,7 +153,7 @@ FLAG_RULES = {
 # ==============================================================================================
 # Model
 # ==============================================================================================
-# (The BERT encoder itself, Encoder, is a shared block at the end of this file.)
+# (The BERT encoder itself, Encoder, is evaluate.py's copy of the shared block.)
 
 
 def retriever_settings(c):
@@ -402,7 +403,7 @@ def hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc
         if is_rank0:
             write_negatives(path, ranked, doc_ids)
             print(f"mined: top-{c.hard_depth} of {len(examples)} queries over {len(doc_texts):,} passages "
-                  f"in {format_seconds(time.time() - t0)} -> {path}", flush=True)
+                  f"in {data.format_seconds(time.time() - t0)} -> {path}", flush=True)
     return [ex._replace(negatives=negatives_from_ranking(ranked.get(ex.qid, [])[:c.hard_depth], ex.positives,
                                                          c.hard_skip))
             for ex in examples]
@@ -433,8 +434,8 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
             print(f"{stage}: already finished, loading {Path(sc.out_dir) / 'encoder'}")
         return evaluate.load_encoder(Path(sc.out_dir) / "encoder", c).to(device)
     model = BiEncoder(encoder, c).to(device)
-    optimizer, scheduler = make_optimizer(model, sc)
-    start_step = load_checkpoint(sc, model, optimizer, scheduler, is_rank0) if c.resume else 0
+    optimizer, scheduler = data.make_optimizer(model, sc)
+    start_step = data.load_checkpoint(sc, model, optimizer, scheduler, is_rank0) if c.resume else 0
     global_batch = c.batch_size * world
     if is_rank0:
         Path(sc.out_dir).mkdir(parents=True, exist_ok=True)
@@ -450,9 +451,9 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
     loader = torch.utils.data.DataLoader(
         TrainBatches(sc, examples, doc_texts, tokenizer, rank, world), batch_size=None, num_workers=c.workers,
         sampler=range(start_step * c.grad_accum, sc.steps * c.grad_accum), generator=torch.Generator())
-    autocast = autocast_bf16(device, c.bf16)
-    progress = Progress(sc, start_step, is_rank0)
-    batches = iter(loader)
+    autocast = data.autocast_bf16(device, c.bf16)
+    progress = data.Progress(sc, start_step, is_rank0)
+    batches, saved = iter(loader), start_step
     model.train()
     for step in range(start_step + 1, sc.steps + 1):
         for micro in range(c.grad_accum):
@@ -468,7 +469,7 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
                     loss, metrics = ddp(batch)
                 (loss / c.grad_accum).backward()
             progress.add(metrics, n_tokens)
-        stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, sc)
+        data.stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, sc, saved)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -477,6 +478,7 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
         halt = c.halt_at == step_offset + step
         if step % c.save_every == 0 or step == sc.steps or halt:
             save_checkpoint(sc, model, optimizer, scheduler, step, is_rank0, tokenizer_vocab(c))
+            saved = step
         if halt:
             if is_rank0:
                 print(f"{stage}: halted at step {step} (--halt_at {c.halt_at})")
@@ -484,13 +486,8 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
     if is_rank0:
         data.atomic_write_json(Path(sc.out_dir) / "done.json", {"steps": sc.steps})
         print(f"{stage}: done: {progress.summary(device)}", flush=True)
-    barrier()
+    data.barrier()
     return model.encoder
-
-
-def barrier():
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def tokenizer_vocab(c):
@@ -509,7 +506,8 @@ def train(c, name=""):
     loss_function(c.loss)                       # a bad --loss stops here, before any work
     if not c.epochs and not c.rounds:
         raise ValueError("--epochs 0 skips the BM25 stage, so --rounds must be >= 1 (else nothing trains)")
-    check_run_folder(c, RUN_FILES)
+    data.check_run_folder(c, RUN_FILES)
+    data.lock_run_folder(c.out_dir)              # one run at a time in a run folder
     name = name or (Path(c.init).parent.name if Path(c.init).is_dir() else c.init) or "random init"  # for the printouts
     c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
     tokenizer = data.load_tokenizer(tokenizer_vocab(c))
@@ -562,7 +560,7 @@ def train(c, name=""):
     if is_rank0:
         save_encoder(encoder, out / "encoder", c, tokenizer_vocab(c))
         print(f"fine-tuned encoder: {out / 'encoder'}", flush=True)
-    barrier()
+    data.barrier()
     splits = []                                 # dev (the held-out training queries: where settings are chosen), test
     if dev_qrels:
         splits.append((corpus, {q: queries[q] for q in dev_qrels}, dev_qrels, out / "eval-dev"))
@@ -579,16 +577,6 @@ def evaluates(c):
 
 # What shows that a folder holds a fine-tuning run (the pipeline adds pretrain/).
 RUN_FILES = ("config.json", "encoder", "stage1")
-
-
-def check_run_folder(c, names):
-    """Before any work: a fresh run into a folder holding a run needs --overwrite (--resume continues it)."""
-    held = [name for name in names if (Path(c.out_dir) / name).exists()]
-    if c.resume and c.overwrite:
-        raise ValueError("--resume continues the run in out_dir and --overwrite replaces it: give one")
-    if held and not (c.resume or c.overwrite):
-        raise data.DataError(f"{c.out_dir} already holds a run ({', '.join(held)}); continue it with --resume "
-                             f"or replace it with --overwrite")
 
 
 def clear_stale_outputs(out):
@@ -614,7 +602,7 @@ def save_encoder(encoder, folder, c, vocab):
     """Hugging Face BERT folder plus retriever.json recording how to use it as a retriever (pooling,
     similarity, lengths): evaluate.py reads it, so evaluating the folder repeats the fine-tuning's own
     evaluation. The sentence-transformers files next to it make SentenceTransformer(folder) agree."""
-    encoder.save_pretrained(folder, vocab)
+    data.save_pretrained(encoder, folder, vocab)
     data.write_retriever_settings(folder, c.pooling, c.similarity, c.query_len, c.passage_len)
 
 
@@ -625,7 +613,7 @@ def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, vocab):
         data.save_training_state(Path(c.out_dir) / "state.pt", {
             "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "config": dataclasses.asdict(c)})
-    barrier()  # short: nobody races ahead of a checkpoint being written
+    data.barrier()  # short: nobody races ahead of a checkpoint being written
 
 
 # ==============================================================================================
@@ -681,7 +669,8 @@ def pipeline(c):
                          f"torchrun ... {c.pretrain}.py --out_dir DIR, then torchrun ... finetune.py --init DIR/encoder")
     if not c.eval_split:
         raise ValueError("--pretrain compares models on the evaluation split: give --eval_split")
-    check_run_folder(c, RUN_FILES + ("pretrain", "zero-shot", "no-pretrain"))  # before any work, not after it
+    data.check_run_folder(c, RUN_FILES + ("pretrain", "zero-shot", "no-pretrain"))  # before any work, not after it
+    data.lock_run_folder(c.out_dir)              # one run at a time in a run folder
     out, name = Path(c.out_dir), Path(c.init).name if Path(c.init).is_dir() else c.init
     c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
     rows = {f"{name} zero-shot": evaluate_folder(c, c.init, out / f"zero-shot/eval-{c.eval_split}", f"{name}-zero-shot")}
@@ -698,448 +687,20 @@ def pipeline(c):
     print()
     print(evaluate.format_table(rows, title=f"{c.eval_split} split, {len(qrels)} queries", baseline=bm25_name))
     print(evaluate.format_pairs(rows, list(rows)[1:]))
-    print(f"pipeline: {format_seconds(time.time() - t0)} in all; outputs in {c.out_dir}")
+    print(f"pipeline: {data.format_seconds(time.time() - t0)} in all; outputs in {c.out_dir}")
 
 
 def main(argv):
     c = data.parse_config(Config, argv, __doc__, PAPER_PRESET, FLAG_RULES)
     if c.pretrain:
         pipeline(c)
+        data.release_run_folder(c.out_dir)
         return
     train(c)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()   # every rank is past its last collective before the group ends (data.leave_distributed)
-
-
-# ==============================================================================================
-# Shared blocks, below the method: the BERT encoder, distributed helpers, bf16 autocast, training
-# helpers, resume and run setup. Byte-identical in every file that has them (a test checks, and
-# `diff costa.py cpdae.py` skips them): read them once, in costa.py.
-# ==============================================================================================
-# --- shared: begin encoder ---
-def drop_mask(shape, p):
-    """A boolean mask, each element True (dropped) with probability p, for dropout on CPU. It comes from
-    numpy's PCG64, seeded from torch's generator (so torch.manual_seed still fixes every mask), one
-    uniform 32-bit integer per element: P(True) = round(p * 2^32) / 2^32. 4x faster than torch's
-    bernoulli_, which was a third of the training step (benchmark.py --micro)."""
-    n = int(np.prod(shape))
-    bits = np.random.PCG64(int(torch.randint(2**62, ()))).random_raw((n + 1) // 2)   # uint64: 2 draws each
-    draws = torch.from_numpy(bits.view(np.int32)[:n]).view(shape)                   # uniform int32
-    return draws < round(p * 2**32) - 2**31
-
-
-def dropout(x, p, training):
-    """BERT's dropout: each element zeroed with probability p, the others scaled by 1 / (1 - p);
-    drop_mask on CPU, F.dropout on GPU."""
-    if not training or p == 0.0:
-        return x
-    if x.device.type != "cpu":
-        return F.dropout(x, p, True)
-    return x.masked_fill(drop_mask(x.shape, p), 0.0) * (1 / (1 - p))
-
-
-class Embeddings(nn.Module):
-    """Token + learned absolute position + token-type embeddings, then LayerNorm and dropout."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.word = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.position = nn.Embedding(c.max_position, c.hidden_size)
-        self.token_type = nn.Embedding(c.type_vocab_size, c.hidden_size)
-        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.dropout = c.dropout
-
-    def forward(self, input_ids):                                               # (B, L)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
-        x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]  # (B, L, H)
-        return dropout(self.norm(x), self.dropout, self.training)
-
-
-def attention(q, k, v, attend, p):
-    """softmax(q k^T / sqrt(d)) v per head, with dropout p on the probabilities (BERT's attention
-    dropout). q, k, v (B, heads, L, d); attend (B, 1, 1, L) or (L, L), True = key visible.
-    scaled_dot_product_attention (fused kernels) on GPU, and on CPU without gradients (encoding).
-    Training on CPU writes the equation out: 2x faster there than SDPA, whose CPU kernel has no
-    dropout (it falls back to its math path and torch's slow dropout) and a slow backward
-    (benchmark.py --micro)."""
-    if q.device.type != "cpu" or not torch.is_grad_enabled():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=p)
-    hide = torch.zeros(attend.shape).masked_fill(~attend, torch.finfo(torch.float32).min)  # like attend
-    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2) + hide              # (B, heads, L, L) fp32
-    probs = scores.softmax(-1).to(v.dtype)                                       # (B, heads, L, L)
-    if p == 0:
-        return probs @ v                                                         # (B, heads, L, d)
-    # dropout on the probabilities; its 1 / (1 - p) is applied to the 4x smaller output
-    return (probs.masked_fill(drop_mask(probs.shape, p), 0.0) @ v) * (1 / (1 - p))   # (B, heads, L, d)
-
-
-class SelfAttention(nn.Module):
-    """Multi-head self-attention, BERT's: projections, attention() per head, output projection."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.heads, self.dropout = c.num_heads, c.dropout
-        self.query = nn.Linear(c.hidden_size, c.hidden_size)
-        self.key = nn.Linear(c.hidden_size, c.hidden_size)
-        self.value = nn.Linear(c.hidden_size, c.hidden_size)
-        self.out = nn.Linear(c.hidden_size, c.hidden_size)
-
-    def forward(self, x, attend):                       # x (B, L, H); attend (B, 1, 1, L) True = key visible
-        B, L, H = x.shape
-        split = lambda t: t.view(B, L, self.heads, H // self.heads).transpose(1, 2)  # (B, heads, L, H/heads)
-        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
-        y = attention(q, k, v, attend, self.dropout if self.training else 0.0)      # (B, heads, L, H/heads)
-        return self.out(y.transpose(1, 2).reshape(B, L, H))                      # (B, L, H)
-
-
-class Block(nn.Module):
-    """Post-LN Transformer block, as in BERT: x = LN(x + Attn(x)); x = LN(x + FFN(x))."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.attn = SelfAttention(c)
-        self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
-        self.ffn_out = nn.Linear(c.ffn_size, c.hidden_size)
-        self.ffn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.dropout = c.dropout
-
-    def forward(self, x, attend):                                                    # (B, L, H)
-        x = self.attn_norm(x + dropout(self.attn(x, attend), self.dropout, self.training))
-        ffn = self.ffn_out(F.gelu(self.ffn_in(x)))                                   # (B, L, H)
-        return self.ffn_norm(x + dropout(ffn, self.dropout, self.training))          # (B, L, H)
-
-
-class MLMHead(nn.Module):
-    """BERT's MLM head: dense, GELU, LayerNorm, then the token embedding matrix (tied) plus a bias."""
-
-    def __init__(self, c, word_embedding):
-        super().__init__()
-        self.dense = nn.Linear(c.hidden_size, c.hidden_size)
-        self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        self.bias = nn.Parameter(torch.zeros(c.vocab_size))
-        self.word_embedding = [word_embedding]  # a list, so the tied matrix is not registered twice
-
-    def forward(self, h):                                                        # (M, H)
-        h = self.norm(F.gelu(self.dense(h)))                                     # (M, H)
-        return h @ self.word_embedding[0].weight.T + self.bias                   # (M, V)
-
-
-class Encoder(nn.Module):
-    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
-    forward returns the last hidden states; the text vector is position 0 ([CLS])."""
-
-    def __init__(self, c):
-        super().__init__()
-        self.config = c
-        self.embeddings = Embeddings(c)
-        self.blocks = nn.ModuleList(Block(c) for _ in range(c.num_layers))
-        self.mlm_head = MLMHead(c, self.embeddings.word)
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(m):
-        """BERT's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm."""
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
-
-    def forward(self, input_ids, attention_mask):                  # (B, L), (B, L) 1 = token, 0 = pad
-        attend = attention_mask.bool()[:, None, None, :]            # (B, 1, 1, L)
-        x = self.embeddings(input_ids)                              # (B, L, H)
-        for block in self.blocks:
-            x = block(x, attend)
-        return x                                                    # (B, L, H)
-
-    def hf_config(self):
-        c = {theirs: getattr(self.config, ours) for ours, theirs in data.HF_CONFIG_KEYS.items()}
-        return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
-                "attention_probs_dropout_prob": self.config.dropout, "initializer_range": 0.02,
-                "pad_token_id": 0, "position_embedding_type": "absolute", **c}
-
-    def save_pretrained(self, folder, vocab=data.VOCAB):
-        """Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
-        state = {data.to_hf_name(k): v for k, v in self.state_dict().items()}
-        data.save_encoder_folder(folder, state, self.hf_config(), vocab)
-
-    @classmethod
-    def from_pretrained(cls, folder, config=None):
-        """Load a Hugging Face BERT folder (ours, or e.g. bert-base-uncased downloaded by the user).
-        config: a Config whose model fields are replaced by the folder's config.json."""
-        hf_config, hf_state = data.load_encoder_folder(folder)
-        sizes = {ours: hf_config[theirs] for ours, theirs in data.HF_CONFIG_KEYS.items() if theirs in hf_config}
-        model = cls(dataclasses.replace(config or Config(), **sizes))
-        state = {data.from_hf_name(k): v for k, v in hf_state.items()}
-        ours = model.state_dict()
-        for name, tensor in state.items():
-            if name in ours and ours[name].shape != tensor.shape:
-                raise data.DataError(f"{folder}: {data.to_hf_name(name)} has shape {tuple(tensor.shape)}, "
-                                     f"the model expects {tuple(ours[name].shape)}")
-        state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
-        missing = [k for k in ours if k not in state]
-        if [k for k in missing if not k.startswith("mlm_head.")]:
-            raise data.DataError(f"{folder}: missing encoder weights, e.g. {data.to_hf_name(missing[0])}")
-        model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
-        model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
-        return model
-# --- shared: end encoder ---
-
-
-# --- shared: begin distributed ---
-def setup_distributed():
-    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
-    CPU. Plain `python x.py` runs one process. Returns (rank, world, device)."""
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if backend == "nccl" and local_world > torch.cuda.device_count():
-        raise ValueError(f"torchrun --nproc_per_node={local_world}, but this machine has {torch.cuda.device_count()} "
-                         f"GPU(s): one process per GPU (CUDA_VISIBLE_DEVICES= runs every process on the CPU)")
-    device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
-    if backend == "nccl":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)   # NCCL bound to its GPU
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def rank_and_world():
-    """(global rank, world size); (0, 1) outside torchrun."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-class GatherWithGrad(torch.autograd.Function):
-    """all_gather that keeps gradients: every rank's loss used this rank's vectors as candidates, so
-    backward hands each rank the sum over ranks of the gradient of its own slice. (The same as the
-    deprecated torch.distributed.nn.functional.all_gather; equal sizes on every rank.)"""
-
-    @staticmethod
-    def forward(ctx, t):                                                  # (n, ...)
-        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, t)
-        return torch.cat(parts, dim=0)                                    # (world * n, ...)
-
-    @staticmethod
-    def backward(ctx, grad):                                              # (world * n, ...)
-        grad = grad.contiguous()
-        dist.all_reduce(grad)                                             # sum over every rank's loss
-        return grad.chunk(dist.get_world_size(), dim=0)[dist.get_rank()]  # (n, ...)
-
-
-def gather_across_ranks(t):
-    """Concatenate `t` from every rank along dim 0, keeping the autograd graph (candidates)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return t
-    return GatherWithGrad.apply(t.contiguous())
-
-
-def average_across_ranks(values, device):
-    """Mean of a dict of floats over ranks, for logging (every rank must call it)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return dict(zip(values, (t / dist.get_world_size()).tolist()))
-# --- shared: end distributed ---
-
-
-# --- shared: begin autocast ---
-def autocast_bf16(device, enabled=True):
-    """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
-    as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
-    cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
-    native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
-# --- shared: end autocast ---
-
-
-# --- shared: begin training helpers ---
-def make_optimizer(model, c, eps=1e-8):
-    """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
-    Departure (optimizer-decay): COSTA and CPDAE say only "Adam with warm-up"; weight decay and linear
-    decay are BERT's and SEED's recipe, kept for every method so that they differ only in their losses.
-    eps: Adam's epsilon.
-    Heads new to the checkpoint (model.new_parameters(): a fresh MLM head, a projector, a decoder) learn
-    alone for the first --head_warmup steps, at --head_lr times the lr (a random head's gradients would
-    otherwise distort the pre-trained features; Kumar et al., ICLR 2022): the encoder's groups get lr
-    factor 0 (DDP-safe: every parameter still gets its gradient), then their own warm-up and decay over
-    the steps left. Without those flags (finetune.py has none) the groups and schedule are the plain ones."""
-    head_warmup, head_lr = getattr(c, "head_warmup", 0), getattr(c, "head_lr", 1.0)
-    if head_warmup >= c.steps:
-        raise ValueError(f"--head_warmup {head_warmup} leaves none of the {c.steps} steps to the encoder")
-    new = {id(p) for p in (model.new_parameters() if hasattr(model, "new_parameters") else [])}
-    groups = []
-    for head in (False, True):            # encoder groups first: group 0 is the encoder's decayed one
-        params = [p for p in model.parameters() if (id(p) in new) == head]
-        groups += [{"params": [p for p in params if p.ndim >= 2], "weight_decay": c.weight_decay, "decay": True,
-                    "head": head},
-                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "decay": False, "head": head}]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=c.lr, eps=eps)
-
-    def schedule(step, start=0, factor=1.0):          # warm-up, then decay to 0 at c.steps, from `start`
-        steps, step = c.steps - start, step - start
-        warmup = max(1, int(c.warmup * steps))
-        return 0.0 if step < 0 else factor * min((step + 1) / warmup, max(0.0, (steps - step) / max(1, steps - warmup)))
-    lambdas = [(lambda step: schedule(step, factor=head_lr)) if group["head"] else
-               (lambda step: schedule(step, start=head_warmup)) for group in optimizer.param_groups]
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
-
-
-# Flags that may differ on --resume: today's value applies from the next step. Every other flag defines
-# the model, the data or the batches of the saved run, so a resumed run refuses to change it.
-RESUMABLE = ("steps", "epochs", "hard_epochs", "lr", "weight_decay", "warmup", "clip", "bf16", "workers",
-             "log_every", "save_every", "encode_batch", "preset", "eval_split", "eval_queries", "eval_qrels",
-             "cache_dir", "prep_workers", "index", "nprobe", "ef_search", "index_train", "vectors_dir",
-             "out_dir")  # where and how, not what (out_dir: a run folder moved or copied resumes where it is)
-
-
-def check_resume_flags(c, saved, path):
-    """Stop with one line if state.pt is another script's, or if a flag that cannot change on resume
-    did. Returns the changed flags that may change, as '--lr 0.0005 -> 0.001' (or "")."""
-    now = dataclasses.asdict(c)
-    foreign = sorted(set(saved) - set(now))
-    if foreign:
-        raise data.DataError(f"{path}: written by another script (it has --{foreign[0]}); resume it with that "
-                             f"script, or start again with --overwrite")
-    changed = {k: (v, now[k]) for k, v in saved.items() if now[k] != v and k not in ("resume", "overwrite", "halt_at")}
-    frozen = ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items() if k not in RESUMABLE)
-    if frozen:
-        raise data.DataError(f"{path}: these flags cannot change on --resume: {frozen}; resume with the saved "
-                             f"values, or start again with --overwrite")
-    return ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items())
-
-
-def apply_resume_flags(c, optimizer, scheduler):
-    """The state_dicts bring back the saved lr and weight decay: put today's in (the same numbers when
-    unchanged). The schedule itself is today's: make_optimizer built it from today's steps and warmup."""
-    scheduler.base_lrs = [c.lr] * len(optimizer.param_groups)
-    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
-        group["initial_lr"], group["lr"] = c.lr, c.lr * factor(scheduler.last_epoch)
-    for group in optimizer.param_groups:              # the decayed groups (group 0 in an older state.pt)
-        if group.get("decay", group is optimizer.param_groups[0]):
-            group["weight_decay"] = c.weight_decay
-
-
-def stop_if_not_finite(grad_norm, step, c):
-    """A NaN or infinite loss makes the gradient norm NaN or infinite on every rank alike (DDP sums the
-    gradients), so all ranks stop together, before the optimizer step: no checkpoint ever holds such
-    weights. (One host-device sync per step: the price of never saving NaNs.)"""
-    if not torch.isfinite(grad_norm):
-        raise data.DataError(f"step {step}: the loss is not finite (gradient norm {float(grad_norm)}); stopped "
-                             f"without saving, so {c.out_dir} keeps its last good checkpoint")
-
-
-def keep_log_until(path, step):
-    """Drop the log lines after `step` (written after the checkpoint a resumed run restarts from, or by a
-    replaced run) and a line cut by a kill, so that the log holds each step once."""
-    def logged(line):
-        try:
-            return json.loads(line)["step"] <= step
-        except (ValueError, KeyError, TypeError):
-            return False
-    if path.is_file():
-        lines = path.read_text(encoding="utf-8").splitlines()
-        data.atomic_write_text(path, "".join(line + "\n" for line in lines if logged(line)))
-
-
-def peak_memory_mb(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10   # Linux reports KiB
-
-
-def format_seconds(s):
-    s = int(s)
-    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-def chance_lines(means):
-    """'X: accuracy a, chance b, ratio a/b' for every logged accuracy X_acc that has its baseline X_chance
-    (the accuracy of a trivial guess: the most frequent token, or a random candidate)."""
-    return [f"{k[:-4]}: accuracy {v:.4f}, chance {means[k[:-4] + '_chance']:.4f}, "
-            f"ratio {v / max(means[k[:-4] + '_chance'], 1e-12):.2f}" for k, v in means.items()
-            if k.endswith("_acc") and k[:-4] + "_chance" in means]
-
-
-class Progress:
-    """One line per log interval on rank 0 (step, losses, lr, tokens/s, ETA) and a JSONL log."""
-
-    def __init__(self, c, start_step, is_rank0):
-        self.c, self.is_rank0, self.start_step = c, is_rank0, start_step
-        self.t0 = self.t_last = time.time()
-        self.tokens = self.tokens_total = 0
-        self.sums, self.count = {}, 0
-        self.log_path = Path(c.out_dir) / "log.jsonl"
-        if is_rank0:
-            keep_log_until(self.log_path, start_step)
-
-    def add(self, metrics, n_tokens):
-        for k, v in metrics.items():   # tensors stay on the device until report(): no sync per step
-            self.sums[k] = self.sums.get(k, 0.0) + v
-        self.count += 1
-        self.tokens += n_tokens
-
-    def report(self, step, lr, device):
-        """Every rank calls this at log steps (the average is a collective); rank 0 prints."""
-        means = average_across_ranks({k: float(v) / self.count for k, v in self.sums.items()}, device)
-        now, (_, world) = time.time(), rank_and_world()
-        tok_per_s = self.tokens * world / (now - self.t_last)
-        self.tokens_total += self.tokens * world
-        done = step - self.start_step
-        eta = (now - self.t0) / done * (self.c.steps - step)
-        if self.is_rank0:
-            parts = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
-            print(f"step {step:>6}/{self.c.steps} | {parts} | lr {lr:.2e} | {tok_per_s:,.0f} tok/s | "
-                  f"elapsed {format_seconds(now - self.t0)} | eta {format_seconds(eta)}", flush=True)
-            with open(self.log_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"step": step, **means, "lr": lr, "tokens_per_s": tok_per_s,
-                                    "elapsed_s": now - self.t0}) + "\n")
-            for line in chance_lines(means) if step == self.c.steps else []:  # at the end: each objective
-                print(line, flush=True)                                          # against its trivial baseline
-        self.sums, self.count, self.tokens, self.t_last = {}, 0, 0, now
-
-    def summary(self, device):
-        elapsed = time.time() - self.t0
-        return (f"{self.tokens_total / max(elapsed, 1e-9):,.0f} tokens/s over {format_seconds(elapsed)}, "
-                f"peak memory {peak_memory_mb(device):,.0f} MiB ({device.type})")
-# --- shared: end training helpers ---
-
-
-# --- shared: begin resume ---
-def load_checkpoint(c, model, optimizer, scheduler, is_rank0):
-    """Restore out_dir/state.pt; returns the step to continue from (0 if there is none yet). Batches,
-    masks and dropout are functions of the step, so nothing else needs restoring. The flags in force
-    are today's; one that cannot change on resume stops the run (check_resume_flags)."""
-    path = Path(c.out_dir) / "state.pt"
-    if not path.is_file():
-        if is_rank0:
-            print(f"resume: no {path} yet, starting from step 0")
-        return 0
-    state = data.load_training_state(path)
-    changed = check_resume_flags(c, state["config"], path)
-    try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as e:     # same flags, other weights: a state.pt from an older layout of the model
-        raise data.DataError(f"{path}: its weights do not fit this model ({str(e).splitlines()[-1].strip()}); "
-                             f"start again with --overwrite") from None
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    apply_resume_flags(c, optimizer, scheduler)
-    if is_rank0:
-        print(f"resume: {path} at step {state['step']}"
-              + (f"; changed flags apply from now: {changed}" if changed else ""))
-    return state["step"]
-# --- shared: end resume ---
+    data.barrier()   # every rank is past its last collective before the group ends (data.leave_distributed)
+    data.release_run_folder(c.out_dir)
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except ValueError as e:   # a bad flag (ValueError) or a bad input file (data.DataError, one too)
-        data.exit_with(f"error: {e}", 1)
-    except KeyboardInterrupt:
-        data.exit_with("interrupted; continue with --resume (each stage from its last checkpoint)", 130)
-    data.leave_distributed()   # under torchrun: the process group ended, gloo's without its teardown
+    data.run_command_line(lambda: main(sys.argv[1:]),
+                          interrupted="interrupted; continue with --resume (each stage from its last checkpoint)")

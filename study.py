@@ -301,13 +301,14 @@ def gradient_norms(method, pretrain_folder, n_batches=4):
     import torch
     module = importlib.import_module(method)
     c = module.Config(**data.read_json(Path(pretrain_folder) / "config.json"))
-    windows = module.load_windows(c, 0)
-    batches = module.make_batches(c, windows, 0, 1)                          # the run's batches, in its order
+    windows = data.load_windows(c, 0)
+    batches = module.Batches(c, windows, 0, 1)                               # the run's batches, in its order
+    idf = {"idf": module.cached_idf(windows, c.vocab_size, 0)} if getattr(c, "idf_rec", False) else {}
     rows = {}
     for when in ("start", "after"):
         torch.manual_seed(c.seed)                                                # the same new heads as the run's
-        encoder = module.Encoder.from_pretrained(c.init, c) if c.init else module.Encoder(c)
-        model = module.build_model(c, encoder, windows, 0)                       # the run's hook (IDF, frequent token)
+        encoder = data.init_encoder(module.Encoder, c)
+        model = module.PretrainModel(c, encoder, frequent_token=data.most_frequent_token(windows), **idf)  # as train() builds it
         if when == "after":
             model.load_state_dict(data.load_training_state(Path(pretrain_folder) / "state.pt")["model"])
         params = [p for p in model.encoder.parameters() if p.requires_grad]
@@ -711,9 +712,9 @@ def quick_setup(c):
         for name, qr in (("train", train), ("test", test)):
             (beir / "qrels" / f"{name}.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
                 f"{q}\t{d}\t{g}\n" for q, docs in qr.items() for d, g in docs.items()))
-        subprocess.run([sys.executable, "-c", "import sys, torch, finetune; torch.manual_seed(0); finetune.Encoder("
-                        "finetune.Config(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, dropout=0.0))"
-                        ".save_pretrained(sys.argv[1])", str(init)], cwd=HERE, check=True)
+        subprocess.run([sys.executable, "-c", "import sys, torch, data, finetune; torch.manual_seed(0); data.save_pretrained("
+                        "finetune.Encoder(finetune.Config(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, "
+                        "dropout=0.0)), sys.argv[1])", str(init)], cwd=HERE, check=True)
     return dataclasses.replace(c, **QUICK, init=str(init), dataset=str(beir))
 
 
@@ -729,6 +730,7 @@ def main(argv):
     if not c.similarity:                      # the checkpoint's own similarity (MiniLM: cos), else the papers' dot
         c = dataclasses.replace(c, similarity=data.read_retriever_settings(data.resolve_model(c.init)).get("similarity", "dot"))
     t0 = time.time()
+    data.lock_run_folder(c.results_dir)       # one study at a time writes these rows and tables ...
     rows = load_rows(c)
     if c.report_only:
         check_rows(c, rows, [])
@@ -739,6 +741,7 @@ def main(argv):
         report(c, design_order(present))                        # a study part-way: what there is
         return
     check_rows(c, rows, runs_left(c, rows))
+    data.lock_run_folder(c.out_dir)           # ... and runs in these run folders
     print_plan(c, rows)
     rows = run_plan(c, full_plan(c), rows, t0, len(rows))
     if numbers(c.low_resource):
