@@ -15,6 +15,15 @@ import data
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
+@pytest.fixture(autouse=True)
+def release_run_folders():
+    """A run that stopped with an error keeps its run folder locked until its process ends; a test is
+    not the end of the pytest process, so the next test's subprocess may use the folder again."""
+    yield
+    for folder in list(data._LOCKS):
+        data.release_run_folder(folder)
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return data.load_tokenizer()

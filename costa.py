@@ -332,9 +332,10 @@ class Batches(torch.utils.data.Dataset):
     spans at every step instead."""
 
     def __init__(self, c, windows, rank, world):
-        self.c, self.windows, self.special, self.rank, self.world = c, windows, windows.special, rank, world
-        tokenizer = data.load_tokenizer(c.vocab)   # id -> WordPiece string, to find stopwords
-        self.vocab_tokens = [tokenizer.id_to_token(i) for i in range(tokenizer.get_vocab_size())]
+        self.c, self.windows, self.rank, self.world = c, windows, rank, world
+        tokenizer = data.load_tokenizer(c.vocab)
+        self.special = data.special_ids(tokenizer)                 # {"cls": 101, "sep": 102, "mask": 103, ...}
+        self.vocab_tokens = [tokenizer.id_to_token(i) for i in range(tokenizer.get_vocab_size())]  # to find stopwords
 
     def __len__(self):
         return self.c.steps * self.c.grad_accum

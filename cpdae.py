@@ -406,7 +406,8 @@ class Batches(torch.utils.data.Dataset):
     attention_mask (B, L) is shared (so tokens/s counts text tokens once); bag (B, V) is eq. 4's y."""
 
     def __init__(self, c, windows, rank, world):
-        self.c, self.windows, self.special, self.rank, self.world = c, windows, windows.special, rank, world
+        self.c, self.windows, self.rank, self.world = c, windows, rank, world
+        self.special = data.special_ids(data.load_tokenizer(c.vocab))   # {"cls": 101, "sep": 102, "mask": 103, ...}
 
     def __len__(self):
         return self.c.steps * self.c.grad_accum

@@ -1885,23 +1885,23 @@ class TrainingRun:
         c, self.step = self.c, step
         if step % c.log_every == 0 or step == c.steps:
             self.progress.report(step, self.scheduler.get_last_lr()[0], self.device)
-        terminate = _all_ranks_agree(bool(_SIGNALS["term"]), self.device) if self.world > 1 else bool(_SIGNALS["term"])
+        terminate = _all_ranks_agree(bool(STOP_SIGNALS["term"]), self.device) if self.world > 1 else bool(STOP_SIGNALS["term"])
         due = step % c.save_every == 0 or step == c.steps or step == c.halt_at
         if due or (terminate and step - self.saved > c.save_every / 2):   # SIGTERM: save first if it is worth it
-            with _hold_ctrl_c():   # a Ctrl-C now stops after the checkpoint, which the line then names
+            with hold_ctrl_c():   # a Ctrl-C now stops after the checkpoint, which the line then names
                 save_checkpoint(c, self.model, self.optimizer, self.scheduler, step, self.is_rank0, self.saved,
                                 self.extra_files)
                 self.saved = step
         if terminate:
             raise Terminated
-        if _SIGNALS["int"]:       # a Ctrl-C held during the save, or whose KeyboardInterrupt Python dropped
+        if STOP_SIGNALS["int"]:       # a Ctrl-C held during the save, or whose KeyboardInterrupt Python dropped
             raise KeyboardInterrupt
         return step == c.halt_at
 
     @contextlib.contextmanager
     def stops_cleanly(self):
         """Around the loop: Ctrl-C or SIGTERM becomes one line with the step and the last checkpoint."""
-        restore = _catch_stop_signals(defer_term=True)
+        restore = catch_stop_signals(defer_term=True)
         try:
             yield
         except KeyboardInterrupt as e:
@@ -1931,21 +1931,21 @@ def _all_ranks_agree(flag, device):
 # ----------------------------------------------------------------------------------------------
 # 16. Signals: Ctrl-C and SIGTERM
 # ----------------------------------------------------------------------------------------------
-_SIGNALS = {"int": [], "term": [], "holding": []}
+STOP_SIGNALS = {"int": [], "term": [], "holding": []}
 
 
 @contextlib.contextmanager
-def _hold_ctrl_c():
+def hold_ctrl_c():
     """Inside, a Ctrl-C is only recorded: a checkpoint being written is finished, so that "last
     checkpoint at step M" is the one on disk."""
-    _SIGNALS["holding"].append(True)
+    STOP_SIGNALS["holding"].append(True)
     try:
         yield
     finally:
-        _SIGNALS["holding"].pop()
+        STOP_SIGNALS["holding"].pop()
 
 
-def _catch_stop_signals(defer_term=False):
+def catch_stop_signals(defer_term=False):
     """Ctrl-C raises KeyboardInterrupt as usual, and is also recorded: Python drops a KeyboardInterrupt
     raised while it runs a finalizer ("Exception ignored in ..."), and the training loop then still stops
     at the end of the step. SIGTERM raises Terminated at once, or with defer_term (in the training loop)
@@ -1956,15 +1956,15 @@ def _catch_stop_signals(defer_term=False):
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    _SIGNALS["int"].clear(), _SIGNALS["term"].clear()
+    STOP_SIGNALS["int"].clear(), STOP_SIGNALS["term"].clear()
 
     def on_ctrl_c(signum, frame):
-        _SIGNALS["int"].append(signum)
-        if not _SIGNALS["holding"]:
+        STOP_SIGNALS["int"].append(signum)
+        if not STOP_SIGNALS["holding"]:
             raise KeyboardInterrupt
 
     def on_term(signum, frame):
-        _SIGNALS["term"].append(signum)
+        STOP_SIGNALS["term"].append(signum)
         if not defer_term:
             raise Terminated
     if before[signal.SIGINT] is signal.default_int_handler:
@@ -2003,7 +2003,7 @@ def run_command_line(run, interrupted="interrupted before the first step; nothin
     an operating-system error (OSError: permission, read-only, full disk, a path that is a file), Ctrl-C
     (exit code 130), SIGTERM (143). Under torchrun only rank 0 prints, and every rank leaves the process
     group without a traceback (torchrun then stops the ranks still running, and exits with 1)."""
-    restore = _catch_stop_signals()                  # SIGTERM before the training loop: one line too
+    restore = catch_stop_signals()                  # SIGTERM before the training loop: one line too
     try:
         run()
         leave_distributed()   # under torchrun: the process group ended, gloo's without its teardown

@@ -302,7 +302,8 @@ class Batches(torch.utils.data.Dataset):
     workers can build batches ahead on the CPU and a resumed run sees exactly the same batches."""
 
     def __init__(self, c, windows, rank, world):
-        self.c, self.windows, self.special, self.rank, self.world = c, windows, windows.special, rank, world
+        self.c, self.windows, self.rank, self.world = c, windows, rank, world
+        self.special = data.special_ids(data.load_tokenizer(c.vocab))   # {"cls": 101, "sep": 102, "mask": 103, ...}
 
     def __len__(self):
         return self.c.steps * self.c.grad_accum

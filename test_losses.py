@@ -261,7 +261,7 @@ def windows(tokenizer):
 
 def test_batches_carry_spans_inside_each_window(windows, tokenizer, vocab_tokens):
     c = tiny_costa_config()
-    batches = costa.Batches(c, windows, data.special_ids(tokenizer), 0, 1, vocab_tokens)
+    batches = costa.Batches(c, windows, 0, 1)
     batch = batches[1]
     B, L = batch["input_ids"].shape
     assert batch["spans"].shape == (B, 4 * c.span_T, 2) and batch["spans"].dtype == torch.long
@@ -270,7 +270,7 @@ def test_batches_carry_spans_inside_each_window(windows, tokenizer, vocab_tokens
     assert (start >= 1).all() and (start < end).all() and (end <= lengths - 1).all()
     assert torch.equal(batches[1]["spans"], batch["spans"])  # a function of (seed, rank, step): resumable
     assert not torch.equal(batches[2]["spans"], batch["spans"])
-    baseline = costa.Batches(tiny_costa_config(gwc_weight=0.0), windows, data.special_ids(tokenizer), 0, 1, vocab_tokens)
+    baseline = costa.Batches(tiny_costa_config(gwc_weight=0.0), windows, 0, 1)
     assert "spans" not in baseline[1]
 
 
@@ -280,7 +280,7 @@ def test_spans_are_sampled_once_per_window_unless_resampled(windows, tokenizer, 
 
     def spans_by_window(c, micro_step):
         rows = data.batch_indices(len(few), c.batch_size, 0, 1, c.seed, micro_step)
-        spans = costa.Batches(c, few, special, 0, 1, vocab_tokens)[micro_step]["spans"]
+        spans = costa.Batches(c, few, 0, 1)[micro_step]["spans"]
         return {int(r): s for r, s in zip(rows, spans)}
 
     once = tiny_costa_config(batch_size=4)
@@ -294,7 +294,7 @@ def test_spans_are_sampled_once_per_window_unless_resampled(windows, tokenizer, 
 def test_model_total_loss_is_lambda_gwc_plus_mlm(windows, tokenizer, vocab_tokens):
     torch.manual_seed(0)
     c = tiny_costa_config(gwc_weight=0.5, tau=1.0)
-    batch = costa.Batches(c, windows, data.special_ids(tokenizer), 0, 1, vocab_tokens)[0]
+    batch = costa.Batches(c, windows, 0, 1)[0]
     model = costa.PretrainModel(c, costa.Encoder(c)).eval()
     total, metrics = model(batch)
     assert set(metrics) == {"mlm", "mlm_acc", "mlm_chance", "gwc", "gwc_acc", "gwc_chance"}
@@ -641,7 +641,7 @@ def tiny_windows():
 
 
 def test_batches_hold_two_independent_masks_of_one_text_and_its_bag():
-    batch = cpdae.Batches(tiny_cpdae(), tiny_windows(), SPECIAL, 0, 1)[0]
+    batch = cpdae.Batches(tiny_cpdae(), tiny_windows(), 0, 1)[0]
     assert batch["input_ids"].shape == batch["labels"].shape == (8, 32)      # [d'; d''] of 4 texts
     assert batch["attention_mask"].shape == (4, 32) and batch["bag"].shape == (4, 30522)
     original = torch.where(batch["labels"] != -100, batch["labels"], batch["input_ids"])  # unmask
@@ -657,7 +657,7 @@ def test_total_loss_is_rec_plus_mlm_plus_lambda_cl(mode):
     torch.manual_seed(0)
     c = tiny_cpdae(cl_mode=mode)
     model = cpdae.PretrainModel(c, cpdae.Encoder(c)).eval()
-    batch = cpdae.Batches(c, tiny_windows(), SPECIAL, 0, 1)[0]
+    batch = cpdae.Batches(c, tiny_windows(), 0, 1)[0]
     total, metrics = model(batch)
     assert set(metrics) == {"rec", "mlm", "mlm_acc", "mlm_chance", "cl", "cl_acc", "cl_chance"}
     torch.testing.assert_close(total, metrics["rec"] + metrics["mlm"] + 0.1 * metrics["cl"])
@@ -682,7 +682,7 @@ def test_idf_rec_uses_corpus_idf():
     windows = tiny_windows()
     idf = cpdae.compute_idf(windows, c.vocab_size)
     model = cpdae.PretrainModel(c, cpdae.Encoder(c), idf).eval()
-    batch = cpdae.Batches(c, windows, SPECIAL, 0, 1)[0]
+    batch = cpdae.Batches(c, windows, 0, 1)[0]
     _, metrics = model(batch)
     with torch.no_grad():
         h_cls = model.encoder(batch["input_ids"], batch["attention_mask"].repeat(2, 1))[:, 0]
@@ -693,16 +693,15 @@ def test_idf_rec_uses_corpus_idf():
 
 def test_checkpoint_keeps_the_decoder_beside_the_encoder(tmp_path):
     transformers = pytest.importorskip("transformers")
-    c = tiny_cpdae(out_dir=str(tmp_path))
-    model = cpdae.PretrainModel(c, cpdae.Encoder(c))
-    optimizer, scheduler = cpdae.make_optimizer(model, c)
-    cpdae.save_checkpoint(c, model, optimizer, scheduler, 1, True)
-    decoder = cpdae.Decoder.from_pretrained(tmp_path / "encoder")
-    for name, tensor in model.decoder.state_dict().items():
-        assert torch.equal(decoder.state_dict()[name], tensor)
-    state = data.load_training_state(tmp_path / "state.pt")
-    assert torch.equal(state["model"]["decoder.out.weight"], model.decoder.out.weight)
-    assert transformers.AutoModel.from_pretrained(tmp_path / "encoder").config.hidden_size == 32
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"text number {i} about cats and dogs and the river bank" for i in range(12)))
+    c = tiny_cpdae(out_dir=str(tmp_path / "run"), corpus=str(corpus), steps=1, batch_size=2, bf16=False)
+    cpdae.train(c)                                              # train() hands save_checkpoint the decoder
+    decoder = cpdae.Decoder.from_pretrained(tmp_path / "run" / "encoder")
+    state = data.load_training_state(tmp_path / "run" / "state.pt")
+    for name, tensor in decoder.state_dict().items():
+        assert torch.equal(state["model"][f"decoder.{name}"], tensor)
+    assert transformers.AutoModel.from_pretrained(tmp_path / "run" / "encoder").config.hidden_size == 32
 
 
 # ==============================================================================================
@@ -805,21 +804,22 @@ def test_decoder_is_pre_ln_with_a_final_layer_norm():
 def test_resuming_a_state_of_another_decoder_layout_is_one_clear_error(tmp_path):
     c = dataclasses.replace(small_config(), out_dir=str(tmp_path))
     model = seed.PretrainModel(c, seed.Encoder(c))
-    optimizer, scheduler = seed.make_optimizer(model, c)
+    optimizer, scheduler = data.make_optimizer(model, c)
     old = {k: v for k, v in model.state_dict().items() if not k.startswith("decoder.final_norm.")}  # post-LN days
     data.save_training_state(tmp_path / "state.pt", {"step": 1, "model": old, "optimizer": optimizer.state_dict(),
                                                      "scheduler": scheduler.state_dict(), "config": dataclasses.asdict(c)})
     with pytest.raises(data.DataError, match=r"state\.pt: its weights do not fit this model \(Missing key"):
-        seed.load_checkpoint(c, model, optimizer, scheduler, True)
+        data.load_checkpoint(c, model, optimizer, scheduler, True)
 
 
 def test_seed_uses_the_papers_adam_epsilon():
     c = small_config()
     model = seed.PretrainModel(c, seed.Encoder(c))
-    source = __import__("inspect").getsource(seed.train)
-    assert "make_optimizer(model, c, eps=ADAM_EPS)" in source              # the shared loop takes the hook
-    assert seed.ADAM_EPS == 1e-6 and costa.ADAM_EPS == cpdae.ADAM_EPS == 1e-8   # SEED 4.1; torch's default
-    assert seed.make_optimizer(model, c, eps=seed.ADAM_EPS)[0].defaults["eps"] == 1e-6
+    inspect = __import__("inspect")
+    assert "data.make_optimizer(model, c, eps=1e-6)" in inspect.getsource(seed.train)        # SEED 4.1
+    for module in (costa, cpdae):                                                            # torch's default
+        assert "data.make_optimizer(model, c, eps=1e-8)" in inspect.getsource(module.train)
+    assert data.make_optimizer(model, c, eps=1e-6)[0].defaults["eps"] == 1e-6
 
 
 def test_padding_does_not_change_real_positions():
@@ -944,7 +944,7 @@ def test_pretrain_model_trains_decoder_with_encoder():
     torch.manual_seed(0)
     c = small_config()
     model = seed.PretrainModel(c, seed.Encoder(c)).eval()
-    optimizer, _ = seed.make_optimizer(model, c)
+    optimizer, _ = data.make_optimizer(model, c)
     in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
     assert len(in_optimizer) == len({id(p) for p in in_optimizer})  # the shared embedding only once
     assert {id(p) for p in model.decoder.parameters()} <= {id(p) for p in in_optimizer}
@@ -971,7 +971,7 @@ def test_decoder_loss_reaches_the_encoder_only_through_cls():
     decoder_input, decoder_targets = seed.decoder_inputs_and_targets(ids, mask)
     hidden = model.encoder(ids, mask)                                        # (B, L, H)
     hidden.retain_grad()
-    states = model.decoder(decoder_input, hidden)                            # (B, L-1, H)
+    states = model.decoder(decoder_input, hidden[:, 0])                      # (B, L-1, H) what training runs
     loss, _ = seed.decoder_loss(states, model.decoder.word_embedding[0].weight, decoder_targets)  # L_dec alone
     loss.backward()
     assert hidden.grad[:, 0].abs().sum() > 0                                 # [CLS] gets the gradient
@@ -984,7 +984,7 @@ def test_batches_give_the_decoder_the_unmasked_text():
     c = dataclasses.replace(seed.Config(), batch_size=4, mask_prob=0.5, steps=1)
     windows = [data.Window([101] + list(range(1000 + 10 * i, 1010 + 10 * i)) + [102], [False] * 12) for i in range(4)]
     special = {"pad": 0, "unk": 100, "cls": 101, "sep": 102, "mask": 103}
-    batch = seed.Batches(c, windows, special, rank=0, world=1)[0]
+    batch = seed.Batches(c, windows, rank=0, world=1)[0]
     chosen = batch["labels"] != -100  # (B, L) masked positions, never [CLS] or [SEP]
     assert (batch["input_ids"][chosen] == 103).any()
     # decoder_input[:, j] is token j and decoder_targets[:, j] token j + 1 of the ORIGINAL text
@@ -1013,7 +1013,7 @@ def test_training_runs_the_functions_that_show_the_equations(monkeypatch):
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels, "spans": torch.tensor([[[1, 3], [2, 5]]] * 4)}
     costa.PretrainModel(c, costa.Encoder(c))(batch)[0].backward()
     c = tiny_cpdae()                                                             # eq. 4, eq. 5 with -JS
-    cpdae.PretrainModel(c, cpdae.Encoder(c))(cpdae.Batches(c, tiny_windows(), SPECIAL, 0, 1)[0])[0].backward()
+    cpdae.PretrainModel(c, cpdae.Encoder(c))(cpdae.Batches(c, tiny_windows(), 0, 1)[0])[0].backward()
     c = small_config(dec_chunk=5)                                                # eq. 9, chunked: 44 positions
     decoder_input, decoder_targets = seed.decoder_inputs_and_targets(ids, mask)
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels, "decoder_input": decoder_input,
@@ -1029,15 +1029,13 @@ def test_training_runs_the_functions_that_show_the_equations(monkeypatch):
 # acts (CPDAE --cl_tau / --rec_reduction, COSTA --gwc_sim), and each accuracy beside its chance
 # ==============================================================================================
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, max_len=64, batch_size=4, dropout=0.0)
-FAKE_VOCAB = [f"w{i}" for i in range(30522)]          # COSTA's stopword check: every word a content word
 
 
 def tiny_method(name, **changes):
     """(module, PretrainModel, batch) of a tiny model of method `name` on tiny_windows()."""
     module = {"costa": costa, "cpdae": cpdae, "seed": seed}[name]
     c = module.Config(**{**TINY, "steps": 4, "warmup": 0.0, **changes})
-    extra = (FAKE_VOCAB,) if name == "costa" else ()
-    batch = module.Batches(c, tiny_windows(), SPECIAL, 0, 1, *extra)[0]
+    batch = module.Batches(c, tiny_windows(), 0, 1)[0]
     torch.manual_seed(0)
     return module, module.PretrainModel(c, module.Encoder(c)), batch
 
@@ -1059,7 +1057,7 @@ def test_head_warmup_freezes_exactly_the_encoder_then_trains_it(name):
     assert {n.split(".")[0] + "." for n in heads} == {expected, "encoder."}            # its head + the new MLM head
     assert {n for n in heads if n.startswith("encoder.")} == {f"encoder.mlm_head.{k}" for k in
                                                                ("bias", "dense.weight", "dense.bias", "norm.weight", "norm.bias")}
-    optimizer, scheduler = module.make_optimizer(model, model.config)
+    optimizer, scheduler = data.make_optimizer(model, model.config)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for step in range(2):                                                              # the warm-up
         optimizer_step(module, model, batch, optimizer, scheduler)
@@ -1078,19 +1076,19 @@ def test_head_schedule_and_groups():
         (step - start + 1) / max(1, int(0.1 * (steps - start))),
         max(0.0, (steps - step) / max(1, steps - start - max(1, int(0.1 * (steps - start)))))))
     encoder = cpdae.Encoder(c)
-    optimizer, scheduler = cpdae.make_optimizer(encoder, c)                              # no new_parameters()
+    optimizer, scheduler = data.make_optimizer(encoder, c)                              # no new_parameters()
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0]
     assert [scheduler.lr_lambdas[0](s) for s in range(20)] == [plain(s) for s in range(20)]
     model = cpdae.PretrainModel(c, encoder)
     c = tiny_cpdae(steps=20, warmup=0.1, head_warmup=5, head_lr=10.0)
-    optimizer, scheduler = cpdae.make_optimizer(model, c)
+    optimizer, scheduler = data.make_optimizer(model, c)
     assert [(g["head"], g["decay"]) for g in optimizer.param_groups] == [(False, True), (False, False), (True, True), (True, False)]
     for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
         expected = [10 * plain(s) for s in range(20)] if group["head"] else [plain(s, start=5) for s in range(20)]
         assert [factor(s) for s in range(20)] == pytest.approx(expected)
     assert [factor(4) for factor in scheduler.lr_lambdas[:2]] == [0.0, 0.0]
     with pytest.raises(ValueError, match="--head_warmup 20 leaves none of the 20 steps"):
-        cpdae.make_optimizer(model, dataclasses.replace(c, head_warmup=20))
+        data.make_optimizer(model, dataclasses.replace(c, head_warmup=20))
 
 
 def test_checkpoint_heads_are_new_only_where_the_checkpoint_lacks_them():
@@ -1181,10 +1179,10 @@ def test_most_frequent_token_and_its_accuracy():
     windows = [data.Window([101, 7, 7, 9, 102], [False] * 5), data.Window([101, 9, 7, 102], [False] * 4)]
     assert data.most_frequent_token(windows) == 7                                       # [CLS], [SEP] not counted
     targets = torch.tensor([[7, -100, 9], [7, 7, -100]])
-    assert float(costa.most_frequent_accuracy(targets, 7)) == 0.75
-    assert float(costa.most_frequent_accuracy(targets, 9)) == 0.25
-    assert float(costa.most_frequent_accuracy(targets)) == 0.75                          # the batch's own
-    lines = costa.chance_lines({"mlm": 2.0, "mlm_acc": 0.3, "mlm_chance": 0.1, "x_acc": 0.5})
+    assert float(data.most_frequent_accuracy(targets, 7)) == 0.75
+    assert float(data.most_frequent_accuracy(targets, 9)) == 0.25
+    assert float(data.most_frequent_accuracy(targets)) == 0.75                          # the batch's own
+    lines = data.chance_lines({"mlm": 2.0, "mlm_acc": 0.3, "mlm_chance": 0.1, "x_acc": 0.5})
     assert lines == ["mlm: accuracy 0.3000, chance 0.1000, ratio 3.00"]
 
 
