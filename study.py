@@ -752,9 +752,10 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (ValueError, RuntimeError) as e:   # data.DataError is a ValueError: bad input, one line
-        data.exit_with(f"error: {e}", 1)
-    except KeyboardInterrupt:
-        data.exit_with("interrupted; the same command continues (finished runs are kept in results/study/runs)", 130)
+    def study():
+        try:
+            main(sys.argv[1:])
+        except RuntimeError as e:             # a stage failed, or the scripts changed under a run: say so
+            raise data.DataError(str(e)) from None
+    data.run_command_line(study, interrupted="interrupted; the same command continues (finished runs are kept in "
+                                             "results/study/runs)")

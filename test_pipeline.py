@@ -2163,3 +2163,99 @@ def test_benchmark_levers_change_the_arithmetic_only():
     assert evaluate.attention is shipped
     with pytest.raises(ValueError, match="unknown lever"):
         benchmark.apply_lever("faster", evaluate.Encoder(c))
+
+
+# ----------------------------------------------------------------------------------------------
+# Faults: one line each, nothing already written lost
+# ----------------------------------------------------------------------------------------------
+def _held_by_another_process(folder):
+    """A process that takes the run folder's lock and keeps it until killed."""
+    script = "import sys, time, data; data.lock_run_folder(sys.argv[1]); print('locked', flush=True); time.sleep(600)"
+    holder = subprocess.Popen([PY, "-c", script, str(folder)], cwd=HERE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_a_run_folder_in_use_refuses_a_second_run_and_kill_9_frees_it(tmp_path, small_corpus):
+    out = tmp_path / "run"
+    holder = _held_by_another_process(out)
+    try:
+        for script, extra in (("costa.py", ["--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2"]),
+                              ("finetune.py", ["--init", "minilm"]),
+                              ("study.py", ["--results_dir", str(out), "--report_only"])):
+            result = subprocess.run([PY, script, *extra, "--out_dir", str(out), "--overwrite"], cwd=HERE,
+                                    capture_output=True, text=True, timeout=300)
+            assert result.returncode == 1, (script, result.stderr)
+            assert result.stderr.strip() == f"error: {out} is in use by another run (process {holder.pid}); wait for it to end, or give another --out_dir", script
+            assert sorted(p.name for p in out.iterdir()) == [".lock"]              # nothing touched
+    finally:
+        holder.kill()                                                            # kill -9: the kernel drops the lock
+        holder.wait()
+    result = subprocess.run([PY, "costa.py", "--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2",
+                             "--out_dir", str(out)], cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert data.load_training_state(out / "state.pt")["step"] == 2
+
+
+def test_an_os_error_is_one_line_naming_the_path(tmp_path, small_corpus, monkeypatch, capsys):
+    import errno
+    a_file = write(tmp_path / "a_file", "not a folder\n")
+    for script, extra in (("costa.py", ["--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2"]),
+                          ("finetune.py", ["--init", "minilm"]),
+                          ("evaluate.py", ["--model", "minilm"])):
+        result = subprocess.run([PY, script, *extra, "--out_dir", str(a_file / "run")], cwd=HERE,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 1, (script, result.stderr)
+        line = result.stderr.strip()
+        assert "\n" not in line and line.startswith("error: ") and str(a_file) in line, (script, line)
+        assert "is a file, not a folder" in line or "already exists as a file" in line, (script, line)
+    # Permission denied and a read-only file system (root ignores chmod, so the error is injected).
+    c = data.parse_config(costa.Config, ["--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2",
+                                         "--out_dir", str(tmp_path / "ro" / "run")], "", {}, costa.FLAG_RULES)
+    for code, words in ((errno.EACCES, "permission denied"), (errno.EROFS, "read-only file system")):
+        def refuse(self, *args, **kwargs):
+            raise OSError(code, os.strerror(code), str(self))
+        monkeypatch.setattr(Path, "mkdir", refuse)
+        with pytest.raises(SystemExit) as stopped:
+            data.run_command_line(lambda: costa.train(c))
+        monkeypatch.undo()
+        assert stopped.value.code == f"error: {tmp_path / 'ro' / 'run'}: {words}; " + {
+            errno.EACCES: "choose a folder you can write to (--out_dir) or fix its permissions",
+            errno.EROFS: "choose a writable folder (--out_dir, --cache_dir)"}[code]
+
+
+def test_sigterm_saves_a_checkpoint_and_stops_with_one_line(tmp_path, small_corpus):
+    import signal
+    out = tmp_path / "run"
+    cmd = [PY, "costa.py", "--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2000", "--save_every", "1000",
+           "--out_dir", str(out)]
+    run = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in run.stdout:
+        if line.startswith("step      3/"):
+            break
+    run.send_signal(signal.SIGTERM)                     # what a scheduler sends before it kills the job
+    stdout, stderr = run.communicate(timeout=120)
+    assert run.returncode == 143, stderr
+    step = data.load_training_state(out / "state.pt")["step"]   # saved first: no checkpoint was newer than 500 steps
+    assert 3 <= step < 1000
+    assert stderr.strip().splitlines()[-1] == (f"terminated (SIGTERM) at step {step}; last checkpoint at step "
+                                               f"{step} in {out}; continue with --resume")
+    assert json.loads((out / "log.jsonl").read_text().splitlines()[-1])["step"] <= step
+
+
+def test_non_finite_flags_are_refused_when_parsed():
+    import finetune
+    for module, flag in ((costa, "--lr"), (costa, "--tau"), (finetune, "--lr"), (evaluate, "--k1")):
+        for value in ("inf", "nan", "-inf"):
+            with pytest.raises(SystemExit) as stopped:
+                data.parse_config(module.Config, [flag, value], "", {}, getattr(module, "FLAG_RULES", {}))
+            assert stopped.value.code == f"error: {flag} must be a finite number, got {float(value)!r}"
+
+
+def test_a_non_finite_loss_says_whether_a_checkpoint_is_kept(tmp_path):
+    c = costa.Config(out_dir=str(tmp_path))
+    with pytest.raises(data.DataError, match=r"stopped without saving; no checkpoint was written$"):
+        data.stop_if_not_finite(torch.tensor(float("nan")), 2, c, last_saved=0)
+    with pytest.raises(data.DataError, match=rf"{re.escape(str(tmp_path))} keeps its last good checkpoint, step 100$"):
+        data.stop_if_not_finite(torch.tensor(float("inf")), 120, c, last_saved=100)
