@@ -6,7 +6,7 @@ identically by finetune.py; "none" fine-tunes the checkpoint directly and "mlm" 
 --gwc_weight 0 (the papers' BERT baseline). One vector throughout (--vector): the one each method's own
 objective trains (--bottleneck), fine-tuning trains and evaluation reads (--pooling), for every arm.
 
-Design (issue 19):
+Design:
 - No test leakage: finetune.py --dev_queries holds out a fixed sample of training queries (split "dev",
   evaluate.carve_dev, its own seed); every setting is chosen on dev; test is evaluated once per run.
 - Common random numbers: seed s gives every arm the same pre-training data order, masks, head init and
@@ -73,7 +73,7 @@ class Config:
     dev_queries: int = 150        # training queries held out as the dev split (fixed: evaluate.carve_dev)
     query_len: int = 64           # query tokens, fine-tuning and evaluation alike
     passage_len: int = 128        # passage tokens, fine-tuning and evaluation alike
-    low_resource: str = "50"      # training-query counts of the curve, e.g. "50,100,200" ("" = no curve); 50: the regime issue 19 names
+    low_resource: str = "50"      # training-query counts of the curve, e.g. "50,100,200" ("" = no curve); 50: the low-resource regime studied
     curve_arms: str = ""          # arms of the curve; "" = none, mlm and the method with the best DEV nDCG@10
     resamples: int = 10000        # bootstrap resamples (queries x seeds) per interval
     out_dir: str = "runs/study"   # run folders: checkpoints, logs (not committed)

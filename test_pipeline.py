@@ -1751,7 +1751,7 @@ def test_gradient_norms_per_term_start_where_training_started(tmp_path, small_co
 
 
 # ----------------------------------------------------------------------------------------------
-# Reliability (issue 16): every check before any work; nothing lost on --overwrite, a full disk or
+# Reliability: every check before any work; nothing lost on --overwrite, a full disk or
 # Ctrl-C; one line for bad input; progress on long steps
 # ----------------------------------------------------------------------------------------------
 def folder_bytes(folder):
