@@ -133,14 +133,13 @@ def span_vectors(hidden, spans):
 # ==============================================================================================
 # --- shared: begin mlm loss ---
 def mlm_loss(hidden, labels, head):
-    """Masked language modelling, the loss every method shares (BERT's; COSTA eq. 9, CPDAE eq. 6's
-    L_MLM, SEED eq. 10's L_MLM):
+    """Masked language modelling, BERT's loss, which every method adds to its own (L_MLM):
 
-        L_MLM = -1/|m(x)| * sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = masked positions
+        L_MLM = - sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = the masked positions
 
-    Departure (mlm-mean): the papers write a sum; we take the mean over the masked tokens, as BERT's
-    and SEED's code do, so that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
-    positions go through `head` (the vocabulary projection is most of the cost). hidden (B, L, H),
+    Departure (mlm-mean): the papers write this sum; we take the mean over the masked tokens (times
+    1/|m(x)|), as BERT's and SEED's code do, so that a loss weight (lambda) does not depend on how many
+    tokens a batch masks. Only the masked positions go through `head` (the vocabulary projection is most of the cost). hidden (B, L, H),
     labels (B, L) with -100 where nothing is predicted, head: MLMHead. Returns (loss, n_correct,
     n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
     chosen = labels != -100                                     # (B, L)
@@ -164,6 +163,9 @@ def gwc_loss(text_vecs, span_vecs, tau, n_anchors=None, sim="dot"):
     text_vecs (N, H) the z_i; span_vecs (N, S, H). Anchors: texts 0 .. n_anchors-1 (default all N).
     For anchor i the S spans of text i are positives; the denominator runs over all N (S + 1) vectors
     except z_i itself (other texts, every span, its own spans). sim = dot product (eq. 8).
+    The logits' columns, e.g. N = 2 texts with S = 3 spans each: 0-1 the texts, 2-4 text 0's spans,
+    5-7 text 1's. Anchor 0: positives 2-4, column 0 dropped, columns 1 and 5-7 negatives; each positive
+    is scored against all the others, its fellow positives included.
     Departure (option-costa-gwc-cos): sim="cos" (--gwc_sim cos), cosine / tau: the dot product of unnormalised vectors makes logits of any size (89 nats at step
     10 from MiniLM, against MLM's 10); cosine bounds them by 1/tau.
     Departure (costa-gwc-mean): the mean over the S positives, as eq. 8, then over the anchors where

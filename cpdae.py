@@ -135,14 +135,13 @@ class Decoder(nn.Module):
 # ==============================================================================================
 # --- shared: begin mlm loss ---
 def mlm_loss(hidden, labels, head):
-    """Masked language modelling, the loss every method shares (BERT's; COSTA eq. 9, CPDAE eq. 6's
-    L_MLM, SEED eq. 10's L_MLM):
+    """Masked language modelling, BERT's loss, which every method adds to its own (L_MLM):
 
-        L_MLM = -1/|m(x)| * sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = masked positions
+        L_MLM = - sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = the masked positions
 
-    Departure (mlm-mean): the papers write a sum; we take the mean over the masked tokens, as BERT's
-    and SEED's code do, so that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
-    positions go through `head` (the vocabulary projection is most of the cost). hidden (B, L, H),
+    Departure (mlm-mean): the papers write this sum; we take the mean over the masked tokens (times
+    1/|m(x)|), as BERT's and SEED's code do, so that a loss weight (lambda) does not depend on how many
+    tokens a batch masks. Only the masked positions go through `head` (the vocabulary projection is most of the cost). hidden (B, L, H),
     labels (B, L) with -100 where nothing is predicted, head: MLMHead. Returns (loss, n_correct,
     n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
     chosen = labels != -100                                     # (B, L)

@@ -1957,6 +1957,7 @@ def catch_stop_signals(defer_term=False):
         return lambda: None
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     STOP_SIGNALS["int"].clear(), STOP_SIGNALS["term"].clear()
+    owner = os.getpid()
 
     def on_ctrl_c(signum, frame):
         STOP_SIGNALS["int"].append(signum)
@@ -1964,6 +1965,10 @@ def catch_stop_signals(defer_term=False):
             raise KeyboardInterrupt
 
     def on_term(signum, frame):
+        if os.getpid() != owner:    # a forked worker (the token cache's pool, a data loader) dies quietly, as before
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         STOP_SIGNALS["term"].append(signum)
         if not defer_term:
             raise Terminated

@@ -2180,11 +2180,11 @@ def test_a_run_folder_in_use_refuses_a_second_run_and_kill_9_frees_it(tmp_path, 
     out = tmp_path / "run"
     holder = _held_by_another_process(out)
     try:
-        for script, extra in (("costa.py", ["--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2"]),
-                              ("finetune.py", ["--init", "minilm"]),
+        for script, flags in (("costa.py", ["--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2", "--out_dir",
+                                            str(out), "--overwrite"]),
+                              ("finetune.py", ["--init", "minilm", "--out_dir", str(out), "--overwrite"]),
                               ("study.py", ["--results_dir", str(out), "--report_only"])):
-            result = subprocess.run([PY, script, *extra, "--out_dir", str(out), "--overwrite"], cwd=HERE,
-                                    capture_output=True, text=True, timeout=300)
+            result = subprocess.run([PY, script, *flags], cwd=HERE, capture_output=True, text=True, timeout=300)
             assert result.returncode == 1, (script, result.stderr)
             assert result.stderr.strip() == f"error: {out} is in use by another run (process {holder.pid}); wait for it to end, or give another --out_dir", script
             assert sorted(p.name for p in out.iterdir()) == [".lock"]              # nothing touched
