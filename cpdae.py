@@ -167,7 +167,7 @@ def reconstruction_loss(logits, bag, idf=None, reduction="sum"):
     Departure (option-cpdae-rec-mean): reduction="mean" (--rec_reduction mean), the mean over the vocabulary instead of the sum, as DupMAE
     normalises its bag-of-words loss: the sum of 30,522 terms (~21,000 nats from MiniLM) sends the
     encoder ~10^6 times the gradient of lambda L_CL, the mean 1/|V| of it.
-    BCE-with-logits (log-sigmoid) keeps it finite for any logit. fp32.
+    Eq. 3's sigmoid is inside BCE-with-logits (as log-sigmoid), which keeps it finite for any logit. fp32.
     logits (N, V), bag (N, V) 0/1, idf (V,) or None -> scalar.
     """
     per_word = F.binary_cross_entropy_with_logits(

@@ -1673,8 +1673,7 @@ def load_checkpoint(c, model, optimizer, scheduler, is_rank0):
 # 13. Run folders: one run at a time, never overwritten silently
 # ----------------------------------------------------------------------------------------------
 RUN_FILES = ("state.pt", "log.jsonl", "encoder")     # these show that a folder holds a pre-training run
-LOCK_FILE = ".lock"
-_LOCKS = {}                                          # folder -> the open lock file this process holds
+_LOCKS = {}                                          # folder -> the open folder this process holds locked
 
 
 def check_run_folder(c, names=RUN_FILES):
@@ -1687,27 +1686,24 @@ def check_run_folder(c, names=RUN_FILES):
                         f"or replace it with --overwrite")
 
 
-def lock_run_folder(folder):
-    """Make `folder` this process's alone: an exclusive OS lock (flock) on folder/.lock, held until
-    release_run_folder or the process ends (kill -9 included: the kernel drops it, nothing to clean up).
-    Rank 0 takes it, every rank hears the outcome, so a second run (--overwrite too) is refused in one
-    line before it touches anything. Taking it again in the same process is a no-op."""
+def lock_run_folder(folder, create=False):
+    """Make `folder` this process's alone: an exclusive OS lock (flock) on the folder itself, held until
+    release_run_folder or the process ends (kill -9 included: the kernel drops it, nothing to clean up,
+    and no file is added to the folder). Rank 0 takes it and every rank hears the outcome, so a second run
+    (--overwrite too) is refused in one line before it touches anything. A folder that does not exist yet
+    is created only with create (just before the first write); taking a lock again is a no-op."""
     import fcntl
     folder = Path(folder).resolve()
     error = ""
-    if _rank() == 0 and folder not in _LOCKS:
+    if _rank() == 0 and folder not in _LOCKS and (create or folder.is_dir()):
         folder.mkdir(parents=True, exist_ok=True)
-        handle = open(folder / LOCK_FILE, "a+")
+        fd = os.open(folder, os.O_RDONLY)
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            handle.seek(0), handle.truncate(), handle.write(f"{os.getpid()}\n"), handle.flush()
-            _LOCKS[folder] = handle
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _LOCKS[folder] = fd
         except BlockingIOError:
-            handle.seek(0)
-            pid = handle.read().strip() or "?"
-            handle.close()
-            error = (f"{folder} is in use by another run (process {pid}); wait for it to end, or give "
-                     f"another --out_dir")
+            os.close(fd)
+            error = f"{folder} is in use by another run; wait for it to end, or give another --out_dir"
     if _distributed():
         shared = [error]
         torch.distributed.broadcast_object_list(shared, src=0)   # the other ranks wait on rank 0's check
@@ -1717,9 +1713,9 @@ def lock_run_folder(folder):
 
 
 def release_run_folder(folder):
-    handle = _LOCKS.pop(Path(folder).resolve(), None)
-    if handle:
-        handle.close()                  # closing the file drops the flock
+    fd = _LOCKS.pop(Path(folder).resolve(), None)
+    if fd is not None:
+        os.close(fd)                    # closing it drops the flock
 
 
 def _rank():
@@ -1745,7 +1741,7 @@ def start_run(c, world):
     --overwrite), the batch arithmetic (--global_batch). Returns c with --init and batch_size resolved."""
     c = dataclasses.replace(c, init=resolve_model(c.init))
     check_run_folder(c)                      # a run folder is never overwritten silently
-    lock_run_folder(c.out_dir)               # ... nor shared by two runs at once
+    lock_run_folder(c.out_dir)               # ... nor shared by two runs at once (if it exists yet)
     return resolve_batch(c, world)           # before the token cache
 
 
@@ -1866,6 +1862,7 @@ class TrainingRun:
         self.is_rank0, self.extra_files = self.rank == 0, extra_files
         self.start_step = load_checkpoint(c, model, optimizer, scheduler, self.is_rank0) if c.resume else 0
         self.saved = self.step = self.start_step
+        lock_run_folder(c.out_dir, create=True)         # a new folder is locked as it is made
         if self.is_rank0:
             prepare_run_folder(c)                       # after the last check: --overwrite deletes only now
             atomic_write_json(Path(c.out_dir) / "config.json", dataclasses.asdict(c))

@@ -507,7 +507,7 @@ def train(c, name=""):
     if not c.epochs and not c.rounds:
         raise ValueError("--epochs 0 skips the BM25 stage, so --rounds must be >= 1 (else nothing trains)")
     data.check_run_folder(c, RUN_FILES)
-    data.lock_run_folder(c.out_dir)              # one run at a time in a run folder
+    data.lock_run_folder(c.out_dir)              # one run at a time in a run folder (if it exists yet)
     name = name or (Path(c.init).parent.name if Path(c.init).is_dir() else c.init) or "random init"  # for the printouts
     c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
     tokenizer = data.load_tokenizer(tokenizer_vocab(c))
@@ -530,8 +530,8 @@ def train(c, name=""):
             raise ValueError(f"--{flag} {getattr(c, flag)} is more than the {c.max_position} positions of "
                                  f"the model{f' {c.init}' if c.init else ''} (max_position)")
     encoder = encoder.to(device)
+    data.lock_run_folder(out, create=True)      # a new folder is locked as it is made
     if is_rank0:
-        out.mkdir(parents=True, exist_ok=True)
         data.remove_stale_temporaries(out)
         if not c.resume:
             clear_stale_outputs(out)
@@ -670,9 +670,10 @@ def pipeline(c):
     if not c.eval_split:
         raise ValueError("--pretrain compares models on the evaluation split: give --eval_split")
     data.check_run_folder(c, RUN_FILES + ("pretrain", "zero-shot", "no-pretrain"))  # before any work, not after it
-    data.lock_run_folder(c.out_dir)              # one run at a time in a run folder
+    data.lock_run_folder(c.out_dir)              # one run at a time in a run folder (if it exists yet)
     out, name = Path(c.out_dir), Path(c.init).name if Path(c.init).is_dir() else c.init
     c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
+    data.lock_run_folder(out, create=True)      # a new folder is locked as it is made
     rows = {f"{name} zero-shot": evaluate_folder(c, c.init, out / f"zero-shot/eval-{c.eval_split}", f"{name}-zero-shot")}
     if c.baseline:
         rows[f"{name} + fine-tune"] = train(dataclasses.replace(c, out_dir=str(out / "no-pretrain")), name)

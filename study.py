@@ -741,7 +741,8 @@ def main(argv):
         report(c, design_order(present))                        # a study part-way: what there is
         return
     check_rows(c, rows, runs_left(c, rows))
-    data.lock_run_folder(c.out_dir)           # ... and runs in these run folders
+    data.lock_run_folder(c.results_dir, create=True)
+    data.lock_run_folder(c.out_dir, create=True)   # ... and runs in these run folders
     print_plan(c, rows)
     rows = run_plan(c, full_plan(c), rows, t0, len(rows))
     if numbers(c.low_resource):
