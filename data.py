@@ -216,24 +216,47 @@ def _say_skipped(folder, names):
 def iter_pretraining_texts(path):
     """read_pretraining_texts one document at a time (a corpus larger than memory streams through)."""
     for file in corpus_files(path):
-        if ".jsonl" in file.suffixes:
-            for number, obj in iter_jsonl(file):
-                if not isinstance(obj.get("text"), str):
-                    raise DataError(f"{_where(file, number)}: no string field \"text\"")
-                title = obj.get("title") or ""
-                text = f"{title}. {obj['text']}" if title else obj["text"]
-                if text.strip():
-                    yield text
-        else:   # a line that is just '\n' ends a document: the same split as text.split('\n\n')
+        yield from _jsonl_texts(file) if ".jsonl" in file.suffixes else _plain_texts(file)
+
+
+def _jsonl_texts(file):
+    """A JSONL file's documents. A record whose title and text are only whitespace has nothing to learn
+    from: it is left out, and one line (rank 0, once per file and process) says how many were."""
+    total, dropped, first = 0, 0, 0
+    for number, obj in iter_jsonl(file):
+        if not isinstance(obj.get("text"), str):
+            raise DataError(f"{_where(file, number)}: no string field \"text\"")
+        title = obj.get("title") or ""
+        text = f"{title}. {obj['text']}" if str(title).strip() else obj["text"]   # (a blank title adds no '. ')
+        total += 1
+        if text.strip():
+            yield text
+        else:
+            dropped, first = dropped + 1, first or number
+    if dropped:
+        _say_left_out(str(file), dropped, total, first)
+
+
+def _plain_texts(file):
+    """A plain-text file's documents: a line that is just '\n' ends one, the same split as
+    text.split('\n\n'). Nothing is said of a stretch of whitespace between blank lines: it looks like
+    more blank lines, not like a document."""
+    lines = []
+    for _, line in itertools.chain(read_lines(file), [(0, "\n")]):
+        if line == "\n":
+            text = "".join(lines).strip()
+            if text:
+                yield text
             lines = []
-            for _, line in itertools.chain(read_lines(file), [(0, "\n")]):
-                if line == "\n":
-                    text = "".join(lines).strip()
-                    if text:
-                        yield text
-                    lines = []
-                else:
-                    lines.append(line)
+        else:
+            lines.append(line)
+
+
+@functools.lru_cache(maxsize=None)   # once per file and process: a script may read the corpus twice
+def _say_left_out(file, dropped, total, first):
+    if os.environ.get("RANK", "0") == "0":
+        print(f"warning: {file}: {dropped:,} of {total:,} documents are only whitespace (the first at line "
+              f"{first}); they are left out", flush=True)
 
 
 def add_once(table, key, value, path, number, what):

@@ -2143,3 +2143,22 @@ def test_benchmark_levers_change_the_arithmetic_only():
     assert evaluate.attention is shipped
     with pytest.raises(ValueError, match="unknown lever"):
         benchmark.apply_lever("faster", evaluate.Encoder(c))
+
+
+# ----------------------------------------------------------------------------------------------
+# Token cache: it proves itself before use; killed builds' temporaries; dropped and empty documents
+# ----------------------------------------------------------------------------------------------
+def _windows_of(corpus, **kwargs):
+    """The corpus' 64-token windows from its token cache, as lists (and the cache folder)."""
+    windows = data.token_windows(corpus, data.VOCAB, 64, verbose=False, **kwargs)
+    return [windows[i] for i in range(len(windows))], windows.folder
+
+
+def test_whitespace_only_documents_are_left_out_with_one_line(tmp_path, capsys):
+    corpus = write(tmp_path / "c.jsonl", '{"text": "the first document"}\n{"text": "  \\n\\t "}\n\n'
+                                         '{"title": "", "text": "the second one"}\n{"title": " ", "text": " "}\n')
+    said = f"warning: {corpus}: 2 of 4 documents are only whitespace (the first at line 2); they are left out\n"
+    windows, _ = _windows_of(corpus)
+    assert len(windows) == 2 and capsys.readouterr().out == said
+    assert data.read_pretraining_texts(corpus) == ["the first document", "the second one"]
+    assert capsys.readouterr().out == ""                     # once a process (the cache build said it)
