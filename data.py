@@ -297,10 +297,17 @@ def refuse_empty_query(text, path, number):
 
 def warn_empty_documents(corpus, path, first_line):
     """Documents with neither title nor text stay (qrels may name them) but can never be found by their
-    words: one line says how many, on rank 0."""
+    words: one line says how many, on rank 0, once per process (finetune.py reads its corpus for the
+    training split, for the early check of the evaluation split and again to evaluate)."""
     empty = sum(1 for doc in corpus.values() if not (doc["title"].strip() or doc["text"].strip()))
-    if empty and os.environ.get("RANK", "0") == "0":
-        print(f"warning: {path}: {empty:,} of {len(corpus):,} documents have no text (the first at line "
+    if empty:
+        _say_empty(str(path), empty, len(corpus), first_line)
+
+
+@functools.lru_cache(maxsize=None)   # the same corpus, the same line: said once
+def _say_empty(path, empty, total, first_line):
+    if os.environ.get("RANK", "0") == "0":
+        print(f"warning: {path}: {empty:,} of {total:,} documents have no text (the first at line "
               f"{first_line}); they stay in the corpus", flush=True)
 
 

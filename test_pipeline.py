@@ -2162,3 +2162,16 @@ def test_whitespace_only_documents_are_left_out_with_one_line(tmp_path, capsys):
     assert len(windows) == 2 and capsys.readouterr().out == said
     assert data.read_pretraining_texts(corpus) == ["the first document", "the second one"]
     assert capsys.readouterr().out == ""                     # once a process (the cache build said it)
+
+
+def test_finetune_warns_of_empty_documents_once(tmp_path, capsys):
+    beir = _scifact_subset(tmp_path / "beir", n_train=8, n_test=4, n_other=20)
+    lines = gzip.open(beir / "corpus.jsonl.gz", "rt").read().splitlines()
+    doc = json.loads(lines[3])
+    lines[3] = json.dumps({**doc, "title": "", "text": "  "})
+    write(beir / "corpus.jsonl.gz", "\n".join(lines) + "\n", True)
+    finetune.main(["--init", _tiny_init(tmp_path / "tiny"), "--dataset", str(beir), "--steps", "1", "--batch_size", "4",
+                   "--passage_len", "32", "--out_dir", str(tmp_path / "ft")])
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "have no text" in line]
+    assert warnings == [f"warning: {beir / 'corpus.jsonl.gz'}: 1 of {len(lines)} documents have no text "
+                        f"(the first at line 4); they stay in the corpus"]
