@@ -489,8 +489,10 @@ def make_windows(tokenizer, texts, max_len, min_tokens=8):
 #                        written last, so a folder with a matching manifest is complete
 # Every later run, every rank and every --resume maps these files: resident memory holds the batch,
 # not the corpus, and nothing is tokenized twice. Windows are the ones make_windows cuts (a test checks).
+# Files are written under '.NAME.PID@HOST.tmp' and renamed; the next use removes a killed writer's.
 TOKEN_CACHE_VERSION = 1
 CACHE_WAIT_S = 6 * 3600      # how long ranks > 0 wait for rank 0 to build a cache before giving up
+UNOWNED_TEMP_S = 3600        # a temporary whose name has no PID is stale when unwritten this long
 
 
 def _file_sha256(path):
@@ -517,6 +519,73 @@ def token_cache_folder(corpus, vocab, cache_dir=""):
 def _cache_is_ready(folder, signature):
     manifest = Path(folder) / "manifest.json"
     return manifest.is_file() and json.loads(manifest.read_text())["signature"] == signature
+
+
+def _temporary(folder, name):
+    """The name a cache file is written under before its rename: '.NAME.PID@HOST.tmp' says who writes
+    it, so that a later run can tell a killed writer's leftover from a live builder's."""
+    import socket
+    return Path(folder) / f".{name}.{os.getpid()}@{socket.gethostname()}.tmp"
+
+
+def _save(folder, name, write):
+    """write(binary file) into folder/name through _temporary, then rename: a kill never leaves half a file."""
+    tmp = _temporary(folder, name)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, Path(folder) / name)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _save_json(folder, name, obj):
+    _save(folder, name, lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))
+
+
+def _is_alive(pid):
+    if os.name == "nt":           # (there os.kill(pid, 0) would end the process: never judge)
+        return True
+    try:
+        os.kill(pid, 0)           # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:       # another user's
+        return True
+    return True
+
+
+def _is_stale(tmp):
+    """A temporary no live process will rename: its PID (in the name) is gone from this host, or, for
+    a name with no PID (_atomic's, e.g. cpdae's IDF), nothing wrote to it for UNOWNED_TEMP_S seconds.
+    Another host's temporary is never judged by PID: that process is not visible from here."""
+    import re
+    import socket
+    here = socket.gethostname()
+    if owner := re.search(r"\.(\d+)@(.+)\.tmp$", tmp.name):                         # '.NAME.PID@HOST.tmp'
+        pid, host = int(owner[1]), owner[2]
+    elif owner := re.fullmatch(r"\.(?:tokens|word_starts)\.bin\.(\d+)\.tmp", tmp.name):  # an older data.py's
+        pid, host = int(owner[1]), here
+    else:
+        return time.time() - tmp.stat().st_mtime > UNOWNED_TEMP_S
+    return host == here and not _is_alive(pid)
+
+
+def remove_dead_temporaries(folder, say=False):
+    """Delete the temporaries that killed writers left in a token cache folder (see _is_stale); say:
+    one line with how many and their size."""
+    n, size = 0, 0
+    for tmp in Path(folder).glob(".*.tmp"):
+        try:
+            if _is_stale(tmp):
+                size += tmp.stat().st_size
+                tmp.unlink()
+                n += 1
+        except FileNotFoundError:  # renamed or removed meanwhile, by its writer or another cleaner
+            pass
+    if n and say:
+        print(f"token cache {folder}: removed {n} temporary file(s) of killed writers ({size / 2**20:.1f} MiB)",
+              flush=True)
 
 
 _worker_tokenizer = None
@@ -589,6 +658,7 @@ def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, ver
     signature = corpus_signature(corpus, vocab)    # (a missing corpus stops here, before any folder exists)
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
+    remove_dead_temporaries(folder, verbose)
     try:
         _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, verbose)
     except BaseException:
@@ -600,7 +670,7 @@ def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, ver
 def _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, verbose):
     import time
     dtype = np.uint16 if vocab_size_of(vocab) <= 1 << 16 else np.uint32
-    tmp = {name: folder / f".{name}.{os.getpid()}.tmp" for name in ("tokens.bin", "word_starts.bin")}
+    tmp = {name: _temporary(folder, name) for name in ("tokens.bin", "word_starts.bin")}
     lengths, n_tokens, t0 = [np.zeros(1, np.int64)], 0, time.time()
     progress = ProgressLine(f"tokenizing {corpus}:", corpus_chars(corpus), "chars", rank=0 if verbose else 1)
     try:
@@ -622,13 +692,13 @@ def _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, v
         for path in tmp.values():
             path.unlink(missing_ok=True)
     offsets = np.cumsum(np.concatenate(lengths))
-    atomic_save_npy(folder / "doc_offsets.npy", offsets)
+    _save(folder, "doc_offsets.npy", lambda f: np.save(f, offsets))
     for stale in list(folder.glob("windows-*")):    # cut from the old tokens
         stale.unlink()
     for stale in folder.glob("idf-*.npy"):
         stale.unlink()
     seconds = time.time() - t0
-    atomic_write_json(folder / "manifest.json", {
+    _save_json(folder, "manifest.json", {
         "signature": signature, "dtype": np.dtype(dtype).name, "n_docs": len(offsets) - 1,
         "n_tokens": n_tokens, "seconds": round(seconds, 1), "tokens_per_s": round(n_tokens / max(seconds, 1e-9))})
     if verbose:
@@ -661,8 +731,8 @@ def _write_windows(folder, max_len):
     if len(bounds) == 0:
         raise DataError(f"{folder}: no windows: every document tokenized to nothing")
     n_tokens = int((bounds[:, 1] - bounds[:, 0]).sum()) + 2 * len(bounds)     # [CLS] and [SEP] included
-    atomic_write_json(Path(folder) / f"windows-L{max_len}.json", {"n_windows": len(bounds), "n_tokens": n_tokens})
-    atomic_save_npy(Path(folder) / f"windows-L{max_len}.npy", bounds)          # last: its presence means done
+    _save_json(folder, f"windows-L{max_len}.json", {"n_windows": len(bounds), "n_tokens": n_tokens})
+    _save(folder, f"windows-L{max_len}.npy", lambda f: np.save(f, bounds))    # last: its presence means done
 
 
 class TokenWindows:
@@ -736,6 +806,8 @@ def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbo
     ranks wait), then mapped from it. Returns TokenWindows."""
     folder = token_cache_folder(corpus, vocab, cache_dir)
     signature = corpus_signature(corpus, vocab)
+    if rank == 0 and folder.is_dir():
+        remove_dead_temporaries(folder, verbose)
     rank0_builds(lambda: _cache_is_ready(folder, signature),
                  lambda: build_token_cache(corpus, vocab, folder, workers, verbose=verbose), rank,
                  f"the token cache {folder}")

@@ -2175,3 +2175,40 @@ def test_finetune_warns_of_empty_documents_once(tmp_path, capsys):
     warnings = [line for line in capsys.readouterr().out.splitlines() if "have no text" in line]
     assert warnings == [f"warning: {beir / 'corpus.jsonl.gz'}: 1 of {len(lines)} documents have no text "
                         f"(the first at line 4); they stay in the corpus"]
+
+
+
+def test_the_next_build_removes_the_temporaries_of_a_killed_build(tmp_path, wiki_texts):
+    import signal
+    corpus = write(tmp_path / "wiki.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in wiki_texts))
+    folder = data.token_cache_folder(corpus, data.VOCAB)
+    # A build that hangs after its first documents (so it is surely mid-write), then is killed with -9.
+    code = ("import sys, time, data\n"
+            "real = data.iter_pretraining_texts\n"
+            "def texts(path):\n"
+            "    yield from real(path)\n"
+            "    time.sleep(600)\n"
+            "data.iter_pretraining_texts = texts\n"
+            "data.build_token_cache(sys.argv[1], data.VOCAB, sys.argv[2], workers=1, chunk_chars=2000)\n")
+    build = subprocess.Popen([PY, "-c", code, str(corpus), str(folder)], cwd=HERE, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while not list(folder.glob(".tokens.bin.*.tmp")) and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        os.killpg(build.pid, signal.SIGKILL)                 # the builder and its pool worker
+        build.wait()
+    [killed] = folder.glob(".tokens.bin.*.tmp")
+    assert str(build.pid) in killed.name
+    live = folder / killed.name.replace(str(build.pid), str(os.getppid()))    # a live builder's (our parent's pid)
+    shutil.copyfile(killed, live)
+    unowned_old, unowned_new = folder / ".manifest.json.k3j4h5l6.tmp", folder / ".idf-L64-V30522.npy.a1b2c3d4.tmp"
+    for path in (unowned_old, unowned_new):                  # _atomic's names say no process: judged by age
+        path.write_text("x")
+    shutil.copyfile(killed, folder / f".word_starts.bin.{build.pid}.tmp")     # the name an older data.py gave
+    os.utime(unowned_old, (time.time() - 2 * 3600,) * 2)
+    windows, _ = _windows_of(corpus)
+    assert len(windows) > 0 and sorted(folder.glob(".*.tmp")) == sorted([live, unowned_new])
+    # Any later use of the folder removes them too, the built cache untouched.
+    live.rename(killed)
+    assert _windows_of(corpus)[0] == windows and sorted(folder.glob(".*.tmp")) == [unowned_new]
