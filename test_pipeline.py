@@ -840,7 +840,6 @@ def test_retrieve_with_an_index_from_the_config():
                           dataclasses.replace(c, index="IVF2,Bogus"), torch.device("cpu"))
 
 
-
 def test_torch_exact_search_equals_faiss_flat_across_chunks():
     rng = np.random.default_rng(4)
     docs = rng.standard_normal((1000, 16)).astype(np.float32) * rng.uniform(0.2, 3, (1000, 1)).astype(np.float32)
@@ -2176,6 +2175,72 @@ def test_finetune_warns_of_empty_documents_once(tmp_path, capsys):
     assert warnings == [f"warning: {beir / 'corpus.jsonl.gz'}: 1 of {len(lines)} documents have no text "
                         f"(the first at line 4); they stay in the corpus"]
 
+
+def _flip_a_byte(path):
+    """Change one byte in the middle of a file, keeping its size (and its time: a copy back in place)."""
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    stat = path.stat()
+    path.write_bytes(bytes(blob))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_damaged_token_cache_is_rebuilt_saying_which_file_and_what_differed(small_cache_corpus, capsys):
+    expected, folder = _windows_of(small_cache_corpus)
+    sizes = {name: (folder / name).stat().st_size for name in ("tokens.bin", "word_starts.bin", "doc_offsets.npy")}
+    damages = [("tokens.bin", lambda p: os.truncate(p, sizes["tokens.bin"] - 2000),        # even: used to crash in COSTA
+                rf"tokens\.bin has {sizes['tokens.bin'] - 2000:,} bytes, its manifest says {sizes['tokens.bin']:,}"),
+               ("tokens.bin", lambda p: os.truncate(p, sizes["tokens.bin"] - 1),           # odd: numpy's line, no file
+                rf"tokens\.bin has {sizes['tokens.bin'] - 1:,} bytes, its manifest says {sizes['tokens.bin']:,}"),
+               ("word_starts.bin", _flip_a_byte, r"word_starts\.bin's CRC-32 is [0-9a-f]{8}, its manifest says [0-9a-f]{8}"),
+               ("doc_offsets.npy", lambda p: p.unlink(), r"doc_offsets\.npy is missing"),
+               ("windows-L64.npy", _flip_a_byte, r"windows-L64\.npy's CRC-32 is [0-9a-f]{8}, windows-L64\.json says")]
+    capsys.readouterr()
+    for name, damage, said in damages:
+        damage(folder / name)
+        again, _ = _windows_of(small_cache_corpus)
+        assert again == expected, name
+        out = capsys.readouterr().out
+        assert re.fullmatch(rf"token cache {re.escape(str(folder))}: {said}.*; (rebuilding it|cutting the windows again)\n",
+                            out), (name, out)
+        assert _windows_of(small_cache_corpus)[0] == expected and capsys.readouterr().out == ""   # proven: no word
+
+
+def test_other_ranks_never_map_a_damaged_token_cache(small_cache_corpus, monkeypatch):
+    expected, folder = _windows_of(small_cache_corpus)
+    _flip_a_byte(folder / "tokens.bin")
+    monkeypatch.setattr(data, "CACHE_WAIT_S", 0)
+    with pytest.raises(data.DataError, match="rank 1: waited 0 s for rank 0 to build the token cache"):
+        data.token_windows(small_cache_corpus, data.VOCAB, 64, rank=1, verbose=False)
+    assert _windows_of(small_cache_corpus)[0] == expected                      # rank 0 rebuilds it
+
+
+def test_a_token_cache_from_the_older_manifest_is_rebuilt_once_saying_so(small_cache_corpus, capsys):
+    expected, folder = _windows_of(small_cache_corpus)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest.pop("files", None)
+    manifest["signature"]["version"] = 1                                     # as the older data.py wrote it
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert _windows_of(small_cache_corpus)[0] == expected
+    out = capsys.readouterr().out
+    assert re.fullmatch(rf"token cache {re.escape(str(folder))}: written by an older data\.py .*; rebuilding it\n", out), out
+    assert _windows_of(small_cache_corpus)[0] == expected and capsys.readouterr().out == ""
+
+
+def test_reading_a_broken_token_cache_names_the_folder_and_how_to_rebuild(small_cache_corpus):
+    _, folder = _windows_of(small_cache_corpus)
+    special = data.special_ids(data.load_tokenizer())
+    tokens = folder / "tokens.bin"
+    for size in (tokens.stat().st_size - 1, tokens.stat().st_size - 2000, 0):  # numpy's error, an IndexError later, none
+        os.truncate(tokens, size)
+        with pytest.raises(data.DataError) as error:
+            data.TokenWindows(folder, 64, special)                            # (as a data-loader worker maps it)
+        assert str(error.value).startswith(f"{folder}: ") and "tokens.bin" in str(error.value), str(error.value)
+        assert f"delete the folder to rebuild it (rm -r {folder})" in str(error.value)
+    (folder / "windows-L64.json").unlink()
+    with pytest.raises(data.DataError, match=re.escape(f"{folder}: ") + ".*windows-L64.json.*rm -r"):
+        data.TokenWindows(folder, 64, special)
 
 
 def test_the_next_build_removes_the_temporaries_of_a_killed_build(tmp_path, wiki_texts):
