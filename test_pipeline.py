@@ -2206,6 +2206,25 @@ def test_a_damaged_token_cache_is_rebuilt_saying_which_file_and_what_differed(sm
         assert _windows_of(small_cache_corpus)[0] == expected and capsys.readouterr().out == ""   # proven: no word
 
 
+def test_a_large_token_cache_reads_its_checksums_only_for_files_whose_time_changed(small_cache_corpus, capsys,
+                                                                                   monkeypatch):
+    expected, folder = _windows_of(small_cache_corpus)
+    monkeypatch.setattr(data, "CRC_EVERY_USE_BYTES", 0, raising=False)        # every cache is large now
+    read, real = [], data.file_record if hasattr(data, "file_record") else None
+    monkeypatch.setattr(data, "file_record", lambda path, *a: read.append(Path(path).name) or real(path, *a),
+                        raising=False)
+    capsys.readouterr()
+    assert _windows_of(small_cache_corpus)[0] == expected and read == []    # sizes and times: no file read
+    os.utime(folder / "tokens.bin")                                          # (as a copy without -p would)
+    assert _windows_of(small_cache_corpus)[0] == expected and read == ["tokens.bin"] and capsys.readouterr().out == ""
+    with open(folder / "word_starts.bin", "r+b") as f:                       # written in place: a new time
+        f.seek(100)
+        f.write(bytes([1 - f.read(1)[0]]))
+    assert _windows_of(small_cache_corpus)[0] == expected
+    assert re.fullmatch(rf"token cache {re.escape(str(folder))}: word_starts\.bin's CRC-32 is [0-9a-f]{{8}}, its "
+                        rf"manifest says [0-9a-f]{{8}} .*; rebuilding it\n", capsys.readouterr().out)
+
+
 def test_other_ranks_never_map_a_damaged_token_cache(small_cache_corpus, monkeypatch):
     expected, folder = _windows_of(small_cache_corpus)
     _flip_a_byte(folder / "tokens.bin")
