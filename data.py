@@ -224,24 +224,47 @@ def _say_skipped(folder, names):
 def iter_pretraining_texts(path):
     """read_pretraining_texts one document at a time (a corpus larger than memory streams through)."""
     for file in corpus_files(path):
-        if ".jsonl" in file.suffixes:
-            for number, obj in iter_jsonl(file):
-                if not isinstance(obj.get("text"), str):
-                    raise DataError(f"{_where(file, number)}: no string field \"text\"")
-                title = obj.get("title") or ""
-                text = f"{title}. {obj['text']}" if title else obj["text"]
-                if text.strip():
-                    yield text
-        else:   # a line that is just '\n' ends a document: the same split as text.split('\n\n')
+        yield from _jsonl_texts(file) if ".jsonl" in file.suffixes else _plain_texts(file)
+
+
+def _jsonl_texts(file):
+    """A JSONL file's documents. A record whose title and text are only whitespace has nothing to learn
+    from: it is left out, and one line (rank 0, once per file and process) says how many were."""
+    total, dropped, first = 0, 0, 0
+    for number, obj in iter_jsonl(file):
+        if not isinstance(obj.get("text"), str):
+            raise DataError(f"{_where(file, number)}: no string field \"text\"")
+        title = obj.get("title") or ""
+        text = f"{title}. {obj['text']}" if str(title).strip() else obj["text"]   # (a blank title adds no '. ')
+        total += 1
+        if text.strip():
+            yield text
+        else:
+            dropped, first = dropped + 1, first or number
+    if dropped:
+        _say_left_out(str(file), dropped, total, first)
+
+
+def _plain_texts(file):
+    """A plain-text file's documents: a line that is just '\n' ends one, the same split as
+    text.split('\n\n'). Nothing is said of a stretch of whitespace between blank lines: it looks like
+    more blank lines, not like a document."""
+    lines = []
+    for _, line in itertools.chain(read_lines(file), [(0, "\n")]):
+        if line == "\n":
+            text = "".join(lines).strip()
+            if text:
+                yield text
             lines = []
-            for _, line in itertools.chain(read_lines(file), [(0, "\n")]):
-                if line == "\n":
-                    text = "".join(lines).strip()
-                    if text:
-                        yield text
-                    lines = []
-                else:
-                    lines.append(line)
+        else:
+            lines.append(line)
+
+
+@functools.lru_cache(maxsize=None)   # once per file and process: a script may read the corpus twice
+def _say_left_out(file, dropped, total, first):
+    if os.environ.get("RANK", "0") == "0":
+        print(f"warning: {file}: {dropped:,} of {total:,} documents are only whitespace (the first at line "
+              f"{first}); they are left out", flush=True)
 
 
 def add_once(table, key, value, path, number, what):
@@ -282,10 +305,17 @@ def refuse_empty_query(text, path, number):
 
 def warn_empty_documents(corpus, path, first_line):
     """Documents with neither title nor text stay (qrels may name them) but can never be found by their
-    words: one line says how many, on rank 0."""
+    words: one line says how many, on rank 0, once per process (finetune.py reads its corpus for the
+    training split, for the early check of the evaluation split and again to evaluate)."""
     empty = sum(1 for doc in corpus.values() if not (doc["title"].strip() or doc["text"].strip()))
-    if empty and os.environ.get("RANK", "0") == "0":
-        print(f"warning: {path}: {empty:,} of {len(corpus):,} documents have no text (the first at line "
+    if empty:
+        _say_empty(str(path), empty, len(corpus), first_line)
+
+
+@functools.lru_cache(maxsize=None)   # the same corpus, the same line: said once
+def _say_empty(path, empty, total, first_line):
+    if os.environ.get("RANK", "0") == "0":
+        print(f"warning: {path}: {empty:,} of {total:,} documents have no text (the first at line "
               f"{first_line}); they stay in the corpus", flush=True)
 
 
@@ -463,12 +493,29 @@ def make_windows(tokenizer, texts, max_len, min_tokens=8):
 #   word_starts.bin      uint8, 1 where a whole word starts (COSTA's spans, word-boundary cuts)
 #   doc_offsets.npy      int64 (n_docs + 1,): document i is tokens[doc_offsets[i]:doc_offsets[i + 1]]
 #   windows-L{max_len}.npy  int64 (n_windows, 2): each window's [start, end) in tokens, per max_len
-#   manifest.json        corpus files (size, mtime), the vocab's sha256, format version, counts;
-#                        written last, so a folder with a matching manifest is complete
+#   windows-L{max_len}.json its counts and the .npy's size, time and CRC-32; written after the .npy
+#   manifest.json        corpus files (size, mtime), the vocab's sha256, format version, counts, and
+#                        each file above's size, time and CRC-32; written last, so a folder with a
+#                        matching manifest is complete
 # Every later run, every rank and every --resume maps these files: resident memory holds the batch,
 # not the corpus, and nothing is tokenized twice. Windows are the ones make_windows cuts (a test checks).
-TOKEN_CACHE_VERSION = 1
+#
+# The cache proves itself before every use, on every rank, against what was recorded as each file was
+# written. A missing file or another size always fails (a stat each). The CRC-32s are read on every use
+# while the files total at most CRC_EVERY_USE_BYTES (1 GiB: 0.5 to 1 s from the page cache), and beyond
+# that only for a file whose time is not the recorded one (written to since; or copied, and then equal
+# bytes keep it): a file changed in place is caught even when it keeps its size, and a cache of the
+# papers' size (about 11 GB) still starts in well under a second instead of reading itself for seconds
+# to minutes; what a large cache can miss is a change that keeps both size and time (bit rot, a
+# deliberate edit). At build time the CRC-32s cost 0.03 % (the bundled Wikipedia slice: 3.65 MiB of
+# files in 1.3 ms, in a 4.2 s build on 2 cores). A failed check rebuilds the cache, saying which file
+# and what differed; a cache of format 1 (no records) is rebuilt once, saying so.
+# Files are written under '.NAME.PID@HOST.tmp' and renamed; the next use removes a killed writer's.
+TOKEN_CACHE_VERSION = 2      # 2: the manifest records each file's size, time and CRC-32 (1 recorded none)
 CACHE_WAIT_S = 6 * 3600      # how long ranks > 0 wait for rank 0 to build a cache before giving up
+TOKEN_FILES = ("tokens.bin", "word_starts.bin", "doc_offsets.npy")   # what the manifest vouches for
+CRC_EVERY_USE_BYTES = 1 << 30   # files up to this total have their CRC-32s checked on every use
+UNOWNED_TEMP_S = 3600        # a temporary whose name has no PID is stale when unwritten this long
 
 
 def _file_sha256(path):
@@ -492,9 +539,150 @@ def token_cache_folder(corpus, vocab, cache_dir=""):
     return parent / f"{corpus.name}.tokens-{_file_sha256(vocab)[:8]}"
 
 
-def _cache_is_ready(folder, signature):
-    manifest = Path(folder) / "manifest.json"
-    return manifest.is_file() and json.loads(manifest.read_text())["signature"] == signature
+def file_record(path, chunk=1 << 24):
+    """{'bytes', 'mtime_ns', 'crc32' (8 hex digits)} of a file, read 16 MiB at a time."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc, size = zlib.crc32(block, crc), size + len(block)
+        mtime = os.fstat(f.fileno()).st_mtime_ns
+    return {"bytes": size, "mtime_ns": mtime, "crc32": f"{crc:08x}"}
+
+
+def _size_problem(folder, records, where):
+    """The first cache file that is missing or not the size `where` (its manifest, ...) recorded, in words."""
+    for name, record in records.items():
+        path = Path(folder) / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != record["bytes"]:
+            return f"{name} has {path.stat().st_size:,} bytes, {where} says {record['bytes']:,}"
+    return None
+
+
+def _damage(folder, records, where):
+    """How the cache files differ from their records, or None: their sizes, then their CRC-32s, all of
+    them while they are small (CRC_EVERY_USE_BYTES), else those of files whose time changed."""
+    problem = _size_problem(folder, records, where)
+    if problem:
+        return problem
+    small = sum(record["bytes"] for record in records.values()) <= CRC_EVERY_USE_BYTES
+    for name, record in records.items():
+        path = Path(folder) / name
+        if not small and path.stat().st_mtime_ns == record.get("mtime_ns"):
+            continue
+        crc = file_record(path)["crc32"]
+        if crc != record["crc32"]:
+            return f"{name}'s CRC-32 is {crc}, {where} says {record['crc32']} (the same size: changed in place)"
+    return None
+
+
+def _what_changed(old, new):
+    """The first difference between the signature a cache was built from and the corpus's now, in words."""
+    if old["vocab_sha256"] != new["vocab_sha256"]:
+        return "the vocabulary changed since it was built"
+    before, now = ({path: rest for path, *rest in s["files"]} for s in (old, new))
+    for path, stat in now.items():
+        if before.get(path) != stat:
+            return f"{path} {'changed since it was built (size or time)' if path in before else 'joined the corpus'}"
+    return f"{next(path for path in before if path not in now)} left the corpus"
+
+
+def _cache_problem(folder, signature):
+    """Why the token cache in folder cannot be used as it is: '' when it was never finished (no
+    manifest), a line for a stale or damaged one, None when it is ready."""
+    path = Path(folder) / "manifest.json"
+    if not path.is_file():
+        return ""
+    try:
+        manifest = json.loads(path.read_text())
+        built_from = manifest["signature"]
+        version = int(built_from["version"])
+    except (ValueError, KeyError, TypeError):        # (bad JSON and bad UTF-8 are ValueErrors)
+        return "manifest.json is not a token cache manifest"
+    if version != TOKEN_CACHE_VERSION:
+        return (f"written by {'an older' if version < TOKEN_CACHE_VERSION else 'a newer'} data.py (format "
+                f"{version}; format {TOKEN_CACHE_VERSION} records each file's size and CRC-32)")
+    if built_from != signature:
+        return _what_changed(built_from, signature)
+    if not isinstance(manifest.get("files"), dict):
+        return "manifest.json has no record of the cache's files"
+    return _damage(folder, manifest["files"], "its manifest")
+
+
+def _cache_is_ready(folder, signature, say=False):
+    """Whether the cache can be mapped as it is; say: print why not (rank 0, just before it rebuilds)."""
+    problem = _cache_problem(folder, signature)
+    if problem and say:
+        print(f"token cache {folder}: {problem}; rebuilding it", flush=True)
+    return problem is None
+
+
+def _temporary(folder, name):
+    """The name a cache file is written under before its rename: '.NAME.PID@HOST.tmp' says who writes
+    it, so that a later run can tell a killed writer's leftover from a live builder's."""
+    import socket
+    return Path(folder) / f".{name}.{os.getpid()}@{socket.gethostname()}.tmp"
+
+
+def _save(folder, name, write):
+    """write(binary file) into folder/name through _temporary, then rename: a kill never leaves half a file."""
+    tmp = _temporary(folder, name)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, Path(folder) / name)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _save_json(folder, name, obj):
+    _save(folder, name, lambda f: f.write((json.dumps(obj, indent=2) + "\n").encode()))
+
+
+def _is_alive(pid):
+    if os.name == "nt":           # (there os.kill(pid, 0) would end the process: never judge)
+        return True
+    try:
+        os.kill(pid, 0)           # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:       # another user's
+        return True
+    return True
+
+
+def _is_stale(tmp):
+    """A temporary no live process will rename: its PID (in the name) is gone from this host, or, for
+    a name with no PID (_atomic's, e.g. cpdae's IDF), nothing wrote to it for UNOWNED_TEMP_S seconds.
+    Another host's temporary is never judged by PID: that process is not visible from here."""
+    import re
+    import socket
+    here = socket.gethostname()
+    if owner := re.search(r"\.(\d+)@(.+)\.tmp$", tmp.name):                         # '.NAME.PID@HOST.tmp'
+        pid, host = int(owner[1]), owner[2]
+    elif owner := re.fullmatch(r"\.(?:tokens|word_starts)\.bin\.(\d+)\.tmp", tmp.name):  # an older data.py's
+        pid, host = int(owner[1]), here
+    else:
+        return time.time() - tmp.stat().st_mtime > UNOWNED_TEMP_S
+    return host == here and not _is_alive(pid)
+
+
+def remove_dead_temporaries(folder, say=False):
+    """Delete the temporaries that killed writers left in a token cache folder (see _is_stale); say:
+    one line with how many and their size."""
+    n, size = 0, 0
+    for tmp in Path(folder).glob(".*.tmp"):
+        try:
+            if _is_stale(tmp):
+                size += tmp.stat().st_size
+                tmp.unlink()
+                n += 1
+        except FileNotFoundError:  # renamed or removed meanwhile, by its writer or another cleaner
+            pass
+    if n and say:
+        print(f"token cache {folder}: removed {n} temporary file(s) of killed writers ({size / 2**20:.1f} MiB)",
+              flush=True)
 
 
 _worker_tokenizer = None
@@ -567,6 +755,8 @@ def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, ver
     signature = corpus_signature(corpus, vocab)    # (a missing corpus stops here, before any folder exists)
     created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
+    remove_dead_temporaries(folder, verbose)
+    (folder / "manifest.json").unlink(missing_ok=True)    # first: no rank maps the files while they change
     try:
         _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, verbose)
     except BaseException:
@@ -578,7 +768,7 @@ def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, ver
 def _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, verbose):
     import time
     dtype = np.uint16 if vocab_size_of(vocab) <= 1 << 16 else np.uint32
-    tmp = {name: folder / f".{name}.{os.getpid()}.tmp" for name in ("tokens.bin", "word_starts.bin")}
+    tmp = {name: _temporary(folder, name) for name in ("tokens.bin", "word_starts.bin")}
     lengths, n_tokens, t0 = [np.zeros(1, np.int64)], 0, time.time()
     progress = ProgressLine(f"tokenizing {corpus}:", corpus_chars(corpus), "chars", rank=0 if verbose else 1)
     try:
@@ -600,15 +790,16 @@ def _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, v
         for path in tmp.values():
             path.unlink(missing_ok=True)
     offsets = np.cumsum(np.concatenate(lengths))
-    atomic_save_npy(folder / "doc_offsets.npy", offsets)
+    _save(folder, "doc_offsets.npy", lambda f: np.save(f, offsets))
     for stale in list(folder.glob("windows-*")):    # cut from the old tokens
         stale.unlink()
     for stale in folder.glob("idf-*.npy"):
         stale.unlink()
     seconds = time.time() - t0
-    atomic_write_json(folder / "manifest.json", {
+    _save_json(folder, "manifest.json", {
         "signature": signature, "dtype": np.dtype(dtype).name, "n_docs": len(offsets) - 1,
-        "n_tokens": n_tokens, "seconds": round(seconds, 1), "tokens_per_s": round(n_tokens / max(seconds, 1e-9))})
+        "n_tokens": n_tokens, "seconds": round(seconds, 1), "tokens_per_s": round(n_tokens / max(seconds, 1e-9)),
+        "files": {name: file_record(folder / name) for name in TOKEN_FILES}})
     if verbose:
         print(f"token cache: {folder}: {len(offsets) - 1:,} documents, {n_tokens:,} tokens in {seconds:.1f}s "
               f"({n_tokens / max(seconds, 1e-9):,.0f} tokens/s)", flush=True)
@@ -628,19 +819,61 @@ def cut_windows(word_starts, doc_offsets, max_len, min_tokens=8):
     return np.array(out, dtype=np.int64).reshape(-1, 2)
 
 
+def _unreadable(folder, what):
+    return DataError(f"{folder}: cannot read the token cache ({what}); delete the folder to rebuild it "
+                     f"(rm -r {folder})")
+
+
+def _read(folder, name, read):
+    """read(path) of a cache file: a failure (numpy's, the disk's) is one line naming the folder and the file."""
+    try:
+        return read(Path(folder) / name)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _unreadable(folder, f"{name}: {getattr(e, 'strerror', None) or e}") from None
+
+
 def _map(folder, name, dtype):
-    return np.memmap(Path(folder) / name, dtype=dtype, mode="r")
+    return _read(folder, name, lambda path: np.memmap(path, dtype=dtype, mode="r"))
+
+
+def _load(folder, name):
+    return _read(folder, name, lambda path: np.load(path, mmap_mode="r"))
+
+
+def _load_json(folder, name):
+    return _read(folder, name, lambda path: json.loads(path.read_text()))
+
+
+def _windows_problem(folder, max_len):
+    """Why windows-L{max_len}.npy cannot be used: '' when never cut, a line when it is not what its
+    .json recorded, None when it is ready."""
+    counts = Path(folder) / f"windows-L{max_len}.json"
+    if not counts.is_file():
+        return ""
+    try:
+        records = {f"windows-L{max_len}.npy": json.loads(counts.read_text())["files"][f"windows-L{max_len}.npy"]}
+    except (ValueError, KeyError, TypeError):
+        return f"{counts.name} has no record of windows-L{max_len}.npy"
+    return _damage(folder, records, counts.name)
+
+
+def _windows_are_ready(folder, max_len, say=False):
+    problem = _windows_problem(folder, max_len)
+    if problem and say:
+        print(f"token cache {folder}: {problem}; cutting the windows again", flush=True)
+    return problem is None
 
 
 def _write_windows(folder, max_len):
-    word_starts = _map(folder, "word_starts.bin", np.uint8)
-    offsets = np.load(Path(folder) / "doc_offsets.npy", mmap_mode="r")
-    bounds = cut_windows(word_starts, offsets, max_len)
+    name = f"windows-L{max_len}.npy"
+    (Path(folder) / f"windows-L{max_len}.json").unlink(missing_ok=True)   # first: no rank maps a changing .npy
+    bounds = cut_windows(_map(folder, "word_starts.bin", np.uint8), _load(folder, "doc_offsets.npy"), max_len)
     if len(bounds) == 0:
         raise DataError(f"{folder}: no windows: every document tokenized to nothing")
     n_tokens = int((bounds[:, 1] - bounds[:, 0]).sum()) + 2 * len(bounds)     # [CLS] and [SEP] included
-    atomic_write_json(Path(folder) / f"windows-L{max_len}.json", {"n_windows": len(bounds), "n_tokens": n_tokens})
-    atomic_save_npy(Path(folder) / f"windows-L{max_len}.npy", bounds)          # last: its presence means done
+    _save(folder, name, lambda f: np.save(f, bounds))
+    _save_json(folder, f"windows-L{max_len}.json",                             # last: its presence means done
+               {"n_windows": len(bounds), "n_tokens": n_tokens, "files": {name: file_record(Path(folder) / name)}})
 
 
 class TokenWindows:
@@ -649,10 +882,16 @@ class TokenWindows:
 
     def __init__(self, folder, max_len, special):
         self.folder, self.max_len, self.special = Path(folder), max_len, special
-        manifest = json.loads((self.folder / "manifest.json").read_text())
+        manifest = _load_json(folder, "manifest.json")
+        self.counts = _load_json(folder, f"windows-L{max_len}.json")
+        for records, where in ((manifest.get("files", {}), "its manifest"),
+                               (self.counts.get("files", {}), f"windows-L{max_len}.json")):
+            problem = _size_problem(folder, records, where)   # a stat each: a file cut since it was checked
+            if problem:                                       # (or in a data-loader worker) is named here
+                raise _unreadable(folder, problem)
         self.tokens = _map(folder, "tokens.bin", manifest["dtype"])
         self.word_starts = _map(folder, "word_starts.bin", np.uint8)
-        self.bounds = np.load(self.folder / f"windows-L{max_len}.npy", mmap_mode="r")     # (N, 2)
+        self.bounds = _load(folder, f"windows-L{max_len}.npy")     # (N, 2)
         self.n_docs = manifest["n_docs"]
 
     def __len__(self):
@@ -666,7 +905,7 @@ class TokenWindows:
     @property
     def n_tokens(self):
         """Tokens in all windows, [CLS] and [SEP] included (counted when they were cut)."""
-        return read_json(self.folder / f"windows-L{self.max_len}.json")["n_tokens"]
+        return self.counts["n_tokens"]
 
     def __getstate__(self):
         return (self.folder, self.max_len, self.special)
@@ -711,16 +950,17 @@ def most_frequent_token(windows, chunk=1 << 24):
 
 def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbose=True):
     """The pre-training windows of a corpus: built into a token cache on first use (rank 0; the other
-    ranks wait), then mapped from it. Returns TokenWindows."""
+    ranks wait), checked on every use (a stale or damaged cache is rebuilt, saying why), then mapped
+    from it. Returns TokenWindows."""
     folder = token_cache_folder(corpus, vocab, cache_dir)
     signature = corpus_signature(corpus, vocab)
-    rank0_builds(lambda: _cache_is_ready(folder, signature),
+    if rank == 0 and folder.is_dir():
+        remove_dead_temporaries(folder, verbose)
+    rank0_builds(lambda: _cache_is_ready(folder, signature, say=rank == 0),
                  lambda: build_token_cache(corpus, vocab, folder, workers, verbose=verbose), rank,
                  f"the token cache {folder}")
-    windows_file = folder / f"windows-L{max_len}.npy"
-    counts = windows_file.with_suffix(".json")
-    rank0_builds(lambda: windows_file.is_file() and counts.is_file(), lambda: _write_windows(folder, max_len), rank,
-                 str(windows_file))
+    rank0_builds(lambda: _windows_are_ready(folder, max_len, say=rank == 0), lambda: _write_windows(folder, max_len),
+                 rank, str(folder / f"windows-L{max_len}.npy"))
     tokenizer = load_tokenizer(vocab)
     return TokenWindows(folder, max_len, special_ids(tokenizer))
 

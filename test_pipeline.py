@@ -858,7 +858,6 @@ def test_retrieve_with_an_index_from_the_config():
                           dataclasses.replace(c, index="IVF2,Bogus"), torch.device("cpu"))
 
 
-
 def test_torch_exact_search_equals_faiss_flat_across_chunks():
     rng = np.random.default_rng(4)
     docs = rng.standard_normal((1000, 16)).astype(np.float32) * rng.uniform(0.2, 3, (1000, 1)).astype(np.float32)
@@ -2270,3 +2269,156 @@ def test_a_non_finite_loss_says_whether_a_checkpoint_is_kept(tmp_path):
         data.stop_if_not_finite(torch.tensor(float("nan")), 2, c, last_saved=0)
     with pytest.raises(data.DataError, match=rf"{re.escape(str(tmp_path))} keeps its last good checkpoint, step 100$"):
         data.stop_if_not_finite(torch.tensor(float("inf")), 120, c, last_saved=100)
+
+
+# Token cache: it proves itself before use; killed builds' temporaries; dropped and empty documents
+# ----------------------------------------------------------------------------------------------
+def _windows_of(corpus, **kwargs):
+    """The corpus' 64-token windows from its token cache, as lists (and the cache folder)."""
+    windows = data.token_windows(corpus, data.VOCAB, 64, verbose=False, **kwargs)
+    return [windows[i] for i in range(len(windows))], windows.folder
+
+
+def test_whitespace_only_documents_are_left_out_with_one_line(tmp_path, capsys):
+    corpus = write(tmp_path / "c.jsonl", '{"text": "the first document"}\n{"text": "  \\n\\t "}\n\n'
+                                         '{"title": "", "text": "the second one"}\n{"title": " ", "text": " "}\n')
+    said = f"warning: {corpus}: 2 of 4 documents are only whitespace (the first at line 2); they are left out\n"
+    windows, _ = _windows_of(corpus)
+    assert len(windows) == 2 and capsys.readouterr().out == said
+    assert data.read_pretraining_texts(corpus) == ["the first document", "the second one"]
+    assert capsys.readouterr().out == ""                     # once a process (the cache build said it)
+
+
+def test_finetune_warns_of_empty_documents_once(tmp_path, capsys):
+    beir = _scifact_subset(tmp_path / "beir", n_train=8, n_test=4, n_other=20)
+    lines = gzip.open(beir / "corpus.jsonl.gz", "rt").read().splitlines()
+    doc = json.loads(lines[3])
+    lines[3] = json.dumps({**doc, "title": "", "text": "  "})
+    write(beir / "corpus.jsonl.gz", "\n".join(lines) + "\n", True)
+    finetune.main(["--init", _tiny_init(tmp_path / "tiny"), "--dataset", str(beir), "--steps", "1", "--batch_size", "4",
+                   "--passage_len", "32", "--out_dir", str(tmp_path / "ft")])
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "have no text" in line]
+    assert warnings == [f"warning: {beir / 'corpus.jsonl.gz'}: 1 of {len(lines)} documents have no text "
+                        f"(the first at line 4); they stay in the corpus"]
+
+
+def _flip_a_byte(path):
+    """Change one byte in the middle of a file, keeping its size (and its time: a copy back in place)."""
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    stat = path.stat()
+    path.write_bytes(bytes(blob))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_damaged_token_cache_is_rebuilt_saying_which_file_and_what_differed(small_cache_corpus, capsys):
+    expected, folder = _windows_of(small_cache_corpus)
+    sizes = {name: (folder / name).stat().st_size for name in ("tokens.bin", "word_starts.bin", "doc_offsets.npy")}
+    damages = [("tokens.bin", lambda p: os.truncate(p, sizes["tokens.bin"] - 2000),        # even: used to crash in COSTA
+                rf"tokens\.bin has {sizes['tokens.bin'] - 2000:,} bytes, its manifest says {sizes['tokens.bin']:,}"),
+               ("tokens.bin", lambda p: os.truncate(p, sizes["tokens.bin"] - 1),           # odd: numpy's line, no file
+                rf"tokens\.bin has {sizes['tokens.bin'] - 1:,} bytes, its manifest says {sizes['tokens.bin']:,}"),
+               ("word_starts.bin", _flip_a_byte, r"word_starts\.bin's CRC-32 is [0-9a-f]{8}, its manifest says [0-9a-f]{8}"),
+               ("doc_offsets.npy", lambda p: p.unlink(), r"doc_offsets\.npy is missing"),
+               ("windows-L64.npy", _flip_a_byte, r"windows-L64\.npy's CRC-32 is [0-9a-f]{8}, windows-L64\.json says")]
+    capsys.readouterr()
+    for name, damage, said in damages:
+        damage(folder / name)
+        again, _ = _windows_of(small_cache_corpus)
+        assert again == expected, name
+        out = capsys.readouterr().out
+        assert re.fullmatch(rf"token cache {re.escape(str(folder))}: {said}.*; (rebuilding it|cutting the windows again)\n",
+                            out), (name, out)
+        assert _windows_of(small_cache_corpus)[0] == expected and capsys.readouterr().out == ""   # proven: no word
+
+
+def test_a_large_token_cache_reads_its_checksums_only_for_files_whose_time_changed(small_cache_corpus, capsys,
+                                                                                   monkeypatch):
+    expected, folder = _windows_of(small_cache_corpus)
+    monkeypatch.setattr(data, "CRC_EVERY_USE_BYTES", 0, raising=False)        # every cache is large now
+    read, real = [], data.file_record if hasattr(data, "file_record") else None
+    monkeypatch.setattr(data, "file_record", lambda path, *a: read.append(Path(path).name) or real(path, *a),
+                        raising=False)
+    capsys.readouterr()
+    assert _windows_of(small_cache_corpus)[0] == expected and read == []    # sizes and times: no file read
+    os.utime(folder / "tokens.bin")                                          # (as a copy without -p would)
+    assert _windows_of(small_cache_corpus)[0] == expected and read == ["tokens.bin"] and capsys.readouterr().out == ""
+    with open(folder / "word_starts.bin", "r+b") as f:                       # written in place: a new time
+        f.seek(100)
+        f.write(bytes([1 - f.read(1)[0]]))
+    assert _windows_of(small_cache_corpus)[0] == expected
+    assert re.fullmatch(rf"token cache {re.escape(str(folder))}: word_starts\.bin's CRC-32 is [0-9a-f]{{8}}, its "
+                        rf"manifest says [0-9a-f]{{8}} .*; rebuilding it\n", capsys.readouterr().out)
+
+
+def test_other_ranks_never_map_a_damaged_token_cache(small_cache_corpus, monkeypatch):
+    expected, folder = _windows_of(small_cache_corpus)
+    _flip_a_byte(folder / "tokens.bin")
+    monkeypatch.setattr(data, "CACHE_WAIT_S", 0)
+    with pytest.raises(data.DataError, match="rank 1: waited 0 s for rank 0 to build the token cache"):
+        data.token_windows(small_cache_corpus, data.VOCAB, 64, rank=1, verbose=False)
+    assert _windows_of(small_cache_corpus)[0] == expected                      # rank 0 rebuilds it
+
+
+def test_a_token_cache_from_the_older_manifest_is_rebuilt_once_saying_so(small_cache_corpus, capsys):
+    expected, folder = _windows_of(small_cache_corpus)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest.pop("files", None)
+    manifest["signature"]["version"] = 1                                     # as the older data.py wrote it
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert _windows_of(small_cache_corpus)[0] == expected
+    out = capsys.readouterr().out
+    assert re.fullmatch(rf"token cache {re.escape(str(folder))}: written by an older data\.py .*; rebuilding it\n", out), out
+    assert _windows_of(small_cache_corpus)[0] == expected and capsys.readouterr().out == ""
+
+
+def test_reading_a_broken_token_cache_names_the_folder_and_how_to_rebuild(small_cache_corpus):
+    _, folder = _windows_of(small_cache_corpus)
+    special = data.special_ids(data.load_tokenizer())
+    tokens = folder / "tokens.bin"
+    for size in (tokens.stat().st_size - 1, tokens.stat().st_size - 2000, 0):  # numpy's error, an IndexError later, none
+        os.truncate(tokens, size)
+        with pytest.raises(data.DataError) as error:
+            data.TokenWindows(folder, 64, special)                            # (as a data-loader worker maps it)
+        assert str(error.value).startswith(f"{folder}: ") and "tokens.bin" in str(error.value), str(error.value)
+        assert f"delete the folder to rebuild it (rm -r {folder})" in str(error.value)
+    (folder / "windows-L64.json").unlink()
+    with pytest.raises(data.DataError, match=re.escape(f"{folder}: ") + ".*windows-L64.json.*rm -r"):
+        data.TokenWindows(folder, 64, special)
+
+
+def test_the_next_build_removes_the_temporaries_of_a_killed_build(tmp_path, wiki_texts):
+    import signal
+    corpus = write(tmp_path / "wiki.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in wiki_texts))
+    folder = data.token_cache_folder(corpus, data.VOCAB)
+    # A build that hangs after its first documents (so it is surely mid-write), then is killed with -9.
+    code = ("import sys, time, data\n"
+            "real = data.iter_pretraining_texts\n"
+            "def texts(path):\n"
+            "    yield from real(path)\n"
+            "    time.sleep(600)\n"
+            "data.iter_pretraining_texts = texts\n"
+            "data.build_token_cache(sys.argv[1], data.VOCAB, sys.argv[2], workers=1, chunk_chars=2000)\n")
+    build = subprocess.Popen([PY, "-c", code, str(corpus), str(folder)], cwd=HERE, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while not list(folder.glob(".tokens.bin.*.tmp")) and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        os.killpg(build.pid, signal.SIGKILL)                 # the builder and its pool worker
+        build.wait()
+    [killed] = folder.glob(".tokens.bin.*.tmp")
+    assert str(build.pid) in killed.name
+    live = folder / killed.name.replace(str(build.pid), str(os.getppid()))    # a live builder's (our parent's pid)
+    shutil.copyfile(killed, live)
+    unowned_old, unowned_new = folder / ".manifest.json.k3j4h5l6.tmp", folder / ".idf-L64-V30522.npy.a1b2c3d4.tmp"
+    for path in (unowned_old, unowned_new):                  # _atomic's names say no process: judged by age
+        path.write_text("x")
+    shutil.copyfile(killed, folder / f".word_starts.bin.{build.pid}.tmp")     # the name an older data.py gave
+    os.utime(unowned_old, (time.time() - 2 * 3600,) * 2)
+    windows, _ = _windows_of(corpus)
+    assert len(windows) > 0 and sorted(folder.glob(".*.tmp")) == sorted([live, unowned_new])
+    # Any later use of the folder removes them too, the built cache untouched.
+    live.rename(killed)
+    assert _windows_of(corpus)[0] == windows and sorted(folder.glob(".*.tmp")) == [unowned_new]
