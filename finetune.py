@@ -29,9 +29,7 @@ files, the final encoder in encoder/ and the test evaluation in eval-{split}/ (s
 import contextlib
 import dataclasses
 import importlib
-import json
 import os
-import resource
 import shlex
 import shutil
 import sys
@@ -47,8 +45,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import data
-import evaluate   # the retrieval layer: BM25, encode, exact search, metrics
-from evaluate import Encoder, gather_across_ranks, rank_and_world, setup_distributed   # the shared encoder
+import evaluate  # the retrieval layer: BM25, encode, exact search, metrics
+from evaluate import Encoder, gather_across_ranks, rank_and_world, setup_distributed  # the shared encoder
 
 
 # ==============================================================================================

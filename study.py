@@ -42,7 +42,6 @@ import json
 import platform
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -159,8 +158,8 @@ def machine():
     if torch.cuda.is_available():
         return f"cuda: {torch.cuda.get_device_name(0)}"
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    name = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
-    amx = " + AMX" if re.search(r"^flags\s*:.*\bamx_tile\b", info, re.M) else ""
+    name = re.search(r"^model name\s*:\s*(.+)$", info, re.MULTILINE)
+    amx = " + AMX" if re.search(r"^flags\s*:.*\bamx_tile\b", info, re.MULTILINE) else ""
     return (f"cpu: {name.group(1).strip() if name else platform.processor() or 'unknown'}, "
             f"{torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}{amx}")
 
@@ -712,9 +711,9 @@ def quick_setup(c):
         for name, qr in (("train", train), ("test", test)):
             (beir / "qrels" / f"{name}.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
                 f"{q}\t{d}\t{g}\n" for q, docs in qr.items() for d, g in docs.items()))
-        subprocess.run([sys.executable, "-c", "import sys, torch, data, finetune; torch.manual_seed(0); data.save_pretrained("
-                        "finetune.Encoder(finetune.Config(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, "
-                        "dropout=0.0)), sys.argv[1])", str(init)], cwd=HERE, check=True)
+        make_init = ("import sys, torch, data, finetune; torch.manual_seed(0); data.save_pretrained(finetune.Encoder("
+                     "finetune.Config(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, dropout=0.0)), sys.argv[1])")
+        subprocess.run([sys.executable, "-c", make_init, str(init)], cwd=HERE, check=True)
     return dataclasses.replace(c, **QUICK, init=str(init), dataset=str(beir))
 
 
