@@ -13,7 +13,8 @@ papers' BERT/MLM baseline. The paper's equations, in order, and the function tha
 
 Top to bottom: config, model, loss, data, the training loop (train); then the blocks every method file
 owns a copy of (the BERT encoder, the distributed gather). The run machinery (run folder, resume,
-checkpoints, progress, Ctrl-C) is in data.py, one call each from train().
+checkpoints, progress, Ctrl-C) is in data.py, one call each from train(). Each departure from the paper
+is said where it happens, tagged with its key; docs/departures.md lists them all.
 
     python costa.py                                  # small model, bundled Wikipedia slice, CPU
     python costa.py --steps 1000 --lr 3e-4           # any Config field (here or data.TrainConfig) by name

@@ -14,7 +14,8 @@ the two views' word distributions. The paper's equations, in order, and the func
 
 It has costa.py's skeleton section for section, with COSTA's own parts (spans, projector, eq. 8)
 swapped for CPDAE's: `diff costa.py cpdae.py` shows only that swap. The run machinery (run folder,
-resume, checkpoints, progress, Ctrl-C) is in data.py, one call each from train().
+resume, checkpoints, progress, Ctrl-C) is in data.py, one call each from train(). Each departure from
+the paper is said where it happens, tagged with its key; docs/departures.md lists them all.
 
     python cpdae.py                                  # small model, bundled Wikipedia slice, CPU
     python cpdae.py --cl_weight 0                    # Table 2 "w/o CL";  --idf_rec: Table 2 "IDF-REC"
