@@ -13,8 +13,7 @@ Lu et al., EMNLP 2021 (arXiv:2102.09206, section 3.4). A decoder too weak to lea
 It has costa.py's skeleton section for section, with COSTA's own parts (spans, projector, eq. 8)
 swapped for the weak decoder: `diff costa.py seed.py` shows only that swap. The run machinery (run
 folder, resume, checkpoints, progress, Ctrl-C) is in data.py, one call each from train(). Each
-departure from the paper is marked `Departure (key):` where it happens; docs/departures.md lists them
-all.
+departure from the paper is said where it happens, tagged with its key; docs/departures.md lists them all.
 
     python seed.py                                   # small model, bundled Wikipedia slice, CPU
     python seed.py --dec_span 0 --dec_layers 5       # Figure 3's "strong decoder" ablation
