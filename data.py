@@ -2121,7 +2121,7 @@ class TrainingRun:
         c, self.step = self.c, step
         if step % c.log_every == 0 or step == c.steps:
             self.progress.report(step, self.scheduler.get_last_lr()[0], self.device)
-        terminate = _all_ranks_agree(bool(STOP_SIGNALS["term"]), self.device) if self.world > 1 else bool(STOP_SIGNALS["term"])
+        terminate = _all_ranks_agree(bool(STOP_SIGNALS["term"]), self.device)
         due = step % c.save_every == 0 or step == c.steps or step == c.halt_at
         if due or (terminate and step - self.saved > c.save_every / 2):   # SIGTERM: save first if it is worth it
             with hold_ctrl_c():   # a Ctrl-C now stops after the checkpoint, which the line then names
@@ -2159,6 +2159,8 @@ class TrainingRun:
 def _all_ranks_agree(flag, device):
     """True on every rank if any rank saw it (one tiny all-reduce per step, only under torchrun): the
     ranks stop at the same step, so their collectives stay matched."""
+    if not _distributed():
+        return flag
     t = torch.tensor([float(flag)], device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return bool(t.item())
