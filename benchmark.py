@@ -75,7 +75,7 @@ def load_batches(module, c, n_batches, n_texts=40):
     with tempfile.TemporaryDirectory() as tmp:
         c.corpus = str(Path(tmp) / "corpus.jsonl")
         Path(c.corpus).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-        dataset = module.make_batches(c, module.load_windows(c, 0), 0, 1)
+        dataset = module.Batches(c, data.load_windows(c, 0), 0, 1)
         return [dataset[i] for i in range(n_batches)]
 
 
@@ -153,8 +153,8 @@ def run_one(variant, overrides, steps, warmup):
         model = module.PretrainModel(c, module.Encoder(c))
         forward = lambda batch: model(batch)[0]
     model.to(device).train()
-    optimizer, _ = module.make_optimizer(model, c)
-    autocast = module.autocast_bf16(device)          # as training runs: bf16 on GPUs and bf16-capable CPUs
+    optimizer, _ = data.make_optimizer(model, c, eps=adam_eps(module))
+    autocast = data.autocast_bf16(device)            # as training runs: bf16 on GPUs and bf16-capable CPUs
     tokens, t0 = 0, None
     reset_peak_rss()                                 # the training steps' peak, not the corpus reading's
     for i, batch in enumerate(batches):
@@ -270,7 +270,7 @@ class LegacyWindows(list):
 
 def run_legacy_costa(argv):
     import costa
-    costa.load_windows = legacy_load_windows
+    data.load_windows = legacy_load_windows
     costa.train(data.parse_config(costa.Config, argv, costa.__doc__, costa.PAPER_PRESET, costa.FLAG_RULES))
 
 
@@ -528,12 +528,17 @@ def encoder_flops(c, batch, length, masked=0):
     return flops + 6 * masked * (c.hidden_size ** 2 + c.hidden_size * c.vocab_size)
 
 
-def counted_flops(fn):
-    """Matmul FLOPs of fn() as run (forward + backward), counted from the shapes by torch's FlopCounterMode."""
+def counted_flops(fn, *args, **kwargs):
+    """Matmul FLOPs of fn(*args, **kwargs) as run, counted from the shapes by torch's FlopCounterMode."""
     from torch.utils.flop_counter import FlopCounterMode
     with FlopCounterMode(display=False) as counter:
-        fn()
+        fn(*args, **kwargs)
     return counter.get_total_flops()
+
+
+def adam_eps(module):
+    """Adam's epsilon as the method's train() passes it to data.make_optimizer: SEED's 1e-6, else torch's."""
+    return 1e-6 if module.__name__ == "seed" else 1e-8
 
 
 def pretrain_step(module, c, batches, device=torch.device("cpu"), hf=False):
@@ -545,9 +550,9 @@ def pretrain_step(module, c, batches, device=torch.device("cpu"), hf=False):
         model = module.PretrainModel(c, module.Encoder(c))
         forward = lambda batch: model(batch)[0]
     model.to(device).train()
-    optimizer, _ = module.make_optimizer(model, c)
+    optimizer, _ = data.make_optimizer(model, c, eps=adam_eps(module))
     batches = [{k: v.to(device) for k, v in batch.items()} for batch in batches]
-    autocast, it = module.autocast_bf16(device, c.bf16), iter(batches * 1000)
+    autocast, it = data.autocast_bf16(device, c.bf16), iter(batches * 1000)
 
     def step(optimize=True):
         with autocast:
@@ -584,12 +589,12 @@ def finetune_step(batches, init="", lever="as shipped"):
     import finetune
     c = finetune.retriever_settings(finetune.Config(init=init)) if init else \
         finetune.Config(pooling="mean", similarity="cos", **MINILM)
-    encoder = evaluate.load_encoder(init, c) if init else finetune.Encoder(c)
+    encoder = evaluate.load_encoder(init, c) if init else evaluate.Encoder(c)
     encoder.mlm_head, c = None, encoder.config
     model = finetune.BiEncoder(encoder, c).train()
     lever_context = apply_lever(lever, encoder)
-    optimizer, _ = finetune.make_optimizer(model, dataclasses.replace(c, steps=10 ** 6))
-    autocast, it = finetune.autocast_bf16(torch.device("cpu"), c.bf16), iter(batches * 1000)
+    optimizer, _ = data.make_optimizer(model, dataclasses.replace(c, steps=10 ** 6))
+    autocast, it = data.autocast_bf16(torch.device("cpu"), c.bf16), iter(batches * 1000)
 
     def step(optimize=True):
         with lever_context():
@@ -703,7 +708,7 @@ def speed_variants(quick=False):
     ids, mask = torch.randint(1000, 30000, (32, 128)), torch.ones(32, 128, dtype=torch.long)
 
     def encoder_step(optimize=True):
-        with costa.autocast_bf16(torch.device("cpu")):
+        with data.autocast_bf16(torch.device("cpu")):
             hidden = encoder(ids, mask)                                          # (32, 128, 384)
         hidden.float().square().mean().backward()
         encoder.zero_grad(set_to_none=True)
@@ -745,7 +750,7 @@ def speed_table(reps, quick=False):
     flops, times = [], [[] for _ in rows]
     for name, size, step, analytic in rows:
         step()
-        flops.append(counted_flops(lambda: step(optimize=False)))
+        flops.append(counted_flops(step, optimize=False))
         step()
     for _ in range(reps):
         for i, (_, _, step, _) in enumerate(rows):
@@ -805,7 +810,7 @@ def gpu_table(batch, length, steps, warmup, variants):
         batches = load_batches(module, c, 4, n_texts=400)
         step = pretrain_step(module, c, batches, device, hf=variant == "hf-bert-mlm")
         step()
-        flops = counted_flops(lambda: step(optimize=False))
+        flops = counted_flops(step, optimize=False)
         tokens = sum(int(b["attention_mask"].sum()) for b in batches) / len(batches)
         for _ in range(warmup):
             step()
@@ -928,7 +933,7 @@ def st_ndcg_one(which, seed, out_root):
     model = SentenceTransformer(init, device="cpu")
     model.max_seq_length = c.passage_len
     loss_fn = losses.MultipleNegativesRankingLoss(model, scale=1 / c.tau)
-    optimizer, scheduler = finetune.make_optimizer(model, c)
+    optimizer, scheduler = data.make_optimizer(model, c)
     model.train()
     t0 = time.time()
     for step in range(c.steps):
@@ -1093,7 +1098,7 @@ def profile_table(variants, steps=2):
         c.steps = 10 ** 6
         step = pretrain_step(module, c, load_batches(module, c, 4))
         step()
-        flops = counted_flops(lambda: step(optimize=False))
+        flops = counted_flops(step, optimize=False)
         step()
         t0 = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
