@@ -2082,10 +2082,19 @@ def test_benchmark_peak_rss_counts_the_steps_not_the_setup():
     assert benchmark.peak_rss_mib() < before - 200        # the setup's peak is gone from the mark
 
 
+def _results_script(path):
+    """A script under results/ (a folder, not a package), imported by its path."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(Path(path).stem, Path(__file__).parent / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_benchmark_st_triplets_are_finetune_batches():
-    """benchmark.py --st_ndcg trains sentence-transformers on finetune.py's own batches: the texts it
+    """results/st-ndcg/st_ndcg.py trains sentence-transformers on finetune.py's own batches: the texts it
     hands over tokenize back to the batch's queries and its (positive, negative) passages, in order."""
-    import benchmark
+    st_ndcg = _results_script("results/st-ndcg/st_ndcg.py")
 
     queries = {f"q{i}": f"claim number {i} about cells" for i in range(7)}
     qrels = {f"q{i}": {f"d{i}": 1, f"d{i + 10}": 1} for i in range(7)}
@@ -2097,7 +2106,7 @@ def test_benchmark_st_triplets_are_finetune_batches():
     batches = finetune.TrainBatches(c, examples, doc_texts, _tokenizer(), 0, 1)
     for step in range(5):                                    # 2 batches per epoch: crosses epochs
         b = batches[step]
-        q, pos, neg = benchmark.st_triplets(batches, step)
+        q, pos, neg = st_ndcg.st_triplets(batches, step)
         assert torch.equal(data.encode_texts(_tokenizer(), q, c.query_len)[0], b["q_ids"])
         interleaved = [t for pair in zip(pos, neg) for t in pair]
         assert torch.equal(data.encode_texts(_tokenizer(), interleaved, c.passage_len)[0], b["p_ids"])
@@ -2122,10 +2131,10 @@ def test_benchmark_st_ndcg_summary_pairs_the_seeds(tmp_path):
 
 
 def test_benchmark_levers_change_the_arithmetic_only():
-    """benchmark.py --levers: the fused QKV projection and the recomputed attention compute the same
+    """results/speed/levers.py: the fused QKV projection and the recomputed attention compute the same
     function as the shipped encoder (outputs in eval mode; loss and gradients in train mode, dropout on,
     from the same seed), and the attention swap lasts for the step only."""
-    import benchmark
+    levers = _results_script("results/speed/levers.py")
 
     c = evaluate.EncoderConfig(vocab_size=120, hidden_size=32, num_layers=2, num_heads=4, ffn_size=64, max_position=16)
     ids, mask = torch.randint(5, 120, (3, 12)), torch.ones(3, 12, dtype=torch.long)
@@ -2135,7 +2144,7 @@ def test_benchmark_levers_change_the_arithmetic_only():
         torch.manual_seed(0)
         encoder = evaluate.Encoder(c)
         encoder.mlm_head = None
-        context = benchmark.apply_lever(lever, encoder)
+        context = levers.apply_lever(lever, encoder)
         encoder.train(train)
         torch.manual_seed(1)
         with context():
@@ -2159,12 +2168,12 @@ def test_benchmark_levers_change_the_arithmetic_only():
             for name, g in grads.items():
                 assert torch.allclose(g, ref_grads[name], atol=1e-5), (lever, train, name)
     shipped = evaluate.attention
-    context = benchmark.apply_lever("no attention dropout, SDPA", evaluate.Encoder(c))
+    context = levers.apply_lever("no attention dropout, SDPA", evaluate.Encoder(c))
     with context():
         assert evaluate.attention is not shipped
     assert evaluate.attention is shipped
     with pytest.raises(ValueError, match="unknown lever"):
-        benchmark.apply_lever("faster", evaluate.Encoder(c))
+        levers.apply_lever("faster", evaluate.Encoder(c))
 
 
 # ----------------------------------------------------------------------------------------------

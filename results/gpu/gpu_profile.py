@@ -1,5 +1,6 @@
 """Where a method's GPU step goes: torch.profiler over 3 steps of BERT-base, batch 32 x 512, bf16 autocast,
 after 3 warm-up steps; the top CUDA kernels by time. Usage: python3 results/gpu/gpu_profile.py seed [cpdae ...]"""
+import importlib
 import sys
 from pathlib import Path
 
@@ -7,8 +8,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import benchmark  # noqa: E402
-import importlib  # noqa: E402
+import benchmark
 
 for variant in sys.argv[1:]:
     module_name, fixed = benchmark.VARIANTS[variant]

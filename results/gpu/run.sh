@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 17, item 5: the GPU path, run on the device machine from the repository root (files land in $OUT).
+# The GPU path, run on the device machine from the repository root (files land in $OUT).
 # benchmark.py --gpu (BERT-base bf16, batch 32 x 512, MFU per method), then COSTA's paper preset under
 # torchrun for 40 steps (random init: the device has no internet for bert-base-uncased), then finetune.py
 # from that encoder on SciFact (BM25, faiss mining, evaluation) on the GPU.

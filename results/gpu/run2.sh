@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 17 item 5 / issue 16 item 1, second GPU pass: each method file under torchrun on one GPU for 20 steps
+# Second GPU pass: each method file under torchrun on one GPU for 20 steps
 # at the paper preset (teardown without NCCL warnings), where SEED's and CPDAE's GPU steps go (profiler),
 # and the test suite on the GPU machine (the two tests of the offline MiniLM package left out: it is not there).
 set -o pipefail

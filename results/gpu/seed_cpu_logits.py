@@ -1,7 +1,19 @@
-# SEED's CPU step at 4x256 and 6x384: decoder logits in fp32 (before) vs autocast's bf16 (now), alternated in one process
-import sys; sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)) + "/../..")
-import time, numpy as np, torch, torch.nn.functional as F
-import benchmark, seed
+"""SEED's CPU step at 4x256 and 6x384: decoder logits in fp32 (before) vs autocast's bf16 (now), alternated
+in one process. Usage: python results/gpu/seed_cpu_logits.py"""
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root
+import benchmark
+import costa
+import seed
+
+
 def old_decoder_loss(states, weight, targets, reduction="mean"):
     targets = targets.reshape(-1)
     with torch.autocast(states.device.type, enabled=False):
@@ -16,7 +28,7 @@ for size, fields in (("4x256", {}), ("6x384", benchmark.MINILM)):
     c = seed.Config(**fields); c.steps = 10**6
     torch.manual_seed(0)
     step = benchmark.pretrain_step(seed, c, benchmark.load_batches(seed, c, 4))
-    base = benchmark.pretrain_step(__import__("costa"), __import__("costa").Config(gwc_weight=0.0, **fields), benchmark.load_batches(__import__("costa"), __import__("costa").Config(gwc_weight=0.0, **fields), 4))
+    base = benchmark.pretrain_step(costa, costa.Config(gwc_weight=0.0, **fields), benchmark.load_batches(costa, costa.Config(gwc_weight=0.0, **fields), 4))
     times = {"fp32": [], "bf16": [], "mlm": []}
     for fn in (old_decoder_loss, new): seed.decoder_loss = fn; step()
     base()

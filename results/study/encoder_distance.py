@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
-import data  # noqa: E402
+import data
 
 
 def transformer_weights(folder):
@@ -38,8 +38,9 @@ def distance(a, b):
 def main(runs=ROOT / "runs" / "study", out=HERE / "encoder_distance.md"):
     start = transformer_weights(data.resolve_model("minilm"))
     methods = ("seed", "cpdae", "costa")
-    lines = ["| seed | arm | pre-trained vs start | pre-trained vs mlm's (same seed) | / mlm's own move | "
-             "fine-tuned vs none's fine-tuned (same seed) |", "|---" * 6 + "|"]
+    header = ("| seed | arm | pre-trained vs start | pre-trained vs mlm's (same seed) | / mlm's own move | "
+              "fine-tuned vs none's fine-tuned (same seed) |")
+    lines = [header, "|---" * 6 + "|"]
     for seed_dir in sorted((runs / "mlm").glob("seed*")):
         seed = seed_dir.name
         mlm = transformer_weights(seed_dir / "pretrain" / "encoder")

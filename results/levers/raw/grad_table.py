@@ -1,14 +1,21 @@
 """Per-term gradient norm on the encoder (new heads excluded): python _wip/grad_table.py METHOD [state.pt|-] --flag value ...
 Same construction as study.cpdae_gradient_norms: init checkpoint, seed-c.seed heads, batches 0..n-1, dropout as in training."""
-import importlib, sys, time
-import numpy as np, torch
+import importlib
+import sys
+import time
+
+import numpy as np
+import torch
+
 sys.path.insert(0, ".")
 import data
+
 method, state = sys.argv[1], sys.argv[2]
 module = importlib.import_module(method)
 argv = ["--init", "minilm", "--corpus", "data/scifact/corpus.jsonl.gz", "--lr", "5e-5", "--steps", "50"] + sys.argv[3:]
 c = data.parse_config(module.Config, argv, "", module.PAPER_PRESET, module.FLAG_RULES)
 import dataclasses
+
 c = dataclasses.replace(c, init=data.resolve_model(c.init))
 torch.set_num_threads(1)
 out = module.load_windows(c, 0)

@@ -4,11 +4,17 @@ head (the method's own PretrainModel pieces and loss functions) with AdamW at a 
 head's accuracy vs chance on a held-out batch.
     python _wip/plateau_heads.py METHOD LR STEPS NB --flag value ...
 """
-import sys, time, dataclasses, importlib
+import dataclasses
+import importlib
+import sys
+import time
 from functools import partial
+
 import torch
+
 sys.path.insert(0, ".")
 import data
+
 torch.set_num_threads(1)
 method, lrs, steps, NB = sys.argv[1], [float(x) for x in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4])
 M = importlib.import_module(method)

@@ -1,10 +1,16 @@
 """Frozen-encoder plateau of a new MLM head on MiniLM features (SciFact, batch 32 x 128, BERT masking):
 cache the encoder's last hidden states at masked positions for NB batches (eval, no grad), then train a
 fresh MLMHead (decoder tied to MiniLM's frozen embeddings) with AdamW at several lrs; accuracy on a held-out batch."""
-import sys, time, dataclasses
-import numpy as np, torch
+import dataclasses
+import sys
+import time
+
+import torch
+
 sys.path.insert(0, ".")
-import data, costa
+import costa
+import data
+
 torch.set_num_threads(1)
 c = data.parse_config(costa.Config, ["--init", "minilm", "--corpus", "data/scifact/corpus.jsonl.gz", "--gwc_weight", "0"], "", {}, {})
 c = dataclasses.replace(c, init=data.resolve_model(c.init))
