@@ -224,13 +224,13 @@ def test_word_spans_are_whole_non_stopwords_on_real_tokenization(tokenizer, voca
 
 
 def test_multi_piece_stopwords_are_masked(tokenizer, vocab_tokens):
-    ids, tokens, word_starts, mask = tokenize("hereafter cats", tokenizer, vocab_tokens)
+    _ids, tokens, _word_starts, mask = tokenize("hereafter cats", tokenizer, vocab_tokens)
     assert len(tokens) > 4  # "hereafter" is more than one piece in BERT's vocabulary
     assert mask[1] and not mask[tokens.index("cats")]
 
 
 def test_all_stopword_text_falls_back_to_any_whole_word(tokenizer, vocab_tokens):
-    ids, tokens, word_starts, mask = tokenize("it is what it is", tokenizer, vocab_tokens)
+    ids, _tokens, word_starts, mask = tokenize("it is what it is", tokenizer, vocab_tokens)
     assert all(mask[i] for i in range(1, len(ids) - 1))
     spans = costa.sample_spans(word_starts, len(ids), span_config(span_T=50, granularities="word"), np.random.default_rng(0),
                          stopword_mask=mask)
@@ -263,7 +263,7 @@ def test_batches_carry_spans_inside_each_window(windows, tokenizer, vocab_tokens
     c = tiny_costa_config()
     batches = costa.Batches(c, windows, 0, 1)
     batch = batches[1]
-    B, L = batch["input_ids"].shape
+    B, _L = batch["input_ids"].shape
     assert batch["spans"].shape == (B, 4 * c.span_T, 2) and batch["spans"].dtype == torch.long
     lengths = batch["attention_mask"].sum(dim=1, keepdim=True)  # (B, 1) real tokens incl. [CLS]/[SEP]
     start, end = batch["spans"][..., 0], batch["spans"][..., 1]
@@ -276,7 +276,7 @@ def test_batches_carry_spans_inside_each_window(windows, tokenizer, vocab_tokens
 
 def test_spans_are_sampled_once_per_window_unless_resampled(windows, tokenizer, vocab_tokens):
     """Algorithm 1 samples each text's 4T spans once, before training, and reuses them every epoch."""
-    few, special = windows[:4], data.special_ids(tokenizer)
+    few = windows[:4]
 
     def spans_by_window(c, micro_step):
         rows = data.batch_indices(len(few), c.batch_size, 0, 1, c.seed, micro_step)
@@ -421,7 +421,7 @@ def test_chunked_pairwise_js_equals_naive_values_and_gradients():
     def naive(z):  # the whole (2m, 2m, V) tensor at once
         pq = cpdae.word_distribution(z)
         mix = 0.5 * (pq[:, None, :] + pq[None, :, :])
-        kl = lambda a, b: (torch.xlogy(a, a) - torch.xlogy(a, b)).sum(-1)  # noqa: E731
+        kl = lambda a, b: (torch.xlogy(a, a) - torch.xlogy(a, b)).sum(-1)
         return 0.5 * kl(pq[:, None, :], mix) + 0.5 * kl(pq[None, :, :], mix)
 
     ref = naive(logits)
@@ -532,7 +532,7 @@ def test_js_contrastive_gradient_matches_float64():
     (grad,) = torch.autograd.grad(got, logits)
     p = torch.sigmoid(logits)
     p = p / p.sum(-1, keepdim=True)  # float64 reference, same formula through autograd
-    js = lambda a, b: 0.5 * (a * (a / (0.5 * (a + b))).log()).sum() + 0.5 * (b * (b / (0.5 * (a + b))).log()).sum()  # noqa: E731,E501
+    js = lambda a, b: 0.5 * (a * (a / (0.5 * (a + b))).log()).sum() + 0.5 * (b * (b / (0.5 * (a + b))).log()).sum()
     ref = 0.0
     for i in range(m):
         logit_row = torch.stack([-js(p[i], p[k]) for k in range(2 * m) if k != i])
@@ -980,7 +980,6 @@ def test_decoder_loss_reaches_the_encoder_only_through_cls():
 def test_batches_give_the_decoder_the_unmasked_text():
     c = dataclasses.replace(seed.Config(), batch_size=4, mask_prob=0.5, steps=1)
     windows = [data.Window([101] + list(range(1000 + 10 * i, 1010 + 10 * i)) + [102], [False] * 12) for i in range(4)]
-    special = {"pad": 0, "unk": 100, "cls": 101, "sep": 102, "mask": 103}
     batch = seed.Batches(c, windows, rank=0, world=1)[0]
     chosen = batch["labels"] != -100  # (B, L) masked positions, never [CLS] or [SEP]
     assert (batch["input_ids"][chosen] == 103).any()
@@ -997,7 +996,9 @@ def test_training_runs_the_functions_that_show_the_equations(monkeypatch):
     calls = set()
     for module, name in [(costa, "gwc_loss"), (cpdae, "contrastive_loss"), (cpdae, "js_similarity"),
                          (cpdae, "reconstruction_loss"), (seed, "decoder_loss")]:
-        def spy(*args, _real=getattr(module, name), _name=f"{module.__name__}.{name}", **kwargs):
+        real = getattr(module, name)
+
+        def spy(*args, _real=real, _name=f"{module.__name__}.{name}", **kwargs):   # bound now, not at call time
             calls.add(_name)
             return _real(*args, **kwargs)
         monkeypatch.setattr(module, name, spy)
@@ -1112,7 +1113,7 @@ def test_text_vector_mean_is_the_masked_mean():
 @pytest.mark.parametrize("name", ["costa", "cpdae", "seed"])
 def test_bottleneck_mean_feeds_each_methods_head(name):
     """The vector of --bottleneck mean (not [CLS]) is what COSTA projects, CPDAE decodes, SEED remembers."""
-    module, model, batch = tiny_method(name, bottleneck="mean")
+    _module, model, batch = tiny_method(name, bottleneck="mean")
     model.eval()
     _, metrics = model(batch)
     mask = batch["attention_mask"].repeat(2 if name == "cpdae" else 1, 1)
@@ -1137,7 +1138,7 @@ def test_bottleneck_mean_feeds_each_methods_head(name):
 
 @pytest.mark.parametrize("name", ["costa", "cpdae", "seed"])
 def test_terms_sum_to_the_loss_and_every_accuracy_has_its_chance(name):
-    module, model, batch = tiny_method(name)
+    _module, model, batch = tiny_method(name)
     model.eval()
     terms, metrics = model.terms(batch)
     loss, _ = model(batch)

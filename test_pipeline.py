@@ -86,7 +86,6 @@ def test_a_document_of_no_tokens_gives_no_window_and_costa_batches_still_build(t
     windows = data.make_windows(tokenizer, texts, max_len=16, min_tokens=1)
     assert windows and all(len(w.input_ids) > 2 for w in windows)   # was a bare [CLS] [SEP] window
     c = costa.Config(batch_size=len(windows), steps=1)
-    vocab_tokens = [tokenizer.id_to_token(i) for i in range(tokenizer.get_vocab_size())]
     batch = costa.Batches(c, windows, 0, 1)[0]  # sample_spans raised
     assert batch["spans"].shape == (len(windows), 4 * c.span_T, 2)
 
@@ -214,7 +213,6 @@ def test_token_windows_pickle_as_their_folder_and_feed_costa_batches(small_cache
     blob = pickle.dumps(windows)
     assert len(blob) < 1000                                                     # not the arrays
     assert pickle.loads(blob)[3] == windows[3]
-    vocab_tokens = [tokenizer.id_to_token(i) for i in range(tokenizer.get_vocab_size())]
     c = costa.Config(batch_size=8, steps=1)
     from_cache = costa.Batches(c, windows, 0, 1)[0]
     in_memory = costa.Batches(c, [windows[i] for i in range(len(windows))], 0, 1)[0]
@@ -568,7 +566,7 @@ def test_bad_input_gives_one_line_error(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # The shared blocks are byte-identical in every file that carries them
 # ----------------------------------------------------------------------------------------------
-SHARED_MARKER = re.compile(r"^# --- shared: (begin|end) (.+?) ---$", re.M)
+SHARED_MARKER = re.compile(r"^# --- shared: (begin|end) (.+?) ---$", re.MULTILINE)
 METHOD_FILES = ["costa.py", "cpdae.py", "seed.py"]
 # Blocks that only some method files carry, each with the reason: {name: "why"}. None today.
 METHOD_SPECIFIC = {}
@@ -649,11 +647,11 @@ def test_every_departure_in_the_code_is_listed_in_the_docs():
     readme = (HERE / "docs" / "departures.md").read_text()
     assert "<!-- departures: begin -->" in readme and "<!-- departures: end -->" in readme, "docs/departures.md: no list"
     listing = readme[readme.index("<!-- departures: begin -->"):readme.index("<!-- departures: end -->")]
-    listed = re.findall(r"^- `([a-z0-9-]+)`: \S", listing, re.M)
+    listed = re.findall(r"^- `([a-z0-9-]+)`: \S", listing, re.MULTILINE)
     assert len(listed) == len(set(listed)), f"README lists a departure twice: {sorted(listed)}"
     assert len(in_code) >= 10, sorted(in_code)
     unlisted = sorted(set(in_code) - set(listed))
-    assert not unlisted, f"departures in the code missing from the README's list: " + \
+    assert not unlisted, "departures in the code missing from the README's list: " + \
         ", ".join(f"{k} ({', '.join(sorted(set(in_code[k])))})" for k in unlisted)
     stale = sorted(set(listed) - set(in_code))
     assert not stale, f"README lists departures the code no longer marks: {stale}"
@@ -674,7 +672,7 @@ def test_step_seed_streams_are_independent_and_deterministic():
 
 def test_evaluate_imports_nothing_from_finetune():
     """One arrow, finetune -> evaluate: evaluate.py is the retrieval layer, loading no training code."""
-    assert not re.search(r"^\s*(from|import) finetune", (HERE / "evaluate.py").read_text(), re.M)
+    assert not re.search(r"^\s*(from|import) finetune", (HERE / "evaluate.py").read_text(), re.MULTILINE)
     probe = "import sys, evaluate; print('finetune' in sys.modules)"
     result = subprocess.run([PY, "-c", probe], capture_output=True, text=True, timeout=120, cwd=HERE)
     assert result.stdout.strip() == "False", result.stderr
@@ -700,7 +698,7 @@ def _tokenizer():
 # ------------------------------------------------------------------ metrics (hand-computed values)
 def test_metrics_ties_are_broken_by_docid_descending():
     # d3 first by score; d1 and d2 tie: trec_eval puts d2 before d1, so the relevant d1 is at rank 3.
-    means, per_query = evaluate.compute_metrics({"q": {"d1": 1.0, "d2": 1.0, "d3": 2.0}}, {"q": {"d1": 1}})
+    _means, per_query = evaluate.compute_metrics({"q": {"d1": 1.0, "d2": 1.0, "d3": 2.0}}, {"q": {"d1": 1}})
     assert per_query["q"]["MRR@10"] == pytest.approx(1 / 3)
     assert per_query["q"]["NDCG@10"] == pytest.approx(1 / math.log2(4))
     # docids compare as strings: "9" > "10", so "9" comes first on a tie.
@@ -1042,7 +1040,7 @@ def test_softmax_loss_by_hand_with_excluded_candidate():
 # ------------------------------------------------------------------ sharded encode + search
 def _toy_texts(n=37):
     rng = np.random.default_rng(3)
-    words = "protein cell gene cancer brain virus dose trial risk model blood liver heart mouse".split()
+    words = ["protein", "cell", "gene", "cancer", "brain", "virus", "dose", "trial", "risk", "model", "blood", "liver", "heart", "mouse"]
     return [" ".join(rng.choice(words, rng.integers(3, 30))) for _ in range(n)]
 
 
@@ -1119,8 +1117,7 @@ def _scifact_subset(folder, n_train=24, n_test=16, n_other=120):
         for d in sorted(keep):
             f.write(json.dumps({"_id": d, "title": corpus[d]["title"], "text": corpus[d]["text"]}) + "\n")
     with open(folder / "queries.jsonl", "w") as f:
-        for q in list(train) + list(test):
-            f.write(json.dumps({"_id": q, "text": queries[q]}) + "\n")
+        f.writelines(json.dumps({"_id": q, "text": queries[q]}) + "\n" for q in list(train) + list(test))
     for name, qr in (("train", train), ("test", test)):
         lines = ["query-id\tcorpus-id\tscore"] + [f"{q}\t{d}\t{g}" for q, docs in qr.items() for d, g in docs.items()]
         (folder / "qrels" / f"{name}.tsv").write_text("\n".join(lines) + "\n")
@@ -1183,7 +1180,7 @@ def test_end_to_end_pretrain_finetune_evaluate(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "each query sees 15 negatives" in printed and "BM25 (k1=1.2, b=0.75)" in printed
     for row in ("tiny zero-shot", "tiny + fine-tune", "tiny + costa + fine-tune"):
-        assert re.search(rf"^{re.escape(row)} +0\.\d{{4}}", printed, re.M), row      # a row of the table
+        assert re.search(rf"^{re.escape(row)} +0\.\d{{4}}", printed, re.MULTILINE), row      # a row of the table
     assert "tiny + costa + fine-tune vs tiny + fine-tune: NDCG@10" in printed                 # its t-test
     assert (out / "zero-shot" / "eval-test" / "metrics.json").is_file()
     assert (out / "no-pretrain" / "encoder" / "retriever.json").is_file()
@@ -1411,7 +1408,7 @@ def tiny_beir(folder, corpus_lines=None, queries_lines=None, qrels_text=None):
 
 def test_class1_undecodable_bytes_are_refused_with_file_line_and_offset(tmp_path):
     corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes("first document.\n\nsecond ".encode() + "café".encode("latin-1") + b" document.\n")
+    corpus.write_bytes(b"first document.\n\nsecond " + "café".encode("latin-1") + b" document.\n")
     code, err = run_error([HERE / "costa.py", "--corpus", corpus, "--out_dir", tmp_path / "o"], tmp_path)
     assert code == 1
     assert err == (f"error: {corpus}:3: byte 0xe9 at byte offset 27 is not UTF-8; convert the file to UTF-8 "
@@ -1446,8 +1443,8 @@ def test_class3_duplicate_ids_and_judgments_are_refused(tmp_path):
     assert (code, err) == (1, f"error: {beir / 'queries.jsonl'}:2: duplicate query id 'q1' (each may appear once)")
     beir = tiny_beir(tmp_path / "c", qrels_text="query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\td1\t0\n")
     code, err = run_error([HERE / "evaluate.py", "--bm25", "--dataset", beir, "--out_dir", tmp_path / "ev"], tmp_path)
-    assert (code, err) == (1, f"error: {beir / 'qrels' / 'test.tsv'}:3: duplicate judgment of document 'd1' "
-                              f"for query 'q1' (each may appear once)")
+    assert (code, err) == (1, (f"error: {beir / 'qrels' / 'test.tsv'}:3: duplicate judgment of document 'd1' "
+                              f"for query 'q1' (each may appear once)"))
 
 
 def test_class4_init_vocabulary_and_mismatched_state(tmp_path, small_corpus):
@@ -1460,22 +1457,22 @@ def test_class4_init_vocabulary_and_mismatched_state(tmp_path, small_corpus):
     assert data.vocab_size_of(tmp_path / "a" / "encoder" / "vocab.txt") == new.get_vocab_size()
     bert = write(tmp_path / "bert_vocab.txt", data.VOCAB.read_text(encoding="utf-8"))  # an explicit, other vocab
     code, err = run_error([HERE / "costa.py", *common, "--vocab", bert, "--out_dir", tmp_path / "b"], tmp_path)
-    assert (code, err) == (1, f"error: {bert}: 30522 entries, but the --init model {tmp_path / 'init'} "
-                              f"has vocab_size {new.get_vocab_size()}")
+    assert (code, err) == (1, (f"error: {bert}: 30522 entries, but the --init model {tmp_path / 'init'} "
+                              f"has vocab_size {new.get_vocab_size()}"))
     # Resuming from another method's state.pt, a truncated one, or with other sizes.
     code, err = run_error([HERE / "costa.py", *common, "--out_dir", tmp_path / "a", "--resume"], tmp_path)
-    assert (code, err) == (1, f"error: {tmp_path / 'a' / 'state.pt'}: written by another script (it has --cl_mode); "
-                              f"resume it with that script, or start again with --overwrite")
+    assert (code, err) == (1, (f"error: {tmp_path / 'a' / 'state.pt'}: written by another script (it has --cl_mode); "
+                              f"resume it with that script, or start again with --overwrite"))
     state = (tmp_path / "a" / "state.pt").read_bytes()
     (tmp_path / "a" / "state.pt").write_bytes(state[:len(state) // 2])
     code, err = run_error([HERE / "cpdae.py", *common, "--out_dir", tmp_path / "a", "--resume"], tmp_path)
-    assert (code, err) == (1, f"error: {tmp_path / 'a' / 'state.pt'}: not a readable training state (RuntimeError); "
-                              f"the file is truncated or not a state.pt; start again with --overwrite")
+    assert (code, err) == (1, (f"error: {tmp_path / 'a' / 'state.pt'}: not a readable training state (RuntimeError); "
+                              f"the file is truncated or not a state.pt; start again with --overwrite"))
     (tmp_path / "a" / "state.pt").write_bytes(state)
     code, err = run_error([HERE / "cpdae.py", *common, "--out_dir", tmp_path / "a", "--resume", "--max_len", "32"],
                           tmp_path)
-    assert (code, err) == (1, f"error: {tmp_path / 'a' / 'state.pt'}: these flags cannot change on --resume: "
-                              f"--max_len 64 -> 32; resume with the saved values, or start again with --overwrite")
+    assert (code, err) == (1, (f"error: {tmp_path / 'a' / 'state.pt'}: these flags cannot change on --resume: "
+                              f"--max_len 64 -> 32; resume with the saved values, or start again with --overwrite"))
 
 
 def test_class5_lengths_are_checked_against_the_model(tmp_path):
@@ -1500,8 +1497,8 @@ def test_class6_flag_domains_and_non_finite_loss(tmp_path, small_corpus):
     out = tmp_path / "nan"
     code, err = run_error([HERE / "costa.py", "--corpus", small_corpus, *TINY_ARGS, "--steps", "5", "--lr", "1e30",
                            "--warmup", "0", "--save_every", "1", "--out_dir", out], tmp_path)
-    assert (code, err) == (1, f"error: step 2: the loss is not finite (gradient norm nan); stopped without saving; "
-                              f"{out} keeps its last good checkpoint, step 1")
+    assert (code, err) == (1, (f"error: step 2: the loss is not finite (gradient norm nan); stopped without saving; "
+                              f"{out} keeps its last good checkpoint, step 1"))
     state = data.load_training_state(out / "state.pt")
     assert state["step"] == 1 and all(torch.isfinite(v).all() for v in state["model"].values())
 
@@ -1515,8 +1512,8 @@ def test_flag_errors_from_inside_modules_are_value_errors_and_print_one_line(tmp
             call()
         assert not isinstance(caught.value, data.DataError)     # a flag, not a file
     code, err = run_error([HERE / "costa.py", "--granularities", "word,word", "--out_dir", tmp_path / "o"], tmp_path)
-    assert (code, err) == (1, "error: --granularities must be names from {word, phrase, sentence, paragraph}, "
-                              "got 'word,word'")
+    assert (code, err) == (1, ("error: --granularities must be names from {word, phrase, sentence, paragraph}, "
+                              "got 'word,word'"))
     code, err = run_error([HERE / "finetune.py", "--loss", "ranknet", "--out_dir", tmp_path / "f"], tmp_path)
     assert (code, err) == (1, "error: --loss must be one of {softmax, hinge}, got 'ranknet'")
 
@@ -1529,8 +1526,8 @@ def test_class7_resume_overwrite_logs_and_flags(tmp_path, small_corpus):
     os.umask(umask)
     assert os.stat(out / "state.pt").st_mode & 0o777 == 0o666 & ~umask            # not 0600
     code, err = run_error(common, tmp_path)                                        # no --resume, no --overwrite
-    assert (code, err) == (1, f"error: {out} already holds a run (state.pt, log.jsonl, encoder); continue it "
-                              f"with --resume or replace it with --overwrite")
+    assert (code, err) == (1, (f"error: {out} already holds a run (state.pt, log.jsonl, encoder); continue it "
+                              f"with --resume or replace it with --overwrite"))
     with open(out / "log.jsonl", "a") as f:                  # as if killed after logging step 3, before saving it
         f.write(json.dumps({"step": 3, "mlm": 0.0}) + "\n")
     (out / ".state.pt.x1y2.tmp").write_bytes(b"half a checkpoint")
@@ -1665,8 +1662,8 @@ def test_study_quick_end_to_end_resumes_without_training_and_refuses_mixed_code(
         assert f"--n_queries 4 --steps {rows[f'none-seed{s}']['finetune_steps']}" in rows[f"costa-n4-seed{s}"]["commands"]["finetune"]
     table = (results / "table.md").read_text()
     assert "paired t-test over seeds" in table and "bootstrap over queries x seeds" in table
-    assert re.search(r"^\| costa \| 2 \| \d+ \| 0\.\d{4} \+- 0\.\d{4} \| .* \| [+-]0\.\d{4} \[[+-]0\.\d{4}, [+-]0\.\d{4}\] \| [\d.]+", table, re.M)
-    assert "## dev (4 queries" in table and re.search(r"^\| costa \| mlm_acc \| 0\.\d{4} \| 0\.\d{4} \| \d+\.\d\d \|$", table, re.M)
+    assert re.search(r"^\| costa \| 2 \| \d+ \| 0\.\d{4} \+- 0\.\d{4} \| .* \| [+-]0\.\d{4} \[[+-]0\.\d{4}, [+-]0\.\d{4}\] \| [\d.]+", table, re.MULTILINE)
+    assert "## dev (4 queries" in table and re.search(r"^\| costa \| mlm_acc \| 0\.\d{4} \| 0\.\d{4} \| \d+\.\d\d \|$", table, re.MULTILINE)
     assert "Holm" in table and "fewer than the 5" in table and "| none | 2 |  | 0." in table and "(one encoder)" in table
     assert "| arm | zero-shot (n = 0) | n = 4 |" in table                     # the curve starts from each arm's zero-shot
     for r in rows.values():                    # what the numbers depend on, besides code and seed
@@ -1720,7 +1717,8 @@ def test_study_code_hash_covers_the_shared_scripts_and_the_arms_own_method_file(
     assert study.scripts_of("seed")[-1] == "seed.py" and study.scripts_of("cpdae")[-1] == "cpdae.py"
     hashes = {arm: study.code_hash(study.scripts_of(arm)) for arm in study.ARMS}
     assert len(set(hashes.values())) == 4 and hashes["mlm"] == hashes["costa"]
-    import evaluate, finetune
+    import evaluate
+    import finetune
     for module in (evaluate, finetune):      # the shared scripts import no method file: an edit to one cannot reach them
         assert not {"costa", "cpdae", "seed"} & set(vars(module)), module.__name__
 
@@ -1814,7 +1812,7 @@ def _tiny_training(tmp_path, small_corpus):
 @pytest.mark.parametrize("fails", ["encoder", "state"])
 def test_a_full_disk_keeps_the_last_checkpoint_whole_and_says_so(tmp_path, small_corpus, monkeypatch, fails):
     import errno
-    cpdae, c, model, optimizer, scheduler = _tiny_training(tmp_path, small_corpus)
+    _cpdae, c, model, optimizer, scheduler = _tiny_training(tmp_path, small_corpus)
     out = Path(c.out_dir)
     data.save_checkpoint(c, model, optimizer, scheduler, 2, True)
     before = folder_bytes(out)
@@ -1843,7 +1841,7 @@ def shutil_usage(free):
 
 
 def test_a_checkpoint_switch_cut_by_a_kill_is_completed_or_dropped(tmp_path, small_corpus):
-    cpdae, c, model, optimizer, scheduler = _tiny_training(tmp_path, small_corpus)
+    _cpdae, c, model, optimizer, scheduler = _tiny_training(tmp_path, small_corpus)
     out = Path(c.out_dir)
     data.save_checkpoint(c, model, optimizer, scheduler, 2, True)
     step2 = folder_bytes(out)
@@ -1892,7 +1890,7 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, small_corpus):
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            # as from a terminal: a suite started in the background (nohup ... &) ignores
                            # SIGINT, and an ignored signal stays ignored across exec
-                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509 -- no threads yet
     try:
         deadline = time.time() + 240
         while time.time() < deadline and not (out / "log.jsonl").is_file() or len(read_log(out)) < 3:
@@ -2068,7 +2066,7 @@ def test_long_steps_print_progress_with_rate_and_eta(tmp_path, capsys, monkeypat
     for what, unit in (("tokenizing " + re.escape(str(corpus)) + ":", "chars"), ("BM25 indexing:", "documents"),
                        ("BM25 search:", "queries"), ("encoding:", "texts"), ("searching:", "queries")):
         assert re.search(rf"^{what} {number}/{number} {unit} \| {number} {unit}/s \| elapsed {time_} \| eta {time_}$",
-                         printed, re.M), (what, printed)
+                         printed, re.MULTILINE), (what, printed)
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux only")
@@ -2113,8 +2111,9 @@ def test_benchmark_st_triplets_are_finetune_batches():
 
 
 def test_benchmark_st_ndcg_summary_pairs_the_seeds(tmp_path):
-    import benchmark
     from scipy.stats import ttest_rel
+
+    import benchmark
 
     ours, st = [0.72, 0.73, 0.71], [0.70, 0.74, 0.69]
     for which, values in (("ours", ours), ("st", st)):
@@ -2226,7 +2225,7 @@ def test_an_os_error_is_one_line_naming_the_path(tmp_path, small_corpus, monkeyp
     c = data.parse_config(costa.Config, ["--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2",
                                          "--out_dir", str(tmp_path / "ro" / "run")], "", {}, costa.FLAG_RULES)
     for code, words in ((errno.EACCES, "permission denied"), (errno.EROFS, "read-only file system")):
-        def refuse(self, *args, **kwargs):
+        def refuse(self, *args, code=code, **kwargs):
             raise OSError(code, os.strerror(code), str(self))
         monkeypatch.setattr(Path, "mkdir", refuse)
         with pytest.raises(SystemExit) as stopped:
@@ -2300,15 +2299,16 @@ def test_whitespace_only_documents_are_left_out_with_one_line(tmp_path, capsys):
 
 def test_finetune_warns_of_empty_documents_once(tmp_path, capsys):
     beir = _scifact_subset(tmp_path / "beir", n_train=8, n_test=4, n_other=20)
-    lines = gzip.open(beir / "corpus.jsonl.gz", "rt").read().splitlines()
+    with gzip.open(beir / "corpus.jsonl.gz", "rt") as f:
+        lines = f.read().splitlines()
     doc = json.loads(lines[3])
     lines[3] = json.dumps({**doc, "title": "", "text": "  "})
     write(beir / "corpus.jsonl.gz", "\n".join(lines) + "\n", True)
     finetune.main(["--init", _tiny_init(tmp_path / "tiny"), "--dataset", str(beir), "--steps", "1", "--batch_size", "4",
                    "--passage_len", "32", "--out_dir", str(tmp_path / "ft")])
     warnings = [line for line in capsys.readouterr().out.splitlines() if "have no text" in line]
-    assert warnings == [f"warning: {beir / 'corpus.jsonl.gz'}: 1 of {len(lines)} documents have no text "
-                        f"(the first at line 4); they stay in the corpus"]
+    assert warnings == [(f"warning: {beir / 'corpus.jsonl.gz'}: 1 of {len(lines)} documents have no text "
+                        f"(the first at line 4); they stay in the corpus")]
 
 
 def _flip_a_byte(path):
