@@ -999,7 +999,7 @@ def drop_mask(shape, p):
     """A boolean mask, each element True (dropped) with probability p, for dropout on CPU. It comes from
     numpy's PCG64, seeded from torch's generator (so torch.manual_seed still fixes every mask), one
     uniform 32-bit integer per element: P(True) = round(p * 2^32) / 2^32. 4x faster than torch's
-    bernoulli_, which was a third of the training step (benchmark.py --micro)."""
+    bernoulli_, which was a third of the training step (results/speed/micro.py)."""
     n = int(np.prod(shape))
     bits = np.random.PCG64(int(torch.randint(2**62, ()))).random_raw((n + 1) // 2)   # uint64: 2 draws each
     draws = torch.from_numpy(bits.view(np.int32)[:n]).view(shape)                   # uniform int32
@@ -1039,7 +1039,7 @@ def attention(q, k, v, attend, p):
     scaled_dot_product_attention (fused kernels) on GPU, and on CPU without gradients (encoding).
     Training on CPU writes the equation out: 2x faster there than SDPA, whose CPU kernel has no
     dropout (it falls back to its math path and torch's slow dropout) and a slow backward
-    (benchmark.py --micro)."""
+    (results/speed/micro.py)."""
     if q.device.type != "cpu" or not torch.is_grad_enabled():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=p)
     hide = torch.zeros(attend.shape).masked_fill(~attend, torch.finfo(torch.float32).min)  # like attend
