@@ -1,5 +1,5 @@
 #!/bin/bash
-# issue 19, dev choices on the "none" arm: fine-tuning lr and the vector (mean vs cls); dev split only
+# The study's dev choices on the "none" arm: fine-tuning lr and the vector (mean vs cls); dev split only
 cd /work/main
 for spec in "0 2e-4 mean" "2 2e-4 mean" "2 4e-4 mean" "0 4e-4 mean" "1 2e-4 mean" "1 4e-4 mean"; do
   set -- $spec

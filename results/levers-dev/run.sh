@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 19, section 9: each pre-training lever's effect on DEV nDCG@10, one run per lever at seed $SEED (0).
+# Each pre-training lever's effect on DEV nDCG@10, one run per lever at seed $SEED (0).
 # Each run is the study's seed-s command for its arm (results/study/runs/<arm>-seed<s>.json, "commands")
 # with one lever undone or changed, so common random numbers pair it with that row: same data order,
 # masks, dropout, head init, fine-tuning sample and negatives. Test is never evaluated (--eval_split "").
