@@ -829,17 +829,26 @@ def _save_figure(fig, path):
 # ---------------------------------------------------------------------------------------------
 # CPDAE decoder (cpdae.py) for the word-distribution figure
 # ---------------------------------------------------------------------------------------------
-def word_distribution(encoder, decoder, tokenizer, text, max_len, device):
+def word_distribution(encoder, decoder, tokenizer, text, max_len, device, bottleneck="cls"):
     """CPDAE eq. 2-3 and 3.2.2, by cpdae.word_distribution itself: z~ = sigmoid(decoder(h_cls)) / sum,
-    the (V,) word distribution of `text`."""
+    the (V,) word distribution of `text`. bottleneck: the vector the decoder was trained on (cpdae.py
+    --bottleneck): [CLS] (the paper's) or the mean of the output tokens."""
     import cpdae   # here: only the Table 4 figure needs it
 
     ids, mask = data.encode_texts(tokenizer, [text], max_len)                          # (1, L)
+    ids, mask = ids.to(device), mask.to(device)
     encoder.eval()
     decoder.eval()
     with torch.no_grad():
-        h_cls = encoder(ids.to(device), mask.to(device))[:, 0]                         # (1, H)
+        h_cls = pool(encoder(ids, mask), mask, bottleneck)                              # (1, H)
         return cpdae.word_distribution(decoder(h_cls))[0].cpu().numpy()               # (V,)
+
+
+def trained_bottleneck(folder):
+    """The --bottleneck a pre-training run trained, from its config.json beside the encoder folder; "cls"
+    when there is none (the papers')."""
+    run_config = Path(folder).parent / "config.json"
+    return data.read_json(run_config).get("bottleneck", "cls") if run_config.is_file() else "cls"
 
 
 def load_cpdae_decoder(folder):
@@ -935,7 +944,8 @@ def main(c):
             check_lengths(c, encoder.config.max_position)
             tokenizer = data.load_tokenizer(resolve_vocab(c))
             decoder = load_cpdae_decoder(c.decoder or c.model).to(device)
-            probs = word_distribution(encoder, decoder, tokenizer, c.words, c.passage_len, device)
+            bottleneck = trained_bottleneck(c.decoder or c.model)
+            probs = word_distribution(encoder, decoder, tokenizer, c.words, c.passage_len, device, bottleneck)
             path = out_dir / "words.png"
             words = plot_word_distribution(probs, c.words, tokenizer, path)
             print(" ".join(f"{w}:{v:.3g}" for w, v, _ in words))

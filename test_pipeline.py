@@ -1330,6 +1330,12 @@ def test_word_distribution_figure_from_a_cpdae_folder(tmp_path):
     probs = evaluate.word_distribution(evaluate.load_encoder(tmp_path / "enc"), decoder, _tokenizer(), text, 64,
                                        torch.device("cpu"))
     assert probs.shape == (30522,) and probs.sum() == pytest.approx(1.0, abs=1e-5) and (probs > 0).all()
+    assert evaluate.trained_bottleneck(tmp_path / "enc") == "cls"   # no run config beside it: the paper's
+    (tmp_path / "config.json").write_text(json.dumps({"bottleneck": "mean"}))   # cpdae.py --bottleneck mean's run
+    assert evaluate.trained_bottleneck(tmp_path / "enc") == "mean"
+    mean = evaluate.word_distribution(evaluate.load_encoder(tmp_path / "enc"), decoder, _tokenizer(), text, 64,
+                                      torch.device("cpu"), "mean")
+    assert not np.allclose(mean, probs)
     evaluate.main(evaluate.Config(model=str(tmp_path / "enc"), words=text, out_dir=str(tmp_path / "fig")))
     assert (tmp_path / "fig" / "words.png").read_bytes()[:4] == b"\x89PNG"
     encoder.save_pretrained(tmp_path / "plain")  # an encoder without a CPDAE decoder: a clear error
