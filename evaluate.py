@@ -1,8 +1,9 @@
 """Evaluate a dense retriever or BM25 the way the papers report it: metrics as trec_eval computes
 them, TREC run files, paired two-tailed t-tests, and the papers' figures (COSTA Figure 3 t-SNE,
-CPDAE Table 4 word distributions). The retrieval layer that finetune.py trains with lives here too
-(pooling, BM25, encode, exact search); this file imports nothing from finetune.py. One file, top to
-bottom: config, retrieval, metrics, significance, runs, figures, command line, shared blocks.
+CPDAE Table 4 word distributions, SEED-Encoder Figure 5 [CLS] similarity by length). The retrieval
+layer that finetune.py trains with lives here too (pooling, BM25, encode, exact search); this file
+imports nothing from finetune.py. One file, top to bottom: config, retrieval, metrics, significance,
+runs, figures, command line, shared blocks.
 
     python evaluate.py --bm25 --dataset data/scifact --split test          # BM25 baseline row
     python evaluate.py --model runs/finetune/encoder --split test       # any saved encoder (HF BERT folder)
@@ -10,7 +11,9 @@ bottom: config, retrieval, metrics, significance, runs, figures, command line, s
     python evaluate.py --model DIR --vectors_dir runs/vectors           # corpus vectors as fp16 memmaps on disk
     python evaluate.py --compare runs/a/run.trec,runs/b/run.trec        # paired t-tests per metric
     python evaluate.py --model DIR --tsne auto                          # + COSTA Figure 3 for one query
+    python evaluate.py --model minilm,DIR --tsne auto                   # the same, one panel per model, side by side
     python evaluate.py --model runs/cpdae/encoder --words "Some text"   # CPDAE Table 4 figure
+    python evaluate.py --model minilm,runs/seed/encoder --cls_by_length # SEED-Encoder Figure 5, one line per model
     python evaluate.py --corpus collection.tsv --queries queries.dev.small.tsv --qrels qrels.dev.small.tsv --bm25
 
 Outputs in out_dir: run.trec (qid Q0 docid rank score tag), metrics.json (means, per-query values,
@@ -22,6 +25,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +44,7 @@ import data
 # ==============================================================================================
 @dataclass
 class Config:
-    model: str = ""               # BERT folder to evaluate (ours, any BERT or sentence-transformers one), hub id, or "minilm"
+    model: str = ""               # BERT folder to evaluate (ours, any BERT or sentence-transformers one), hub id, or "minilm"; several, comma-separated, with --tsne or --cls_by_length
     bm25: bool = False            # evaluate BM25 instead of a model
     dataset: str = str(data.SCIFACT)  # BEIR folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' ok)
     split: str = "test"           # qrels/{split}.tsv; several, comma-separated (dev,test): one encoding of the corpus, split s in {out_dir}/eval-{s}
@@ -63,10 +67,11 @@ class Config:
     b: float = 0.75               # BM25 document-length normalisation
     bf16: bool = True             # bf16 autocast on GPU and on CPUs with native bf16 (AVX512-BF16, AMX)
     out_dir: str = ""             # "" = next to the model ({model}/../eval-{split}) or runs/bm25-{data}-{split}
-    tag: str = ""                 # run tag in the TREC file; "" = the model folder or "bm25"
+    tag: str = ""                 # run tag in the TREC file and figure label; "" = the model folder or "bm25"; one per --model, comma-separated
     compare: str = ""             # "A.trec,B.trec": paired two-tailed t-test of A vs B per metric (needs qrels)
-    tsne: str = ""                # query id for the COSTA Figure 3 t-SNE, or "auto" (first query with a hit)
+    tsne: str = ""                # query id for the COSTA Figure 3 t-SNE, or "auto" (most relevant documents, a hit for every model)
     words: str = ""               # text for the CPDAE Table 4 figure (needs the CPDAE decoder)
+    cls_by_length: bool = False   # SEED-Encoder Figure 5: cosine of random text pairs of the corpus by length, no retrieval
     decoder: str = ""             # folder with cpdae.py's decoder.safetensors; "" = the model folder
     dev_queries: int = 0          # with --split dev: the fixed sample of this many train queries that finetune.py --dev_queries holds out
 
@@ -619,11 +624,11 @@ def evaluate_bm25(corpus, queries, qrels, out_dir, k1=1.2, b=0.75, depth=1000, v
 
 
 def evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c, device, tag="dense",
-                     tsne="", depth=1000, doc_vecs=None):
+                     depth=1000, doc_vecs=None):
     """Dense retrieval with retrieve() (corpus sharded across ranks, faiss search with c.index), then
     rank 0 saves and scores the run, prints the metrics and returns (means, per_query); other ranks
-    return None. tsne: a query id or "auto" for the COSTA Figure 3 plot. doc_vecs: this rank's corpus
-    shard already encoded (evaluate_splits). Every rank must call this."""
+    return None. doc_vecs: this rank's corpus shard already encoded (evaluate_splits). Every rank must
+    call this."""
     rank, world = rank_and_world()
     doc_ids = list(corpus)
     doc_texts = [passage_text(corpus[d]) for d in doc_ids]
@@ -644,18 +649,6 @@ def evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c, dev
     print(f"{tag}: {encoded}, {len(qids)} queries in {timings['encode_queries_s']:.1f}s, {c.index} search {timings['search_s']:.2f}s "
           f"-> {Path(out_dir) / 'run.trec'}")
     print(format_table({tag: (means, per_query)}))
-    if tsne:
-        qid = pick_tsne_query(run, qrels) if tsne == "auto" else tsne
-        if qid not in run:
-            raise data.DataError(f"--tsne {qid}: no such query id in the qrels of this split")
-        top = [d for d, _ in trec_order(run[qid])[:100]]
-        vecs = encode(encoder, c.pooling, tokenizer, [passage_text(corpus[d]) for d in top], c.passage_len,
-                      c.encode_batch, device, c.bf16, c.similarity)
-        qvec = encode(encoder, c.pooling, tokenizer, [queries[qid]], c.query_len, 1, device, c.bf16, c.similarity)[0]
-        relevant = [qrels[qid].get(d, 0) > 0 for d in top]
-        path = Path(out_dir) / f"tsne-{qid}.png"
-        plot_tsne(qvec, vecs, relevant, path, title=f"{tag}: query {qid}, top {len(top)} ({sum(relevant)} relevant)")
-        print(f"t-SNE of query {qid} and its top {len(top)}: {path}")
     return means, per_query
 
 
@@ -681,13 +674,29 @@ def evaluate_splits(encoder, tokenizer, splits, c, device, tag="dense", depth=10
     return results
 
 
-def pick_tsne_query(run, qrels):
-    """The first query (by id) with a relevant document in its top 100 and at least 10 candidates."""
-    for qid in sorted(qrels):
+def pick_tsne_query(runs, qrels):
+    """The query with the most relevant documents (in the qrels; ties: the first by id) among those with
+    a relevant document in the top 100 and at least 10 candidates in every run of runs (one per model)."""
+    def shown(run, qid):
         top = [d for d, _ in trec_order(run.get(qid, {}))[:100]]
-        if len(top) >= 10 and any(qrels[qid].get(d, 0) > 0 for d in top):
+        return len(top) >= 10 and any(qrels[qid].get(d, 0) > 0 for d in top)
+
+    for qid in sorted(qrels, key=lambda q: (-sum(g > 0 for g in qrels[q].values()), q)):
+        if all(shown(run, qid) for run in runs):
             return qid
-    raise data.DataError("--tsne auto: no query has a relevant document in its top 100")
+    raise data.DataError("--tsne auto: no query has a relevant document in the top 100 of every model")
+
+
+def tsne_panel(encoder, tokenizer, corpus, queries, qrels, run, qid, c, device, tag):
+    """One panel of plot_tsne: (title, query vector (H,), vectors of its top 100 in run (K, H), relevant (K,))."""
+    top = [d for d, _ in trec_order(run[qid])[:100]]
+    vecs = encode(encoder, c.pooling, tokenizer, [passage_text(corpus[d]) for d in top], c.passage_len,
+                  c.encode_batch, device, c.bf16, c.similarity)                               # (K, H)
+    qvec = encode(encoder, c.pooling, tokenizer, [queries[qid]], c.query_len, 1, device, c.bf16, c.similarity)[0]
+    relevant = [qrels[qid].get(d, 0) > 0 for d in top]
+    ranks = ", ".join(str(i + 1) for i, r in enumerate(relevant) if r)
+    title = f"{tag}\ntop {len(top)}, {sum(relevant)} relevant" + (f" (rank {ranks})" if ranks else "")
+    return title, qvec, vecs, relevant
 
 
 def format_table(rows, title="", baseline=None, metrics=METRICS):
@@ -729,28 +738,87 @@ def _pyplot():
     return plt
 
 
-def plot_tsne(query_vec, doc_vecs, relevant, path, title="", seed=0):
-    """COSTA Figure 3: t-SNE of one query (H,) and its candidates (K, H), relevant (K,) bool marked.
-    Returns the (K + 1, 2) coordinates, query first."""
+def plot_tsne(panels, path, title="", seed=0):
+    """COSTA Figure 3: t-SNE of one query and its candidates, the relevant ones marked, one panel per
+    encoder side by side. panels: [(panel title, query vector (H,), candidate vectors (K, H), relevant
+    (K,) bool)]. Each panel is a t-SNE of its own, so compare how the points group, not the axes.
+    Returns each panel's (K + 1, 2) coordinates, query first."""
     from sklearn.manifold import TSNE
 
     plt = _pyplot()
-    points = np.vstack([np.asarray(query_vec, np.float32)[None], np.asarray(doc_vecs, np.float32)])  # (K+1, H)
-    relevant = np.asarray(relevant, dtype=bool)
-    perplexity = min(30.0, (len(points) - 1) / 3.0)  # must stay below the number of points
-    xy = TSNE(n_components=2, perplexity=perplexity, init="pca", random_state=seed).fit_transform(points)
-    fig, ax = plt.subplots(figsize=(5, 5))
-    other = xy[1:][~relevant]
-    rel = xy[1:][relevant]
-    ax.scatter(other[:, 0], other[:, 1], s=14, c="#9e9e9e", label="candidate")
-    ax.scatter(rel[:, 0], rel[:, 1], s=40, c="#d62728", marker="o", label="relevant")
-    ax.scatter(xy[:1, 0], xy[:1, 1], s=160, c="#1f77b4", marker="*", label="query")
-    ax.set_xticks([])
-    ax.set_yticks([])
-    ax.set_title(title)
-    ax.legend(loc="best", fontsize=8)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 5.4), squeeze=False, layout="constrained")
+    coords = []
+    for ax, (name, query_vec, doc_vecs, relevant) in zip(axes[0], panels):
+        points = np.vstack([np.asarray(query_vec, np.float32)[None], np.asarray(doc_vecs, np.float32)])  # (K+1, H)
+        relevant = np.asarray(relevant, dtype=bool)
+        perplexity = min(30.0, (len(points) - 1) / 3.0)  # must stay below the number of points
+        tsne = TSNE(n_components=2, perplexity=perplexity, init="pca", random_state=seed, method="exact")  # ~100 points
+        xy = tsne.fit_transform(points)                                                 # (K+1, 2)
+        ax.scatter(*xy[1:][~relevant].T, s=14, c="#9e9e9e", label="candidate")
+        ax.scatter(*xy[1:][relevant].T, s=60, c="#d62728", marker="o", label="relevant")
+        ax.scatter(*xy[:1].T, s=200, c="#1f77b4", marker="*", label="query")
+        ax.set(xticks=[], yticks=[], xlabel="t-SNE dimension 1", ylabel="t-SNE dimension 2", title=name)
+        coords.append(xy)
+    axes[0][0].legend(loc="best", fontsize=8)
+    fig.suptitle(title)
     _save_figure(fig, path)
-    return xy
+    return coords
+
+
+@torch.no_grad()
+def cls_similarity_by_length(encoder, tokenizer, texts, lengths=(32, 64, 128, 256, 512), n_pairs=200, seed=0,
+                             batch_size=16, pooling="cls"):
+    """SEED-Encoder section 4.6.2 / Figure 5: mean cosine similarity of the [CLS] vectors of random pairs of
+    different texts, each cut to exactly `length` tokens ([CLS] + length-2 pieces + [SEP]). A
+    collapsed encoder (Optimus in Figure 1b) gives values near 1 for long texts. Returns {length: cos}.
+    Only texts with >= length-2 pieces take part at a length; a length with < 2 of them is left out.
+    pooling: the vector compared, "cls" (the paper's) or "mean" (pool())."""
+    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    pieces = [e.ids for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+    device, was_training = next(encoder.parameters()).device, encoder.training
+    encoder.eval()
+    generator = torch.Generator().manual_seed(seed)
+    result = {}
+    for length in lengths:
+        eligible = [ids for ids in pieces if len(ids) >= length - 2]
+        if len(eligible) < 2:
+            continue
+        first = torch.randint(len(eligible), (n_pairs,), generator=generator)            # (P,)
+        second = (first + torch.randint(1, len(eligible), (n_pairs,), generator=generator)) % len(eligible)
+        used = torch.cat([first, second]).unique()                                       # (U,) sorted
+        rows = torch.tensor([[cls_id] + eligible[i][:length - 2] + [sep_id] for i in used.tolist()])  # (U, len)
+        vectors = []
+        for chunk in rows.split(batch_size):
+            ids = chunk.to(device)
+            mask = torch.ones_like(ids)
+            vectors.append(pool(encoder(ids, mask), mask, pooling).float().cpu())       # (b, H)
+        vectors = torch.cat(vectors)                                                     # (U, H)
+        a, b = vectors[torch.searchsorted(used, first)], vectors[torch.searchsorted(used, second)]  # (P, H)
+        result[length] = F.cosine_similarity(a, b, dim=-1).mean().item()
+    encoder.train(was_training)
+    return result
+
+
+def plot_cls_by_length(curves, path, title=""):
+    """SEED-Encoder Figure 5 (and Figure 1b): the mean cosine similarity of random pairs of texts against
+    their length, one line per model and vector. curves: {(model label, "cls" or "mean"): {length: cos}}
+    (cls_similarity_by_length); a model keeps its colour, [CLS] is solid and the mean dashed."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    colors = {m: f"C{i}" for i, m in enumerate(dict.fromkeys(m for m, _ in curves))}
+    for (model, vector), values in curves.items():
+        label = f"{model}: {'[CLS]' if vector == 'cls' else 'mean'} vector"
+        ax.plot(list(values), list(values.values()), marker="o", color=colors[model],
+                linestyle="-" if vector == "cls" else "--", label=label)
+    lengths = sorted({n for values in curves.values() for n in values})
+    ax.set_xscale("log", base=2)
+    lowest = min(min(values.values()) for values in curves.values())
+    ax.set(xticks=lengths, xticklabels=[str(n) for n in lengths], ylim=(min(0.0, lowest), 1.0), title=title,
+           xlabel="text length (tokens, [CLS] and [SEP] included)", ylabel="mean cosine of random text pairs")
+    ax.minorticks_off()
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save_figure(fig, path)
 
 
 def word_probabilities(probs, text, tokenizer):
@@ -829,17 +897,26 @@ def _save_figure(fig, path):
 # ---------------------------------------------------------------------------------------------
 # CPDAE decoder (cpdae.py) for the word-distribution figure
 # ---------------------------------------------------------------------------------------------
-def word_distribution(encoder, decoder, tokenizer, text, max_len, device):
+def word_distribution(encoder, decoder, tokenizer, text, max_len, device, bottleneck="cls"):
     """CPDAE eq. 2-3 and 3.2.2, by cpdae.word_distribution itself: z~ = sigmoid(decoder(h_cls)) / sum,
-    the (V,) word distribution of `text`."""
+    the (V,) word distribution of `text`. bottleneck: the vector the decoder was trained on (cpdae.py
+    --bottleneck): [CLS] (the paper's) or the mean of the output tokens."""
     import cpdae   # here: only the Table 4 figure needs it
 
     ids, mask = data.encode_texts(tokenizer, [text], max_len)                          # (1, L)
+    ids, mask = ids.to(device), mask.to(device)
     encoder.eval()
     decoder.eval()
     with torch.no_grad():
-        h_cls = encoder(ids.to(device), mask.to(device))[:, 0]                         # (1, H)
+        h_cls = pool(encoder(ids, mask), mask, bottleneck)                              # (1, H)
         return cpdae.word_distribution(decoder(h_cls))[0].cpu().numpy()               # (V,)
+
+
+def trained_bottleneck(folder):
+    """The --bottleneck a pre-training run trained, from its config.json beside the encoder folder; "cls"
+    when there is none (the papers')."""
+    run_config = Path(folder).parent / "config.json"
+    return data.read_json(run_config).get("bottleneck", "cls") if run_config.is_file() else "cls"
 
 
 def load_cpdae_decoder(folder):
@@ -923,7 +1000,13 @@ def main(c):
         return compare_command(c)
     if not c.bm25 and not c.model:
         raise ValueError("give --model FOLDER (a saved encoder) or --bm25")
+    if c.model:
+        model_list(c)   # several models only with the figures that compare them
     rank, _, device = setup_distributed()
+    if c.cls_by_length:
+        return cls_by_length_command(c, device) if rank == 0 else None
+    if c.tsne:
+        return tsne_command(c, names[0], device)
     out_dir = default_out_dir(c)
     out_dirs = [split_out_dir(c, name, len(names) > 1) for name in names]   # before 'minilm' becomes a folder
     tag = c.tag or (Path(c.model).resolve().parent.name if Path(c.model).is_dir() else c.model)
@@ -931,11 +1014,10 @@ def main(c):
     c = resolve_retriever(c)
     if c.words:
         if rank == 0:
-            encoder = load_encoder(c.model).to(device)
-            check_lengths(c, encoder.config.max_position)
-            tokenizer = data.load_tokenizer(resolve_vocab(c))
+            encoder, tokenizer = load_model(c, device)
             decoder = load_cpdae_decoder(c.decoder or c.model).to(device)
-            probs = word_distribution(encoder, decoder, tokenizer, c.words, c.passage_len, device)
+            bottleneck = trained_bottleneck(c.decoder or c.model)
+            probs = word_distribution(encoder, decoder, tokenizer, c.words, c.passage_len, device, bottleneck)
             path = out_dir / "words.png"
             words = plot_word_distribution(probs, c.words, tokenizer, path)
             print(" ".join(f"{w}:{v:.3g}" for w, v, _ in words))
@@ -950,14 +1032,89 @@ def main(c):
             results.append(evaluate_bm25(corpus, queries, qrels, out, c.k1, c.b, c.depth))
             print(format_table({f"BM25 (k1={c.k1}, b={c.b})": results[-1]}, title=f"{name}: {len(results[-1][1])} queries"))
     else:
-        encoder = load_encoder(c.model).to(device)
-        check_lengths(c, encoder.config.max_position)
-        tokenizer = data.load_tokenizer(resolve_vocab(c))
+        encoder, tokenizer = load_model(c, device)
         if len(names) == 1:
-            results = [evaluate_encoder(encoder, tokenizer, *splits[0], c, device, tag, c.tsne, c.depth)]
+            results = [evaluate_encoder(encoder, tokenizer, *splits[0], c, device, tag, c.depth)]
         else:
             results = evaluate_splits(encoder, tokenizer, splits, c, device, tag, c.depth)
     return results[0] if len(names) == 1 else dict(zip(names, results))
+
+
+def model_list(c):
+    """--model and --tag as [(model, tag)]; tag "" = the model folder's parent name, or the model id."""
+    models = [m.strip() for m in c.model.split(",") if m.strip()]
+    tags = c.tag.split(",") if c.tag else [""] * len(models)
+    if len(models) > 1 and not (c.tsne or c.cls_by_length):
+        raise ValueError(f"--model {c.model}: several models go with --tsne or --cls_by_length only")
+    if len(tags) != len(models) or len(set(tags)) < len(tags):
+        raise ValueError(f"--tag {c.tag!r}: give one tag per model of --model ({len(models)}), all different")
+    return [(m, t or (Path(m).resolve().parent.name if Path(m).is_dir() else m)) for m, t in zip(models, tags)]
+
+
+def model_settings(c, model, tag):
+    """c for one model: its folder ('minilm' or a hub id resolved), its tag, pooling, similarity, lengths."""
+    return resolve_retriever(dataclasses.replace(c, model=data.resolve_model(model), tag=tag))
+
+
+def load_model(c, device):
+    """(encoder, tokenizer) of c.model, checked against c's lengths."""
+    encoder = load_encoder(c.model).to(device)
+    check_lengths(c, encoder.config.max_position)
+    return encoder, data.load_tokenizer(resolve_vocab(c))
+
+
+def tsne_command(c, split, device):
+    """--tsne: evaluate every model of --model on the split, then COSTA Figure 3 for one query (--tsne ID,
+    or "auto": pick_tsne_query over every model's run), one panel per model with its own top 100. One
+    model's run goes to the out_dir, several models' to out_dir/{tag without spaces}; the figure,
+    tsne-{qid}.png, to the out_dir. Returns the first model's (means, per_query) on rank 0, else None."""
+    models = model_list(c)
+    out_dir = default_out_dir(dataclasses.replace(c, model=models[0][0]))
+    corpus, queries, qrels = load_eval_split(c, split)
+    evaluated = []
+    for model, tag in models:
+        m = model_settings(c, model, tag)
+        encoder, tokenizer = load_model(m, device)
+        name = "".join(tag.split()).replace("/", "--")           # the tag without spaces: the TREC tag and folder
+        folder = out_dir if len(models) == 1 else out_dir / name
+        result = evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, folder, m, device, name, c.depth)
+        evaluated.append((m, encoder, tokenizer, data.read_run(folder / "run.trec") if result else None, result))
+    if rank_and_world()[0] != 0:
+        return None
+    qid = pick_tsne_query([run for *_, run, _ in evaluated], qrels) if c.tsne == "auto" else c.tsne
+    if qid not in qrels:
+        raise data.DataError(f"--tsne {qid}: no such query id in the qrels of this split")
+    panels = [tsne_panel(encoder, tokenizer, corpus, queries, qrels, run, qid, m, device, m.tag)
+              for m, encoder, tokenizer, run, _ in evaluated]
+    path = out_dir / f"tsne-{qid}.png"
+    plot_tsne(panels, path, title=textwrap.fill(f'COSTA Figure 3, query {qid}: "{queries[qid]}"', 110))
+    print(f"t-SNE of query {qid} and its top 100, {len(panels)} model(s): {path}")
+    return evaluated[0][-1]
+
+
+def cls_by_length_command(c, device):
+    """--cls_by_length: SEED-Encoder Figure 5 for every model of --model on the texts of the corpus (--corpus,
+    else the dataset's corpus.jsonl): 200 random pairs per length, the same for every model, lengths 32 to
+    512 within the model's positions, the [CLS] and the mean vector. Writes cls_by_length.png and .json to
+    the out_dir (default: the first model's), prints the values. Returns {(tag, vector): {length: cos}}."""
+    models = model_list(c)
+    out_dir = default_out_dir(dataclasses.replace(c, model=models[0][0]))
+    corpus = c.corpus or data._find(c.dataset, "corpus.jsonl")
+    texts = data.read_pretraining_texts(corpus)
+    curves = {}
+    for model, tag in models:
+        m = model_settings(c, model, tag)
+        encoder, tokenizer = load_model(m, device)
+        lengths = [n for n in (32, 64, 128, 256, 512) if n <= encoder.config.max_position]
+        for vector in ("cls", "mean"):
+            curves[tag, vector] = cls_similarity_by_length(encoder, tokenizer, texts, lengths, pooling=vector)
+            print(f"{tag}, {vector}: " + ", ".join(f"{n} {v:.3f}" for n, v in curves[tag, vector].items()), flush=True)
+    title = f"SEED-Encoder Figure 5: random pairs of {Path(c.corpus or c.dataset).name} texts, 200 per length"
+    plot_cls_by_length(curves, out_dir / "cls_by_length.png", title)
+    data.atomic_write_json(out_dir / "cls_by_length.json", [{"model": tag, "vector": vector, "cosine": values}
+                                                            for (tag, vector), values in curves.items()])
+    print(f"cosine of random text pairs by length: {out_dir / 'cls_by_length.png'}")
+    return curves
 
 
 def split_names(c):

@@ -900,43 +900,6 @@ def test_logits_use_the_shared_embedding():
     assert decoder.word_embedding[0].weight.grad.abs().sum() > 0
 
 
-class FakeTokenizer:
-    """Words are their own ids (integers in the text); [CLS] = 101, [SEP] = 102."""
-
-    def token_to_id(self, token):
-        return {"[CLS]": 101, "[SEP]": 102}[token]
-
-    def encode_batch(self, texts, add_special_tokens=True):
-        return [SimpleNamespace(ids=[int(w) for w in t.split()]) for t in texts]
-
-
-class MeanEmbeddingEncoder(nn.Module):
-    """Puts the mean token embedding at position 0, and records the input lengths it is given."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.word = nn.Embedding(200, 8)
-        self.lengths = set()
-
-    def forward(self, input_ids, attention_mask):
-        self.lengths.add(input_ids.shape[1])
-        return self.word(input_ids).mean(1, keepdim=True).expand(-1, input_ids.shape[1], -1)
-
-
-def test_cls_similarity_by_length():
-    texts = [" ".join(str(1 + (7 * i + j) % 90) for j in range(n)) for i, n in enumerate([40, 40, 40, 10, 10])]
-    encoder = MeanEmbeddingEncoder()
-    result = seed.cls_similarity_by_length(encoder, FakeTokenizer(), texts, lengths=(8, 32, 64), n_pairs=20, seed=1)
-    assert set(result) == {8, 32}  # no two texts have 62 pieces
-    assert encoder.lengths == {8, 32}  # every sequence truncated to exactly the length
-    assert all(-1.0 <= v <= 1.0 for v in result.values())
-    # three identical texts: every pair has cosine 1
-    same = seed.cls_similarity_by_length(encoder, FakeTokenizer(), [texts[0]] * 3, lengths=(16,), n_pairs=5)
-    assert abs(same[16] - 1.0) < 1e-6
-    assert result == seed.cls_similarity_by_length(encoder, FakeTokenizer(), texts, lengths=(8, 32, 64), n_pairs=20, seed=1)
-
-
 def test_pretrain_model_trains_decoder_with_encoder():
     torch.manual_seed(0)
     c = small_config()

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -911,15 +912,89 @@ def test_word_probabilities_sum_pieces():
 
 def test_figures_are_written(tmp_path):
     rng = np.random.default_rng(0)
-    xy = evaluate.plot_tsne(rng.standard_normal(8), rng.standard_normal((30, 8)),
-                            np.arange(30) < 2, tmp_path / "tsne.png", title="q")
-    assert xy.shape == (31, 2)
+    panels = [(name, rng.standard_normal(8), rng.standard_normal((30, 8)), np.arange(30) < 2) for name in "ab"]
+    coords = evaluate.plot_tsne(panels, tmp_path / "tsne.png", title="q")
+    assert [xy.shape for xy in coords] == [(31, 2), (31, 2)]
     probs = rng.random(30522)
     probs /= probs.sum()
     evaluate.plot_word_distribution(probs, "Nanotechnology raises many of the same issues " * 6,
                                     _tokenizer(), tmp_path / "words.png")
     for name in ("tsne.png", "words.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+class FakeTokenizer:
+    """Words are their own ids (integers in the text); [CLS] = 101, [SEP] = 102."""
+
+    def token_to_id(self, token):
+        return {"[CLS]": 101, "[SEP]": 102}[token]
+
+    def encode_batch(self, texts, add_special_tokens=True):
+        return [types.SimpleNamespace(ids=[int(w) for w in t.split()]) for t in texts]
+
+
+class MeanEmbeddingEncoder(torch.nn.Module):
+    """Puts the mean token embedding at position 0, and records the input lengths it is given."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.word = torch.nn.Embedding(200, 8)
+        self.lengths = set()
+
+    def forward(self, input_ids, attention_mask):
+        self.lengths.add(input_ids.shape[1])
+        return self.word(input_ids).mean(1, keepdim=True).expand(-1, input_ids.shape[1], -1)
+
+
+def test_cls_similarity_by_length():
+    texts = [" ".join(str(1 + (7 * i + j) % 90) for j in range(n)) for i, n in enumerate([40, 40, 40, 10, 10])]
+    encoder = MeanEmbeddingEncoder()
+    result = evaluate.cls_similarity_by_length(encoder, FakeTokenizer(), texts, lengths=(8, 32, 64), n_pairs=20, seed=1)
+    assert set(result) == {8, 32}  # no two texts have 62 pieces
+    assert encoder.lengths == {8, 32}  # every sequence truncated to exactly the length
+    assert all(-1.0 <= v <= 1.0 for v in result.values())
+    # three identical texts: every pair has cosine 1
+    same = evaluate.cls_similarity_by_length(encoder, FakeTokenizer(), [texts[0]] * 3, lengths=(16,), n_pairs=5)
+    assert abs(same[16] - 1.0) < 1e-6
+    assert result == evaluate.cls_similarity_by_length(encoder, FakeTokenizer(), texts, lengths=(8, 32, 64), n_pairs=20, seed=1)
+    # every position holds the same vector here, so the mean of the tokens is the [CLS] vector
+    mean = evaluate.cls_similarity_by_length(encoder, FakeTokenizer(), texts, lengths=(8, 32, 64), n_pairs=20, seed=1,
+                                             pooling="mean")
+    assert mean == pytest.approx(result)
+
+
+def test_cls_by_length_and_side_by_side_tsne_one_line_or_panel_per_model(tmp_path):
+    """SEED Figure 5 and COSTA Figure 3 from the command line, two tiny models in one figure each."""
+    corpus = tmp_path / "corpus.jsonl"
+    words = "cells protein gene blood heart brain virus drug dose risk trial mice tumor immune".split()
+    rng = np.random.default_rng(0)
+    corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, n))}) + "\n" for n in (140, 150, 160, 200)))
+    a = _tiny_init(tmp_path / "a")
+    torch.manual_seed(1)
+    finetune.Encoder(finetune.Config(**TINY)).save_pretrained(tmp_path / "b")
+    models = f"{a},{tmp_path / 'b'}"
+    curves = evaluate.main(evaluate.Config(model=models, tag="A,B", cls_by_length=True, corpus=str(corpus),
+                                           out_dir=str(tmp_path / "fig")))
+    assert list(curves) == [("A", "cls"), ("A", "mean"), ("B", "cls"), ("B", "mean")]
+    assert all(list(values) == [32, 64, 128] for values in curves.values())   # no text is 254 pieces long
+    texts = data.read_pretraining_texts(corpus)
+    assert curves["B", "cls"] == evaluate.cls_similarity_by_length(evaluate.load_encoder(tmp_path / "b"), _tokenizer(),
+                                                                   texts, (32, 64, 128))
+    saved = json.loads((tmp_path / "fig" / "cls_by_length.json").read_text())
+    assert [(r["model"], r["vector"]) for r in saved] == list(curves)
+    beir = tiny_beir(tmp_path / "beir")
+    mean_cos = dict(pooling="mean", similarity="cos", dataset=str(beir), depth=10)
+    result = evaluate.main(evaluate.Config(model=models, tag="A,B b", tsne="q1", out_dir=str(tmp_path / "fig"), **mean_cos))
+    assert set(result[1]) == {"q1", "q2"}
+    assert (tmp_path / "fig" / "A" / "run.trec").is_file() and (tmp_path / "fig" / "Bb" / "run.trec").is_file()
+    for name in ("cls_by_length.png", "tsne-q1.png"):
+        assert (tmp_path / "fig" / name).read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="several models go with --tsne or --cls_by_length"):
+        evaluate.main(evaluate.Config(model=models, dataset=str(beir)))
+    for tag in ("A", "A,A"):
+        with pytest.raises(ValueError, match="one tag per model"):
+            evaluate.main(evaluate.Config(model=models, tag=tag, cls_by_length=True, corpus=str(corpus)))
 
 
 # ------------------------------------------------------------------ negatives
@@ -1344,6 +1419,12 @@ def test_word_distribution_figure_from_a_cpdae_folder(tmp_path):
     probs = evaluate.word_distribution(evaluate.load_encoder(tmp_path / "enc"), decoder, _tokenizer(), text, 64,
                                        torch.device("cpu"))
     assert probs.shape == (30522,) and probs.sum() == pytest.approx(1.0, abs=1e-5) and (probs > 0).all()
+    assert evaluate.trained_bottleneck(tmp_path / "enc") == "cls"   # no run config beside it: the paper's
+    (tmp_path / "config.json").write_text(json.dumps({"bottleneck": "mean"}))   # cpdae.py --bottleneck mean's run
+    assert evaluate.trained_bottleneck(tmp_path / "enc") == "mean"
+    mean = evaluate.word_distribution(evaluate.load_encoder(tmp_path / "enc"), decoder, _tokenizer(), text, 64,
+                                      torch.device("cpu"), "mean")
+    assert not np.allclose(mean, probs)
     evaluate.main(evaluate.Config(model=str(tmp_path / "enc"), words=text, out_dir=str(tmp_path / "fig")))
     assert (tmp_path / "fig" / "words.png").read_bytes()[:4] == b"\x89PNG"
     data.save_pretrained(encoder, tmp_path / "plain")  # an encoder without a CPDAE decoder: a clear error
