@@ -21,7 +21,6 @@ timings), and the figures as PNG. The encoder is the shared BERT block (the same
 costa.py's, at the end of this file), so any Hugging Face BERT folder loads.
 """
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -546,7 +545,7 @@ def paired_t_test(a, b):
     t = mean(d) / (sd(d) / sqrt(n)), d = a - b, sd with n - 1, df = n - 1 (scipy.stats.ttest_rel).
     Where scipy answers nan we answer what a table would: identical runs (sd 0) give t 0, p 1; a
     constant non-zero difference gives t = +-inf, p 0. Fewer than 2 queries: (nan, nan)."""
-    from scipy.stats import ttest_rel   # here: scipy takes a second to import
+    from scipy.stats import ttest_rel  # here: scipy takes a second to import
 
     d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
     if len(d) < 2:
@@ -901,7 +900,7 @@ def word_distribution(encoder, decoder, tokenizer, text, max_len, device, bottle
     """CPDAE eq. 2-3 and 3.2.2, by cpdae.word_distribution itself: z~ = sigmoid(decoder(h_cls)) / sum,
     the (V,) word distribution of `text`. bottleneck: the vector the decoder was trained on (cpdae.py
     --bottleneck): [CLS] (the paper's) or the mean of the output tokens."""
-    import cpdae   # here: only the Table 4 figure needs it
+    import cpdae  # here: only the Table 4 figure needs it
 
     ids, mask = data.encode_texts(tokenizer, [text], max_len)                          # (1, L)
     ids, mask = ids.to(device), mask.to(device)

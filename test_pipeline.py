@@ -967,7 +967,7 @@ def test_cls_similarity_by_length():
 def test_cls_by_length_and_side_by_side_tsne_one_line_or_panel_per_model(tmp_path):
     """SEED Figure 5 and COSTA Figure 3 from the command line, two tiny models in one figure each."""
     corpus = tmp_path / "corpus.jsonl"
-    words = "cells protein gene blood heart brain virus drug dose risk trial mice tumor immune".split()
+    words = ["cells", "protein", "gene", "blood", "heart", "brain", "virus", "drug", "dose", "risk", "trial", "mice", "tumor", "immune"]
     rng = np.random.default_rng(0)
     corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, n))}) + "\n" for n in (140, 150, 160, 200)))
     a = _tiny_init(tmp_path / "a")
