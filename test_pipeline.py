@@ -972,7 +972,7 @@ def test_cls_by_length_and_side_by_side_tsne_one_line_or_panel_per_model(tmp_pat
     corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, n))}) + "\n" for n in (140, 150, 160, 200)))
     a = _tiny_init(tmp_path / "a")
     torch.manual_seed(1)
-    finetune.Encoder(finetune.Config(**TINY)).save_pretrained(tmp_path / "b")
+    data.save_pretrained(finetune.Encoder(finetune.Config(**TINY)), tmp_path / "b")
     models = f"{a},{tmp_path / 'b'}"
     curves = evaluate.main(evaluate.Config(model=models, tag="A,B", cls_by_length=True, corpus=str(corpus),
                                            out_dir=str(tmp_path / "fig")))
