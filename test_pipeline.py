@@ -627,6 +627,26 @@ def test_method_files_read_in_one_sitting():
         assert shared <= 250, f"{name}: {shared} lines of shared copies"
 
 
+@pytest.mark.skipif(shutil.which("diff") is None, reason="needs the diff command")
+def test_readme_reading_guide_states_the_files_as_they_are():
+    """The README's reading guide gives costa.py's size, where train() and the shared copies are, and the
+    sizes of `diff costa.py cpdae.py` and `diff costa.py seed.py`: each number as the files have it."""
+    readme = (HERE / "README.md").read_text()
+    lines = (HERE / "costa.py").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines, 1) if line.startswith("def train("))
+    end = next(i for i, line in enumerate(lines[start:], start + 1) if line and not line[0].isspace()) - 1
+    while not lines[end - 1].strip():
+        end -= 1
+    shared = next(i for i, line in enumerate(lines, 1) if line.startswith("# --- shared: begin encoder"))
+    guide = " ".join(readme.split())
+    assert f"In `costa.py` ({len(lines)} lines)" in guide
+    assert f"`train()` ({start}-{end}). By line {end} you have read the whole method" in guide
+    assert f"lines {shared - 4}-{len(lines)} are the shared copies" in guide   # from the banner above them
+    sizes = [len(subprocess.run(["diff", "costa.py", other], cwd=HERE, capture_output=True, text=True).stdout.splitlines())
+             for other in ("cpdae.py", "seed.py")]
+    assert f"`diff costa.py cpdae.py` ({sizes[0]} lines; {sizes[1]} for `seed.py`)" in guide
+
+
 # ----------------------------------------------------------------------------------------------
 # Every departure from a paper, marked where it happens, is listed in docs/departures.md
 # ----------------------------------------------------------------------------------------------
