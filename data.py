@@ -121,8 +121,10 @@ def read_lines(path):
     except EOFError:
         raise DataError(f"{path}: truncated gzip file (it ends after line {number}, before the "
                         f"end-of-stream marker)") from None
-    except gzip.BadGzipFile:
-        raise DataError(f"{path}: not a gzip file, although its name ends in .gz") from None
+    except gzip.BadGzipFile as e:   # also a checksum that does not match: damaged, not foreign
+        what = "damaged gzip data (its CRC-32 does not match)" if "CRC" in str(e) else \
+            "not a gzip file, although its name ends in .gz"
+        raise DataError(f"{path}: {what}") from None
     except zlib.error:
         raise DataError(f"{path}: corrupt gzip data after line {number}") from None
     except OSError as e:
@@ -1036,8 +1038,9 @@ def batches_per_epoch(n_examples, batch_size, world):
     epoch only (a fresh shuffle every epoch), so every rank holds the same batch size."""
     count = n_examples // (batch_size * world)
     if count == 0:
-        raise DataError(f"only {n_examples} examples: fewer than one global batch "
-                        f"({batch_size} per rank x {world} ranks); lower --batch_size")
+        fix = "lower --batch_size" if batch_size > 1 else "add text to the corpus"
+        raise DataError(f"only {n_examples} example(s): fewer than one global batch ({batch_size} per rank x "
+                        f"{world} ranks); {fix}{', or run fewer processes' if world > 1 else ''}")
     return count
 
 
@@ -1923,6 +1926,21 @@ def check_run_folder(c, names=RUN_FILES):
     if held and not (c.resume or c.overwrite):
         raise DataError(f"{c.out_dir} already holds a run ({', '.join(held)}); continue it with --resume "
                         f"or replace it with --overwrite")
+    check_writable(c.out_dir)
+
+
+def check_writable(folder):
+    """Before any work (the token cache can take hours): the folder, or the nearest part of its path that
+    exists, is a writable folder. Raises the OSError that the first write would, naming that part, for
+    os_error_line; creates nothing."""
+    import errno
+    existing = next(p for p in (Path(folder).absolute(), *Path(folder).absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(existing))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(existing))
 
 
 def lock_run_folder(folder, create=False):
@@ -2231,7 +2249,7 @@ def os_error_line(e):
     path = e.filename or "a file"
     fixes = {errno.EACCES: "permission denied; choose a folder you can write to (--out_dir) or fix its permissions",
              errno.EPERM: "operation not permitted; choose a folder you can write to (--out_dir)",
-             errno.EROFS: "read-only file system; choose a writable folder (--out_dir, --cache_dir)",
+             errno.EROFS: "read-only file system; choose a folder on a writable disk",
              errno.ENOSPC: "no space left on the disk; free some space or choose another disk (--out_dir)",
              errno.EDQUOT: "disk quota exceeded; free some space or choose another disk (--out_dir)",
              errno.ENOTDIR: "a path on the way is a file, not a folder; choose another path",

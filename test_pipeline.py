@@ -1532,6 +1532,10 @@ def test_class2_truncated_or_fake_gzip_names_the_file(tmp_path):
     fake = write(tmp_path / "fake.jsonl.gz", '{"text": "plain text, not gzip"}\n')
     code, err = run_error([HERE / "cpdae.py", "--corpus", fake, "--out_dir", tmp_path / "o"], tmp_path)
     assert (code, err) == (1, f"error: {fake}: not a gzip file, although its name ends in .gz")
+    damaged = tmp_path / "crc.jsonl.gz"                # a real gzip file whose checksum no longer matches
+    damaged.write_bytes(whole[:-8] + bytes([whole[-8] ^ 1]) + whole[-7:])
+    with pytest.raises(data.DataError, match=re.escape(f"{damaged}: damaged gzip data (its CRC-32 does not match)")):
+        list(data.read_lines(damaged))
 
 
 def test_class3_duplicate_ids_and_judgments_are_refused(tmp_path):
@@ -2326,7 +2330,9 @@ def test_an_os_error_is_one_line_naming_the_path(tmp_path, small_corpus, monkeyp
     c = data.parse_config(costa.Config, ["--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2",
                                          "--out_dir", str(tmp_path / "ro" / "run")], "", {}, costa.FLAG_RULES)
     for code, words in ((errno.EACCES, "permission denied"), (errno.EROFS, "read-only file system")):
-        def refuse(self, *args, code=code, **kwargs):
+        def refuse(self, *args, code=code, real=Path.mkdir, **kwargs):   # in ro/ only (not the token cache)
+            if tmp_path / "ro" not in (self, *self.parents):
+                return real(self, *args, **kwargs)
             raise OSError(code, os.strerror(code), str(self))
         monkeypatch.setattr(Path, "mkdir", refuse)
         with pytest.raises(SystemExit) as stopped:
@@ -2334,7 +2340,28 @@ def test_an_os_error_is_one_line_naming_the_path(tmp_path, small_corpus, monkeyp
         monkeypatch.undo()
         assert stopped.value.code == f"error: {tmp_path / 'ro' / 'run'}: {words}; " + {
             errno.EACCES: "choose a folder you can write to (--out_dir) or fix its permissions",
-            errno.EROFS: "choose a writable folder (--out_dir, --cache_dir)"}[code]
+            errno.EROFS: "choose a folder on a writable disk"}[code]
+
+
+def test_an_unwritable_out_dir_stops_the_run_before_the_token_cache_is_built(tmp_path, small_cache_corpus,
+                                                                             monkeypatch):
+    """A file on the way or a read-only disk is found by the first check, not after the token cache
+    (hours at paper scale); the line names the part of the path that is the problem."""
+    a_file = write(tmp_path / "a_file", "not a folder\n")
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    real_statvfs = os.statvfs
+    monkeypatch.setattr(os, "statvfs", lambda path: types.SimpleNamespace(
+        f_flag=os.ST_RDONLY if Path(path) == read_only else real_statvfs(path).f_flag))
+    for out_dir, problem, words in ((a_file / "run", a_file, "a path on the way is a file, not a folder"),
+                                    (read_only / "new" / "run", read_only, "read-only file system")):
+        c = data.parse_config(costa.Config, ["--corpus", str(small_cache_corpus), *TINY_ARGS, "--steps", "2",
+                                             "--out_dir", str(out_dir)], "", {}, costa.FLAG_RULES)
+        with pytest.raises(SystemExit) as stopped:
+            data.run_command_line(lambda c=c: costa.train(c))
+        assert str(stopped.value.code).startswith(f"error: {problem}: {words}; "), stopped.value.code
+        assert not list(small_cache_corpus.parent.glob("*.tokens-*")), "the token cache was built first"
+    assert not (read_only / "new").exists()
 
 
 def test_sigterm_saves_a_checkpoint_and_stops_with_one_line(tmp_path, small_corpus):
