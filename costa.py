@@ -413,7 +413,7 @@ def train(c):
 
 # ==============================================================================================
 # The blocks every method file owns a copy of, byte-identical (a test checks, and `diff costa.py
-# cpdae.py` skips them): the BERT encoder (eq. 4) and the distributed steps. Read them once, here.
+# cpdae.py` skips them): the BERT encoder and the distributed steps. Read them once, here.
 # ==============================================================================================
 # --- shared: begin encoder ---
 def drop_mask(shape, p):

@@ -6,16 +6,17 @@ the two views' word distributions. The paper's equations, in order, and the func
 
     eq. 1     the text vector h_[CLS] of a masked view                 text_vector (Encoder.forward at the end)
     eq. 2-3   decoder z = MLP(h_[CLS]); z_hat = sigmoid(z) and the     Decoder, word_distribution
-              word distribution z_tilde = softmax(z)
+              word distribution z_tilde = z_hat / sum_j z_hat_j
     eq. 4     bag-of-words reconstruction (binary cross-entropy)      reconstruction_loss (IDF-REC: idf_from_df)
     eq. 5     contrastive loss between the views' distributions       contrastive_loss (all ranks: gathered_contrastive_loss)
     eq. 7     the similarity s = -JS(z_tilde', z_tilde'')              js_similarity (CPDAE_R: cosine_similarity)
     eq. 6     L = L_REC + L_MLM + lambda L_CL                          PretrainModel.terms (L_MLM: mlm_loss)
 
 It has costa.py's skeleton section for section, with COSTA's own parts (spans, projector, eq. 8)
-swapped for CPDAE's: `diff costa.py cpdae.py` shows only that swap. The run machinery (run folder,
-resume, checkpoints, progress, Ctrl-C) is in data.py, one call each from train(). Each departure from
-the paper is said where it happens, tagged with its key; docs/departures.md lists them all.
+swapped for CPDAE's: `diff costa.py cpdae.py` shows that swap (the losses as one replaced block). The
+run machinery (run folder, resume, checkpoints, progress, Ctrl-C) is in data.py, one call each from
+train(). Each departure from the paper is said where it happens, tagged with its key;
+docs/departures.md lists them all.
 
     python cpdae.py                                  # small model, bundled Wikipedia slice, CPU
     python cpdae.py --cl_weight 0                    # Table 2 "w/o CL";  --idf_rec: Table 2 "IDF-REC"
@@ -198,8 +199,8 @@ def _mixture_xlogx(p, q):
 
 
 def js_similarity(anchors, candidates, chunk_size=8, tau=1.0):
-    """CPDAE's similarity s = -JS of two word distributions (eq. 5), natural log, no temperature, for
-    every row pair: anchors P (a, V) x candidates Q (b, V) -> (a, b) -JS(P, Q):
+    """CPDAE's similarity s = -JS of two word distributions (eq. 5), natural log, divided by tau (1, the
+    paper's: no temperature), for every row pair: anchors P (a, V) x candidates Q (b, V) -> (a, b) -JS(P, Q):
 
         JS(P, Q) = 1/2 KL(P || M) + 1/2 KL(Q || M),  M = (P + Q) / 2
                  = 1/2 sum p log p + 1/2 sum q log q - sum m log m
@@ -476,7 +477,7 @@ def train(c):
 
 # ==============================================================================================
 # The blocks every method file owns a copy of, byte-identical (a test checks, and `diff costa.py
-# cpdae.py` skips them): the BERT encoder (eq. 4) and the distributed steps. Read them once, here.
+# cpdae.py` skips them): the BERT encoder and the distributed steps. Read them once, here.
 # ==============================================================================================
 # --- shared: begin encoder ---
 def drop_mask(shape, p):

@@ -11,7 +11,7 @@ Lu et al., EMNLP 2021 (arXiv:2102.09206, section 3.4). A decoder too weak to lea
     Figure 5  [CLS] cosine of random text pairs by length               evaluate.py --cls_by_length
 
 It has costa.py's skeleton section for section, with COSTA's own parts (spans, projector, eq. 8)
-swapped for the weak decoder: `diff costa.py seed.py` shows only that swap. The run machinery (run
+swapped for the weak decoder: `diff costa.py seed.py` shows that swap. The run machinery (run
 folder, resume, checkpoints, progress, Ctrl-C) is in data.py, one call each from train(). Each
 departure from the paper is said where it happens, tagged with its key; docs/departures.md lists them all.
 
@@ -152,10 +152,11 @@ class DecoderBlock(nn.Module):
 
 class WeakDecoder(nn.Module):
     """SEED's weak decoder (section 3.4): `dec_layers` blocks with self-attention span `dec_span`;
-    its only view of the encoder is the last-layer [CLS] vector h0, in every block. It shares the
-    encoder's token embedding for its input and its output projection (as the authors do) and has
-    its own learned positions. Its embedded input goes through a LayerNorm, as in the authors' code
-    (layernorm_embedding=True in their config) and in BERT's encoder. Dropped after pre-training."""
+    its only view of the encoder is the text vector h0 (the last-layer [CLS] state, or the token
+    mean with --bottleneck mean), in every block. It shares the encoder's token embedding for its
+    input and its output projection (as the authors do) and has its own learned positions. Its
+    embedded input goes through a LayerNorm, as in the authors' code (layernorm_embedding=True in
+    their config) and in BERT's encoder. Dropped after pre-training."""
 
     def __init__(self, c, word_embedding):
         super().__init__()
@@ -371,7 +372,7 @@ def train(c):
 
 # ==============================================================================================
 # The blocks every method file owns a copy of, byte-identical (a test checks, and `diff costa.py
-# cpdae.py` skips them): the BERT encoder (eq. 4) and the distributed steps. Read them once, here.
+# cpdae.py` skips them): the BERT encoder and the distributed steps. Read them once, here.
 # ==============================================================================================
 # --- shared: begin encoder ---
 def drop_mask(shape, p):
