@@ -16,7 +16,6 @@ method's own masking), with the same model size and batch, for --steps optimizer
     python benchmark.py --variants costa-mlm,hf-bert-mlm --steps 20
     python benchmark.py --set batch_size=64 --set max_len=256
     python benchmark.py --gpu                             # BERT-base, batch 32 x 512, on one GPU: MFU per method
-    python benchmark.py --js                              # CPDAE's contrastive loss: chunked vs naive memory
     python benchmark.py --scale 1,20,200                  # start-up time and peak RSS per rank against corpus size
     python benchmark.py --vectors_rss 300000              # peak RSS of encode + search: float32 in memory vs fp16 memmap
     python benchmark.py --index_bench                     # faiss indexes: build, memory, queries/s, Recall@100
@@ -26,10 +25,10 @@ tokens/s counts real (non-padding) tokens through forward, backward and the Adam
 peak memory: max resident set size of the process on CPU (model, optimizer, activations and the
 few documents loaded), torch.cuda.max_memory_allocated on GPU.
 
-One-off experiments live beside the numbers they produced, and import from this file:
-results/speed/ (finetune.py against sentence-transformers, encoder levers, micro-benchmarks, profiles),
-results/st-ndcg/ (test nDCG@10 against sentence-transformers), results/scale/ (the data path before
-the token cache).
+One-off experiments live beside the numbers they produced, as scripts that take the helpers they share
+from this file: results/speed/ (finetune.py against sentence-transformers, encoder levers,
+micro-benchmarks, profiles, the memory of CPDAE's contrastive loss), results/st-ndcg/ (test nDCG@10
+against sentence-transformers), results/scale/ (the data path before the token cache).
 """
 import argparse
 import contextlib
@@ -439,50 +438,6 @@ def gpu_table(batch, length, steps, warmup, variants):
               f"{achieved:,.0f} | {achieved / rate:.0%} | {f'{achieved / nominal:.0%}' if nominal else '?'} |", flush=True)
 
 
-# --js: CPDAE's eq. 5 loss, chunked JS against the naive (m, 2m, V) mixture ------------------------
-def js_memory_one(variant, chunk, m, vocab):
-    """Forward + backward of CPDAE's eq. 5 loss on m texts x 2 views over |V| words, in this process.
-    'baseline' does everything but the pairwise JS, so (variant - baseline) is the JS's own peak."""
-    import cpdae
-    torch.set_num_threads(1)
-    tiny = torch.rand(2, 4, requires_grad=True)
-    cpdae.js_divergence(tiny, tiny).sum().backward()      # one-time imports paid by every variant
-    torch.manual_seed(0)
-    logits1, logits2 = (torch.randn(m, vocab, requires_grad=True) for _ in range(2))
-    start = time.perf_counter()
-    dist1, dist2 = cpdae.word_distribution(logits1), cpdae.word_distribution(logits2)   # (m, V) each
-    candidates = torch.cat([dist1, dist2])                                             # (2m, V)
-    if variant == "baseline":
-        sim = -(dist1 @ candidates.T)                                                  # (m, 2m)
-    elif variant == "chunked":
-        sim = -cpdae.js_divergence(dist1, candidates, chunk_size=chunk)                # (m, 2m)
-    else:  # naive: the whole (m, 2m, V) mixture at once, kept by autograd
-        mix = 0.5 * (dist1[:, None, :] + candidates[None, :, :])                       # (m, 2m, V)
-        entropies = torch.xlogy(dist1, dist1).sum(-1)[:, None] + torch.xlogy(candidates, candidates).sum(-1)[None, :]
-        sim = torch.xlogy(mix, mix).sum(-1) - 0.5 * entropies                          # -JS, (m, 2m)
-    loss, _ = cpdae.contrastive_loss(dist1, dist2, lambda anchors, candidates: sim)   # eq. 5 on sim
-    loss.backward()
-    return {"variant": variant, "chunk": chunk, "loss": loss.item(), "seconds": time.perf_counter() - start,
-            "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-
-
-def js_memory_table(m, vocab):
-    """Each variant in a fresh process (ru_maxrss is a high-water mark), twice: as is, and with glibc's
-    mmap threshold pinned at 1 MiB so that freed blocks go back to the OS and the peak is live memory."""
-    print(f"CPDAE contrastive loss (eq. 5), {m} texts x 2 views, |V| = {vocab:,}, forward + backward, 1 thread")
-    print(f"{'variant':<12}{'peak-baseline MiB':>19}{'(pinned malloc)':>17}{'seconds':>9}  loss")
-    base = None
-    for variant, chunk in [("baseline", 0), ("chunked", 1), ("chunked", 4), ("chunked", 8), ("chunked", 16),
-                           ("naive", 0)]:
-        rows = [in_fresh_process(__file__, "--child", "js_memory_one", json.dumps([variant, chunk, m, vocab]), env=env)
-                for env in (os.environ, {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)})]
-        base = base or rows
-        name = f"{variant} {chunk}" if variant == "chunked" else variant
-        print(f"{name:<12}{rows[0]['peak_mib'] - base[0]['peak_mib']:>19,.0f}"
-              f"{rows[1]['peak_mib'] - base[1]['peak_mib']:>17,.0f}{rows[0]['seconds']:>9.1f}  {rows[0]['loss']:.6f}",
-              flush=True)
-
-
 # --scale: start-up time and peak memory against corpus size, on the token cache -------------------
 TINY_MODEL = ["--hidden_size", "64", "--num_layers", "2", "--num_heads", "2", "--ffn_size", "128",
               "--batch_size", "32", "--max_len", "128", "--steps", "2", "--log_every", "1", "--save_every", "1000",
@@ -718,7 +673,7 @@ def index_bench(vectors, sizes, n_queries):
     print(index_table(rows))
 
 
-CHILDREN = {f.__name__: f for f in (variant_row, js_memory_one, vectors_rss_one)}   # run by in_fresh_process
+CHILDREN = {f.__name__: f for f in (variant_row, vectors_rss_one)}   # run by in_fresh_process
 
 
 def parse_value(text):
@@ -741,8 +696,6 @@ def main():
     parser.add_argument("--gpu", action="store_true", help="BERT-base on one GPU: step time, memory and MFU per method")
     parser.add_argument("--gpu_batch", type=int, default=32, help="--gpu: texts per step")
     parser.add_argument("--gpu_len", type=int, default=512, help="--gpu: tokens per text")
-    parser.add_argument("--js", action="store_true", help="CPDAE's JS loss memory, chunked vs naive")
-    parser.add_argument("--js_texts", type=int, default=64, help="texts (x 2 views) for --js")
     parser.add_argument("--scale", default="", metavar="SIZES",
                         help="start-up time and peak RSS against corpus size, e.g. 1,20,200 (million tokens)")
     parser.add_argument("--scale_procs", default="1,2", help="torchrun processes for --scale")
@@ -765,8 +718,6 @@ def main():
         if not torch.cuda.is_available():
             sys.exit("error: --gpu: no CUDA device")
         gpu_table(args.gpu_batch, args.gpu_len, args.steps, args.warmup, variants)
-    elif args.js:
-        js_memory_table(args.js_texts, 30522)
     elif args.scale:
         scale_table([float(x) if "." in x else int(x) for x in args.scale.split(",")],
                     [int(x) for x in args.scale_procs.split(",")], args.scale_dir, args.prep_workers)
