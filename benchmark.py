@@ -16,7 +16,6 @@ method's own masking), with the same model size and batch, for --steps optimizer
     python benchmark.py --variants costa-mlm,hf-bert-mlm --steps 20
     python benchmark.py --set batch_size=64 --set max_len=256
     python benchmark.py --gpu                             # BERT-base, batch 32 x 512, on one GPU: MFU per method
-    python benchmark.py --scale 1,20,200                  # start-up time and peak RSS per rank against corpus size
     python benchmark.py --vectors_rss 300000              # peak RSS of encode + search: float32 in memory vs fp16 memmap
     python benchmark.py --index_bench                     # faiss indexes: build, memory, queries/s, Recall@100
     python benchmark.py --index_bench --vectors docs.npy[,queries.npy]   # ... on real (e.g. SciFact) vectors
@@ -28,7 +27,8 @@ few documents loaded), torch.cuda.max_memory_allocated on GPU.
 One-off experiments live beside the numbers they produced, as scripts that take the helpers they share
 from this file: results/speed/ (finetune.py against sentence-transformers, encoder levers,
 micro-benchmarks, profiles, the memory of CPDAE's contrastive loss), results/st-ndcg/ (test nDCG@10
-against sentence-transformers), results/scale/ (the data path before the token cache).
+against sentence-transformers), results/scale/ (start-up time and peak memory against corpus size, with
+the data path before the token cache).
 """
 import argparse
 import contextlib
@@ -36,9 +36,7 @@ import dataclasses
 import gc
 import importlib
 import json
-import os
 import resource
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -438,69 +436,6 @@ def gpu_table(batch, length, steps, warmup, variants):
               f"{achieved:,.0f} | {achieved / rate:.0%} | {f'{achieved / nominal:.0%}' if nominal else '?'} |", flush=True)
 
 
-# --scale: start-up time and peak memory against corpus size, on the token cache -------------------
-TINY_MODEL = ["--hidden_size", "64", "--num_layers", "2", "--num_heads", "2", "--ffn_size", "128",
-              "--batch_size", "32", "--max_len", "128", "--steps", "2", "--log_every", "1", "--save_every", "1000",
-              "--bf16", "false", "--overwrite"]   # a tiny model: what grows with the corpus is the data path
-
-
-def synthetic_corpus(folder, millions):
-    """A plain-text corpus of about `millions` million WordPiece tokens: the bundled Wikipedia slice
-    (1.17 M tokens) repeated, its documents shuffled in every copy, blank lines between documents.
-    Returns (path, tokens)."""
-    texts = data.read_pretraining_texts(data.WIKI)
-    per_copy = sum(len(e.ids) for e in data.load_tokenizer().encode_batch(texts, add_special_tokens=False))
-    copies = max(1, round(millions * 1e6 / per_copy))
-    path = Path(folder) / f"corpus-{millions}M" / "corpus.txt"
-    if not path.is_file():
-        rng = np.random.default_rng(0)
-
-        def write(tmp):
-            with open(tmp, "w", encoding="utf-8") as f:
-                for _ in range(copies):
-                    f.writelines(texts[i].replace("\n\n", "\n") + "\n\n" for i in rng.permutation(len(texts)))
-        data._atomic(path, write)
-    return path, copies * per_copy
-
-
-def time_to_first_step(script, corpus, n, folder, workers):
-    """(seconds from the command to its first 'step' line, peak RSS MiB of its largest process (a rank)) of
-    `torchrun --nproc_per_node=n script` training TINY_MODEL on corpus; script: costa.py, or one that
-    trains like it (results/scale/before.py)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", str(script),
-           "--corpus", str(corpus), "--out_dir", str(Path(folder) / "run"), "--prep_workers", str(workers), *TINY_MODEL]
-    wrapper = ("import json, resource, subprocess, sys, time\n"
-               "t0 = time.time(); first = None\n"
-               "p = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)\n"
-               "for line in p.stdout:\n"
-               "    if first is None and line.startswith('step'): first = time.time() - t0\n"
-               "    tail = line\n"
-               "if p.wait(): sys.exit('failed: ' + tail)\n"
-               "print(json.dumps([first, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024]))\n")
-    return in_fresh_process("-c", wrapper, *cmd)
-
-
-def scale_table(sizes, procs, folder, workers):
-    """Rows: corpus size x processes x run (the first builds the token cache, the second maps it)."""
-    print("| corpus | processes | data path | run | time to first step | peak RSS per rank |\n|---|---|---|---|---|---|")
-    built = []
-    for millions in sizes:
-        corpus, n_tokens = synthetic_corpus(folder, millions)
-        for cache in Path(corpus).parent.glob("*.tokens-*"):
-            shutil.rmtree(cache)                                     # the first run builds the cache
-        for n in procs:
-            for run in (["first (builds it)"] if n == procs[0] else []) + ["second"]:
-                first, rss = time_to_first_step(ROOT / "costa.py", corpus, n, folder, workers)
-                print(f"| {n_tokens / 1e6:,.0f} M tokens | {n} | token cache | {run} | {first:.1f} s | {rss:,.0f} MiB |",
-                      flush=True)
-        (manifest,) = Path(corpus).parent.glob("*.tokens-*/manifest.json")
-        m = json.loads(manifest.read_text())
-        disk = sum(f.stat().st_size for f in manifest.parent.iterdir()) / 2**20
-        built.append(f"{m['n_tokens']:,} tokens: tokenized in {m['seconds']} s ({m['tokens_per_s']:,} tokens/s, "
-                     f"{workers or os.cpu_count()} workers), cache {disk:,.0f} MiB on disk")
-    print("\n" + "\n".join(built))
-
-
 # --vectors_rss: peak memory of encode + search, vectors in memory (float32) or on disk (fp16) -----
 class RandomEncoder(torch.nn.Module):
     """Stands in for the encoder in evaluate.encode: random hidden states, so that the run measures
@@ -696,11 +631,6 @@ def main():
     parser.add_argument("--gpu", action="store_true", help="BERT-base on one GPU: step time, memory and MFU per method")
     parser.add_argument("--gpu_batch", type=int, default=32, help="--gpu: texts per step")
     parser.add_argument("--gpu_len", type=int, default=512, help="--gpu: tokens per text")
-    parser.add_argument("--scale", default="", metavar="SIZES",
-                        help="start-up time and peak RSS against corpus size, e.g. 1,20,200 (million tokens)")
-    parser.add_argument("--scale_procs", default="1,2", help="torchrun processes for --scale")
-    parser.add_argument("--scale_dir", default="runs/bench-scale", help="synthetic corpora and caches for --scale")
-    parser.add_argument("--prep_workers", type=int, default=0, help="tokenizing processes (0 = all cores)")
     parser.add_argument("--vectors_rss", type=int, default=0, metavar="N", help="peak RSS of encode + search of N vectors")
     parser.add_argument("--index_bench", action="store_true", help="faiss indexes: build, size, queries/s, Recall@100")
     parser.add_argument("--vectors", default="", help="--index_bench: DOCS.npy[,QUERIES.npy] real vectors (else synthetic)")
@@ -718,9 +648,6 @@ def main():
         if not torch.cuda.is_available():
             sys.exit("error: --gpu: no CUDA device")
         gpu_table(args.gpu_batch, args.gpu_len, args.steps, args.warmup, variants)
-    elif args.scale:
-        scale_table([float(x) if "." in x else int(x) for x in args.scale.split(",")],
-                    [int(x) for x in args.scale_procs.split(",")], args.scale_dir, args.prep_workers)
     elif args.vectors_rss:
         vectors_rss_table(args.vectors_rss)
     elif args.index_bench:
