@@ -16,7 +16,6 @@ method's own masking), with the same model size and batch, for --steps optimizer
     python benchmark.py --variants costa-mlm,hf-bert-mlm --steps 20
     python benchmark.py --set batch_size=64 --set max_len=256
     python benchmark.py --gpu                             # BERT-base, batch 32 x 512, on one GPU: MFU per method
-    python benchmark.py --vectors_rss 300000              # peak RSS of encode + search: float32 in memory vs fp16 memmap
     python benchmark.py --index_bench                     # faiss indexes: build, memory, queries/s, Recall@100
     python benchmark.py --index_bench --vectors docs.npy[,queries.npy]   # ... on real (e.g. SciFact) vectors
 
@@ -28,7 +27,7 @@ One-off experiments live beside the numbers they produced, as scripts that take 
 from this file: results/speed/ (finetune.py against sentence-transformers, encoder levers,
 micro-benchmarks, profiles, the memory of CPDAE's contrastive loss), results/st-ndcg/ (test nDCG@10
 against sentence-transformers), results/scale/ (start-up time and peak memory against corpus size, with
-the data path before the token cache).
+the data path before the token cache; peak memory of encode + search).
 """
 import argparse
 import contextlib
@@ -436,49 +435,6 @@ def gpu_table(batch, length, steps, warmup, variants):
               f"{achieved:,.0f} | {achieved / rate:.0%} | {f'{achieved / nominal:.0%}' if nominal else '?'} |", flush=True)
 
 
-# --vectors_rss: peak memory of encode + search, vectors in memory (float32) or on disk (fp16) -----
-class RandomEncoder(torch.nn.Module):
-    """Stands in for the encoder in evaluate.encode: random hidden states, so that the run measures
-    the vectors and the search, not a model."""
-    def __init__(self, hidden_size):
-        super().__init__()
-        self.config = evaluate.EncoderConfig(hidden_size=hidden_size)
-        self.generator = torch.Generator().manual_seed(0)
-
-    def forward(self, ids, mask):
-        return torch.randn(*ids.shape, self.config.hidden_size, generator=self.generator)   # (b, L, H)
-
-
-def vectors_rss_one(where, search, n, dim=768):
-    """evaluate.encode of n texts then a top-100 search of 100 queries, in this process; the peak RSS
-    (MiB) after each. where: "memory" (float32 array) or "memmap" (fp16 file); search: a faiss
-    index_factory string, or "torch" (evaluate.torch_exact_search, what a GPU runs, here on the CPU)."""
-    tokenizer, cpu, encoder = data.load_tokenizer(), torch.device("cpu"), RandomEncoder(dim)
-    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    start = peak()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "docs.npy") if where == "memmap" else ""
-        docs = evaluate.encode(encoder, "cls", tokenizer, ["cell"] * n, 4, 512, cpu, False, "dot", path)  # (n, H)
-        encoded = peak()
-        queries = evaluate.encode(encoder, "cls", tokenizer, ["gene"] * 100, 4, 512, cpu, False)          # (100, H)
-        if search == "torch":
-            evaluate.torch_exact_search(queries, docs, 100, cpu)
-        else:
-            evaluate.search(queries, docs, 100, search)
-    return {"where": where, "search": search, "start": start, "encoded": encoded, "searched": peak()}
-
-
-def vectors_rss_table(n):
-    """Each case in a fresh process (ru_maxrss is a high-water mark)."""
-    print(f"peak RSS (MiB) of evaluate.encode + search, {n:,} x 768 vectors, 100 queries, top-100")
-    print("| vectors | search | start | after encode | after search |\n|---|---|---|---|---|")
-    for where, search in [("memory", "Flat"), ("memmap", "Flat"), ("memmap", "torch"),
-                          ("memory", "IVF256,SQ8"), ("memmap", "IVF256,SQ8")]:
-        r = in_fresh_process(__file__, "--child", "vectors_rss_one", json.dumps([where, search, n]))
-        name = "float32 in memory" if where == "memory" else "fp16 memmap"
-        print(f"| {name} | {search} | {r['start']:,.0f} | {r['encoded']:,.0f} | {r['searched']:,.0f} |", flush=True)
-
-
 # --index_bench: faiss indexes for dense retrieval (evaluate.build_index / set_search_parameters) ---
 def synthetic_vectors(n, dim=384, seed=0, rank=64, clusters=20000, chunk=100_000):
     """(n, dim) unit float32 vectors shaped like real embeddings, not uniform noise (on which every
@@ -608,7 +564,7 @@ def index_bench(vectors, sizes, n_queries):
     print(index_table(rows))
 
 
-CHILDREN = {f.__name__: f for f in (variant_row, vectors_rss_one)}   # run by in_fresh_process
+CHILDREN = {f.__name__: f for f in (variant_row,)}   # run by in_fresh_process
 
 
 def parse_value(text):
@@ -631,7 +587,6 @@ def main():
     parser.add_argument("--gpu", action="store_true", help="BERT-base on one GPU: step time, memory and MFU per method")
     parser.add_argument("--gpu_batch", type=int, default=32, help="--gpu: texts per step")
     parser.add_argument("--gpu_len", type=int, default=512, help="--gpu: tokens per text")
-    parser.add_argument("--vectors_rss", type=int, default=0, metavar="N", help="peak RSS of encode + search of N vectors")
     parser.add_argument("--index_bench", action="store_true", help="faiss indexes: build, size, queries/s, Recall@100")
     parser.add_argument("--vectors", default="", help="--index_bench: DOCS.npy[,QUERIES.npy] real vectors (else synthetic)")
     parser.add_argument("--sizes", default="100000,1000000", help="--index_bench: synthetic corpus sizes")
@@ -648,8 +603,6 @@ def main():
         if not torch.cuda.is_available():
             sys.exit("error: --gpu: no CUDA device")
         gpu_table(args.gpu_batch, args.gpu_len, args.steps, args.warmup, variants)
-    elif args.vectors_rss:
-        vectors_rss_table(args.vectors_rss)
     elif args.index_bench:
         index_bench(args.vectors, [int(float(x)) for x in args.sizes.split(",") if x], args.queries)
     else:
