@@ -16,20 +16,16 @@ method's own masking), with the same model size and batch, for --steps optimizer
     python benchmark.py --variants costa-mlm,hf-bert-mlm --steps 20
     python benchmark.py --set batch_size=64 --set max_len=256
     python benchmark.py --gpu                             # BERT-base, batch 32 x 512, on one GPU: MFU per method
-    python benchmark.py --js                              # CPDAE's contrastive loss: chunked vs naive memory
-    python benchmark.py --scale 1,20,200                  # start-up time and peak RSS per rank against corpus size
-    python benchmark.py --vectors_rss 300000              # peak RSS of encode + search: float32 in memory vs fp16 memmap
-    python benchmark.py --index_bench                     # faiss indexes: build, memory, queries/s, Recall@100
-    python benchmark.py --index_bench --vectors docs.npy[,queries.npy]   # ... on real (e.g. SciFact) vectors
 
 tokens/s counts real (non-padding) tokens through forward, backward and the AdamW step.
 peak memory: max resident set size of the process on CPU (model, optimizer, activations and the
 few documents loaded), torch.cuda.max_memory_allocated on GPU.
 
-One-off experiments live beside the numbers they produced, and import from this file:
-results/speed/ (finetune.py against sentence-transformers, encoder levers, micro-benchmarks, profiles),
-results/st-ndcg/ (test nDCG@10 against sentence-transformers), results/scale/ (the data path before
-the token cache).
+One-off experiments live beside the numbers they produced, as scripts that take the helpers they share
+from this file: results/speed/ (finetune.py against sentence-transformers, encoder levers,
+micro-benchmarks, profiles, the memory of CPDAE's contrastive loss), results/st-ndcg/ (test nDCG@10
+against sentence-transformers), results/scale/ (start-up time and peak memory against corpus size, with
+the data path before the token cache; peak memory of encode + search; faiss indexes).
 """
 import argparse
 import contextlib
@@ -37,9 +33,7 @@ import dataclasses
 import gc
 import importlib
 import json
-import os
 import resource
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -439,286 +433,7 @@ def gpu_table(batch, length, steps, warmup, variants):
               f"{achieved:,.0f} | {achieved / rate:.0%} | {f'{achieved / nominal:.0%}' if nominal else '?'} |", flush=True)
 
 
-# --js: CPDAE's eq. 5 loss, chunked JS against the naive (m, 2m, V) mixture ------------------------
-def js_memory_one(variant, chunk, m, vocab):
-    """Forward + backward of CPDAE's eq. 5 loss on m texts x 2 views over |V| words, in this process.
-    'baseline' does everything but the pairwise JS, so (variant - baseline) is the JS's own peak."""
-    import cpdae
-    torch.set_num_threads(1)
-    tiny = torch.rand(2, 4, requires_grad=True)
-    cpdae.js_divergence(tiny, tiny).sum().backward()      # one-time imports paid by every variant
-    torch.manual_seed(0)
-    logits1, logits2 = (torch.randn(m, vocab, requires_grad=True) for _ in range(2))
-    start = time.perf_counter()
-    dist1, dist2 = cpdae.word_distribution(logits1), cpdae.word_distribution(logits2)   # (m, V) each
-    candidates = torch.cat([dist1, dist2])                                             # (2m, V)
-    if variant == "baseline":
-        sim = -(dist1 @ candidates.T)                                                  # (m, 2m)
-    elif variant == "chunked":
-        sim = -cpdae.js_divergence(dist1, candidates, chunk_size=chunk)                # (m, 2m)
-    else:  # naive: the whole (m, 2m, V) mixture at once, kept by autograd
-        mix = 0.5 * (dist1[:, None, :] + candidates[None, :, :])                       # (m, 2m, V)
-        entropies = torch.xlogy(dist1, dist1).sum(-1)[:, None] + torch.xlogy(candidates, candidates).sum(-1)[None, :]
-        sim = torch.xlogy(mix, mix).sum(-1) - 0.5 * entropies                          # -JS, (m, 2m)
-    loss, _ = cpdae.contrastive_loss(dist1, dist2, lambda anchors, candidates: sim)   # eq. 5 on sim
-    loss.backward()
-    return {"variant": variant, "chunk": chunk, "loss": loss.item(), "seconds": time.perf_counter() - start,
-            "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-
-
-def js_memory_table(m, vocab):
-    """Each variant in a fresh process (ru_maxrss is a high-water mark), twice: as is, and with glibc's
-    mmap threshold pinned at 1 MiB so that freed blocks go back to the OS and the peak is live memory."""
-    print(f"CPDAE contrastive loss (eq. 5), {m} texts x 2 views, |V| = {vocab:,}, forward + backward, 1 thread")
-    print(f"{'variant':<12}{'peak-baseline MiB':>19}{'(pinned malloc)':>17}{'seconds':>9}  loss")
-    base = None
-    for variant, chunk in [("baseline", 0), ("chunked", 1), ("chunked", 4), ("chunked", 8), ("chunked", 16),
-                           ("naive", 0)]:
-        rows = [in_fresh_process(__file__, "--child", "js_memory_one", json.dumps([variant, chunk, m, vocab]), env=env)
-                for env in (os.environ, {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)})]
-        base = base or rows
-        name = f"{variant} {chunk}" if variant == "chunked" else variant
-        print(f"{name:<12}{rows[0]['peak_mib'] - base[0]['peak_mib']:>19,.0f}"
-              f"{rows[1]['peak_mib'] - base[1]['peak_mib']:>17,.0f}{rows[0]['seconds']:>9.1f}  {rows[0]['loss']:.6f}",
-              flush=True)
-
-
-# --scale: start-up time and peak memory against corpus size, on the token cache -------------------
-TINY_MODEL = ["--hidden_size", "64", "--num_layers", "2", "--num_heads", "2", "--ffn_size", "128",
-              "--batch_size", "32", "--max_len", "128", "--steps", "2", "--log_every", "1", "--save_every", "1000",
-              "--bf16", "false", "--overwrite"]   # a tiny model: what grows with the corpus is the data path
-
-
-def synthetic_corpus(folder, millions):
-    """A plain-text corpus of about `millions` million WordPiece tokens: the bundled Wikipedia slice
-    (1.17 M tokens) repeated, its documents shuffled in every copy, blank lines between documents.
-    Returns (path, tokens)."""
-    texts = data.read_pretraining_texts(data.WIKI)
-    per_copy = sum(len(e.ids) for e in data.load_tokenizer().encode_batch(texts, add_special_tokens=False))
-    copies = max(1, round(millions * 1e6 / per_copy))
-    path = Path(folder) / f"corpus-{millions}M" / "corpus.txt"
-    if not path.is_file():
-        rng = np.random.default_rng(0)
-
-        def write(tmp):
-            with open(tmp, "w", encoding="utf-8") as f:
-                for _ in range(copies):
-                    f.writelines(texts[i].replace("\n\n", "\n") + "\n\n" for i in rng.permutation(len(texts)))
-        data._atomic(path, write)
-    return path, copies * per_copy
-
-
-def time_to_first_step(script, corpus, n, folder, workers):
-    """(seconds from the command to its first 'step' line, peak RSS MiB of its largest process (a rank)) of
-    `torchrun --nproc_per_node=n script` training TINY_MODEL on corpus; script: costa.py, or one that
-    trains like it (results/scale/before.py)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", str(script),
-           "--corpus", str(corpus), "--out_dir", str(Path(folder) / "run"), "--prep_workers", str(workers), *TINY_MODEL]
-    wrapper = ("import json, resource, subprocess, sys, time\n"
-               "t0 = time.time(); first = None\n"
-               "p = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)\n"
-               "for line in p.stdout:\n"
-               "    if first is None and line.startswith('step'): first = time.time() - t0\n"
-               "    tail = line\n"
-               "if p.wait(): sys.exit('failed: ' + tail)\n"
-               "print(json.dumps([first, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024]))\n")
-    return in_fresh_process("-c", wrapper, *cmd)
-
-
-def scale_table(sizes, procs, folder, workers):
-    """Rows: corpus size x processes x run (the first builds the token cache, the second maps it)."""
-    print("| corpus | processes | data path | run | time to first step | peak RSS per rank |\n|---|---|---|---|---|---|")
-    built = []
-    for millions in sizes:
-        corpus, n_tokens = synthetic_corpus(folder, millions)
-        for cache in Path(corpus).parent.glob("*.tokens-*"):
-            shutil.rmtree(cache)                                     # the first run builds the cache
-        for n in procs:
-            for run in (["first (builds it)"] if n == procs[0] else []) + ["second"]:
-                first, rss = time_to_first_step(ROOT / "costa.py", corpus, n, folder, workers)
-                print(f"| {n_tokens / 1e6:,.0f} M tokens | {n} | token cache | {run} | {first:.1f} s | {rss:,.0f} MiB |",
-                      flush=True)
-        (manifest,) = Path(corpus).parent.glob("*.tokens-*/manifest.json")
-        m = json.loads(manifest.read_text())
-        disk = sum(f.stat().st_size for f in manifest.parent.iterdir()) / 2**20
-        built.append(f"{m['n_tokens']:,} tokens: tokenized in {m['seconds']} s ({m['tokens_per_s']:,} tokens/s, "
-                     f"{workers or os.cpu_count()} workers), cache {disk:,.0f} MiB on disk")
-    print("\n" + "\n".join(built))
-
-
-# --vectors_rss: peak memory of encode + search, vectors in memory (float32) or on disk (fp16) -----
-class RandomEncoder(torch.nn.Module):
-    """Stands in for the encoder in evaluate.encode: random hidden states, so that the run measures
-    the vectors and the search, not a model."""
-    def __init__(self, hidden_size):
-        super().__init__()
-        self.config = evaluate.EncoderConfig(hidden_size=hidden_size)
-        self.generator = torch.Generator().manual_seed(0)
-
-    def forward(self, ids, mask):
-        return torch.randn(*ids.shape, self.config.hidden_size, generator=self.generator)   # (b, L, H)
-
-
-def vectors_rss_one(where, search, n, dim=768):
-    """evaluate.encode of n texts then a top-100 search of 100 queries, in this process; the peak RSS
-    (MiB) after each. where: "memory" (float32 array) or "memmap" (fp16 file); search: a faiss
-    index_factory string, or "torch" (evaluate.torch_exact_search, what a GPU runs, here on the CPU)."""
-    tokenizer, cpu, encoder = data.load_tokenizer(), torch.device("cpu"), RandomEncoder(dim)
-    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    start = peak()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = str(Path(tmp) / "docs.npy") if where == "memmap" else ""
-        docs = evaluate.encode(encoder, "cls", tokenizer, ["cell"] * n, 4, 512, cpu, False, "dot", path)  # (n, H)
-        encoded = peak()
-        queries = evaluate.encode(encoder, "cls", tokenizer, ["gene"] * 100, 4, 512, cpu, False)          # (100, H)
-        if search == "torch":
-            evaluate.torch_exact_search(queries, docs, 100, cpu)
-        else:
-            evaluate.search(queries, docs, 100, search)
-    return {"where": where, "search": search, "start": start, "encoded": encoded, "searched": peak()}
-
-
-def vectors_rss_table(n):
-    """Each case in a fresh process (ru_maxrss is a high-water mark)."""
-    print(f"peak RSS (MiB) of evaluate.encode + search, {n:,} x 768 vectors, 100 queries, top-100")
-    print("| vectors | search | start | after encode | after search |\n|---|---|---|---|---|")
-    for where, search in [("memory", "Flat"), ("memmap", "Flat"), ("memmap", "torch"),
-                          ("memory", "IVF256,SQ8"), ("memmap", "IVF256,SQ8")]:
-        r = in_fresh_process(__file__, "--child", "vectors_rss_one", json.dumps([where, search, n]))
-        name = "float32 in memory" if where == "memory" else "fp16 memmap"
-        print(f"| {name} | {search} | {r['start']:,.0f} | {r['encoded']:,.0f} | {r['searched']:,.0f} |", flush=True)
-
-
-# --index_bench: faiss indexes for dense retrieval (evaluate.build_index / set_search_parameters) ---
-def synthetic_vectors(n, dim=384, seed=0, rank=64, clusters=20000, chunk=100_000):
-    """(n, dim) unit float32 vectors shaped like real embeddings, not uniform noise (on which every
-    index looks bad): a mixture of `clusters` Gaussians in a rank-64 space, of Zipf-like sizes and
-    spreads from 0.3 to 1 (so clusters overlap, and match no index's lists), randomly projected to
-    dim, plus a little full-rank noise. Made chunk rows at a time; the first m rows of a larger set
-    are the set of size m (same seed), so 100k is a prefix of 1M."""
-    rng = np.random.default_rng(seed)
-    centres = rng.standard_normal((clusters, rank)).astype(np.float32)                   # (C, r)
-    spread = rng.uniform(0.3, 1.0, (clusters, 1)).astype(np.float32)                     # (C, 1)
-    weights = 1 / np.arange(1, clusters + 1) ** 0.7                                      # (C,)
-    projection = rng.standard_normal((rank, dim)).astype(np.float32) / np.sqrt(rank)     # (r, dim)
-    out = np.empty((n, dim), dtype=np.float32)
-    for start in range(0, n, chunk):
-        m = min(chunk, n - start)
-        c = rng.choice(clusters, size=m, p=weights / weights.sum())                     # (m,)
-        z = centres[c] + spread[c] * rng.standard_normal((m, rank), dtype=np.float32)   # (m, r)
-        x = z @ projection + 0.1 * rng.standard_normal((m, dim), dtype=np.float32)      # (m, dim)
-        out[start:start + m] = x / np.linalg.norm(x, axis=1, keepdims=True)
-    return out
-
-
-def queries_near(docs, n_queries, seed=1, noise=0.5):
-    """Queries drawn near documents: a random document plus Gaussian noise of norm ~noise, unit length."""
-    rng = np.random.default_rng(seed)
-    base = docs[np.sort(rng.choice(len(docs), n_queries, replace=False))]               # (Q, dim)
-    q = base + noise / np.sqrt(docs.shape[1]) * rng.standard_normal(base.shape, dtype=np.float32)
-    return (q / np.linalg.norm(q, axis=1, keepdims=True)).astype(np.float32)
-
-
-def index_specs(n):
-    """(index_factory string, [(search knob, values)]) to measure on n vectors: exact, a graph, and
-    inverted lists (exact codes and 8-bit scalar-quantised) with sqrt(n) lists."""
-    nlist = 2 ** max(4, round(np.log2(np.sqrt(n))))
-    return [("Flat", [("", [0])]),
-            ("HNSW32", [("efSearch", [128, 256, 512, 1024, 2048])]),
-            (f"IVF{nlist},Flat", [("nprobe", [32, 64, 128, 256])]),
-            (f"IVF{nlist},SQ8", [("nprobe", [64, 128, 256])])]
-
-
-def timed_search(index, queries, k, repeat_under=2.0):
-    """(seconds, ids (Q, k)): the fastest of up to 3 runs while a run takes under repeat_under seconds,
-    so that a short search is not measured by whatever else the machine did at that moment."""
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        _, ids = index.search(queries, k)                                                # (Q, k)
-        best = min(best, time.perf_counter() - t0)
-        if best >= repeat_under:
-            break
-    return best, ids
-
-
-def bench_indexes(name, docs, queries, k=100):
-    """One row per index and search setting: build s, index MiB, queries/s, Recall@100 vs Flat."""
-    import faiss
-    rows, exact = [], None
-    for spec, knobs in index_specs(len(docs)):
-        nlist = int(spec[3:].split(",")[0]) if spec.startswith("IVF") else 1
-        t0 = time.perf_counter()
-        index = evaluate.build_index(docs, spec, train_size=40 * nlist)
-        build_s = time.perf_counter() - t0
-        mib = faiss.serialize_index(index).nbytes / 2**20
-        for knob, values in knobs:
-            for value in values:
-                evaluate.set_search_parameters(index, **({"nprobe": value} if knob == "nprobe" else {"ef_search": value}))
-                seconds, ids = timed_search(index, queries, k)                           # (Q, k)
-                exact = ids if exact is None else exact
-                recall = np.mean([len(np.intersect1d(a, b)) / k for a, b in zip(ids, exact)])
-                rows.append({"data": name, "n": len(docs), "index": spec, "knob": f"{knob} {value}" if knob else "exact",
-                             "build_s": build_s, "mib": mib, "qps": len(queries) / seconds,
-                             "ms_per_query": 1000 * seconds / len(queries), "recall": recall})
-                print(f"  {name} {len(docs):,} {spec} {knob} {value}: {rows[-1]['qps']:,.0f} q/s, "
-                      f"recall {recall:.3f}", file=sys.stderr, flush=True)
-        del index
-    return rows
-
-
-def index_table(rows):
-    """Markdown: every measured row, then the per-query cost growth of each setting between sizes."""
-    lines = ["| data | N | index | search | build s | index MiB | queries/s | ms/query | Recall@100 |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['data']} | {r['n']:,} | {r['index']} | {r['knob']} | {r['build_s']:.1f} | {r['mib']:,.0f} | "
-              f"{r['qps']:,.0f} | {r['ms_per_query']:.3f} | {r['recall']:.3f} |" for r in rows]
-    synth = [r for r in rows if r["data"] == "synthetic"]
-    sizes = sorted({r["n"] for r in synth})
-    if len(sizes) >= 2:
-        small, large = sizes[0], sizes[-1]
-        family = lambda r: (r["index"].split(",")[1] if r["index"].startswith("IVF") else r["index"], r["knob"])
-        by = {(r["n"], family(r)): r for r in synth}
-        header = (f"| index | search | ms/query {small:,} | ms/query {large:,} | growth (N x{large // small}) "
-                  f"| Recall@100 {small:,} | Recall@100 {large:,} |")
-        lines += ["", header, "|---|---|---|---|---|---|---|"]
-        for r in (r for r in synth if r["n"] == large):
-            a = by.get((small, family(r)))
-            if a:
-                lines.append(f"| {a['index']} -> {r['index']} | {r['knob']} | {a['ms_per_query']:.3f} | "
-                             f"{r['ms_per_query']:.3f} | x{r['ms_per_query'] / a['ms_per_query']:.1f} | "
-                             f"{a['recall']:.3f} | {r['recall']:.3f} |")
-    return "\n".join(lines)
-
-
-def index_bench(vectors, sizes, n_queries):
-    """Each faiss index_factory string built by evaluate.build_index (trained on 40 vectors per inverted
-    list): build time (train + add), index size (faiss.serialize_index), queries/s (all queries in one call
-    on faiss's OpenMP threads; the best of up to 3 calls when one takes under 2 s) and Recall@100 against
-    exact search (the share of the exact top-100 ids found). Data: a SciFact-sized set (5,183 documents;
-    real vectors from `vectors`, else synthetic), then synthetic 384-d sets of each of sizes, so that the
-    per-query cost from 100k to 1M can be compared. IVF lists scale as the square root of the corpus."""
-    import faiss
-    t0 = time.perf_counter()
-    if vectors:
-        paths = vectors.split(",")
-        docs = np.ascontiguousarray(np.load(paths[0], mmap_mode="r"), dtype=np.float32)
-        queries = np.load(paths[1]).astype(np.float32) if len(paths) > 1 else queries_near(docs, n_queries)
-        rows = bench_indexes("scifact", docs, queries)
-    else:
-        docs = synthetic_vectors(5183, seed=2)                       # SciFact's corpus size
-        rows = bench_indexes("scifact-size synthetic", docs, queries_near(docs, 300))
-    if sizes:
-        docs = synthetic_vectors(max(sizes))
-        queries = queries_near(docs[:min(sizes)], n_queries)
-        for n in sizes:
-            rows += bench_indexes("synthetic", docs[:n], queries)
-    print(f"faiss {faiss.__version__}, {faiss.omp_get_max_threads()} thread(s), "
-          f"{n_queries} queries (synthetic), k = 100, {time.perf_counter() - t0:.0f} s in all\n")
-    print(index_table(rows))
-
-
-CHILDREN = {f.__name__: f for f in (variant_row, js_memory_one, vectors_rss_one)}   # run by in_fresh_process
+CHILDREN = {f.__name__: f for f in (variant_row,)}   # run by in_fresh_process
 
 
 def parse_value(text):
@@ -741,18 +456,6 @@ def main():
     parser.add_argument("--gpu", action="store_true", help="BERT-base on one GPU: step time, memory and MFU per method")
     parser.add_argument("--gpu_batch", type=int, default=32, help="--gpu: texts per step")
     parser.add_argument("--gpu_len", type=int, default=512, help="--gpu: tokens per text")
-    parser.add_argument("--js", action="store_true", help="CPDAE's JS loss memory, chunked vs naive")
-    parser.add_argument("--js_texts", type=int, default=64, help="texts (x 2 views) for --js")
-    parser.add_argument("--scale", default="", metavar="SIZES",
-                        help="start-up time and peak RSS against corpus size, e.g. 1,20,200 (million tokens)")
-    parser.add_argument("--scale_procs", default="1,2", help="torchrun processes for --scale")
-    parser.add_argument("--scale_dir", default="runs/bench-scale", help="synthetic corpora and caches for --scale")
-    parser.add_argument("--prep_workers", type=int, default=0, help="tokenizing processes (0 = all cores)")
-    parser.add_argument("--vectors_rss", type=int, default=0, metavar="N", help="peak RSS of encode + search of N vectors")
-    parser.add_argument("--index_bench", action="store_true", help="faiss indexes: build, size, queries/s, Recall@100")
-    parser.add_argument("--vectors", default="", help="--index_bench: DOCS.npy[,QUERIES.npy] real vectors (else synthetic)")
-    parser.add_argument("--sizes", default="100000,1000000", help="--index_bench: synthetic corpus sizes")
-    parser.add_argument("--queries", type=int, default=500, help="--index_bench: synthetic queries")
     parser.add_argument("--child", nargs=2, metavar=("FUNCTION", "ARGS"), help=argparse.SUPPRESS)  # in_fresh_process
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
@@ -765,15 +468,6 @@ def main():
         if not torch.cuda.is_available():
             sys.exit("error: --gpu: no CUDA device")
         gpu_table(args.gpu_batch, args.gpu_len, args.steps, args.warmup, variants)
-    elif args.js:
-        js_memory_table(args.js_texts, 30522)
-    elif args.scale:
-        scale_table([float(x) if "." in x else int(x) for x in args.scale.split(",")],
-                    [int(x) for x in args.scale_procs.split(",")], args.scale_dir, args.prep_workers)
-    elif args.vectors_rss:
-        vectors_rss_table(args.vectors_rss)
-    elif args.index_bench:
-        index_bench(args.vectors, [int(float(x)) for x in args.sizes.split(",") if x], args.queries)
     else:
         t0 = time.perf_counter()
         goals_table(speed_table(args.reps, args.quick))

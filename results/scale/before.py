@@ -1,6 +1,6 @@
-"""The "in memory (before)" rows of `benchmark.py --scale`: the data path before the token cache, where
+"""The "in memory (before)" rows of scale.py's table: the data path before the token cache, where
 every rank read and tokenized the whole corpus into Python lists (data.make_windows) at every start.
-Measured as benchmark.py measures the token cache (the same synthetic corpora, costa.py with a tiny model
+Measured as scale.py measures the token cache (the same synthetic corpora, costa.py with a tiny model
 for 2 steps under torchrun, time to the first step, peak RSS of the largest process). See README.md here.
 
     python results/scale/before.py 1,20                      # sizes in million tokens; --procs 1,2
@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root
-import benchmark
+import scale  # scale.py beside this file: the same corpora and timing
+
 import data
 
 
@@ -41,9 +42,9 @@ def train_costa(argv):
 def before_table(sizes, procs, folder):
     print("| corpus | processes | data path | run | time to first step | peak RSS per rank |\n|---|---|---|---|---|---|")
     for millions in sizes:
-        corpus, n_tokens = benchmark.synthetic_corpus(folder, millions)
+        corpus, n_tokens = scale.synthetic_corpus(folder, millions)
         for n in procs:
-            first, rss = benchmark.time_to_first_step(Path(__file__).resolve(), corpus, n, folder, 0)
+            first, rss = scale.time_to_first_step(Path(__file__).resolve(), corpus, n, folder, 0)
             print(f"| {n_tokens / 1e6:,.0f} M tokens | {n} | in memory (before) | every run | {first:.1f} s | "
                   f"{rss:,.0f} MiB |", flush=True)
 
@@ -55,7 +56,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sizes", help="million tokens, e.g. 1,20 (the old path holds about 56 bytes per token per rank)")
     parser.add_argument("--procs", default="1,2", help="torchrun processes")
-    parser.add_argument("--dir", default="runs/bench-scale", help="synthetic corpora (shared with benchmark.py --scale)")
+    parser.add_argument("--dir", default="runs/bench-scale", help="synthetic corpora (shared with scale.py)")
     args = parser.parse_args()
     before_table([float(x) if "." in x else int(x) for x in args.sizes.split(",")],
                  [int(x) for x in args.procs.split(",")], args.dir)
