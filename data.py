@@ -2139,39 +2139,59 @@ class TrainingRun:
         c, self.step = self.c, step
         if step % c.log_every == 0 or step == c.steps:
             self.progress.report(step, self.scheduler.get_last_lr()[0], self.device)
-        terminate = _all_ranks_agree(bool(STOP_SIGNALS["term"]), self.device)
         due = step % c.save_every == 0 or step == c.steps or step == c.halt_at
-        if due or (terminate and step - self.saved > c.save_every / 2):   # SIGTERM: save first if it is worth it
-            with hold_ctrl_c():   # a Ctrl-C now stops after the checkpoint, which the line then names
-                save_checkpoint(c, self.model, self.optimizer, self.scheduler, step, self.is_rank0, self.saved,
-                                self.extra_files)
-                self.saved = step
-        if terminate:
-            raise Terminated
-        if STOP_SIGNALS["int"]:       # a Ctrl-C held during the save, or whose KeyboardInterrupt Python dropped
-            raise KeyboardInterrupt
+
+        def save():
+            save_checkpoint(c, self.model, self.optimizer, self.scheduler, step, self.is_rank0, self.saved,
+                            self.extra_files)
+            self.saved = step
+        checkpoint_or_stop(step, self.saved, due, c.save_every, save, self.device)
         return step == c.halt_at
 
     @contextlib.contextmanager
     def stops_cleanly(self):
         """Around the loop: Ctrl-C or SIGTERM becomes one line with the step and the last checkpoint."""
-        restore = catch_stop_signals(defer_term=True)
         try:
-            yield
-        except KeyboardInterrupt as e:
-            last = (f"last checkpoint at step {self.saved} in {self.c.out_dir}" if self.saved else
-                    f"no checkpoint yet in {self.c.out_dir}")
-            kind = Terminated if isinstance(e, Terminated) else Interrupted
-            what = "terminated (SIGTERM)" if kind is Terminated else "interrupted"
-            raise kind(f"{what} at step {self.step}; {last}; continue with --resume") from None
+            with stops_cleanly(lambda: (self.step, self.saved, self.c.out_dir)):
+                yield
         finally:
-            restore()   # the caller's own handlers again (a test, a notebook, study.py)
             release_run_folder(self.c.out_dir)
 
     def finish(self):
         if self.is_rank0:
             print(f"done: {self.progress.summary(self.device)}; encoder in {Path(self.c.out_dir) / 'encoder'}")
         barrier()   # every rank is past its last collective (the group ends in leave_distributed)
+
+
+def checkpoint_or_stop(step, saved, due, save_every, save, device):
+    """After an optimizer step: save() (which records the step it saved) when due, or when SIGTERM came
+    and the last checkpoint (step `saved`) is more than save_every / 2 steps old; then raise Terminated on
+    SIGTERM, or KeyboardInterrupt on a Ctrl-C held during the save. Every rank calls it."""
+    terminate = _all_ranks_agree(bool(STOP_SIGNALS["term"]), device)
+    if due or (terminate and step - saved > save_every / 2):   # SIGTERM: save first if it is worth it
+        with hold_ctrl_c():   # a Ctrl-C now stops after the checkpoint, which the line then names
+            save()
+    if terminate:
+        raise Terminated
+    if STOP_SIGNALS["int"]:       # a Ctrl-C held during the save, or whose KeyboardInterrupt Python dropped
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def stops_cleanly(where):
+    """Around a training loop: Ctrl-C or SIGTERM becomes one line with the step and the last checkpoint.
+    where() -> (step, step of the last checkpoint, the folder that holds it), read when the signal comes."""
+    restore = catch_stop_signals(defer_term=True)
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        step, saved, folder = where()
+        last = f"last checkpoint at step {saved} in {folder}" if saved else f"no checkpoint yet in {folder}"
+        kind = Terminated if isinstance(e, Terminated) else Interrupted
+        what = "terminated (SIGTERM)" if kind is Terminated else "interrupted"
+        raise kind(f"{what} at step {step}; {last}; continue with --resume") from None
+    finally:
+        restore()   # the caller's own handlers again (a test, a notebook, study.py)
 
 
 def _all_ranks_agree(flag, device):

@@ -451,36 +451,41 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
         sampler=range(start_step * c.grad_accum, sc.steps * c.grad_accum), generator=torch.Generator())
     autocast = data.autocast_bf16(device, c.bf16)
     progress = data.Progress(sc, start_step, is_rank0)
-    batches, saved = iter(loader), start_step
+    batches, saved, step = iter(loader), start_step, start_step
     model.train()
-    for step in range(start_step + 1, sc.steps + 1):
-        for micro in range(c.grad_accum):
-            micro_step = (step_offset + step - 1) * c.grad_accum + micro   # counted across stages
-            batch = next(batches)
-            n_tokens = int(batch["q_mask"].sum() + batch["p_mask"].sum())
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            # dropout, like the batch, is a function of the step: resume is exact without saving RNG state
-            torch.manual_seed(data.step_seed(c.seed, rank, micro_step))
-            last = micro == c.grad_accum - 1
-            with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
-                with autocast:
-                    loss, metrics = ddp(batch)
-                (loss / c.grad_accum).backward()
-            progress.add(metrics, n_tokens)
-        data.stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, sc, saved)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % c.log_every == 0 or step == sc.steps:
-            progress.report(step, scheduler.get_last_lr()[0], device)
-        halt = c.halt_at == step_offset + step
-        if step % c.save_every == 0 or step == sc.steps or halt:
-            save_checkpoint(sc, model, optimizer, scheduler, step, is_rank0, tokenizer_vocab(c))
-            saved = step
-        if halt:
-            if is_rank0:
-                print(f"{stage}: halted at step {step} (--halt_at {c.halt_at})")
-            return None
+    with data.stops_cleanly(lambda: (step, saved, sc.out_dir)):   # Ctrl-C, SIGTERM: one line, then --resume
+        for step in range(start_step + 1, sc.steps + 1):
+            for micro in range(c.grad_accum):
+                micro_step = (step_offset + step - 1) * c.grad_accum + micro   # counted across stages
+                batch = next(batches)
+                n_tokens = int(batch["q_mask"].sum() + batch["p_mask"].sum())
+                batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+                # dropout, like the batch, is a function of the step: resume is exact without saving RNG state
+                torch.manual_seed(data.step_seed(c.seed, rank, micro_step))
+                last = micro == c.grad_accum - 1
+                with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
+                    with autocast:
+                        loss, metrics = ddp(batch)
+                    (loss / c.grad_accum).backward()
+                progress.add(metrics, n_tokens)
+            data.stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, sc, saved)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step % c.log_every == 0 or step == sc.steps:
+                progress.report(step, scheduler.get_last_lr()[0], device)
+            halt = c.halt_at == step_offset + step
+            due = step % c.save_every == 0 or step == sc.steps or halt
+
+            def save(step=step):
+                nonlocal saved
+                save_checkpoint(sc, model, optimizer, scheduler, step, is_rank0, tokenizer_vocab(c))
+                saved = step
+            data.checkpoint_or_stop(step, saved, due, c.save_every, save, device)   # SIGTERM: save, then stop
+            if halt:
+                if is_rank0:
+                    print(f"{stage}: halted at step {step} (--halt_at {c.halt_at})")
+                return None
     if is_rank0:
         data.atomic_write_json(Path(sc.out_dir) / "done.json", {"steps": sc.steps})
         print(f"{stage}: done: {progress.summary(device)}", flush=True)

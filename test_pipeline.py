@@ -2390,6 +2390,35 @@ def test_sigterm_saves_a_checkpoint_and_stops_with_one_line(tmp_path, small_corp
     assert f"resume: {out / 'state.pt'} at step {saved}" in result.stdout
 
 
+def test_finetune_sigterm_saves_a_checkpoint_and_stops_with_one_line(tmp_path):
+    """finetune.py's stage loop stops as pre-training does: the step in progress finishes, a checkpoint
+    older than --save_every / 2 steps is renewed first, one line names both, and --resume continues."""
+    import signal
+    beir, init, out = tiny_beir(tmp_path / "beir"), _tiny_init(tmp_path / "init"), tmp_path / "ft"
+    cmd = [PY, "finetune.py", "--init", init, "--dataset", str(beir), "--train_split", "test", "--eval_split", "",
+           "--batch_size", "1", "--query_len", "16", "--passage_len", "16", "--bf16", "false", "--log_every", "1",
+           "--save_every", "4", "--out_dir", str(out)]
+    run = subprocess.Popen(cmd + ["--steps", "2000"], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in run.stdout:
+        if line.startswith("step      3/"):
+            break
+    run.send_signal(signal.SIGTERM)
+    _, stderr = run.communicate(timeout=120)
+    assert run.returncode == 143, stderr
+    stage = out / "stage1"
+    last = re.fullmatch(rf"terminated \(SIGTERM\) at step (\d+); last checkpoint at step (\d+) in {re.escape(str(stage))}; "
+                        r"continue with --resume", stderr.strip().splitlines()[-1])
+    assert last, stderr
+    stopped, saved = int(last[1]), int(last[2])
+    assert 3 <= stopped and 0 <= stopped - saved <= 2 and saved >= 3
+    assert data.load_training_state(stage / "state.pt")["step"] == saved
+    result = subprocess.run(cmd + ["--steps", str(stopped + 2), "--resume"], cwd=HERE, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert f"resume: {stage / 'state.pt'} at step {saved}" in result.stdout
+
+
 def test_non_finite_flags_are_refused_when_parsed():
     import finetune
     for module, flag in ((costa, "--lr"), (costa, "--tau"), (finetune, "--lr"), (evaluate, "--k1")):
