@@ -2,7 +2,7 @@
 queries + 32 positives + 32 negatives, bf16): its time, round-robin in one process in a new order each
 pass (speed against as shipped); its first loss from the same seed (a change that only reorders the
 arithmetic moves it by rounding at most); and the peak RSS of its steps in a fresh process with malloc's
-mmap threshold pinned (st.py --one). None was kept; the numbers are in the README's Speed section.
+mmap threshold pinned (st.py --one). None was kept; the numbers are in docs/speed.md.
 
     python results/speed/levers.py              # every lever
     python results/speed/levers.py --reps 3 --no_memory

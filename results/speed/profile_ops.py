@@ -1,7 +1,7 @@
 """Where a method's step time goes beyond its FLOP ratio to MLM-only: torch.profiler's self CPU time of
 2 full training steps per variant (4 x 256, batch 32 x 128, bf16 where the CPU has it), grouped by op kind,
 next to the step's matmul FLOPs. A method whose time share outside matmul is large spends it on work that
-the FLOP ratio does not count. The numbers are in the README's Speed section.
+the FLOP ratio does not count. The numbers are in docs/speed.md.
 
     python results/speed/profile_ops.py costa-mlm,cpdae,seed
 """

@@ -1,6 +1,6 @@
 """finetune.py against sentence-transformers at the same recipe and on the same batches (all-MiniLM-L6-v2,
 lr 1e-4, batch 32 + 1 BM25 negative, 64 / 128 tokens, bf16): step time and peak RSS, each tool in a fresh
-process, and where fine-tuning's memory goes. The numbers are in the README's Speed section.
+process, and where fine-tuning's memory goes. The numbers are in docs/speed.md.
 
     python results/speed/st.py                  # s/step and peak RSS of both tools, then the two goals
     python results/speed/st.py --memory         # resident between steps and peak: malloc as is and pinned
