@@ -13,10 +13,9 @@ the two views' word distributions. The paper's equations, in order, and the func
     eq. 6     L = L_REC + L_MLM + lambda L_CL                          PretrainModel.terms (L_MLM: mlm_loss)
 
 It has costa.py's skeleton section for section, with COSTA's own parts (spans, projector, eq. 8)
-swapped for CPDAE's: `diff costa.py cpdae.py` shows that swap (the losses as one replaced block). The
-run machinery (run folder, resume, checkpoints, progress, Ctrl-C) is in data.py, one call each from
-train(). Each departure from the paper is said where it happens, tagged with its key;
-docs/departures.md lists them all.
+swapped for CPDAE's: `diff costa.py cpdae.py` shows that swap, the losses as one block. The run machinery
+(run folder, resume, checkpoints, progress, Ctrl-C) is in data.py, one call each from train(). Each departure
+from the paper is said where it happens, tagged with its key; docs/departures.md lists them all.
 
     python cpdae.py                                  # small model, bundled Wikipedia slice, CPU
     python cpdae.py --cl_weight 0                    # Table 2 "w/o CL";  --idf_rec: Table 2 "IDF-REC"

@@ -152,11 +152,10 @@ class DecoderBlock(nn.Module):
 
 class WeakDecoder(nn.Module):
     """SEED's weak decoder (section 3.4): `dec_layers` blocks with self-attention span `dec_span`;
-    its only view of the encoder is the text vector h0 (the last-layer [CLS] state, or the token
-    mean with --bottleneck mean), in every block. It shares the encoder's token embedding for its
-    input and its output projection (as the authors do) and has its own learned positions. Its
-    embedded input goes through a LayerNorm, as in the authors' code (layernorm_embedding=True in
-    their config) and in BERT's encoder. Dropped after pre-training."""
+    its only view of the encoder is h0 ([CLS], or the token mean with --bottleneck mean), in every
+    block. It shares the encoder's token embedding for its input and output projection (as the authors
+    do), has its own learned positions, and puts its embedded input through a LayerNorm (the authors'
+    layernorm_embedding=True, as in BERT's encoder). Dropped after pre-training."""
 
     def __init__(self, c, word_embedding):
         super().__init__()
