@@ -46,14 +46,13 @@ import torch.nn.functional as F
 
 import data
 import evaluate
+import run
 
 ROOT = Path(__file__).resolve().parent
 # variant -> (module, Config overrides). "costa-mlm" is the papers' BERT/MLM baseline.
 VARIANTS = {
     "costa-mlm": ("costa", {"gwc_weight": 0.0}),
-    "costa": ("costa", {}),
-    "cpdae": ("cpdae", {}),
-    "seed": ("seed", {}),
+    **{m: (m, {}) for m in run.METHODS},
     "hf-bert-mlm": ("costa", {"gwc_weight": 0.0}),   # same batches, transformers' model
 }
 MINILM = {"hidden_size": 384, "num_layers": 6, "num_heads": 12, "ffn_size": 1536}   # all-MiniLM-L6-v2's sizes
@@ -93,7 +92,7 @@ def peak_rss_mib():
 
 
 def cpu_bf16():
-    """Whether training autocasts to bf16 on this CPU (the rule of data.autocast_bf16)."""
+    """Whether training autocasts to bf16 on this CPU (the rule of run.autocast_bf16)."""
     return any(getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile"))
 
 
@@ -131,7 +130,7 @@ def load_batches(module, c, n_batches, n_texts=40):
     with tempfile.TemporaryDirectory() as tmp:
         c.corpus = str(Path(tmp) / "corpus.jsonl")
         Path(c.corpus).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-        dataset = module.Batches(c, data.load_windows(c, 0), 0, 1)
+        dataset = module.Batches(c, run.load_windows(c, 0), 0, 1)
         return [dataset[i] for i in range(n_batches)]
 
 
@@ -157,9 +156,9 @@ def pretrain_step(module, c, batches, device=None, hf=False):
         model = module.PretrainModel(c, module.Encoder(c))
         forward = lambda batch: model(batch)[0]
     model.to(device).train()
-    optimizer, _ = data.make_optimizer(model, c, eps=1e-6 if module.__name__ == "seed" else 1e-8)  # as train()
+    optimizer, _ = run.make_optimizer(model, c, eps=1e-6 if module.__name__ == "seed" else 1e-8)   # as train()
     batches = [{k: v.to(device) for k, v in batch.items()} for batch in batches]
-    autocast, it = data.autocast_bf16(device, c.bf16), iter(batches * 1000)
+    autocast, it = run.autocast_bf16(device, c.bf16), iter(batches * 1000)
 
     def step(optimize=True):
         with autocast:
@@ -202,8 +201,8 @@ def finetune_step(batches, init="", change=None):
     encoder.mlm_head, c = None, encoder.config
     model = finetune.BiEncoder(encoder, c).train()
     context = change(encoder) if change else contextlib.nullcontext       # before the optimizer: new weights
-    optimizer, _ = data.make_optimizer(model, dataclasses.replace(c, steps=10 ** 6))
-    autocast, it = data.autocast_bf16(torch.device("cpu"), c.bf16), iter(batches * 1000)
+    optimizer, _ = run.make_optimizer(model, dataclasses.replace(c, steps=10 ** 6))
+    autocast, it = run.autocast_bf16(torch.device("cpu"), c.bf16), iter(batches * 1000)
 
     def step(optimize=True):
         with context():
@@ -228,7 +227,7 @@ def speed_variants(quick=False):
     ids, mask = torch.randint(1000, 30000, (32, 128)), torch.ones(32, 128, dtype=torch.long)
 
     def encoder_step(optimize=True):
-        with data.autocast_bf16(torch.device("cpu")):
+        with run.autocast_bf16(torch.device("cpu")):
             hidden = encoder(ids, mask)                                          # (32, 128, 384)
         hidden.float().square().mean().backward()
         encoder.zero_grad(set_to_none=True)
@@ -244,7 +243,7 @@ def speed_variants(quick=False):
             costa.dropout, costa.attention = ours
     rows.append(("encoder fwd+bwd, torch's dropout + SDPA (before)", "6x384", before_step, encoder_flops(big, 32, 128)))
     for size, fields in [("4x256", {})] + ([] if quick else [("6x384", MINILM)]):
-        for variant in ("costa-mlm", "costa", "cpdae", "seed"):
+        for variant in ("costa-mlm", *run.METHODS):
             module_name, fixed = VARIANTS[variant]
             module = importlib.import_module(module_name)
             c = module.Config(**{**fixed, **fields})

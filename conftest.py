@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import data
+import run
 
 # The suite is the CPU suite that CI runs, and it runs the same on a GPU machine: its torchrun tests start
 # 2 processes, which NCCL would refuse on one GPU. The GPU path is measured by benchmark.py --gpu.
@@ -20,8 +21,8 @@ def release_run_folders():
     """A run that stopped with an error keeps its run folder locked until its process ends; a test is
     not the end of the pytest process, so the next test's subprocess may use the folder again."""
     yield
-    for folder in list(data._LOCKS):
-        data.release_run_folder(folder)
+    for folder in list(run._LOCKS):
+        run.release_run_folder(folder)
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,18 @@ the two views' word distributions. The paper's equations, in order, and the func
     eq. 2-3   decoder z = MLP(h_[CLS]); z_hat = sigmoid(z) and the     Decoder, word_distribution
               word distribution z_tilde = z_hat / sum_j z_hat_j
     eq. 4     bag-of-words reconstruction (binary cross-entropy)      reconstruction_loss (IDF-REC: idf_from_df)
-    eq. 5     contrastive loss between the views' distributions       contrastive_loss (all ranks: gathered_contrastive_loss)
-    eq. 7     the similarity s = -JS(z_tilde', z_tilde'')              js_similarity (CPDAE_R: cosine_similarity)
+    eq. 5     contrastive loss between the views' distributions       contrastive_loss
+              (under torchrun: gathered_contrastive_loss)
     eq. 6     L = L_REC + L_MLM + lambda L_CL                          PretrainModel.terms (L_MLM: mlm_loss)
+    eq. 7     the similarity s = -JS(z_tilde', z_tilde'')              js_similarity (CPDAE_R: cosine_similarity)
 
 It has costa.py's skeleton section for section, with COSTA's own parts (spans, projector, eq. 8)
 swapped for CPDAE's: `diff costa.py cpdae.py` shows that swap, the losses as one block. The run machinery
-(run folder, resume, checkpoints, progress, Ctrl-C) is in data.py, one call each from train(). Each departure
+(run folder, resume, checkpoints, progress, Ctrl-C) is in run.py, one call each from train(). Each departure
 from the paper is said where it happens, tagged with its key; docs/departures.md lists them all.
 
     python cpdae.py                                  # small model, bundled Wikipedia slice, CPU
-    python cpdae.py --cl_weight 0                    # Table 2 "w/o CL";  --idf_rec: Table 2 "IDF-REC"
+    python cpdae.py --cl_weight 0                    # Table 2 "w/o CL"; add --idf_rec: Table 2 "IDF-REC" (no CL)
     python cpdae.py --cl_mode cls                    # CPDAE_R (Table 1): contrast the [CLS] vectors
     torchrun --nproc_per_node=4 cpdae.py --preset paper --init bert-base-uncased/
     python cpdae.py --resume                         # continue from out_dir/state.pt exactly
@@ -28,9 +29,7 @@ The encoder is written to {out_dir}/encoder as a Hugging Face BERT folder for fi
 decoder beside it in decoder.safetensors (Decoder.from_pretrained; the Table 4 figure needs it).
 """
 import contextlib
-import itertools
 import json
-import operator
 import os
 import sys
 from dataclasses import dataclass
@@ -45,19 +44,20 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import data
+import run
 
 
 # ==============================================================================================
 # Config
 # ==============================================================================================
 @dataclass
-class Config(data.TrainConfig):
+class Config(run.TrainConfig):
     """CPDAE's own flags (section 3.2, eq. 6; variants of Tables 1-2). batch_size counts texts: 2 views
-    each. The flags every method shares (corpus, model size, optimisation, run folder) are data.TrainConfig's."""
+    each. The flags every method shares (corpus, model size, optimisation, run folder) are run.TrainConfig's."""
     cl_weight: float = 0.1        # lambda in L = L_REC + L_MLM + lambda * L_CL (eq. 6); 0 = Table 2 "w/o CL"
     cl_mode: str = "js"           # "js": -JS between word distributions (eq. 5); "cls": CPDAE_R, [CLS] vectors
     cls_temperature: float = 0.1  # CPDAE_R similarity = cosine / temperature (the paper gives none: our choice)
-    idf_rec: bool = False         # Table 2 "IDF-REC": weight eq. 4's word terms by IDF over the corpus windows
+    idf_rec: bool = False         # weight eq. 4's word terms by corpus IDF; with --cl_weight 0, Table 2's "IDF-REC"
     js_chunk: int = 8             # anchors per block of pairwise JS: peak ~5 x js_chunk x 2M x |V| fp32
     cl_tau: float = 1.0           # eq. 5's similarity is -JS / cl_tau (1 = the paper's; -JS alone keeps L_CL near ln(2m-1))
     rec_reduction: str = "sum"    # eq. 4 over the vocabulary: "sum" (the paper's) or "mean" (/|V|, as DupMAE's BoW loss)
@@ -75,7 +75,7 @@ PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072,
                     warmup=0.1, epochs=3.0, global_batch=64)
 
 
-# The domain of each of CPDAE's flags, checked by data.parse_config before any work (with TrainConfig's).
+# The domain of each of CPDAE's flags, checked by run.parse_config before any work (with TrainConfig's).
 FLAG_RULES = {
     "cl_weight": ">= 0", "cls_temperature": "> 0", "js_chunk": ">= 1", "cl_mode": "one of {js, cls}",
     "cl_tau": "> 0", "rec_reduction": "one of {sum, mean}",
@@ -124,7 +124,7 @@ class Decoder(nn.Module):
     @classmethod
     def from_pretrained(cls, folder):
         """The decoder that save_checkpoint wrote beside the encoder (folder/decoder.safetensors)."""
-        state = data.load_tensors(Path(folder) / "decoder.safetensors")
+        state = run.load_tensors(Path(folder) / "decoder.safetensors")
         eps = json.loads((Path(folder) / "config.json").read_text()).get("layer_norm_eps", 1e-12)
         decoder = cls(state["out.weight"].shape[1], state["out.weight"].shape[0], eps)
         decoder.load_state_dict(state)
@@ -142,9 +142,10 @@ def mlm_loss(hidden, labels, head):
 
     Departure (mlm-mean): the papers write this sum; we take the mean over the masked tokens (times
     1/|m(x)|), as BERT's and SEED's code do, so that a loss weight (lambda) does not depend on how many
-    tokens a batch masks. Only the masked positions go through `head` (the vocabulary projection is most of the cost). hidden (B, L, H),
-    labels (B, L) with -100 where nothing is predicted, head: MLMHead. Returns (loss, n_correct,
-    n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
+    tokens a batch masks. Only the masked positions go through `head` (the vocabulary projection is
+    most of the cost). hidden (B, L, H), labels (B, L) with -100 where nothing is predicted, head:
+    MLMHead. Returns (loss, n_correct, n_masked). Under torchrun the mean is over this rank's masked
+    tokens; DDP averages the ranks."""
     chosen = labels != -100                                     # (B, L)
     if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
         return head(hidden[:1, 0]).sum() * 0.0, 0, 0
@@ -163,11 +164,11 @@ def reconstruction_loss(logits, bag, idf=None, reduction="sum"):
         L_REC   = - sum_j w_j [ y^j log z_hat^j + (1 - y^j) log(1 - z_hat^j) ]   (eq. 4)
 
     y^j = 1 iff word j occurs in the original text (bag_of_words). Departure (cpdae-eq4-typo): eq. 4 as
-    printed has log z_hat^j in its second term, a typo; we use log(1 - z_hat^j). Summed over the vocabulary as eq. 4
-    writes it, then averaged over the N texts. w_j = 1, or idf[j] for IDF-REC (Table 2).
-    Departure (option-cpdae-rec-mean): reduction="mean" (--rec_reduction mean), the mean over the vocabulary instead of the sum, as DupMAE
-    normalises its bag-of-words loss: the sum of 30,522 terms (~21,000 nats from MiniLM) sends the
-    encoder ~10^6 times the gradient of lambda L_CL, the mean 1/|V| of it.
+    printed has log z_hat^j in its second term, a typo; we use log(1 - z_hat^j). Summed over the
+    vocabulary as eq. 4 writes it, then averaged over the N texts. w_j = 1, or idf[j] for IDF-REC.
+    Departure (option-cpdae-rec-mean): reduction="mean" (--rec_reduction mean), the mean over the
+    vocabulary instead of the sum, as DupMAE normalises its bag-of-words loss: the sum of 30,522 terms
+    (~21,000 nats from MiniLM) sends the encoder ~10^6 times the gradient of lambda L_CL, the mean 1/|V|.
     Eq. 3's sigmoid is inside BCE-with-logits (as log-sigmoid), which keeps it finite for any logit. fp32.
     logits (N, V), bag (N, V) 0/1, idf (V,) or None -> scalar.
     """
@@ -213,7 +214,8 @@ def js_similarity(anchors, candidates, chunk_size=8, tau=1.0):
     We build it chunk_size anchors at a time and checkpoint each chunk, so autograd keeps P and Q,
     not every chunk's intermediates; the backward recomputes them chunk by chunk. Same values. fp32.
     JS is in [0, ln 2], so eq. 5's L_CL is bounded: ln m <= L_CL <= ln(4m - 3) with m texts (ln(2m - 1)
-    when every similarity is equal), and barely moves. Departure (option-cpdae-cl-tau): tau (--cl_tau; 1 = the paper's): -JS / tau widens the logits to [-ln 2 / tau, 0].
+    when every similarity is equal), and barely moves. Departure (option-cpdae-cl-tau): tau (--cl_tau;
+    1 = the paper's): -JS / tau widens the logits to [-ln 2 / tau, 0].
     """
     dtype = torch.promote_types(anchors.dtype, torch.float32)                  # fp32 (fp64 stays, for tests)
     p, q = anchors.to(dtype), candidates.to(dtype)                              # (a, V), (b, V)
@@ -313,7 +315,7 @@ class PretrainModel(nn.Module):
         logits = self.decoder(h_cls)                                             # (2B, V) eq. 2
         rec = reconstruction_loss(logits, batch["bag"].repeat(2, 1), self.idf, c.rec_reduction)  # each view its text
         metrics = {"rec": rec.detach(), "mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
-                   "mlm_chance": data.most_frequent_accuracy(batch["labels"], self.frequent_token)}
+                   "mlm_chance": run.most_frequent_accuracy(batch["labels"], self.frequent_token)}
         if not c.cl_weight:                                                      # Table 2 "w/o CL"
             return {"L_REC": rec, "L_MLM": mlm}, metrics
         if c.cl_mode == "js":                                                    # CPDAE, eq. 5
@@ -324,7 +326,7 @@ class PretrainModel(nn.Module):
             similarity = partial(cosine_similarity, temperature=c.cls_temperature)
         cl, accuracy = gathered_contrastive_loss(view1, view2, similarity)      # eq. 5 (contrastive_loss)
         terms = {"L_REC": rec, "L_MLM": mlm, "lambda L_CL": c.cl_weight * cl}   # eq. 6: L_REC + L_MLM + lambda L_CL
-        views = 2 * view1.shape[0] * rank_and_world()[1]                         # 2M views in the global batch
+        views = 2 * view1.shape[0] * rank_and_world()[1]                         # 2M views: one micro-step, all ranks
         return terms, {**metrics, "cl": cl.detach(), "cl_acc": accuracy, "cl_chance": 1 / (views - 1)}
 
     def forward(self, batch):
@@ -342,17 +344,6 @@ def bag_of_words(input_ids, vocab_size, special_ids):
     bag.scatter_(1, input_ids, 1.0)                                            # (B, V) padding too, for now
     bag[:, list(special_ids)] = 0.0                                            # (B, V)
     return bag
-
-
-def compute_idf(texts, vocab_size):
-    """IDF of in-memory texts (token-id lists or Windows), for tests and notebooks; training runs
-    cached_idf over the token cache. Both count df with document_frequency and apply idf_from_df."""
-    windows = len(texts) > 0 and isinstance(texts[0], tuple)                    # Window = (input_ids, word_starts)
-    id_lists = list(map(operator.itemgetter(0), texts)) if windows else texts  # (map: no Python-level loop)
-    lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))    # (N,)
-    ids = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int64, count=int(lengths.sum()))
-    offsets = np.concatenate([[0], np.cumsum(lengths)])                                  # (N + 1,)
-    return idf_from_df(document_frequency(ids, offsets, vocab_size), len(id_lists))
 
 
 def idf_from_df(df, n_texts):
@@ -430,29 +421,29 @@ class Batches(torch.utils.data.Dataset):
 def train(c):
     """Pre-train with CPDAE. Every check comes first (flags when parsed; here the run folder, --init,
     the vocabulary, the batch arithmetic, the corpus), then the steps. The method (PretrainModel,
-    Batches) and the distributed steps are here; each piece of run machinery is one call into data.py."""
+    Batches) and the distributed steps are here; each piece of run machinery is one call into run.py."""
     rank, world, device = setup_distributed()                    # torchrun: one process per device
     torch.manual_seed(c.seed)                                    # the encoder's and the decoder's init
-    c = data.start_run(c, world)                                 # --init found, run folder free, batch split
-    encoder = data.init_encoder(Encoder, c)                      # random, or the --init checkpoint
-    c = data.resolve_vocab(encoder.config)                       # --init brings its sizes and vocabulary
-    windows = data.load_windows(c, rank)                         # the token cache, built once by rank 0
-    c = data.resolve_schedule(c, world, len(windows))            # --epochs -> steps
+    c = run.start_run(c, world)                                  # --init found, run folder free, batch split
+    encoder = run.init_encoder(Encoder, c)                       # random, or the --init checkpoint
+    c = run.resolve_vocab(encoder.config)                        # --init brings its sizes and vocabulary
+    windows = run.load_windows(c, rank)                          # the token cache, built once by rank 0
+    c = run.resolve_schedule(c, world, len(windows))             # --epochs -> steps
     idf = cached_idf(windows, c.vocab_size, rank) if c.idf_rec else None   # IDF-REC: once, from the token cache
     model = PretrainModel(c, encoder, idf, data.most_frequent_token(windows)).to(device)
-    optimizer, scheduler = data.make_optimizer(model, c, eps=1e-8)   # Adam's eps: torch's (the paper gives none)
-    save_decoder = lambda folder: data.save_tensors(Path(folder) / "decoder.safetensors", model.decoder.state_dict())
-    run = data.TrainingRun(c, model, optimizer, scheduler, device, len(windows), save_decoder)  # resume, folder, log
+    optimizer, scheduler = run.make_optimizer(model, c, eps=1e-8)    # Adam's eps: torch's (the paper gives none)
+    save_decoder = lambda folder: run.save_tensors(Path(folder) / "decoder.safetensors", model.decoder.state_dict())
+    training = run.TrainingRun(c, model, optimizer, scheduler, device, windows, save_decoder)  # resume, folder, log
     # Each rank trains on its own slice of every global batch (data.batch_indices); DDP averages the
     # gradients over the ranks, and eq. 5 sees every rank's views (gather_across_ranks).
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     loader = torch.utils.data.DataLoader(
         Batches(c, windows, rank, world), batch_size=None, num_workers=c.workers,
-        sampler=range(run.start_step * c.grad_accum, c.steps * c.grad_accum),
+        sampler=range(training.start_step * c.grad_accum, c.steps * c.grad_accum),
         generator=torch.Generator())  # its own generator: the global RNG (dropout) resumes exactly
-    autocast, batches = data.autocast_bf16(device, c.bf16), iter(loader)
-    with run.stops_cleanly():                                    # Ctrl-C, SIGTERM: one line, then --resume
-        for step in range(run.start_step + 1, c.steps + 1):
+    autocast, batches = run.autocast_bf16(device, c.bf16), iter(loader)
+    with training.stops_cleanly():                               # Ctrl-C, SIGTERM: one line, then --resume
+        for step in range(training.start_step + 1, c.steps + 1):
             for micro in range(c.grad_accum):
                 batch = next(batches)
                 n_tokens = int(batch["attention_mask"].sum())
@@ -464,19 +455,19 @@ def train(c):
                     with autocast:
                         loss, metrics = ddp(batch)                   # eq. 6
                     (loss / c.grad_accum).backward()
-                run.progress.add(metrics, n_tokens)
-            run.stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step)
+                training.progress.add(metrics, n_tokens)
+            training.stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            if run.end_of_step(step):                            # log, checkpoint; True at --halt_at
+            if training.end_of_step(step):                       # log, checkpoint; True at --halt_at
                 break
-    run.finish()
+    training.finish()
 
 
 # ==============================================================================================
-# The blocks every method file owns a copy of, byte-identical (a test checks, and `diff costa.py
-# cpdae.py` skips them): the BERT encoder and the distributed steps. Read them once, here.
+# The blocks every method file owns a copy of, byte-identical (a test checks; being identical, they
+# give no lines in a diff of two method files): the BERT encoder and the distributed steps.
 # ==============================================================================================
 # --- shared: begin encoder ---
 def drop_mask(shape, p):
@@ -590,7 +581,7 @@ class MLMHead(nn.Module):
 class Encoder(nn.Module):
     """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
     forward returns the last hidden states, from which text_vector takes the text's vector. Loading
-    and saving Hugging Face folders: data.load_pretrained(Encoder, folder, c), data.save_pretrained."""
+    and saving Hugging Face folders: run.load_pretrained(Encoder, folder, c), run.save_pretrained."""
 
     def __init__(self, c):
         super().__init__()
@@ -669,4 +660,4 @@ def gather_across_ranks(t):
 
 
 if __name__ == "__main__":
-    data.run_command_line(lambda: train(data.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES)))
+    run.run_command_line(lambda: train(run.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES)))

@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import data
+import run
 
 
 # ==============================================================================================
@@ -75,7 +76,7 @@ class Config:
     dev_queries: int = 0          # with --split dev: the fixed sample of this many train queries that finetune.py --dev_queries holds out
 
 
-# The domain of each numeric or choice flag, checked by data.parse_config before any work.
+# The domain of each numeric or choice flag, checked by run.parse_config before any work.
 FLAG_RULES = {"query_len": "0 or >= 3", "passage_len": "0 or >= 3", "depth": ">= 1", "encode_batch": ">= 1",
               "k1": ">= 0", "b": "in [0, 1]", "nprobe": ">= 0", "ef_search": ">= 0", "index_train": ">= 1",
               "index": "a faiss index_factory string", "pooling": "one of {cls, mean} or empty",
@@ -133,7 +134,7 @@ def load_encoder(folder, c=None):
     unused parameters would make DistributedDataParallel fail. Saved folders then have no MLM head;
     transformers.AutoModel still loads them. c: a Config with the encoder's fields (finetune.py's),
     else EncoderConfig; the folder's config.json replaces its sizes."""
-    encoder = data.load_pretrained(Encoder, folder, c or EncoderConfig())
+    encoder = run.load_pretrained(Encoder, folder, c or EncoderConfig())
     encoder.mlm_head = None
     return encoder
 
@@ -235,11 +236,6 @@ class BM25:
 # ---------------------------------------------------------------------------------------------
 # Dense retrieval: encode, search (exact or a faiss index), the cross-rank top-k merge
 # ---------------------------------------------------------------------------------------------
-def exact_search(query_vecs, doc_vecs, k, batch=1024):
-    """Exact maximum inner product search: search() with faiss's "Flat" index (IndexFlatIP)."""
-    return search(query_vecs, doc_vecs, k, batch=batch)
-
-
 def new_index(spec, dim):
     """An empty faiss index from an index_factory string, inner-product metric; a one-line ValueError
     when faiss refuses the string (unknown, or e.g. PQ32 on vectors whose size 32 does not divide)."""
@@ -390,7 +386,7 @@ def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16
         _encode_into(out, *args)
         out.flush()
         del out                                    # unmapped: its written pages leave this process
-    data._atomic(path, write)
+    data.atomic_write(path, write)
     return np.load(path, mmap_mode="r")
 
 
@@ -399,7 +395,7 @@ def _encode_into(out, encoder, pooling, tokenizer, texts, max_len, batch_size, d
     """Fill out (N, H) row by row with encode()'s vectors, in its dtype; returns out."""
     was_training = encoder.training
     encoder.eval()
-    autocast = data.autocast_bf16(device, bf16)
+    autocast = run.autocast_bf16(device, bf16)
     order = np.argsort([len(t) for t in texts], kind="stable")
     progress = data.ProgressLine("encoding:", len(texts), "texts")
     for start in range(0, len(texts), batch_size):
@@ -929,12 +925,68 @@ def load_cpdae_decoder(folder):
 
 
 # ---------------------------------------------------------------------------------------------
+# How a model folder declares its pooling, similarity and lengths (finetune.py writes them)
+# ---------------------------------------------------------------------------------------------
+def read_retriever_settings(folder):
+    """{'pooling': ..., 'similarity': 'dot' | 'cos', 'query_len': .., 'passage_len': ..} as a model folder
+    declares them: what finetune.py wrote (retriever.json), or a sentence-transformers layout
+    (modules.json, 1_Pooling/config.json, a Normalize module = cosine, sentence_bert_config.json's
+    max_seq_length for both lengths). {} when it declares nothing."""
+    folder = Path(folder)
+    if (folder / "retriever.json").is_file():
+        return data.read_json(folder / "retriever.json")
+    if not (folder / "modules.json").is_file():
+        return {}
+    settings = {}
+    for module in data.read_json(folder / "modules.json"):
+        kind = module.get("type", "").rsplit(".", 1)[-1]
+        if kind == "Normalize":
+            settings["similarity"] = "cos"
+        if kind == "Pooling":
+            path = folder / module["path"] / "config.json"
+            active = [k.removeprefix("pooling_mode_") for k, v in data.read_json(path).items()
+                      if k.startswith("pooling_mode_") and v is True]
+            if active not in (["cls_token"], ["mean_tokens"]):
+                raise data.DataError(f"{path}: only cls or mean pooling is supported, the folder declares {active}")
+            settings["pooling"] = {"cls_token": "cls", "mean_tokens": "mean"}[active[0]]
+    bert_config = folder / "sentence_bert_config.json"        # its length, for queries and passages alike
+    if bert_config.is_file() and data.read_json(bert_config).get("max_seq_length"):
+        settings["query_len"] = settings["passage_len"] = int(data.read_json(bert_config)["max_seq_length"])
+    declared = folder / "config_sentence_transformers.json"    # newer sentence-transformers say it here
+    if declared.is_file() and data.read_json(declared).get("similarity_fn_name") in ("cosine", "dot"):
+        settings.setdefault("similarity", {"cosine": "cos", "dot": "dot"}[data.read_json(declared)["similarity_fn_name"]])
+    settings.setdefault("similarity", "dot")
+    return settings
+
+
+def write_retriever_settings(folder, pooling, similarity, query_len, passage_len):
+    """retriever.json (read by evaluate.py) plus the sentence-transformers files, so that
+    SentenceTransformer(folder) encodes with the same pooling and similarity as the fine-tuning."""
+    folder = Path(folder)
+    data.atomic_write_json(folder / "retriever.json", {"pooling": pooling, "similarity": similarity,
+                                                       "query_len": query_len, "passage_len": passage_len})
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if similarity == "cos":
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    hidden = data.read_json(folder / "config.json")["hidden_size"]
+    data.atomic_write_json(folder / "1_Pooling" / "config.json", {
+        "word_embedding_dimension": hidden, "pooling_mode_cls_token": pooling == "cls",
+        "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False})
+    data.atomic_write_json(folder / "modules.json", modules)
+    data.atomic_write_json(folder / "sentence_bert_config.json", {"max_seq_length": passage_len, "do_lower_case": False})
+    data.atomic_write_json(folder / "config_sentence_transformers.json",
+                           {"similarity_fn_name": "cosine" if similarity == "cos" else "dot"})
+
+
+# ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
 def resolve_retriever(c):
     """Pooling, similarity and lengths: the command line, else what the folder declares (finetune.py's
     retriever.json, or a sentence-transformers layout), else the papers' defaults (cls, dot, 32, 128)."""
-    saved = data.read_retriever_settings(c.model) if c.model else {}
+    saved = read_retriever_settings(c.model) if c.model else {}
     c = dataclasses.replace(c, pooling=c.pooling or saved.get("pooling", "cls"),
                             similarity=c.similarity or saved.get("similarity", "dot"),
                             query_len=c.query_len or saved.get("query_len", 32),
@@ -1009,7 +1061,7 @@ def main(c):
     out_dir = default_out_dir(c)
     out_dirs = [split_out_dir(c, name, len(names) > 1) for name in names]   # before 'minilm' becomes a folder
     tag = c.tag or (Path(c.model).resolve().parent.name if Path(c.model).is_dir() else c.model)
-    c = dataclasses.replace(c, model=data.resolve_model(c.model))    # 'minilm' or a hub id -> a folder
+    c = dataclasses.replace(c, model=run.resolve_model(c.model))     # 'minilm' or a hub id -> a folder
     c = resolve_retriever(c)
     if c.words:
         if rank == 0:
@@ -1052,7 +1104,7 @@ def model_list(c):
 
 def model_settings(c, model, tag):
     """c for one model: its folder ('minilm' or a hub id resolved), its tag, pooling, similarity, lengths."""
-    return resolve_retriever(dataclasses.replace(c, model=data.resolve_model(model), tag=tag))
+    return resolve_retriever(dataclasses.replace(c, model=run.resolve_model(model), tag=tag))
 
 
 def load_model(c, device):
@@ -1098,7 +1150,7 @@ def cls_by_length_command(c, device):
     the out_dir (default: the first model's), prints the values. Returns {(tag, vector): {length: cos}}."""
     models = model_list(c)
     out_dir = default_out_dir(dataclasses.replace(c, model=models[0][0]))
-    corpus = c.corpus or data._find(c.dataset, "corpus.jsonl")
+    corpus = c.corpus or data.find_file(c.dataset, "corpus.jsonl")
     texts = data.read_pretraining_texts(corpus)
     curves = {}
     for model, tag in models:
@@ -1262,7 +1314,7 @@ class MLMHead(nn.Module):
 class Encoder(nn.Module):
     """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
     forward returns the last hidden states, from which text_vector takes the text's vector. Loading
-    and saving Hugging Face folders: data.load_pretrained(Encoder, folder, c), data.save_pretrained."""
+    and saving Hugging Face folders: run.load_pretrained(Encoder, folder, c), run.save_pretrained."""
 
     def __init__(self, c):
         super().__init__()
@@ -1341,5 +1393,5 @@ def gather_across_ranks(t):
 
 
 if __name__ == "__main__":
-    data.run_command_line(lambda: main(data.parse_config(Config, sys.argv[1:], __doc__, rules=FLAG_RULES)),
-                          interrupted="interrupted; run it again to evaluate")
+    run.run_command_line(lambda: main(run.parse_config(Config, sys.argv[1:], __doc__, rules=FLAG_RULES)),
+                         interrupted="interrupted; run it again to evaluate")

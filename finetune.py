@@ -7,9 +7,9 @@ brings its own mean pooling and cosine similarity. One file, top to bottom: conf
 layer: this file imports it, never the reverse), training loop, checkpoint, pipeline; then the shared
 blocks (BERT encoder, distributed and training helpers, the same bytes as costa.py's).
 
-    python finetune.py --pretrain costa                   # the quick start: minilm zero-shot, fine-tuned, + costa + fine-tuned
+    python finetune.py --pretrain costa                   # the quick start: minilm zero-shot, fine-tuned, + costa
     python finetune.py --init runs/costa/encoder          # stage 1 (BM25 negatives), test metrics
-    python finetune.py --init X --rounds 1                # then one stage of mined hard negatives (the papers' passage recipe)
+    python finetune.py --init X --rounds 1                # then one stage of mined hard negatives (papers' passages)
     python finetune.py --init X --rounds 2                # mine twice after the BM25 stage
     python finetune.py --init PASSAGE_MODEL --epochs 0 --rounds 2 --hard_epochs 1   # the document-ranking recipe
     python finetune.py --init X --n_queries 100 --seed 1  # low-resource setting: 100 random training queries
@@ -36,7 +36,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 import data
 import evaluate  # the retrieval layer: BM25, encode, exact search, metrics
+import run
 from evaluate import Encoder, gather_across_ranks, rank_and_world, setup_distributed  # the shared encoder
 
 
@@ -127,11 +128,18 @@ class Config:
     halt_at: int = 0              # stop after this optimizer step (counted across stages) as if killed; 0 = never
     preset: str = ""              # "paper": the papers' fine-tuning hyper-parameters
 
+    # The fields that may differ on --resume (today's value applies from the next step): how and where, not
+    # what (run.TrainConfig.RESUMABLE says why). A new field is frozen until it is listed here.
+    RESUMABLE: ClassVar[tuple] = ("steps", "epochs", "hard_epochs", "lr", "weight_decay", "warmup", "clip", "bf16",
+                                  "workers", "log_every", "save_every", "encode_batch", "preset", "eval_split",
+                                  "eval_queries", "eval_qrels", "index", "nprobe", "ef_search", "index_train",
+                                  "vectors_dir", "out_dir")
+
 
 PAPER_PRESET = dict(lr=5e-6, batch_size=64, epochs=3.0, hard_epochs=2.0, n_negatives=7, rounds=1, query_len=32)
 
 
-# The domain of each numeric or choice flag, checked by data.parse_config before any work.
+# The domain of each numeric or choice flag, checked by run.parse_config before any work.
 FLAG_RULES = {
     "query_len": ">= 3", "passage_len": ">= 3", "n_queries": ">= 0", "dev_queries": ">= 0",  # lengths: [CLS], a token, [SEP]
     "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
@@ -144,7 +152,7 @@ FLAG_RULES = {
     "save_every": ">= 1", "halt_at": ">= 0",
     "index": "a faiss index_factory string", "loss": "one of {softmax, hinge}",
     "pooling": "one of {cls, mean} or empty", "similarity": "one of {dot, cos} or empty",
-    "pretrain": "one of {costa, seed, cpdae} or empty",
+    "pretrain": f"one of {{{', '.join(run.METHODS)}}} or empty",
 }
 
 
@@ -157,7 +165,7 @@ FLAG_RULES = {
 def retriever_settings(c):
     """c with pooling and similarity filled in: the command line, else what the init folder declares
     (finetune.py's retriever.json or a sentence-transformers layout), else the papers' cls and dot."""
-    declared = data.read_retriever_settings(c.init) if c.init else {}
+    declared = evaluate.read_retriever_settings(c.init) if c.init else {}
     c = dataclasses.replace(c, pooling=c.pooling or declared.get("pooling", "cls"),
                             similarity=c.similarity or declared.get("similarity", "dot"))
     evaluate.check_pooling_and_similarity(c.pooling, c.similarity)
@@ -432,12 +440,12 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
             print(f"{stage}: already finished, loading {Path(sc.out_dir) / 'encoder'}")
         return evaluate.load_encoder(Path(sc.out_dir) / "encoder", c).to(device)
     model = BiEncoder(encoder, c).to(device)
-    optimizer, scheduler = data.make_optimizer(model, sc)
-    start_step = data.load_checkpoint(sc, model, optimizer, scheduler, is_rank0) if c.resume else 0
+    optimizer, scheduler = run.make_optimizer(model, sc)
+    start_step = run.load_checkpoint(sc, model, optimizer, scheduler, is_rank0, {"processes": world}) if c.resume else 0
     global_batch = c.batch_size * world
     if is_rank0:
         Path(sc.out_dir).mkdir(parents=True, exist_ok=True)
-        data.atomic_write_json(Path(sc.out_dir) / "config.json", dataclasses.asdict(sc))
+        run.write_config(sc.out_dir, sc)
         pools = [len(ex.negatives) for ex in examples]
         print(f"{stage}: {len(examples)} queries | {sc.steps} steps ({sc.steps * global_batch * c.grad_accum / len(examples):.1f} "
               f"epochs) | global batch {global_batch} queries x (1 + {c.n_negatives}) passages | "
@@ -449,11 +457,11 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
     loader = torch.utils.data.DataLoader(
         TrainBatches(sc, examples, doc_texts, tokenizer, rank, world), batch_size=None, num_workers=c.workers,
         sampler=range(start_step * c.grad_accum, sc.steps * c.grad_accum), generator=torch.Generator())
-    autocast = data.autocast_bf16(device, c.bf16)
-    progress = data.Progress(sc, start_step, is_rank0)
+    autocast = run.autocast_bf16(device, c.bf16)
+    progress = run.Progress(sc, start_step, is_rank0)
     batches, saved, step = iter(loader), start_step, start_step
     model.train()
-    with data.stops_cleanly(lambda: (step, saved, sc.out_dir)):   # Ctrl-C, SIGTERM: one line, then --resume
+    with run.stops_cleanly(lambda: (step, saved, sc.out_dir)):    # Ctrl-C, SIGTERM: one line, then --resume
         for step in range(start_step + 1, sc.steps + 1):
             for micro in range(c.grad_accum):
                 micro_step = (step_offset + step - 1) * c.grad_accum + micro   # counted across stages
@@ -468,7 +476,7 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
                         loss, metrics = ddp(batch)
                     (loss / c.grad_accum).backward()
                 progress.add(metrics, n_tokens)
-            data.stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, sc, saved)
+            run.stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, sc, saved)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -481,7 +489,7 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
                 nonlocal saved
                 save_checkpoint(sc, model, optimizer, scheduler, step, is_rank0, tokenizer_vocab(c))
                 saved = step
-            data.checkpoint_or_stop(step, saved, due, c.save_every, save, device)   # SIGTERM: save, then stop
+            run.checkpoint_or_stop(step, saved, due, c.save_every, save, device)    # SIGTERM: save, then stop
             if halt:
                 if is_rank0:
                     print(f"{stage}: halted at step {step} (--halt_at {c.halt_at})")
@@ -489,7 +497,7 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
     if is_rank0:
         data.atomic_write_json(Path(sc.out_dir) / "done.json", {"steps": sc.steps})
         print(f"{stage}: done: {progress.summary(device)}", flush=True)
-    data.barrier()
+    run.barrier()
     return model.encoder
 
 
@@ -509,10 +517,10 @@ def train(c, name=""):
     loss_function(c.loss)                       # a bad --loss stops here, before any work
     if not c.epochs and not c.rounds:
         raise ValueError("--epochs 0 skips the BM25 stage, so --rounds must be >= 1 (else nothing trains)")
-    data.check_run_folder(c, RUN_FILES)
-    data.lock_run_folder(c.out_dir)              # one run at a time in a run folder (if it exists yet)
+    run.check_run_folder(c, RUN_FILES)
+    run.lock_run_folder(c.out_dir)               # one run at a time in a run folder (if it exists yet)
     name = name or (Path(c.init).parent.name if Path(c.init).is_dir() else c.init) or "random init"  # for the printouts
-    c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
+    c = retriever_settings(dataclasses.replace(c, init=run.resolve_model(c.init)))
     tokenizer = data.load_tokenizer(tokenizer_vocab(c))
     corpus, queries, qrels = evaluate.load_split(c, c.train_split, c.queries, c.qrels)
     qrels, dev_qrels = evaluate.carve_dev(qrels, c.dev_queries) if c.dev_queries else (qrels, {})
@@ -533,12 +541,12 @@ def train(c, name=""):
             raise ValueError(f"--{flag} {getattr(c, flag)} is more than the {c.max_position} positions of "
                                  f"the model{f' {c.init}' if c.init else ''} (max_position)")
     encoder = encoder.to(device)
-    data.lock_run_folder(out, create=True)      # a new folder is locked as it is made
+    run.lock_run_folder(out, create=True)       # a new folder is locked as it is made
     if is_rank0:
-        data.remove_stale_temporaries(out)
+        data.remove_dead_temporaries(out, locked=True)
         if not c.resume:
             clear_stale_outputs(out)
-        data.atomic_write_json(out / "config.json", dataclasses.asdict(c))
+        run.write_config(out, c)
         n_params = sum(p.numel() for p in encoder.parameters())
         print(f"model: {name} ({n_params / 1e6:.1f}M parameters, {c.pooling} pooling, "
               f"{c.similarity}{f' / tau {c.tau}' if c.similarity == 'cos' else ''}) | "
@@ -563,7 +571,7 @@ def train(c, name=""):
     if is_rank0:
         save_encoder(encoder, out / "encoder", c, tokenizer_vocab(c))
         print(f"fine-tuned encoder: {out / 'encoder'}", flush=True)
-    data.barrier()
+    run.barrier()
     splits = []                                 # dev (the held-out training queries: where settings are chosen), test
     if dev_qrels:
         splits.append((corpus, {q: queries[q] for q in dev_qrels}, dev_qrels, out / "eval-dev"))
@@ -605,18 +613,18 @@ def save_encoder(encoder, folder, c, vocab):
     """Hugging Face BERT folder plus retriever.json recording how to use it as a retriever (pooling,
     similarity, lengths): evaluate.py reads it, so evaluating the folder repeats the fine-tuning's own
     evaluation. The sentence-transformers files next to it make SentenceTransformer(folder) agree."""
-    data.save_pretrained(encoder, folder, vocab)
-    data.write_retriever_settings(folder, c.pooling, c.similarity, c.query_len, c.passage_len)
+    run.save_pretrained(encoder, folder, vocab)
+    evaluate.write_retriever_settings(folder, c.pooling, c.similarity, c.query_len, c.passage_len)
 
 
 def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, vocab):
     """Rank 0 writes the encoder (Hugging Face folder) and the full training state for --resume."""
     if is_rank0:
         save_encoder(model.encoder, Path(c.out_dir) / "encoder", c, vocab)
-        data.save_training_state(Path(c.out_dir) / "state.pt", {
+        run.save_training_state(Path(c.out_dir) / "state.pt", {
             "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "config": dataclasses.asdict(c)})
-    data.barrier()  # short: nobody races ahead of a checkpoint being written
+    run.barrier()   # short: nobody races ahead of a checkpoint being written
 
 
 # ==============================================================================================
@@ -628,11 +636,11 @@ def pretrain(c):
     returns its encoder folder. Skipped when a previous run finished it (done.json)."""
     module = importlib.import_module(c.pretrain)
     folder = Path(c.out_dir) / "pretrain"
-    corpus = c.corpus or str(data._find(c.dataset, "corpus.jsonl"))
+    corpus = c.corpus or str(data.find_file(c.dataset, "corpus.jsonl"))
     argv = (["--init", c.init, "--corpus", corpus, "--lr", "5e-5", "--steps", str(c.pretrain_steps)]
             + shlex.split(c.pretrain_args) + ["--out_dir", str(folder), "--seed", str(c.seed)]
             + (["--resume"] if c.resume else []) + (["--overwrite"] if c.overwrite else []))
-    pc = data.parse_config(module.Config, argv, module.__doc__, module.PAPER_PRESET, module.FLAG_RULES)
+    pc = run.parse_config(module.Config, argv, module.__doc__, module.PAPER_PRESET, module.FLAG_RULES)
     if not (c.resume and (folder / "done.json").is_file()):
         if (folder / "done.json").is_file() and os.environ.get("RANK", "0") == "0":
             (folder / "done.json").unlink()  # a fresh run: an older run's marker must not survive a crash
@@ -663,8 +671,8 @@ def pipeline(c):
       4. fine-tune that identically and evaluate it;
     then print every row next to BM25 with paired two-tailed t-tests."""
     t0 = time.time()
-    if c.pretrain not in ("costa", "seed", "cpdae"):
-        raise ValueError(f"--pretrain must be costa, seed or cpdae, got {c.pretrain!r}")
+    if c.pretrain not in run.METHODS:
+        raise ValueError(f"--pretrain must be one of {', '.join(run.METHODS)}, got {c.pretrain!r}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # The pre-training script ends its process group; a second one in the same processes can meet
         # the first one's stale rendezvous keys (gloo "connectFullMesh failed"), so refuse instead.
@@ -672,11 +680,11 @@ def pipeline(c):
                          f"torchrun ... {c.pretrain}.py --out_dir DIR, then torchrun ... finetune.py --init DIR/encoder")
     if not c.eval_split:
         raise ValueError("--pretrain compares models on the evaluation split: give --eval_split")
-    data.check_run_folder(c, RUN_FILES + ("pretrain", "zero-shot", "no-pretrain"))  # before any work, not after it
-    data.lock_run_folder(c.out_dir)              # one run at a time in a run folder (if it exists yet)
+    run.check_run_folder(c, RUN_FILES + ("pretrain", "zero-shot", "no-pretrain"))   # before any work, not after it
+    run.lock_run_folder(c.out_dir)               # one run at a time in a run folder (if it exists yet)
     out, name = Path(c.out_dir), Path(c.init).name if Path(c.init).is_dir() else c.init
-    c = retriever_settings(dataclasses.replace(c, init=data.resolve_model(c.init)))
-    data.lock_run_folder(out, create=True)      # a new folder is locked as it is made
+    c = retriever_settings(dataclasses.replace(c, init=run.resolve_model(c.init)))
+    run.lock_run_folder(out, create=True)       # a new folder is locked as it is made
     rows = {f"{name} zero-shot": evaluate_folder(c, c.init, out / f"zero-shot/eval-{c.eval_split}", f"{name}-zero-shot")}
     if c.baseline:
         rows[f"{name} + fine-tune"] = train(dataclasses.replace(c, out_dir=str(out / "no-pretrain")), name)
@@ -695,16 +703,16 @@ def pipeline(c):
 
 
 def main(argv):
-    c = data.parse_config(Config, argv, __doc__, PAPER_PRESET, FLAG_RULES)
+    c = run.parse_config(Config, argv, __doc__, PAPER_PRESET, FLAG_RULES)
     if c.pretrain:
         pipeline(c)
-        data.release_run_folder(c.out_dir)
+        run.release_run_folder(c.out_dir)
         return
     train(c)
-    data.barrier()   # every rank is past its last collective before the group ends (data.leave_distributed)
-    data.release_run_folder(c.out_dir)
+    run.barrier()   # every rank is past its last collective before the group ends (run.leave_distributed)
+    run.release_run_folder(c.out_dir)
 
 
 if __name__ == "__main__":
-    data.run_command_line(lambda: main(sys.argv[1:]),
-                          interrupted="interrupted; continue with --resume (each stage from its last checkpoint)")
+    run.run_command_line(lambda: main(sys.argv[1:]),
+                         interrupted="interrupted; continue with --resume (each stage from its last checkpoint)")

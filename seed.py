@@ -1,8 +1,9 @@
 """SEED-Encoder: pre-train a text encoder whose [CLS] vector must feed a weak decoder.
 
 Lu et al., EMNLP 2021 (arXiv:2102.09206, section 3.4). A decoder too weak to lean on its own context
-(3 layers, each token sees only the k = 2 tokens before it) must rebuild the text from the encoder's
-[CLS] vector, so that vector has to carry the text. The paper's equations and the functions:
+(3 layers; in each, a token attends only to the k = 2 positions up to itself and the start, so after
+3 layers it sees 4 tokens back) must rebuild the text from the encoder's [CLS] vector, so that vector
+has to carry the text. The paper's equations and the functions:
 
     eq. 9     L_dec = - sum_t log P(x_t | x_{t-k..t-1}, [CLS])         decoder_loss (chunked: chunked_decoder_loss),
               the restricted span and the shifted text                 window_mask, decoder_inputs_and_targets,
@@ -12,7 +13,7 @@ Lu et al., EMNLP 2021 (arXiv:2102.09206, section 3.4). A decoder too weak to lea
 
 It has costa.py's skeleton section for section, with COSTA's own parts (spans, projector, eq. 8)
 swapped for the weak decoder: `diff costa.py seed.py` shows that swap. The run machinery (run
-folder, resume, checkpoints, progress, Ctrl-C) is in data.py, one call each from train(). Each
+folder, resume, checkpoints, progress, Ctrl-C) is in run.py, one call each from train(). Each
 departure from the paper is said where it happens, tagged with its key; docs/departures.md lists them all.
 
     python seed.py                                   # small model, bundled Wikipedia slice, CPU
@@ -38,15 +39,16 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import data
+import run
 
 
 # ==============================================================================================
 # Config
 # ==============================================================================================
 @dataclass
-class Config(data.TrainConfig):
+class Config(run.TrainConfig):
     """SEED-Encoder's own flags (section 3.4; Figure 3 ablations). The flags every method shares
-    (corpus, model size, optimisation, run folder) are data.TrainConfig's. For --bottleneck mean the
+    (corpus, model size, optimisation, run folder) are run.TrainConfig's. For --bottleneck mean the
     decoder's memory is the masked mean of the output tokens instead of [CLS]."""
     dec_layers: int = 3           # decoder Transformer blocks (paper: 3; Figure 3 also tries 1 and 5)
     dec_span: int = 2             # self-attention span k of eq. 9 (paper: 2); 0 = full causal, the "strong decoder"
@@ -70,7 +72,7 @@ PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072,
                     weight_decay=0.01)
 
 
-# The domain of each of SEED's flags, checked by data.parse_config before any work (with TrainConfig's).
+# The domain of each of SEED's flags, checked by run.parse_config before any work (with TrainConfig's).
 FLAG_RULES = {"dec_layers": ">= 1", "dec_span": ">= 0", "dec_chunk": ">= 0", "dec_weight": "> 0"}
 
 
@@ -133,9 +135,9 @@ class DecoderBlock(nn.Module):
         self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         # Cross-attention to a memory of ONE vector, [CLS]: softmax over a single key is exactly 1, so
         # every position receives out(value(h0)) whatever the query and key projections (those would
-        # only ever get zero gradient). We compute that directly (test_losses.py checks the equality),
-        # Departure (seed-cross-dropout): without the attention-probability dropout of the authors' and
-        # BERT's attention, which would zero the single weight 10% of the time.
+        # only ever get zero gradient). We compute that directly (test_losses.py checks the equality).
+        # Departure (seed-cross-dropout): no attention-probability dropout here, unlike the authors' and
+        # BERT's attention, where it would zero the single weight 10% of the time.
         self.cross_value = nn.Linear(c.hidden_size, c.hidden_size)
         self.cross_out = nn.Linear(c.hidden_size, c.hidden_size)
         self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
@@ -194,9 +196,10 @@ def mlm_loss(hidden, labels, head):
 
     Departure (mlm-mean): the papers write this sum; we take the mean over the masked tokens (times
     1/|m(x)|), as BERT's and SEED's code do, so that a loss weight (lambda) does not depend on how many
-    tokens a batch masks. Only the masked positions go through `head` (the vocabulary projection is most of the cost). hidden (B, L, H),
-    labels (B, L) with -100 where nothing is predicted, head: MLMHead. Returns (loss, n_correct,
-    n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
+    tokens a batch masks. Only the masked positions go through `head` (the vocabulary projection is
+    most of the cost). hidden (B, L, H), labels (B, L) with -100 where nothing is predicted, head:
+    MLMHead. Returns (loss, n_correct, n_masked). Under torchrun the mean is over this rank's masked
+    tokens; DDP averages the ranks."""
     chosen = labels != -100                                     # (B, L)
     if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
         return head(hidden[:1, 0]).sum() * 0.0, 0, 0
@@ -285,9 +288,9 @@ class PretrainModel(nn.Module):
             {"L_MLM": mlm, "w L_dec": self.config.dec_weight * dec}
         return terms, {
             "mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
-            "mlm_chance": data.most_frequent_accuracy(batch["labels"], self.frequent_token),
+            "mlm_chance": run.most_frequent_accuracy(batch["labels"], self.frequent_token),
             "dec": dec.detach(), "dec_acc": dec_correct / max(targets.numel(), 1),
-            "dec_chance": data.most_frequent_accuracy(targets, self.frequent_token)}
+            "dec_chance": run.most_frequent_accuracy(targets, self.frequent_token)}
 
     def forward(self, batch):
         terms, metrics = self.terms(batch)
@@ -327,27 +330,27 @@ class Batches(torch.utils.data.Dataset):
 def train(c):
     """Pre-train with SEED-Encoder. Every check comes first (flags when parsed; here the run folder, --init,
     the vocabulary, the batch arithmetic, the corpus), then the steps. The method (PretrainModel,
-    Batches) and the distributed steps are here; each piece of run machinery is one call into data.py."""
+    Batches) and the distributed steps are here; each piece of run machinery is one call into run.py."""
     rank, world, device = setup_distributed()                    # torchrun: one process per device
     torch.manual_seed(c.seed)                                    # the encoder's and the decoder's init
-    c = data.start_run(c, world)                                 # --init found, run folder free, batch split
-    encoder = data.init_encoder(Encoder, c)                      # random, or the --init checkpoint
-    c = data.resolve_vocab(encoder.config)                       # --init brings its sizes and vocabulary
-    windows = data.load_windows(c, rank)                         # the token cache, built once by rank 0
-    c = data.resolve_schedule(c, world, len(windows))            # --epochs -> steps
+    c = run.start_run(c, world)                                  # --init found, run folder free, batch split
+    encoder = run.init_encoder(Encoder, c)                       # random, or the --init checkpoint
+    c = run.resolve_vocab(encoder.config)                        # --init brings its sizes and vocabulary
+    windows = run.load_windows(c, rank)                          # the token cache, built once by rank 0
+    c = run.resolve_schedule(c, world, len(windows))             # --epochs -> steps
     model = PretrainModel(c, encoder, data.most_frequent_token(windows)).to(device)
-    optimizer, scheduler = data.make_optimizer(model, c, eps=1e-6)   # SEED 4.1: Adam's epsilon 1e-6
-    run = data.TrainingRun(c, model, optimizer, scheduler, device, len(windows))  # resume, run folder, log
+    optimizer, scheduler = run.make_optimizer(model, c, eps=1e-6)    # SEED 4.1: Adam's epsilon 1e-6
+    training = run.TrainingRun(c, model, optimizer, scheduler, device, windows)  # resume, run folder, log
     # Each rank trains on its own slice of every global batch (data.batch_indices); DDP averages the
     # gradients over the ranks (SEED's losses are per text: nothing to gather).
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     loader = torch.utils.data.DataLoader(
         Batches(c, windows, rank, world), batch_size=None, num_workers=c.workers,
-        sampler=range(run.start_step * c.grad_accum, c.steps * c.grad_accum),
+        sampler=range(training.start_step * c.grad_accum, c.steps * c.grad_accum),
         generator=torch.Generator())  # its own generator: the global RNG (dropout) resumes exactly
-    autocast, batches = data.autocast_bf16(device, c.bf16), iter(loader)
-    with run.stops_cleanly():                                    # Ctrl-C, SIGTERM: one line, then --resume
-        for step in range(run.start_step + 1, c.steps + 1):
+    autocast, batches = run.autocast_bf16(device, c.bf16), iter(loader)
+    with training.stops_cleanly():                               # Ctrl-C, SIGTERM: one line, then --resume
+        for step in range(training.start_step + 1, c.steps + 1):
             for micro in range(c.grad_accum):
                 batch = next(batches)
                 n_tokens = int(batch["attention_mask"].sum())
@@ -359,19 +362,19 @@ def train(c):
                     with autocast:
                         loss, metrics = ddp(batch)                   # eq. 10
                     (loss / c.grad_accum).backward()
-                run.progress.add(metrics, n_tokens)
-            run.stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step)
+                training.progress.add(metrics, n_tokens)
+            training.stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            if run.end_of_step(step):                            # log, checkpoint; True at --halt_at
+            if training.end_of_step(step):                       # log, checkpoint; True at --halt_at
                 break
-    run.finish()
+    training.finish()
 
 
 # ==============================================================================================
-# The blocks every method file owns a copy of, byte-identical (a test checks, and `diff costa.py
-# cpdae.py` skips them): the BERT encoder and the distributed steps. Read them once, here.
+# The blocks every method file owns a copy of, byte-identical (a test checks; being identical, they
+# give no lines in a diff of two method files): the BERT encoder and the distributed steps.
 # ==============================================================================================
 # --- shared: begin encoder ---
 def drop_mask(shape, p):
@@ -485,7 +488,7 @@ class MLMHead(nn.Module):
 class Encoder(nn.Module):
     """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
     forward returns the last hidden states, from which text_vector takes the text's vector. Loading
-    and saving Hugging Face folders: data.load_pretrained(Encoder, folder, c), data.save_pretrained."""
+    and saving Hugging Face folders: run.load_pretrained(Encoder, folder, c), run.save_pretrained."""
 
     def __init__(self, c):
         super().__init__()
@@ -564,4 +567,4 @@ def gather_across_ranks(t):
 
 
 if __name__ == "__main__":
-    data.run_command_line(lambda: train(data.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES)))
+    run.run_command_line(lambda: train(run.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES)))

@@ -17,8 +17,8 @@ Design:
 - Zero-shot column: every pre-trained encoder evaluated before fine-tuning, with the vector it was trained on.
 - Low-resource curve: n training queries (sample s with every arm's seed-s encoder), the same number of
   optimizer steps as the full-data run at every n, for none, mlm and the best method on DEV.
-- Provenance: each run row records the commit, whether the scripts differed from it (dirty), a hash of the scripts (`code`),
-  every stage's command line, the torch version and the settings its numbers depend on; a table never
+- Provenance: each run row records the commit, whether the scripts differed from it (dirty), a hash of the
+  scripts (`code`), every stage's command line, the torch version and the settings its numbers depend on; a table never
   mixes rows of several codes or of other settings unless --allow_mixed. Rows that all come from one
   other code are reported with that code named (a fresh clone of a later commit still prints the study).
   Each stage runs as its own process (sys.executable script.py ...), so an edit cannot mix versions mid-run.
@@ -52,6 +52,7 @@ import numpy as np
 
 import data
 import evaluate
+import run
 
 HERE = Path(__file__).resolve().parent
 
@@ -83,15 +84,14 @@ class Config:
     preset: str = ""              # (no preset; the shared parser knows this field)
 
 
+ARMS = {"none": None, "mlm": ("costa", "--gwc_weight 0"), **{m: (m, "") for m in run.METHODS}}   # arm -> (script, flags)
 FLAG_RULES = {"pretrain_steps": ">= 1", "pretrain_lr": "> 0", "dev_queries": ">= 1", "query_len": ">= 3",
               "passage_len": ">= 3", "resamples": ">= 100",
-              "arms": "names from {none, mlm, seed, cpdae, costa}", "vector": "one of {cls, mean}",
-              "similarity": "one of {dot, cos} or empty", "curve_arms": "names from {none, mlm, seed, cpdae, costa} or empty"}
-ARMS = {"none": None, "mlm": ("costa", "--gwc_weight 0"), "seed": ("seed", ""), "cpdae": ("cpdae", ""),
-        "costa": ("costa", "")}
+              "arms": f"names from {{{', '.join(ARMS)}}}", "vector": "one of {cls, mean}",
+              "similarity": "one of {dot, cos} or empty", "curve_arms": f"names from {{{', '.join(ARMS)}}} or empty"}
 REPORTED = ("NDCG@10", "MRR@10", "Recall@100")       # what the rows keep per query
-SHARED = ("study.py", "data.py", "evaluate.py", "finetune.py")   # what every row's stages run
-SCRIPTS = SHARED + ("costa.py", "cpdae.py", "seed.py")
+SHARED = ("study.py", "data.py", "run.py", "evaluate.py", "finetune.py")   # what every row's stages run
+SCRIPTS = SHARED + tuple(f"{m}.py" for m in run.METHODS)
 SET_BY_STUDY = ("init", "seed", "out_dir", "pooling", "similarity", "bottleneck", "dev_queries", "n_queries",
                 "dataset", "corpus", "query_len", "passage_len", "overwrite", "resume")
 DEFAULT_SECONDS = {"pretrain": 300, "zero_shot": 110, "finetune": 250, "gradients": 60}  # MiniLM, 2 CPU cores
@@ -144,7 +144,8 @@ def code_hash(names=SCRIPTS):
 
 
 def git_state():
-    """(commit, dirty): dirty = the scripts the stages run differ from that commit (README or test edits do not count)."""
+    """(commit, dirty): dirty = the scripts the stages run differ from that commit (README or test edits do
+    not count)."""
     def git(*args):
         r = subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True)
         return r.stdout.strip() if r.returncode == 0 else None
@@ -210,7 +211,7 @@ def run_stage(cmd, log_path):
 
 def pretrain_command(c, arm, seed, folder):
     method, own = ARMS[arm]
-    corpus = data._find(c.dataset, "corpus.jsonl")
+    corpus = data.find_file(c.dataset, "corpus.jsonl")
     return ([sys.executable, f"{method}.py", "--init", c.init, "--corpus", str(corpus), "--lr", str(c.pretrain_lr),
              "--steps", str(c.pretrain_steps), "--seed", str(seed), "--out_dir", str(folder), "--overwrite", "--bottleneck", c.vector]
             + shlex.split(own) + shlex.split(c.pretrain_args) + shlex.split(parse_arm_args(c.arm_args, ARMS).get(arm, "")))
@@ -299,17 +300,18 @@ def gradient_norms(method, pretrain_folder, n_batches=4):
     Runs in its own process (the study imports no method file)."""
     import torch
     module = importlib.import_module(method)
-    c = module.Config(**data.read_json(Path(pretrain_folder) / "config.json"))
-    windows = data.load_windows(c, 0)
+    saved = data.read_json(Path(pretrain_folder) / "config.json")
+    c = module.Config(**{f.name: saved[f.name] for f in dataclasses.fields(module.Config) if f.name in saved})
+    windows = run.load_windows(c, 0)
     batches = module.Batches(c, windows, 0, 1)                               # the run's batches, in its order
     idf = {"idf": module.cached_idf(windows, c.vocab_size, 0)} if getattr(c, "idf_rec", False) else {}
     rows = {}
     for when in ("start", "after"):
         torch.manual_seed(c.seed)                                                # the same new heads as the run's
-        encoder = data.init_encoder(module.Encoder, c)
+        encoder = run.init_encoder(module.Encoder, c)
         model = module.PretrainModel(c, encoder, frequent_token=data.most_frequent_token(windows), **idf)  # as train() builds it
         if when == "after":
-            model.load_state_dict(data.load_training_state(Path(pretrain_folder) / "state.pt")["model"])
+            model.load_state_dict(run.load_training_state(Path(pretrain_folder) / "state.pt")["model"])
         params = [p for p in model.encoder.parameters() if p.requires_grad]
         norms = {}
         for i in range(n_batches):
@@ -411,8 +413,8 @@ def run_plan(c, plan, rows, t0, done_before):
     total = len(plan)
     for i, (key, arm, seed, n, steps) in enumerate(todo):
         left = sum(run_cost(c, rows, a, m) for _, a, _, m, _ in todo[i:])
-        print(f"[{total - len(todo) + i + 1}/{total}] {key}: running | elapsed {format_seconds(time.time() - t0)} | "
-              f"eta {format_seconds(left)}", flush=True)
+        print(f"[{total - len(todo) + i + 1}/{total}] {key}: running | elapsed {data.format_seconds(time.time() - t0)} | "
+              f"eta {data.format_seconds(left)}", flush=True)
         before = code_hash(scripts_of(arm))
         row = run_one(c, arm, seed, n, steps)
         if code_hash(scripts_of(arm)) != before:
@@ -463,13 +465,8 @@ def print_plan(c, rows):
     print(f"study plan: {len(full)} full-data runs ({len(full) - len(todo)} done), then {n_curve} curve runs "
           f"({curve_done} done) | "
           f"vector {c.vector}, {c.similarity}, {len(numbers(c.seeds))} seeds, dev {c.dev_queries} queries | estimated "
-          f"{format_seconds(seconds)} + curve up to {format_seconds(curve_seconds)} (medians of the finished stages, "
+          f"{data.format_seconds(seconds)} + curve up to {data.format_seconds(curve_seconds)} (medians of the finished stages, "
           f"else {DEFAULT_SECONDS})", flush=True)
-
-
-def format_seconds(s):
-    s = int(s)
-    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -700,7 +697,7 @@ def quick_setup(c):
         src = Path(data.SCIFACT)
         corpus, _, train = data.load_beir(src, "train")
         _, _, test = data.load_beir(src, "test")
-        queries = data.read_queries(data._find(src, "queries.jsonl"))
+        queries = data.read_queries(data.find_file(src, "queries.jsonl"))
         train, test = dict(sorted(train.items())[:16]), dict(sorted(test.items())[:8])
         keep = sorted({d for qr in (train, test) for docs in qr.values() for d in docs} | set(list(corpus)[:40]))
         (beir / "qrels").mkdir(parents=True, exist_ok=True)
@@ -711,14 +708,14 @@ def quick_setup(c):
         for name, qr in (("train", train), ("test", test)):
             (beir / "qrels" / f"{name}.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
                 f"{q}\t{d}\t{g}\n" for q, docs in qr.items() for d, g in docs.items()))
-        make_init = ("import sys, torch, data, finetune; torch.manual_seed(0); data.save_pretrained(finetune.Encoder("
+        make_init = ("import sys, torch, data, finetune; torch.manual_seed(0); run.save_pretrained(finetune.Encoder("
                      "finetune.Config(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, dropout=0.0)), sys.argv[1])")
         subprocess.run([sys.executable, "-c", make_init, str(init)], cwd=HERE, check=True)
     return dataclasses.replace(c, **QUICK, init=str(init), dataset=str(beir))
 
 
 def main(argv):
-    c = data.parse_config(Config, argv, __doc__, {}, FLAG_RULES)
+    c = run.parse_config(Config, argv, __doc__, {}, FLAG_RULES)
     if c.quick:
         if c.out_dir == Config.out_dir:
             c = dataclasses.replace(c, out_dir="runs/study-quick")
@@ -727,9 +724,9 @@ def main(argv):
         c = quick_setup(c)
     check_flags(c)
     if not c.similarity:                      # the checkpoint's own similarity (MiniLM: cos), else the papers' dot
-        c = dataclasses.replace(c, similarity=data.read_retriever_settings(data.resolve_model(c.init)).get("similarity", "dot"))
+        c = dataclasses.replace(c, similarity=evaluate.read_retriever_settings(run.resolve_model(c.init)).get("similarity", "dot"))
     t0 = time.time()
-    data.lock_run_folder(c.results_dir)       # one study at a time writes these rows and tables ...
+    run.lock_run_folder(c.results_dir)        # one study at a time writes these rows and tables ...
     rows = load_rows(c)
     if c.report_only:
         check_rows(c, rows, [])
@@ -740,15 +737,15 @@ def main(argv):
         report(c, design_order(present))                        # a study part-way: what there is
         return
     check_rows(c, rows, runs_left(c, rows))
-    data.lock_run_folder(c.results_dir, create=True)
-    data.lock_run_folder(c.out_dir, create=True)   # ... and runs in these run folders
+    run.lock_run_folder(c.results_dir, create=True)
+    run.lock_run_folder(c.out_dir, create=True)    # ... and runs in these run folders
     print_plan(c, rows)
     rows = run_plan(c, full_plan(c), rows, t0, len(rows))
     if numbers(c.low_resource):
         rows = run_plan(c, curve_plan(c, rows), rows, t0, len(rows))
     plan = full_plan(c) + (curve_plan(c, rows) if numbers(c.low_resource) else [])
     report(c, design_order({key: rows[key] for key, *_ in plan}))
-    print(f"study: {format_seconds(time.time() - t0)}; rows in {Path(c.results_dir) / 'runs'}")
+    print(f"study: {data.format_seconds(time.time() - t0)}; rows in {Path(c.results_dir) / 'runs'}")
 
 
 if __name__ == "__main__":
@@ -757,5 +754,5 @@ if __name__ == "__main__":
             main(sys.argv[1:])
         except RuntimeError as e:             # a stage failed, or the scripts changed under a run: say so
             raise data.DataError(str(e)) from None
-    data.run_command_line(study, interrupted="interrupted; the same command continues (finished runs are kept in "
+    run.run_command_line(study, interrupted="interrupted; the same command continues (finished runs are kept in "
                                              "results/study/runs)")

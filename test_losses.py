@@ -7,6 +7,7 @@ Sections: COSTA (arXiv:2204.10641 eq. 1-10), CPDAE (arXiv:2208.09846 eq. 3-6), S
 indices, in float64 where the comparison is numerical.
 """
 import dataclasses
+import itertools
 import math
 from functools import partial
 from types import SimpleNamespace
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 import costa
 import cpdae
 import data
+import run
 import seed
 
 torch.set_num_threads(1)
@@ -361,6 +363,17 @@ def test_bag_of_words_marks_words_of_the_original_text_only():
     assert bag[1].nonzero().flatten().tolist() == [7592]  # [MASK] and [UNK] out
 
 
+def compute_idf(texts, vocab_size):
+    """IDF of in-memory texts (token-id lists or Windows): cpdae's document_frequency and idf_from_df
+    without the token cache (training runs cpdae.cached_idf over the cache)."""
+    windows = len(texts) > 0 and isinstance(texts[0], tuple)                    # Window = (input_ids, word_starts)
+    id_lists = [text[0] for text in texts] if windows else texts
+    lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))    # (N,)
+    ids = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int64, count=int(lengths.sum()))
+    offsets = np.concatenate([[0], np.cumsum(lengths)])                                  # (N + 1,)
+    return cpdae.idf_from_df(cpdae.document_frequency(ids, offsets, vocab_size), len(id_lists))
+
+
 def _idf_by_python_loop(texts, vocab_size):
     """compute_idf as it was before np.bincount: one torch.unique per window (the reference)."""
     df = torch.zeros(vocab_size, dtype=torch.float64)
@@ -373,21 +386,21 @@ def _idf_by_python_loop(texts, vocab_size):
 def test_compute_idf_equals_the_per_window_loop_on_real_text(tokenizer):
     windows = data.make_windows(tokenizer, data.read_pretraining_texts(data.WIKI)[:60], max_len=128)
     assert len(windows) > 200
-    idf = cpdae.compute_idf(windows, 30522)
+    idf = compute_idf(windows, 30522)
     assert torch.equal(idf, _idf_by_python_loop(windows, 30522))
     assert len(set(idf.tolist())) > 20                                         # not a constant vector
-    assert torch.equal(cpdae.compute_idf([], 7), _idf_by_python_loop([], 7))  # no windows: all ones
+    assert torch.equal(compute_idf([], 7), _idf_by_python_loop([], 7))  # no windows: all ones
 
 
 def test_compute_idf_formula_on_windows_and_id_lists():
     texts = [[5, 6, 6], [5, 7], [5, 8, 9], [9]]
-    idf = cpdae.compute_idf(texts, vocab_size=12)
+    idf = compute_idf(texts, vocab_size=12)
     n = len(texts)
     for j in range(12):
         df = sum(j in t for t in texts)
         assert abs(idf[j].item() - (math.log((n + 1) / (df + 1)) + 1)) < 1e-6
     windows = [(t, [True] * len(t)) for t in texts]  # Window = (input_ids, word_starts)
-    torch.testing.assert_close(cpdae.compute_idf(windows, 12), idf)
+    torch.testing.assert_close(compute_idf(windows, 12), idf)
     assert idf[5] < idf[9] < idf[7] < idf[0]  # rarer words weigh more
 
 
@@ -680,7 +693,7 @@ def test_total_loss_is_rec_plus_mlm_plus_lambda_cl(mode):
 def test_idf_rec_uses_corpus_idf():
     c = tiny_cpdae(idf_rec=True)
     windows = tiny_windows()
-    idf = cpdae.compute_idf(windows, c.vocab_size)
+    idf = compute_idf(windows, c.vocab_size)
     model = cpdae.PretrainModel(c, cpdae.Encoder(c), idf).eval()
     batch = cpdae.Batches(c, windows, 0, 1)[0]
     _, metrics = model(batch)
@@ -698,7 +711,7 @@ def test_checkpoint_keeps_the_decoder_beside_the_encoder(tmp_path):
     c = tiny_cpdae(out_dir=str(tmp_path / "run"), corpus=str(corpus), steps=1, batch_size=2, bf16=False)
     cpdae.train(c)                                              # train() hands save_checkpoint the decoder
     decoder = cpdae.Decoder.from_pretrained(tmp_path / "run" / "encoder")
-    state = data.load_training_state(tmp_path / "run" / "state.pt")
+    state = run.load_training_state(tmp_path / "run" / "state.pt")
     for name, tensor in decoder.state_dict().items():
         assert torch.equal(state["model"][f"decoder.{name}"], tensor)
     assert transformers.AutoModel.from_pretrained(tmp_path / "run" / "encoder").config.hidden_size == 32
@@ -801,22 +814,22 @@ def test_decoder_is_pre_ln_with_a_final_layer_norm():
 def test_resuming_a_state_of_another_decoder_layout_is_one_clear_error(tmp_path):
     c = dataclasses.replace(small_config(), out_dir=str(tmp_path))
     model = seed.PretrainModel(c, seed.Encoder(c))
-    optimizer, scheduler = data.make_optimizer(model, c)
+    optimizer, scheduler = run.make_optimizer(model, c)
     old = {k: v for k, v in model.state_dict().items() if not k.startswith("decoder.final_norm.")}  # post-LN days
-    data.save_training_state(tmp_path / "state.pt", {"step": 1, "model": old, "optimizer": optimizer.state_dict(),
-                                                     "scheduler": scheduler.state_dict(), "config": dataclasses.asdict(c)})
+    run.save_training_state(tmp_path / "state.pt", {"step": 1, "model": old, "optimizer": optimizer.state_dict(),
+                                                    "scheduler": scheduler.state_dict(), "config": dataclasses.asdict(c)})
     with pytest.raises(data.DataError, match=r"state\.pt: its weights do not fit this model \(Missing key"):
-        data.load_checkpoint(c, model, optimizer, scheduler, True)
+        run.load_checkpoint(c, model, optimizer, scheduler, True)
 
 
 def test_seed_uses_the_papers_adam_epsilon():
     c = small_config()
     model = seed.PretrainModel(c, seed.Encoder(c))
     inspect = __import__("inspect")
-    assert "data.make_optimizer(model, c, eps=1e-6)" in inspect.getsource(seed.train)        # SEED 4.1
+    assert "run.make_optimizer(model, c, eps=1e-6)" in inspect.getsource(seed.train)         # SEED 4.1
     for module in (costa, cpdae):                                                            # torch's default
-        assert "data.make_optimizer(model, c, eps=1e-8)" in inspect.getsource(module.train)
-    assert data.make_optimizer(model, c, eps=1e-6)[0].defaults["eps"] == 1e-6
+        assert "run.make_optimizer(model, c, eps=1e-8)" in inspect.getsource(module.train)
+    assert run.make_optimizer(model, c, eps=1e-6)[0].defaults["eps"] == 1e-6
 
 
 def test_padding_does_not_change_real_positions():
@@ -904,7 +917,7 @@ def test_pretrain_model_trains_decoder_with_encoder():
     torch.manual_seed(0)
     c = small_config()
     model = seed.PretrainModel(c, seed.Encoder(c)).eval()
-    optimizer, _ = data.make_optimizer(model, c)
+    optimizer, _ = run.make_optimizer(model, c)
     in_optimizer = [p for group in optimizer.param_groups for p in group["params"]]
     assert len(in_optimizer) == len({id(p) for p in in_optimizer})  # the shared embedding only once
     assert {id(p) for p in model.decoder.parameters()} <= {id(p) for p in in_optimizer}
@@ -1009,7 +1022,7 @@ def optimizer_step(module, model, batch, optimizer, scheduler):
     optimizer.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("name", ["costa", "cpdae", "seed"])
+@pytest.mark.parametrize("name", run.METHODS)
 def test_head_warmup_freezes_exactly_the_encoder_then_trains_it(name):
     module, model, batch = tiny_method(name, head_warmup=2)
     new = {id(p) for p in model.new_parameters()}
@@ -1018,7 +1031,7 @@ def test_head_warmup_freezes_exactly_the_encoder_then_trains_it(name):
     assert {n.split(".")[0] + "." for n in heads} == {expected, "encoder."}            # its head + the new MLM head
     assert {n for n in heads if n.startswith("encoder.")} == {f"encoder.mlm_head.{k}" for k in
                                                                ("bias", "dense.weight", "dense.bias", "norm.weight", "norm.bias")}
-    optimizer, scheduler = data.make_optimizer(model, model.config)
+    optimizer, scheduler = run.make_optimizer(model, model.config)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for step in range(2):                                                              # the warm-up
         optimizer_step(module, model, batch, optimizer, scheduler)
@@ -1037,19 +1050,19 @@ def test_head_schedule_and_groups():
         (step - start + 1) / max(1, int(0.1 * (steps - start))),
         max(0.0, (steps - step) / max(1, steps - start - max(1, int(0.1 * (steps - start)))))))
     encoder = cpdae.Encoder(c)
-    optimizer, scheduler = data.make_optimizer(encoder, c)                              # no new_parameters()
+    optimizer, scheduler = run.make_optimizer(encoder, c)                               # no new_parameters()
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0]
     assert [scheduler.lr_lambdas[0](s) for s in range(20)] == [plain(s) for s in range(20)]
     model = cpdae.PretrainModel(c, encoder)
     c = tiny_cpdae(steps=20, warmup=0.1, head_warmup=5, head_lr=10.0)
-    optimizer, scheduler = data.make_optimizer(model, c)
+    optimizer, scheduler = run.make_optimizer(model, c)
     assert [(g["head"], g["decay"]) for g in optimizer.param_groups] == [(False, True), (False, False), (True, True), (True, False)]
     for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
         expected = [10 * plain(s) for s in range(20)] if group["head"] else [plain(s, start=5) for s in range(20)]
         assert [factor(s) for s in range(20)] == pytest.approx(expected)
     assert [factor(4) for factor in scheduler.lr_lambdas[:2]] == [0.0, 0.0]
     with pytest.raises(ValueError, match="--head_warmup 20 leaves none of the 20 steps"):
-        data.make_optimizer(model, dataclasses.replace(c, head_warmup=20))
+        run.make_optimizer(model, dataclasses.replace(c, head_warmup=20))
 
 
 def test_checkpoint_heads_are_new_only_where_the_checkpoint_lacks_them():
@@ -1099,7 +1112,7 @@ def test_bottleneck_mean_feeds_each_methods_head(name):
     assert not torch.allclose(cls_model(batch)[1][{"costa": "gwc", "cpdae": "rec", "seed": "dec"}[name]], got)
 
 
-@pytest.mark.parametrize("name", ["costa", "cpdae", "seed"])
+@pytest.mark.parametrize("name", run.METHODS)
 def test_terms_sum_to_the_loss_and_every_accuracy_has_its_chance(name):
     _module, model, batch = tiny_method(name)
     model.eval()
@@ -1140,10 +1153,10 @@ def test_most_frequent_token_and_its_accuracy():
     windows = [data.Window([101, 7, 7, 9, 102], [False] * 5), data.Window([101, 9, 7, 102], [False] * 4)]
     assert data.most_frequent_token(windows) == 7                                       # [CLS], [SEP] not counted
     targets = torch.tensor([[7, -100, 9], [7, 7, -100]])
-    assert float(data.most_frequent_accuracy(targets, 7)) == 0.75
-    assert float(data.most_frequent_accuracy(targets, 9)) == 0.25
-    assert float(data.most_frequent_accuracy(targets)) == 0.75                          # the batch's own
-    lines = data.chance_lines({"mlm": 2.0, "mlm_acc": 0.3, "mlm_chance": 0.1, "x_acc": 0.5})
+    assert float(run.most_frequent_accuracy(targets, 7)) == 0.75
+    assert float(run.most_frequent_accuracy(targets, 9)) == 0.25
+    assert float(run.most_frequent_accuracy(targets)) == 0.75                           # the batch's own
+    lines = run.chance_lines({"mlm": 2.0, "mlm_acc": 0.3, "mlm_chance": 0.1, "x_acc": 0.5})
     assert lines == ["mlm: accuracy 0.3000, chance 0.1000, ratio 3.00"]
 
 
@@ -1181,6 +1194,6 @@ def test_gwc_cosine_is_eq8_on_unit_vectors_and_dot_is_the_default():
                                        ("cpdae", "cl_mode"), ("seed", "bottleneck")])
 def test_string_flags_are_checked_against_their_choices(name, flag):
     module = {"costa": costa, "cpdae": cpdae, "seed": seed}[name]
-    data.parse_config(module.Config, [], "", module.PAPER_PRESET, module.FLAG_RULES)
+    run.parse_config(module.Config, [], "", module.PAPER_PRESET, module.FLAG_RULES)
     with pytest.raises(SystemExit, match=f"--{flag} must be one of .*, got 'avg'"):
-        data.parse_config(module.Config, [f"--{flag}", "avg"], "", module.PAPER_PRESET, module.FLAG_RULES)
+        run.parse_config(module.Config, [f"--{flag}", "avg"], "", module.PAPER_PRESET, module.FLAG_RULES)

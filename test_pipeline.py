@@ -3,6 +3,8 @@ shared blocks, fine-tuning and evaluation. Loss equations are proven in test_los
 
     pytest -q test_pipeline.py
 """
+import ast
+import contextlib
 import dataclasses
 import gzip
 import importlib
@@ -26,6 +28,7 @@ import costa
 import data
 import evaluate
 import finetune
+import run
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
@@ -56,6 +59,18 @@ def test_train_wordpiece_on_a_small_corpus(tmp_path, wiki_texts):
     assert 1000 < new.get_vocab_size() <= 2000
     assert data.special_ids(new)["pad"] == 0
     assert len(new.encode("the political philosophy").ids) >= 3
+
+
+def test_data_py_trains_a_vocabulary_from_the_command_line(tmp_path, small_corpus):
+    out = subprocess.run([PY, str(HERE / "data.py"), str(small_corpus), str(tmp_path / "v.txt"), "1000"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    n = data.vocab_size_of(tmp_path / "v.txt")
+    assert 500 < n <= 1000 and out.stdout.strip() == f"{tmp_path / 'v.txt'}: {n:,} entries, trained on {small_corpus}"
+    bad = subprocess.run([PY, str(HERE / "data.py"), str(tmp_path / "missing.txt"), str(tmp_path / "w.txt")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1 and "missing.txt" in bad.stderr
+    assert not (tmp_path / "w.txt").exists()
 
 
 def test_windows_are_bounded_and_mark_word_starts(tokenizer, wiki_texts):
@@ -222,9 +237,10 @@ def test_token_windows_pickle_as_their_folder_and_feed_costa_batches(small_cache
 
 def test_cpdae_cached_idf_equals_compute_idf(small_cache_corpus):
     import cpdae
+    from test_losses import compute_idf
     windows = data.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
     idf = cpdae.cached_idf(windows, 30522, rank=0, chunk=7)                     # chunks that cut anywhere
-    assert torch.equal(idf, cpdae.compute_idf([windows[i] for i in range(len(windows))], 30522))
+    assert torch.equal(idf, compute_idf([windows[i] for i in range(len(windows))], 30522))
     assert torch.equal(cpdae.cached_idf(windows, 30522, rank=1), idf)           # read back, not rebuilt
 
 
@@ -315,13 +331,13 @@ def test_run_files_round_trip_atomically(tmp_path):
 
 def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path):
     path = tmp_path / "state.pt"
-    data.atomic_torch_save(path, {"step": 1})
+    run.atomic_torch_save(path, {"step": 1})
 
     class Unpicklable:
         def __reduce__(self):
             raise RuntimeError("boom")
     with pytest.raises(RuntimeError, match="boom"):
-        data.atomic_torch_save(path, {"step": 2, "bad": Unpicklable()})
+        run.atomic_torch_save(path, {"step": 2, "bad": Unpicklable()})
     assert torch.load(path, weights_only=True) == {"step": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]
 
@@ -346,7 +362,7 @@ def test_encoder_equals_transformers_bert(tmp_path):
     torch.manual_seed(0)
     reference = transformers.BertForMaskedLM(config).eval()   # transformers' own random init
     reference.save_pretrained(tmp_path)
-    ours = data.load_pretrained(costa.Encoder, tmp_path, costa.Config()).eval()
+    ours = run.load_pretrained(costa.Encoder, tmp_path, costa.Config()).eval()
     assert (ours.config.hidden_size, ours.config.num_layers, ours.config.num_heads) == (64, 3, 4)
     ids, mask = random_inputs()
     with torch.no_grad():
@@ -389,7 +405,7 @@ def test_hf_folder_round_trip_and_bin_checkpoints(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     ours = costa.Encoder(tiny_config(dropout=0.0)).eval()
-    data.save_pretrained(ours, tmp_path / "enc")
+    run.save_pretrained(ours, tmp_path / "enc")
     assert {p.name for p in (tmp_path / "enc").iterdir()} == {
         "config.json", "model.safetensors", "vocab.txt", "tokenizer_config.json"}
     hf = transformers.AutoModel.from_pretrained(tmp_path / "enc").eval()
@@ -397,7 +413,7 @@ def test_hf_folder_round_trip_and_bin_checkpoints(tmp_path):
     with torch.no_grad():
         expected = ours(ids, mask)
         assert (hf(input_ids=ids, attention_mask=mask).last_hidden_state - expected)[mask.bool()].abs().max() < 1e-5
-        back = data.load_pretrained(costa.Encoder, tmp_path / "enc", costa.Config()).eval()
+        back = run.load_pretrained(costa.Encoder, tmp_path / "enc", costa.Config()).eval()
         assert torch.equal(back(ids, mask), expected)
         assert torch.equal(back.mlm_head.bias, ours.mlm_head.bias)
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "enc")
@@ -405,35 +421,35 @@ def test_hf_folder_round_trip_and_bin_checkpoints(tmp_path):
     # An old-style folder: pytorch_model.bin, 'bert.' prefix, LayerNorm gamma/beta, a pooler to ignore.
     old = tmp_path / "old"
     old.mkdir()
-    state = {data.to_hf_name(k).replace("LayerNorm.weight", "LayerNorm.gamma")
+    state = {run.to_hf_name(k).replace("LayerNorm.weight", "LayerNorm.gamma")
              .replace("LayerNorm.bias", "LayerNorm.beta"): v for k, v in ours.state_dict().items()}
     state["bert.pooler.dense.weight"] = torch.zeros(32, 32)
     torch.save(state, old / "pytorch_model.bin")
     (old / "config.json").write_text((tmp_path / "enc" / "config.json").read_text())
     with torch.no_grad():
-        assert torch.equal(data.load_pretrained(costa.Encoder, old, costa.Config()).eval()(ids, mask), expected)
+        assert torch.equal(run.load_pretrained(costa.Encoder, old, costa.Config()).eval()(ids, mask), expected)
 
 
 def test_checkpoint_errors_name_the_problem(tmp_path):
     ours = costa.Encoder(tiny_config())
-    data.save_pretrained(ours, tmp_path / "enc")
+    run.save_pretrained(ours, tmp_path / "enc")
     with pytest.raises(data.DataError, match="not a Hugging Face model folder"):
-        data.load_pretrained(costa.Encoder, tmp_path, costa.Config())
+        run.load_pretrained(costa.Encoder, tmp_path, costa.Config())
     (tmp_path / "enc" / "vocab.txt").write_text("[PAD]\n[UNK]\n")
     with pytest.raises(data.DataError, match="vocab.txt: 2 entries, but config.json says vocab_size 30522"):
-        data.load_pretrained(costa.Encoder, tmp_path / "enc", costa.Config())
-    bad = {data.to_hf_name(k): v for k, v in ours.state_dict().items()}
+        run.load_pretrained(costa.Encoder, tmp_path / "enc", costa.Config())
+    bad = {run.to_hf_name(k): v for k, v in ours.state_dict().items()}
     bad["bert.encoder.layer.0.attention.self.query.weight"] = torch.zeros(8, 8)
-    data.save_encoder_folder(tmp_path / "bad", bad, data.hf_config(ours.config))
+    run.save_encoder_folder(tmp_path / "bad", bad, run.hf_config(ours.config))
     with pytest.raises(data.DataError, match=r"attention\.self\.query\.weight has shape \(8, 8\)"):
-        data.load_pretrained(costa.Encoder, tmp_path / "bad", costa.Config())
+        run.load_pretrained(costa.Encoder, tmp_path / "bad", costa.Config())
 
 
 # ----------------------------------------------------------------------------------------------
 # Config and command line
 # ----------------------------------------------------------------------------------------------
 def test_config_overrides_by_field_name():
-    parse = lambda argv: data.parse_config(costa.Config, argv, costa.__doc__, costa.PAPER_PRESET, costa.FLAG_RULES)
+    parse = lambda argv: run.parse_config(costa.Config, argv, costa.__doc__, costa.PAPER_PRESET, costa.FLAG_RULES)
     c = parse(["--lr", "1e-4", "--steps", "7", "--resume", "--bf16", "false"])
     assert (c.lr, c.steps, c.resume, c.bf16) == (1e-4, 7, True, False)
     paper = parse(["--preset", "paper", "--num_layers", "2"])
@@ -454,7 +470,7 @@ def test_config_overrides_by_field_name():
 ])
 def test_paper_presets_follow_the_papers(script, expected):
     module = __import__(script)
-    c = data.parse_config(module.Config, ["--preset", "paper"], "", module.PAPER_PRESET, module.FLAG_RULES)
+    c = run.parse_config(module.Config, ["--preset", "paper"], "", module.PAPER_PRESET, module.FLAG_RULES)
     assert {k: getattr(c, k) for k in expected} == expected
     assert (c.hidden_size, c.num_layers, c.num_heads, c.ffn_size) == (768, 12, 12, 3072)
     if script == "seed":
@@ -466,15 +482,15 @@ def test_paper_presets_follow_the_papers(script, expected):
 
 def test_resolve_schedule_from_epochs_and_global_batch():
     c = costa.Config(batch_size=32, grad_accum=1, steps=300)
-    assert data.resolve_schedule(c, world=1, n_windows=1000) == c             # both 0: unchanged
+    assert run.resolve_schedule(c, world=1, n_windows=1000) == c              # both 0: unchanged
     c = dataclasses.replace(c, global_batch=64, epochs=3.0)
-    two = data.resolve_schedule(c, world=2, n_windows=1000)
+    two = run.resolve_schedule(c, world=2, n_windows=1000)
     assert (two.batch_size, two.steps) == (32, 3 * (1000 // 64))                # 15 batches of 64 per epoch
-    accum = data.resolve_schedule(dataclasses.replace(c, grad_accum=2), world=4, n_windows=1000)
+    accum = run.resolve_schedule(dataclasses.replace(c, grad_accum=2), world=4, n_windows=1000)
     assert (accum.batch_size, accum.steps) == (8, 3 * (1000 // 32) // 2)        # epochs count micro-steps
-    assert data.resolve_schedule(dataclasses.replace(c, epochs=0.5), 1, 1000).steps == round(0.5 * 15)
+    assert run.resolve_schedule(dataclasses.replace(c, epochs=0.5), 1, 1000).steps == round(0.5 * 15)
     with pytest.raises(ValueError, match="--global_batch 64 is not a multiple of 3 process"):
-        data.resolve_schedule(c, world=3, n_windows=1000)
+        run.resolve_schedule(c, world=3, n_windows=1000)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -553,7 +569,7 @@ def test_torchrun_two_processes_on_cpu(tmp_path, small_corpus):
                       "--out_dir", str(tmp_path / "ddp")], tmp_path, torchrun=True)
     assert "2 process(es)" in out and "done:" in out
     assert [r["step"] for r in read_log(tmp_path / "ddp")] == [1, 2]
-    assert data.load_pretrained(costa.Encoder, tmp_path / "ddp" / "encoder", costa.Config()).config.hidden_size == 32
+    assert run.load_pretrained(costa.Encoder, tmp_path / "ddp" / "encoder", costa.Config()).config.hidden_size == 32
 
 
 def test_bad_input_gives_one_line_error(tmp_path):
@@ -568,7 +584,7 @@ def test_bad_input_gives_one_line_error(tmp_path):
 # The shared blocks are byte-identical in every file that carries them
 # ----------------------------------------------------------------------------------------------
 SHARED_MARKER = re.compile(r"^# --- shared: (begin|end) (.+?) ---$", re.MULTILINE)
-METHOD_FILES = ["costa.py", "cpdae.py", "seed.py"]
+METHOD_FILES = [f"{m}.py" for m in run.METHODS]
 # Blocks that only some method files carry, each with the reason: {name: "why"}. None today.
 METHOD_SPECIFIC = {}
 
@@ -616,8 +632,8 @@ def test_shared_blocks_are_identical_across_files():
 def test_method_files_read_in_one_sitting():
     """Each method file: its own train() early and short, then only the shared copies the mission asks it
     to own (the encoder, the distributed steps, and the text vector and MLM loss its objective uses)."""
-    budgets = {"costa.py": (650, 450), "cpdae.py": (700, 500), "seed.py": (650, 450)}
-    for name, (max_lines, train_by) in budgets.items():
+    budgets = {"cpdae.py": (700, 500)}                   # (lines, train() ends by); every other method (650, 450)
+    for name, (max_lines, train_by) in ((name, budgets.get(name, (650, 450))) for name in METHOD_FILES):
         lines = (HERE / name).read_text().splitlines()
         start = next(i for i, line in enumerate(lines, 1) if line.startswith("def train("))
         end = next(i for i, line in enumerate(lines[start:], start + 1) if line and not line[0].isspace())
@@ -645,6 +661,10 @@ def test_readme_reading_guide_states_the_files_as_they_are():
     sizes = [len(subprocess.run(["diff", "costa.py", other], cwd=HERE, capture_output=True, text=True).stdout.splitlines())
              for other in ("cpdae.py", "seed.py")]
     assert f"`diff costa.py cpdae.py` ({sizes[0]} lines; {sizes[1]} for `seed.py`)" in guide
+    hunks = [sum(start <= int(re.match(r"\d+", line)[0]) <= end for line in
+                 subprocess.run(["diff", "costa.py", other], cwd=HERE, capture_output=True, text=True).stdout.splitlines()
+                 if re.match(r"\d", line)) for other in ("cpdae.py", "seed.py")]
+    assert f"hunks too ({hunks[0]} against `cpdae.py`, {hunks[1]} against `seed.py`)" in guide
 
 
 # ----------------------------------------------------------------------------------------------
@@ -699,12 +719,23 @@ def test_evaluate_imports_nothing_from_finetune():
     assert result.stdout.strip() == "False", result.stderr
 
 
-@pytest.mark.parametrize("script", ["costa.py", "cpdae.py", "seed.py", "finetune.py", "evaluate.py"])
+def test_data_imports_no_module_of_ours_and_run_only_data():
+    """The shared modules' arrows: data.py (text and tokens) imports none of ours; run.py (the run) only data."""
+    ours = {path.stem for path in HERE.glob("*.py")}
+    for name, allowed in (("data", set()), ("run", {"data"})):
+        tree = ast.parse((HERE / f"{name}.py").read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                    for alias in node.names} | {node.module.split(".")[0] for node in ast.walk(tree)
+                                                 if isinstance(node, ast.ImportFrom) and node.module}
+        assert imported & ours <= allowed, (name, imported & ours)
+
+
+@pytest.mark.parametrize("script", [*METHOD_FILES, "finetune.py", "evaluate.py"])
 def test_help_prints_the_docstring_and_every_field(script):
     result = subprocess.run([PY, str(HERE / script), "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     module = importlib.import_module(script.removesuffix(".py"))
-    assert "class Config" in result.stdout                      # a method's own fields, then data.TrainConfig's
+    assert "class Config" in result.stdout                      # a method's own fields, then run.TrainConfig's
     missing = [f for f in module.Config.__dataclass_fields__ if f"    {f}: " not in result.stdout]
     assert not missing, f"{script} --help leaves out {missing}"
 
@@ -820,7 +851,7 @@ def test_exact_search_matches_numpy_brute_force():
     rng = np.random.default_rng(0)
     docs = rng.standard_normal((500, 16)).astype(np.float32)
     queries = rng.standard_normal((7, 16)).astype(np.float32)
-    scores, ids = evaluate.exact_search(queries, docs, 20)
+    scores, ids = evaluate.search(queries, docs, 20)
     full = queries @ docs.T
     want = np.argsort(-full, axis=1, kind="stable")[:, :20]
     np.testing.assert_array_equal(ids, want)
@@ -992,7 +1023,7 @@ def test_cls_by_length_and_side_by_side_tsne_one_line_or_panel_per_model(tmp_pat
     corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, n))}) + "\n" for n in (140, 150, 160, 200)))
     a = _tiny_init(tmp_path / "a")
     torch.manual_seed(1)
-    data.save_pretrained(finetune.Encoder(finetune.Config(**TINY)), tmp_path / "b")
+    run.save_pretrained(finetune.Encoder(finetune.Config(**TINY)), tmp_path / "b")
     models = f"{a},{tmp_path / 'b'}"
     curves = evaluate.main(evaluate.Config(model=models, tag="A,B", cls_by_length=True, corpus=str(corpus),
                                            out_dir=str(tmp_path / "fig")))
@@ -1222,7 +1253,7 @@ def _scifact_subset(folder, n_train=24, n_test=16, n_other=120):
 def _tiny_init(folder):
     """A small random BERT folder, the starting checkpoint of the pipeline tests."""
     torch.manual_seed(0)
-    data.save_pretrained(finetune.Encoder(finetune.Config(**TINY)), folder)
+    run.save_pretrained(finetune.Encoder(finetune.Config(**TINY)), folder)
     return str(folder)
 
 
@@ -1301,23 +1332,23 @@ def test_end_to_end_pretrain_finetune_evaluate(tmp_path, capsys):
 
 # ------------------------------------------------------------------ starting checkpoints (--init / --model)
 def test_minilm_short_name_is_the_checked_offline_package():
-    folder = data.resolve_model("minilm")
+    folder = run.resolve_model("minilm")
     assert Path(folder).is_dir() and (Path(folder) / "model.safetensors").is_file()
     # A sentence-transformers folder: its declared mean pooling and Normalize module (= cosine) are read.
-    assert data.read_retriever_settings(folder) == {"pooling": "mean", "similarity": "cos", "query_len": 256,
-                                                    "passage_len": 256}
+    assert evaluate.read_retriever_settings(folder) == {"pooling": "mean", "similarity": "cos", "query_len": 256,
+                                                   "passage_len": 256}
     encoder = evaluate.load_encoder("minilm")
     assert (encoder.config.hidden_size, encoder.config.num_layers, encoder.new_mlm_head) == (384, 6, True)
 
 
 def test_minilm_with_a_different_sha256_is_refused(monkeypatch):
-    monkeypatch.setattr(data, "MINILM_SHA256", "0" * 64)
-    data._minilm_folder.cache_clear()
+    monkeypatch.setattr(run, "MINILM_SHA256", "0" * 64)
+    run._minilm_folder.cache_clear()
     try:
         with pytest.raises(data.DataError, match=r"model.safetensors: sha256 53aa5117\w+, expected 0{64}"):
-            data.resolve_model("minilm")
+            run.resolve_model("minilm")
     finally:
-        data._minilm_folder.cache_clear()
+        run._minilm_folder.cache_clear()
 
 
 def _fake_hub_cache(root, repo_id, save):
@@ -1360,9 +1391,9 @@ def test_exported_encoder_declares_its_pooling_and_similarity_for_sentence_trans
     c = finetune.Config(pooling="mean", similarity="cos", passage_len=96)
     finetune.save_encoder(encoder, tmp_path / "out", c, data.VOCAB)
     out = tmp_path / "out"
-    assert data.read_retriever_settings(out) == {"pooling": "mean", "similarity": "cos", "query_len": 64, "passage_len": 96}
+    assert evaluate.read_retriever_settings(out) == {"pooling": "mean", "similarity": "cos", "query_len": 64, "passage_len": 96}
     (out / "retriever.json").unlink()          # what sentence-transformers reads says the same
-    assert data.read_retriever_settings(out) == {"pooling": "mean", "similarity": "cos", "query_len": 96, "passage_len": 96}
+    assert evaluate.read_retriever_settings(out) == {"pooling": "mean", "similarity": "cos", "query_len": 96, "passage_len": 96}
     assert [m["type"].rsplit(".", 1)[1] for m in json.loads((out / "modules.json").read_text())] == \
         ["Transformer", "Pooling", "Normalize"]
     assert json.loads((out / "1_Pooling" / "config.json").read_text())["word_embedding_dimension"] == 32
@@ -1388,9 +1419,9 @@ def test_cosine_bi_encoder_scores_are_cosines_over_tau():
 
 def test_a_checkpoint_without_mlm_head_gets_a_new_tied_one(tmp_path, wiki_texts):
     corpus = write(tmp_path / "corpus.txt", "\n\n".join(wiki_texts))
-    data.save_pretrained(evaluate.load_encoder(_tiny_init(tmp_path / "full")), tmp_path / "bare")   # no MLM head saved
-    data.write_retriever_settings(tmp_path / "bare", "mean", "cos", 64, 256)   # as a sentence-transformers folder
-    encoder = data.load_pretrained(costa.Encoder, tmp_path / "bare", costa.Config())
+    run.save_pretrained(evaluate.load_encoder(_tiny_init(tmp_path / "full")), tmp_path / "bare")    # no MLM head saved
+    evaluate.write_retriever_settings(tmp_path / "bare", "mean", "cos", 64, 256)    # as a sentence-transformers folder
+    encoder = run.load_pretrained(costa.Encoder, tmp_path / "bare", costa.Config())
     assert encoder.new_mlm_head and encoder.mlm_head.word_embedding[0] is encoder.embeddings.word
     result = subprocess.run([PY, str(HERE / "costa.py"), "--init", str(tmp_path / "bare"), "--steps", "1", "--corpus", str(corpus),
                              "--batch_size", "2", "--max_len", "32", "--out_dir", str(tmp_path / "o")],
@@ -1398,7 +1429,7 @@ def test_a_checkpoint_without_mlm_head_gets_a_new_tied_one(tmp_path, wiki_texts)
     assert result.returncode == 0, result.stderr
     assert f"{tmp_path / 'bare'}: no MLM head in the checkpoint; training a new one" in result.stdout
     # The pre-trained encoder keeps the checkpoint's pooling and similarity, for fine-tuning it alone.
-    assert data.read_retriever_settings(tmp_path / "o" / "encoder") == {"pooling": "mean", "similarity": "cos",
+    assert evaluate.read_retriever_settings(tmp_path / "o" / "encoder") == {"pooling": "mean", "similarity": "cos",
                                                                          "query_len": 64, "passage_len": 256}
 
 
@@ -1410,7 +1441,7 @@ def test_halt_and_resume_equals_uninterrupted_run(tmp_path):
     finetune.main(base + ["--out_dir", str(tmp_path / "b"), "--halt_at", "4"])  # killed at step 1 of stage 2
     assert not (tmp_path / "b" / "encoder").exists() and (tmp_path / "b" / "stage2" / "state.pt").is_file()
     finetune.main(base + ["--out_dir", str(tmp_path / "b"), "--resume"])
-    a, b = (data.load_tensors(tmp_path / x / "encoder" / "model.safetensors") for x in ("a", "b"))
+    a, b = (run.load_tensors(tmp_path / x / "encoder" / "model.safetensors") for x in ("a", "b"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (tmp_path / "a" / "negatives_round1.tsv").read_text() == (tmp_path / "b" / "negatives_round1.tsv").read_text()
 
@@ -1432,9 +1463,9 @@ def test_word_distribution_figure_from_a_cpdae_folder(tmp_path):
 
     torch.manual_seed(0)
     encoder = finetune.Encoder(finetune.Config(**TINY))
-    data.save_pretrained(encoder, tmp_path / "enc")
+    run.save_pretrained(encoder, tmp_path / "enc")
     decoder = cpdae.Decoder(TINY["hidden_size"], TINY["vocab_size"])
-    data.save_tensors(tmp_path / "enc" / "decoder.safetensors", decoder.state_dict())
+    run.save_tensors(tmp_path / "enc" / "decoder.safetensors", decoder.state_dict())
     text = "Nanotechnology raises many of the same issues as any new technology."
     probs = evaluate.word_distribution(evaluate.load_encoder(tmp_path / "enc"), decoder, _tokenizer(), text, 64,
                                        torch.device("cpu"))
@@ -1447,7 +1478,7 @@ def test_word_distribution_figure_from_a_cpdae_folder(tmp_path):
     assert not np.allclose(mean, probs)
     evaluate.main(evaluate.Config(model=str(tmp_path / "enc"), words=text, out_dir=str(tmp_path / "fig")))
     assert (tmp_path / "fig" / "words.png").read_bytes()[:4] == b"\x89PNG"
-    data.save_pretrained(encoder, tmp_path / "plain")  # an encoder without a CPDAE decoder: a clear error
+    run.save_pretrained(encoder, tmp_path / "plain")   # an encoder without a CPDAE decoder: a clear error
     with pytest.raises(data.DataError, match="decoder.safetensors: not found"):
         evaluate.main(evaluate.Config(model=str(tmp_path / "plain"), words=text))
 
@@ -1556,7 +1587,7 @@ def test_class4_init_vocabulary_and_mismatched_state(tmp_path, small_corpus):
     # An --init folder with its own (smaller) vocabulary: pre-training uses the folder's vocab.txt.
     new = data.train_wordpiece(data.read_pretraining_texts(small_corpus), tmp_path / "v.txt", vocab_size=1000)
     torch.manual_seed(0)
-    data.save_pretrained(costa.Encoder(tiny_config(vocab_size=new.get_vocab_size())), tmp_path / "init", tmp_path / "v.txt")
+    run.save_pretrained(costa.Encoder(tiny_config(vocab_size=new.get_vocab_size())), tmp_path / "init", tmp_path / "v.txt")
     common = ["--corpus", small_corpus, *TINY_ARGS, "--steps", "1", "--init", tmp_path / "init"]
     run_script([str(a) for a in [HERE / "cpdae.py", *common, "--out_dir", tmp_path / "a"]], tmp_path)
     assert data.vocab_size_of(tmp_path / "a" / "encoder" / "vocab.txt") == new.get_vocab_size()
@@ -1577,7 +1608,8 @@ def test_class4_init_vocabulary_and_mismatched_state(tmp_path, small_corpus):
     code, err = run_error([HERE / "cpdae.py", *common, "--out_dir", tmp_path / "a", "--resume", "--max_len", "32"],
                           tmp_path)
     assert (code, err) == (1, (f"error: {tmp_path / 'a' / 'state.pt'}: these flags cannot change on --resume: "
-                              f"--max_len 64 -> 32; resume with the saved values, or start again with --overwrite"))
+                              f"--max_len 64 -> 32; resume with the saved values, or start again with --overwrite "
+                              f"(a flag that may change on resume is one that its Config lists in RESUMABLE)"))
 
 
 def test_class5_lengths_are_checked_against_the_model(tmp_path):
@@ -1604,7 +1636,7 @@ def test_class6_flag_domains_and_non_finite_loss(tmp_path, small_corpus):
                            "--warmup", "0", "--save_every", "1", "--out_dir", out], tmp_path)
     assert (code, err) == (1, (f"error: step 2: the loss is not finite (gradient norm nan); stopped without saving; "
                               f"{out} keeps its last good checkpoint, step 1"))
-    state = data.load_training_state(out / "state.pt")
+    state = run.load_training_state(out / "state.pt")
     assert state["step"] == 1 and all(torch.isfinite(v).all() for v in state["model"].values())
 
 
@@ -1738,7 +1770,7 @@ def test_study_flags_per_arm_and_refuses_its_own():
             study.check_flags(dataclasses.replace(c, **bad))
     for flags in (["--vector", "max"], ["--arms", "none,bert"], ["--arms", "none,none"]):
         with pytest.raises(SystemExit, match=f"--{flags[0][2:]}"):
-            data.parse_config(study.Config, flags, "", {}, study.FLAG_RULES)
+            run.parse_config(study.Config, flags, "", {}, study.FLAG_RULES)
 
 
 def test_study_quick_end_to_end_resumes_without_training_and_refuses_mixed_code(tmp_path, capsys, monkeypatch):
@@ -1910,7 +1942,7 @@ def _tiny_training(tmp_path, small_corpus):
                      out_dir=str(tmp_path / "run"))
     torch.manual_seed(0)
     model = cpdae.PretrainModel(c, cpdae.Encoder(c))
-    optimizer, scheduler = data.make_optimizer(model, c)
+    optimizer, scheduler = run.make_optimizer(model, c)
     return cpdae, c, model, optimizer, scheduler
 
 
@@ -1919,7 +1951,7 @@ def test_a_full_disk_keeps_the_last_checkpoint_whole_and_says_so(tmp_path, small
     import errno
     _cpdae, c, model, optimizer, scheduler = _tiny_training(tmp_path, small_corpus)
     out = Path(c.out_dir)
-    data.save_checkpoint(c, model, optimizer, scheduler, 2, True)
+    run.save_checkpoint(c, model, optimizer, scheduler, 2, True)
     before = folder_bytes(out)
     with torch.no_grad():
         for p in model.parameters():
@@ -1928,12 +1960,12 @@ def test_a_full_disk_keeps_the_last_checkpoint_whole_and_says_so(tmp_path, small
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
     if fails == "encoder":
-        monkeypatch.setattr(data, "save_tensors", full)
+        monkeypatch.setattr(run, "save_tensors", full)
     else:   # torch.save reports a full disk as "RuntimeError: [enforce fail at inline_container.cc] unexpected pos"
         monkeypatch.setattr(data.torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("unexpected pos")))
         monkeypatch.setattr(data.shutil, "disk_usage", lambda folder: shutil_usage(free=0))
     with pytest.raises(data.DataError) as caught:
-        data.save_checkpoint(c, model, optimizer, scheduler, 4, True, 2)
+        run.save_checkpoint(c, model, optimizer, scheduler, 4, True, 2)
     target = out / ("encoder" if fails == "encoder" else "state.pt")
     assert str(caught.value) == (f"{target}: the disk is full; {out} keeps the checkpoint of step 2; free some space, "
                                  f"or copy {out} to a bigger disk, and continue with --resume (--out_dir the new place)")
@@ -1948,7 +1980,7 @@ def shutil_usage(free):
 def test_a_checkpoint_switch_cut_by_a_kill_is_completed_or_dropped(tmp_path, small_corpus):
     _cpdae, c, model, optimizer, scheduler = _tiny_training(tmp_path, small_corpus)
     out = Path(c.out_dir)
-    data.save_checkpoint(c, model, optimizer, scheduler, 2, True)
+    run.save_checkpoint(c, model, optimizer, scheduler, 2, True)
     step2 = folder_bytes(out)
     with torch.no_grad():
         for p in model.parameters():
@@ -1963,15 +1995,15 @@ def test_a_checkpoint_switch_cut_by_a_kill_is_completed_or_dropped(tmp_path, sma
     with pytest.MonkeyPatch.context() as m:
         m.setattr(data.os, "replace", killed_after_commit)
         with pytest.raises(KeyboardInterrupt):
-            data.save_checkpoint(c, model, optimizer, scheduler, 4, True, 2)
-    assert (out / ".encoder.new").is_dir() and data.load_training_state(out / "state.pt")["step"] == 4
-    data.prepare_run_folder(dataclasses.replace(c, resume=True))   # the next start completes the switch
+            run.save_checkpoint(c, model, optimizer, scheduler, 4, True, 2)
+    assert (out / ".encoder.new").is_dir() and run.load_training_state(out / "state.pt")["step"] == 4
+    run.prepare_run_folder(dataclasses.replace(c, resume=True))    # the next start completes the switch
     assert not (out / ".encoder.new").exists() and not (out / ".encoder.old").exists()
     assert (out / "encoder" / "model.safetensors").read_bytes() != step2["encoder/model.safetensors"]
     # Killed before the commit: the new files are dropped, step 2 stays.
     (out / ".state.pt.new").write_bytes(b"")
     (out / ".encoder.new").mkdir()
-    data.prepare_run_folder(dataclasses.replace(c, resume=True))
+    run.prepare_run_folder(dataclasses.replace(c, resume=True))
     assert not (out / ".encoder.new").exists() and not (out / ".state.pt.new").exists()
 
 
@@ -1990,23 +2022,23 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, small_corpus):
     import signal
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.Popen([PY, str(HERE / "costa.py"), "--corpus", str(small_corpus), *TINY_ARGS, "--steps", "100000",
-                            "--save_every", "2", "--out_dir", str(out)], cwd=tmp_path, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           # as from a terminal: a suite started in the background (nohup ... &) ignores
-                           # SIGINT, and an ignored signal stays ignored across exec
-                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509 -- no threads yet
+    proc = subprocess.Popen([PY, str(HERE / "costa.py"), "--corpus", str(small_corpus), *TINY_ARGS, "--steps", "100000",
+                             "--save_every", "2", "--out_dir", str(out)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # as from a terminal: a suite started in the background (nohup ... &) ignores
+                            # SIGINT, and an ignored signal stays ignored across exec
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509 -- no threads yet
     try:
         deadline = time.time() + 240
         while time.time() < deadline and not (out / "log.jsonl").is_file() or len(read_log(out)) < 3:
-            assert run.poll() is None and time.time() < deadline
+            assert proc.poll() is None and time.time() < deadline
             time.sleep(0.2)
-        run.send_signal(signal.SIGINT)
-        _, err = run.communicate(timeout=120)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
     finally:
-        run.kill()
-    saved = data.load_training_state(out / "state.pt")["step"]
-    assert run.returncode == 130 and "Traceback" not in err
+        proc.kill()
+    saved = run.load_training_state(out / "state.pt")["step"]
+    assert proc.returncode == 130 and "Traceback" not in err
     match = re.fullmatch(rf"interrupted at step (\d+); last checkpoint at step {saved} in {re.escape(str(out))}; "
                          rf"continue with --resume", err.strip())
     assert match and int(match.group(1)) >= 3 and saved >= 2, err
@@ -2028,11 +2060,11 @@ def test_leave_distributed_ends_a_gloo_process_at_once_with_its_output_flushed(t
     # gloo's teardown aborted a rank now and then (SIGABRT): the process leaves with os._exit(code) instead,
     # after flushing what it printed; outside torchrun leave_distributed does nothing
     script = ("import datetime, sys, torch.distributed as dist, data\n"
-              "data.leave_distributed(5)\n"
+              "run.leave_distributed(5)\n"
               "dist.init_process_group('gloo', init_method=sys.argv[1], rank=0, world_size=1,"
               " timeout=datetime.timedelta(seconds=60))\n"
               "print('written', end='')\n"
-              "data.leave_distributed(7)\n"
+              "run.leave_distributed(7)\n"
               "print('never')\n")
     result = subprocess.run([PY, "-c", script, f"file://{tmp_path}/rendezvous"], cwd=HERE, capture_output=True,
                             text=True, timeout=120)
@@ -2044,23 +2076,23 @@ def test_ctrl_c_during_a_checkpoint_finishes_it_and_names_it(tmp_path, small_cor
     # checkpoint at step 2" with step 4 on disk (1 in 10 runs of the test above, under load); now a
     # Ctrl-C during the save is held until the checkpoint is whole, and the line names it.
     import signal
-    real = data.finish_checkpoint_switch
+    real = run.finish_checkpoint_switch
     def switch_then_ctrl_c(out):
         if (Path(out) / ".encoder.new").is_dir():         # in save_checkpoint (train's start calls it too)
             os.kill(os.getpid(), signal.SIGINT)           # delivered here, between the commit and the return
         real(out)
-    monkeypatch.setattr(data, "finish_checkpoint_switch", switch_then_ctrl_c)
+    monkeypatch.setattr(run, "finish_checkpoint_switch", switch_then_ctrl_c)
     out = tmp_path / "run"
-    c = data.parse_config(costa.Config, ["--corpus", str(small_corpus), *TINY_ARGS, "--steps", "6", "--save_every", "2",
-                                         "--out_dir", str(out)], "", {}, costa.FLAG_RULES)
+    c = run.parse_config(costa.Config, ["--corpus", str(small_corpus), *TINY_ARGS, "--steps", "6", "--save_every", "2",
+                                        "--out_dir", str(out)], "", {}, costa.FLAG_RULES)
     outer = signal.signal(signal.SIGINT, signal.default_int_handler)   # as Python starts from a terminal
     try:
-        with pytest.raises(data.Interrupted) as stopped:
+        with pytest.raises(run.Interrupted) as stopped:
             costa.train(c)
     finally:
         signal.signal(signal.SIGINT, outer)
     assert str(stopped.value) == f"interrupted at step 2; last checkpoint at step 2 in {out}; continue with --resume"
-    assert data.load_training_state(out / "state.pt")["step"] == 2 and (out / "encoder" / "config.json").is_file()
+    assert run.load_training_state(out / "state.pt")["step"] == 2 and (out / "encoder" / "config.json").is_file()
     assert not (out / ".encoder.new").exists()
 
 
@@ -2069,22 +2101,22 @@ def test_catch_stop_signals_records_them_and_puts_the_old_handlers_back():
     outer = signal.signal(signal.SIGINT, signal.default_int_handler)   # as Python starts from a terminal
     term_before = signal.getsignal(signal.SIGTERM)
     try:
-        restore = data.catch_stop_signals(defer_term=True)            # as the training loop installs them
+        restore = run.catch_stop_signals(defer_term=True)             # as the training loop installs them
         assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
         with pytest.raises(KeyboardInterrupt):
             signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
-        with data.hold_ctrl_c():                                       # held: recorded only
+        with run.hold_ctrl_c():                                        # held: recorded only
             signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
-        assert data.STOP_SIGNALS["int"] == [signal.SIGINT] * 2
+        assert run.STOP_SIGNALS["int"] == [signal.SIGINT] * 2
         with pytest.raises(KeyboardInterrupt):                         # and raised again after the hold
             signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
         signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)         # deferred to the end of the step
-        assert data.STOP_SIGNALS["term"] == [signal.SIGTERM]
+        assert run.STOP_SIGNALS["term"] == [signal.SIGTERM]
         restore()
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         assert signal.getsignal(signal.SIGTERM) is term_before
-        restore = data.catch_stop_signals()                            # outside the loop: SIGTERM stops at once
-        with pytest.raises(data.Terminated):
+        restore = run.catch_stop_signals()                             # outside the loop: SIGTERM stops at once
+        with pytest.raises(run.Terminated):
             signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
         restore()
     finally:
@@ -2120,7 +2152,7 @@ def test_torchrun_error_is_one_line_from_rank0_and_exit_code_1(tmp_path):
     # are torch's (they may sit under HERE when the venv does, as in CI), never one of the project's files.
     output = result.stdout + result.stderr
     assert output.count("Traceback") <= 1
-    assert not [name for name in ("costa.py", "cpdae.py", "seed.py", "data.py")
+    assert not [name for name in (*METHOD_FILES, "data.py", "run.py")
                 if f'File "{HERE / name}"' in output]
 
 
@@ -2128,10 +2160,10 @@ def test_silent_inputs_are_refused_or_named(tmp_path, capsys, monkeypatch):
     # A path that looks local never goes to the hub.
     (tmp_path / "runs").mkdir()
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(data, "_hub_folder", lambda name: pytest.fail(f"{name} was sent to the hub"))
+    monkeypatch.setattr(run, "_hub_folder", lambda name: pytest.fail(f"{name} was sent to the hub"))
     for name in ("runs/nonexistent_model", "./model", "/no/such/folder"):
         with pytest.raises(data.DataError, match=re.escape(f"{name}: no such model folder")):
-            data.resolve_model(name)
+            run.resolve_model(name)
     # Empty queries are refused with file:line; empty documents are counted once.
     queries = write(tmp_path / "queries.jsonl", '{"_id": "q1", "text": "apples"}\n{"_id": "q2", "text": "  "}\n')
     with pytest.raises(data.DataError, match=re.escape(f"{queries}:2: empty query text")):
@@ -2285,7 +2317,7 @@ def test_benchmark_levers_change_the_arithmetic_only():
 # ----------------------------------------------------------------------------------------------
 def _held_by_another_process(folder):
     """A process that takes the run folder's lock and keeps it until killed."""
-    script = ("import sys, time, data; data.lock_run_folder(sys.argv[1], create=True); print('locked', flush=True); "
+    script = ("import sys, time, data; run.lock_run_folder(sys.argv[1], create=True); print('locked', flush=True); "
               "time.sleep(600)")
     holder = subprocess.Popen([PY, "-c", script, str(folder)], cwd=HERE, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "locked"
@@ -2310,7 +2342,7 @@ def test_a_run_folder_in_use_refuses_a_second_run_and_kill_9_frees_it(tmp_path, 
     result = subprocess.run([PY, "costa.py", "--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2",
                              "--out_dir", str(out)], cwd=HERE, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert data.load_training_state(out / "state.pt")["step"] == 2
+    assert run.load_training_state(out / "state.pt")["step"] == 2
 
 
 def test_an_os_error_is_one_line_naming_the_path(tmp_path, small_corpus, monkeypatch, capsys):
@@ -2327,8 +2359,8 @@ def test_an_os_error_is_one_line_naming_the_path(tmp_path, small_corpus, monkeyp
         assert "\n" not in line and line.startswith("error: ") and str(a_file) in line, (script, line)
         assert "is a file, not a folder" in line or "already exists as a file" in line, (script, line)
     # Permission denied and a read-only file system (root ignores chmod, so the error is injected).
-    c = data.parse_config(costa.Config, ["--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2",
-                                         "--out_dir", str(tmp_path / "ro" / "run")], "", {}, costa.FLAG_RULES)
+    c = run.parse_config(costa.Config, ["--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2",
+                                        "--out_dir", str(tmp_path / "ro" / "run")], "", {}, costa.FLAG_RULES)
     for code, words in ((errno.EACCES, "permission denied"), (errno.EROFS, "read-only file system")):
         def refuse(self, *args, code=code, real=Path.mkdir, **kwargs):   # in ro/ only (not the token cache)
             if tmp_path / "ro" not in (self, *self.parents):
@@ -2336,7 +2368,7 @@ def test_an_os_error_is_one_line_naming_the_path(tmp_path, small_corpus, monkeyp
             raise OSError(code, os.strerror(code), str(self))
         monkeypatch.setattr(Path, "mkdir", refuse)
         with pytest.raises(SystemExit) as stopped:
-            data.run_command_line(lambda: costa.train(c))
+            run.run_command_line(lambda: costa.train(c))
         monkeypatch.undo()
         assert stopped.value.code == f"error: {tmp_path / 'ro' / 'run'}: {words}; " + {
             errno.EACCES: "choose a folder you can write to (--out_dir) or fix its permissions",
@@ -2355,10 +2387,10 @@ def test_an_unwritable_out_dir_stops_the_run_before_the_token_cache_is_built(tmp
         f_flag=os.ST_RDONLY if Path(path) == read_only else real_statvfs(path).f_flag))
     for out_dir, problem, words in ((a_file / "run", a_file, "a path on the way is a file, not a folder"),
                                     (read_only / "new" / "run", read_only, "read-only file system")):
-        c = data.parse_config(costa.Config, ["--corpus", str(small_cache_corpus), *TINY_ARGS, "--steps", "2",
-                                             "--out_dir", str(out_dir)], "", {}, costa.FLAG_RULES)
+        c = run.parse_config(costa.Config, ["--corpus", str(small_cache_corpus), *TINY_ARGS, "--steps", "2",
+                                            "--out_dir", str(out_dir)], "", {}, costa.FLAG_RULES)
         with pytest.raises(SystemExit) as stopped:
-            data.run_command_line(lambda c=c: costa.train(c))
+            run.run_command_line(lambda c=c: costa.train(c))
         assert str(stopped.value.code).startswith(f"error: {problem}: {words}; "), stopped.value.code
         assert not list(small_cache_corpus.parent.glob("*.tokens-*")), "the token cache was built first"
     assert not (read_only / "new").exists()
@@ -2369,21 +2401,21 @@ def test_sigterm_saves_a_checkpoint_and_stops_with_one_line(tmp_path, small_corp
     out = tmp_path / "run"
     cmd = [PY, "costa.py", "--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2000", "--save_every", "4",
            "--out_dir", str(out)]
-    run = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-    for line in run.stdout:
+    proc = subprocess.Popen(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in proc.stdout:
         if line.startswith("step      3/"):
             break
-    run.send_signal(signal.SIGTERM)                     # what a scheduler sends before it kills the job
-    _, stderr = run.communicate(timeout=120)
-    assert run.returncode == 143, stderr
+    proc.send_signal(signal.SIGTERM)                     # what a scheduler sends before it kills the job
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr
     last = re.fullmatch(rf"terminated \(SIGTERM\) at step (\d+); last checkpoint at step (\d+) in {re.escape(str(out))}; "
                         r"continue with --resume", stderr.strip().splitlines()[-1])
     assert last, stderr
     stopped, saved = int(last[1]), int(last[2])
     # the step in progress finished; a checkpoint more than --save_every / 2 = 2 steps old was renewed first
     assert 3 <= stopped and 0 <= stopped - saved <= 2 and saved >= 3
-    assert data.load_training_state(out / "state.pt")["step"] == saved
+    assert run.load_training_state(out / "state.pt")["step"] == saved
     result = subprocess.run(cmd[:-2] + ["--steps", str(stopped + 2), "--out_dir", str(out), "--resume"], cwd=HERE,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr        # and it continues from there
@@ -2398,21 +2430,21 @@ def test_finetune_sigterm_saves_a_checkpoint_and_stops_with_one_line(tmp_path):
     cmd = [PY, "finetune.py", "--init", init, "--dataset", str(beir), "--train_split", "test", "--eval_split", "",
            "--batch_size", "1", "--query_len", "16", "--passage_len", "16", "--bf16", "false", "--log_every", "1",
            "--save_every", "4", "--out_dir", str(out)]
-    run = subprocess.Popen(cmd + ["--steps", "2000"], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    for line in run.stdout:
+    proc = subprocess.Popen(cmd + ["--steps", "2000"], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in proc.stdout:
         if line.startswith("step      3/"):
             break
-    run.send_signal(signal.SIGTERM)
-    _, stderr = run.communicate(timeout=120)
-    assert run.returncode == 143, stderr
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr
     stage = out / "stage1"
     last = re.fullmatch(rf"terminated \(SIGTERM\) at step (\d+); last checkpoint at step (\d+) in {re.escape(str(stage))}; "
                         r"continue with --resume", stderr.strip().splitlines()[-1])
     assert last, stderr
     stopped, saved = int(last[1]), int(last[2])
     assert 3 <= stopped and 0 <= stopped - saved <= 2 and saved >= 3
-    assert data.load_training_state(stage / "state.pt")["step"] == saved
+    assert run.load_training_state(stage / "state.pt")["step"] == saved
     result = subprocess.run(cmd + ["--steps", str(stopped + 2), "--resume"], cwd=HERE, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -2424,16 +2456,16 @@ def test_non_finite_flags_are_refused_when_parsed():
     for module, flag in ((costa, "--lr"), (costa, "--tau"), (finetune, "--lr"), (evaluate, "--k1")):
         for value in ("inf", "nan", "-inf"):
             with pytest.raises(SystemExit) as stopped:
-                data.parse_config(module.Config, [flag, value], "", {}, getattr(module, "FLAG_RULES", {}))
+                run.parse_config(module.Config, [flag, value], "", {}, getattr(module, "FLAG_RULES", {}))
             assert stopped.value.code == f"error: {flag} must be a finite number, got {float(value)!r}"
 
 
 def test_a_non_finite_loss_says_whether_a_checkpoint_is_kept(tmp_path):
     c = costa.Config(out_dir=str(tmp_path))
     with pytest.raises(data.DataError, match=r"stopped without saving; no checkpoint was written$"):
-        data.stop_if_not_finite(torch.tensor(float("nan")), 2, c, last_saved=0)
+        run.stop_if_not_finite(torch.tensor(float("nan")), 2, c, last_saved=0)
     with pytest.raises(data.DataError, match=rf"{re.escape(str(tmp_path))} keeps its last good checkpoint, step 100$"):
-        data.stop_if_not_finite(torch.tensor(float("inf")), 120, c, last_saved=100)
+        run.stop_if_not_finite(torch.tensor(float("inf")), 120, c, last_saved=100)
 
 
 # Token cache: it proves itself before use; killed builds' temporaries; dropped and empty documents
@@ -2552,6 +2584,89 @@ def test_reading_a_broken_token_cache_names_the_folder_and_how_to_rebuild(small_
     (folder / "windows-L64.json").unlink()
     with pytest.raises(data.DataError, match=re.escape(f"{folder}: ") + ".*windows-L64.json.*rm -r"):
         data.TokenWindows(folder, 64, special)
+
+
+def test_resume_on_another_process_count_is_refused_naming_it(tmp_path, small_corpus):
+    """Each rank's masks and dropout are drawn per rank: a run resumed on another number of processes
+    would train on other batches. It is refused in one line that names the count and what to run."""
+    common = [str(HERE / "costa.py"), "--corpus", str(small_corpus), *TINY_ARGS, "--steps", "4"]
+    run_script(common + ["--out_dir", str(tmp_path / "two"), "--halt_at", "2"], tmp_path, torchrun=True)
+    want = (f"error: {tmp_path / 'two' / 'state.pt'}: written by 2 processes, this run has 1 (each rank draws its "
+            f"own masks and dropout); resume it with torchrun --nproc_per_node=2, or start again with --overwrite")
+    assert run_error([*common, "--out_dir", tmp_path / "two", "--resume"], tmp_path) == (1, want)
+    # --global_batch keeps the batch the same size on 1 process; the data stream would still differ.
+    run_script(common + ["--out_dir", str(tmp_path / "g"), "--halt_at", "2", "--global_batch", "8",
+                         "--batch_size", "4"], tmp_path, torchrun=True)
+    code, err = run_error([*common, "--out_dir", tmp_path / "g", "--resume", "--global_batch", "8",
+                           "--batch_size", "8"], tmp_path)
+    assert code == 1 and "written by 2 processes, this run has 1" in err and "--batch_size" not in err
+
+
+def test_resume_on_a_changed_corpus_is_refused_unless_meant(tmp_path, small_corpus):
+    """The run records its corpus's tokens (the token cache's CRC-32 and window count): a corpus edited
+    between a run and its --resume is refused in one line naming the file; --new_corpus continues on it
+    and says from which step the data differ. A corpus only touched (same text) resumes as before."""
+    corpus = tmp_path / "wiki.jsonl"
+    shutil.copyfile(small_corpus, corpus)
+    common = [HERE / "costa.py", "--corpus", corpus, *TINY_ARGS, "--steps", "4", "--out_dir", tmp_path / "o"]
+    run_script([str(a) for a in [*common, "--halt_at", "2"]], tmp_path)
+    os.utime(corpus, (time.time() + 5,) * 2)                                  # touched: the same tokens
+    assert "at step 2" in run_script([str(a) for a in [*common, "--halt_at", "3", "--resume"]], tmp_path)
+    with open(corpus, "a") as f:
+        f.write(json.dumps({"text": "A new document about retrieval joins the corpus after step 3."}) + "\n")
+    code, err = run_error([*common, "--resume"], tmp_path)
+    assert code == 1 and err.startswith(f"error: {corpus}: the corpus changed since the run's checkpoint of step 3 ("), err
+    assert err.endswith("resume on the corpus the run started with, or pass --new_corpus to continue on this one")
+    out = run_script([str(a) for a in [*common, "--resume", "--new_corpus"]], tmp_path)
+    assert "resume: --new_corpus: the corpus changed since step 3; the data differ from step 4" in out
+    assert [r["step"] for r in read_log(tmp_path / "o")] == [1, 2, 3, 4]
+
+
+def test_a_run_folder_says_which_script_wrote_it(tmp_path, small_corpus):
+    """finetune.py --overwrite into a pre-training run's folder, or a method's --resume into another
+    script's run, is refused in one line before any work: each script's config.json names it."""
+    run_script([str(HERE / "costa.py"), "--corpus", str(small_corpus), *TINY_ARGS, "--steps", "1",
+                "--out_dir", str(tmp_path / "p")], tmp_path)
+    assert json.loads((tmp_path / "p" / "config.json").read_text())["script"] == "costa.py"
+    code, err = run_error([HERE / "finetune.py", "--init", "", *FT_TINY_ARGS, "--dataset", tiny_beir(tmp_path / "beir"),
+                           "--out_dir", tmp_path / "p", "--overwrite"], tmp_path)
+    assert (code, err) == (1, (f"error: {tmp_path / 'p'} holds a run of costa.py, not of finetune.py; give "
+                              f"another --out_dir (or delete the folder to reuse its name)"))
+    assert (tmp_path / "p" / "state.pt").is_file()                              # untouched
+    code, err = run_error([HERE / "cpdae.py", "--corpus", small_corpus, *TINY_ARGS, "--steps", "1",
+                           "--out_dir", tmp_path / "p", "--resume"], tmp_path)
+    assert (code, err) == (1, (f"error: {tmp_path / 'p'} holds a run of costa.py, not of cpdae.py; give "
+                              f"another --out_dir (or delete the folder to reuse its name)"))
+
+
+def test_ctrl_c_to_the_process_group_during_the_token_cache_build_prints_one_line(tmp_path, small_corpus):
+    """Ctrl-C in a terminal reaches every process of the group: the pool's workers too. They ignore it
+    (the parent stops them), so the run prints its one line and no worker's traceback."""
+    import signal
+    started = tmp_path / "started"
+    code = ("import pathlib, runpy, sys, time, data\n"                  # a worker that is surely mid-chunk
+            "def slow(texts):\n"
+            f"    pathlib.Path({str(started)!r}).touch()\n"
+            "    time.sleep(600)\n"
+            "data._tokenize_chunk = slow\n"
+            "sys.argv = ['costa.py', *sys.argv[1:]]\n"
+            "runpy.run_path('costa.py', run_name='__main__')\n")
+    proc = subprocess.Popen([PY, "-c", code, "--corpus", str(small_corpus), "--cache_dir", str(tmp_path / "cache"),
+                             *TINY_ARGS, "--prep_workers", "1", "--out_dir", str(tmp_path / "o")], cwd=HERE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
+    try:
+        deadline = time.time() + 120
+        while not started.exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert started.exists() and proc.returncode == 130
+    assert err.strip() == "interrupted before the first step; nothing was trained", err
+    assert not list((tmp_path / "cache").glob("*"))                   # the half-built cache is gone
 
 
 def test_the_next_build_removes_the_temporaries_of_a_killed_build(tmp_path, wiki_texts):

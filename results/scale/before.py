@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository 
 import scale  # scale.py beside this file: the same corpora and timing
 
 import data
+import run
 
 
 class LegacyWindows(list):
@@ -25,7 +26,7 @@ class LegacyWindows(list):
 
 
 def legacy_load_windows(c, rank):
-    """data.load_windows as it was: every rank tokenizes the whole corpus into Python lists."""
+    """run.load_windows as it was: every rank tokenizes the whole corpus into Python lists."""
     tokenizer = data.load_tokenizer(c.vocab)
     return LegacyWindows(data.make_windows(tokenizer, data.read_pretraining_texts(c.corpus), c.max_len),
                          data.special_ids(tokenizer))
@@ -34,9 +35,9 @@ def legacy_load_windows(c, rank):
 def train_costa(argv):
     """costa.py's command line, on the old data path (what each torchrun rank runs)."""
     import costa
-    data.load_windows = legacy_load_windows
-    data.run_command_line(lambda: costa.train(data.parse_config(costa.Config, argv, costa.__doc__,
-                                                                costa.PAPER_PRESET, costa.FLAG_RULES)))
+    run.load_windows = legacy_load_windows
+    run.run_command_line(lambda: costa.train(run.parse_config(costa.Config, argv, costa.__doc__,
+                                                              costa.PAPER_PRESET, costa.FLAG_RULES)))
 
 
 def before_table(sizes, procs, folder):

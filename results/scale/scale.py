@@ -42,7 +42,7 @@ def synthetic_corpus(folder, millions):
             with open(tmp, "w", encoding="utf-8") as f:
                 for _ in range(copies):
                     f.writelines(texts[i].replace("\n\n", "\n") + "\n\n" for i in rng.permutation(len(texts)))
-        data._atomic(path, write)
+        data.atomic_write(path, write)
     return path, copies * per_copy
 
 

@@ -24,6 +24,7 @@ import benchmark
 import data
 import evaluate
 import finetune
+import run
 
 
 def st_triplets(batches, step):
@@ -41,7 +42,7 @@ def st_ndcg_one(which, seed, out_root):
     batch 32 + 1 negative, 64/128 tokens, bf16); "st" trains sentence-transformers'
     MultipleNegativesRankingLoss (scale 20 = finetune.py's tau 0.05) on the same (query, positive,
     negative) triplets in the same order (TrainBatches' draws for that seed, from ours' BM25 pools), with
-    finetune.py's optimizer and schedule (data.make_optimizer), clipping and autocast; then encodes with
+    finetune.py's optimizer and schedule (run.make_optimizer), clipping and autocast; then encodes with
     SentenceTransformer.encode and is scored by evaluate.py like ours. Returns the test metrics row."""
     ours_dir = out_root / f"ours-seed{seed}"
     if which == "ours":
@@ -51,7 +52,7 @@ def st_ndcg_one(which, seed, out_root):
             sys.exit(f"error: {' '.join(cmd)} failed")
         return json.loads((ours_dir / "eval-test" / "metrics.json").read_text())
     from sentence_transformers import SentenceTransformer, losses
-    init = str(data.resolve_model("minilm"))
+    init = str(run.resolve_model("minilm"))
     c = finetune.retriever_settings(finetune.Config(init=init, seed=seed))
     corpus, queries, qrels = data.load_beir(str(data.SCIFACT), "train")
     doc_ids = list(corpus)
@@ -66,7 +67,7 @@ def st_ndcg_one(which, seed, out_root):
     model = SentenceTransformer(init, device="cpu")
     model.max_seq_length = c.passage_len
     loss_fn = losses.MultipleNegativesRankingLoss(model, scale=1 / c.tau)
-    optimizer, scheduler = data.make_optimizer(model, c)
+    optimizer, scheduler = run.make_optimizer(model, c)
     model.train()
     t0 = time.time()
     for step in range(c.steps):
@@ -89,10 +90,10 @@ def st_ndcg_one(which, seed, out_root):
                                         convert_to_numpy=True, show_progress_bar=True).astype(np.float32)
     doc_vecs, query_vecs = encode([evaluate.passage_text(corpus[d]) for d in doc_ids]), encode([queries[q] for q in qids])
     scores, ids = evaluate.search(query_vecs, doc_vecs, 1000)
-    run = {q: {doc_ids[j]: float(s) for s, j in zip(scores[r], ids[r]) if j >= 0} for r, q in enumerate(qids)}
+    ranking = {q: {doc_ids[j]: float(s) for s, j in zip(scores[r], ids[r]) if j >= 0} for r, q in enumerate(qids)}
     out = out_root / f"st-seed{seed}" / "eval-test"
     out.mkdir(parents=True, exist_ok=True)
-    evaluate.save_and_score(run, qrels, out, "sentence-transformers", {"steps": c.steps, "seed": seed})
+    evaluate.save_and_score(ranking, qrels, out, "sentence-transformers", {"steps": c.steps, "seed": seed})
     return json.loads((out / "metrics.json").read_text())
 
 

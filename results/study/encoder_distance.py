@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
-import data
+import run
 
 
 def transformer_weights(folder):
@@ -36,7 +36,7 @@ def distance(a, b):
 
 
 def main(runs=ROOT / "runs" / "study", out=HERE / "encoder_distance.md"):
-    start = transformer_weights(data.resolve_model("minilm"))
+    start = transformer_weights(run.resolve_model("minilm"))
     methods = ("seed", "cpdae", "costa")
     header = ("| seed | arm | pre-trained vs start | pre-trained vs mlm's (same seed) | / mlm's own move | "
               "fine-tuned vs none's fine-tuned (same seed) |")

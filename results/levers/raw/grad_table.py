@@ -1,5 +1,7 @@
-"""Per-term gradient norm on the encoder (new heads excluded): python _wip/grad_table.py METHOD [state.pt|-] --flag value ...
-Same construction as study.cpdae_gradient_norms: init checkpoint, seed-c.seed heads, batches 0..n-1, dropout as in training."""
+"""Per-term gradient norm on the encoder (new heads excluded):
+    python results/levers/raw/grad_table.py METHOD [state.pt|-] --flag value ...
+Same construction as study.cpdae_gradient_norms: init checkpoint, seed-c.seed heads, batches 0..n-1,
+dropout as in training."""
 import importlib
 import sys
 import time
@@ -9,14 +11,15 @@ import torch
 
 sys.path.insert(0, ".")
 import data
+import run
 
 method, state = sys.argv[1], sys.argv[2]
 module = importlib.import_module(method)
 argv = ["--init", "minilm", "--corpus", "data/scifact/corpus.jsonl.gz", "--lr", "5e-5", "--steps", "50"] + sys.argv[3:]
-c = data.parse_config(module.Config, argv, "", module.PAPER_PRESET, module.FLAG_RULES)
+c = run.parse_config(module.Config, argv, "", module.PAPER_PRESET, module.FLAG_RULES)
 import dataclasses
 
-c = dataclasses.replace(c, init=data.resolve_model(c.init))
+c = dataclasses.replace(c, init=run.resolve_model(c.init))
 torch.set_num_threads(1)
 out = module.load_windows(c, 0)
 windows, special = out[0], out[1]
@@ -27,7 +30,7 @@ encoder = module.Encoder.from_pretrained(c.init, c)
 c = encoder.config
 model = module.PretrainModel(c, encoder, frequent_token=data.most_frequent_token(windows))
 if state != "-":
-    model.load_state_dict(data.load_training_state(state)["model"])
+    model.load_state_dict(run.load_training_state(state)["model"])
 new = {id(p) for p in model.new_parameters()}
 params = [p for p in model.encoder.parameters() if id(p) not in new]
 norms = {}

@@ -14,13 +14,14 @@ import torch
 
 sys.path.insert(0, ".")
 import data
+import run
 
 torch.set_num_threads(1)
 method, lrs, steps, NB = sys.argv[1], [float(x) for x in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4])
 M = importlib.import_module(method)
 argv = ["--init", "minilm", "--corpus", "data/scifact/corpus.jsonl.gz"] + sys.argv[5:]
-c = data.parse_config(M.Config, argv, "", {}, {})
-c = dataclasses.replace(c, init=data.resolve_model(c.init))
+c = run.parse_config(M.Config, argv, "", {}, {})
+c = dataclasses.replace(c, init=run.resolve_model(c.init))
 torch.manual_seed(0)
 enc = M.Encoder.from_pretrained(c.init, c).eval(); c = dataclasses.replace(enc.config, **{k: getattr(c, k) for k in ("bottleneck",)})
 enc.config = c

@@ -10,10 +10,11 @@ import torch
 sys.path.insert(0, ".")
 import costa
 import data
+import run
 
 torch.set_num_threads(1)
-c = data.parse_config(costa.Config, ["--init", "minilm", "--corpus", "data/scifact/corpus.jsonl.gz", "--gwc_weight", "0"], "", {}, {})
-c = dataclasses.replace(c, init=data.resolve_model(c.init))
+c = run.parse_config(costa.Config, ["--init", "minilm", "--corpus", "data/scifact/corpus.jsonl.gz", "--gwc_weight", "0"], "", {}, {})
+c = dataclasses.replace(c, init=run.resolve_model(c.init))
 enc = costa.Encoder.from_pretrained(c.init, c).eval(); c = enc.config
 windows, special, vocab_tokens = costa.load_windows(c, 0)
 top = data.most_frequent_token(windows)

