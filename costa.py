@@ -235,7 +235,7 @@ class PretrainModel(nn.Module):
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])       # (B, L, H)
         mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)
         metrics = {"mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
-                   "mlm_chance": run.most_frequent_accuracy(batch["labels"], self.frequent_token)}
+                   "mlm_chance": data.most_frequent_accuracy(batch["labels"], self.frequent_token)}
         if not c.gwc_weight:
             return {"L_MLM": mlm}, metrics
         with torch.autocast(hidden.device.type, enabled=False):  # the vectors feeding eq. 8 in fp32

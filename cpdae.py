@@ -315,7 +315,7 @@ class PretrainModel(nn.Module):
         logits = self.decoder(h_cls)                                             # (2B, V) eq. 2
         rec = reconstruction_loss(logits, batch["bag"].repeat(2, 1), self.idf, c.rec_reduction)  # each view its text
         metrics = {"rec": rec.detach(), "mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
-                   "mlm_chance": run.most_frequent_accuracy(batch["labels"], self.frequent_token)}
+                   "mlm_chance": data.most_frequent_accuracy(batch["labels"], self.frequent_token)}
         if not c.cl_weight:                                                      # Table 2 "w/o CL"
             return {"L_REC": rec, "L_MLM": mlm}, metrics
         if c.cl_mode == "js":                                                    # CPDAE, eq. 5

@@ -32,6 +32,8 @@ HERE = Path(__file__).resolve().parent
 VOCAB = HERE / "data" / "vocab.txt"          # BERT's uncased WordPiece vocabulary (30,522 entries)
 WIKI = HERE / "data" / "wiki.jsonl.gz"       # default pre-training corpus (Wikipedia slice)
 SCIFACT = HERE / "data" / "scifact"          # default retrieval benchmark (BEIR layout)
+
+
 # ----------------------------------------------------------------------------------------------
 # 1. What a method's train() uses from here, in the order it uses it
 # ----------------------------------------------------------------------------------------------
@@ -141,11 +143,25 @@ def most_frequent_token(windows, chunk=1 << 24):
     return int(counts.argmax()) if counts.any() else None
 
 
+def most_frequent_accuracy(targets, token=None):
+    """The trivial baseline of a token prediction (logged as X_chance beside X_acc): the accuracy of
+    always predicting `token`, the corpus' most frequent token (most_frequent_token), i.e. the
+    fraction of the targets equal to it. token None: this batch's most frequent target instead (a
+    slightly higher bar). targets (N,) or (B, L), -100 = no target -> () fp32."""
+    targets = targets[targets != -100]                                           # (N,)
+    if targets.numel() == 0:
+        return torch.zeros((), device=targets.device)
+    if token is None:
+        return targets.bincount().max().float() / targets.numel()
+    return (targets == token).float().mean()
+
+
 def shard(n_items, rank, world):
     """Contiguous shard of range(n_items) for a rank (sizes differ by at most one; no item twice or
     lost). For encoding a corpus across ranks."""
     bounds = np.linspace(0, n_items, world + 1).round().astype(int)
     return range(bounds[rank], bounds[rank + 1])
+
 
 # ----------------------------------------------------------------------------------------------
 # 2. Tokenizer
@@ -197,6 +213,7 @@ def train_wordpiece(texts, out_path, vocab_size=30522, min_frequency=2):
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     atomic_write_text(out_path, "".join(token + "\n" for token, _ in vocab))
     return load_tokenizer(out_path)
+
 
 # ----------------------------------------------------------------------------------------------
 # 3. Readers: pre-training text, BEIR, MS MARCO, TREC qrels and run files
@@ -532,6 +549,7 @@ def write_run(path, run, tag="dense"):
                   for rank, (docid, score) in enumerate(ranked, start=1)]
     atomic_write_text(path, "".join(lines))
 
+
 # ----------------------------------------------------------------------------------------------
 # 4. Windows: documents -> [CLS] ... [SEP] of at most max_len tokens, with word starts
 # ----------------------------------------------------------------------------------------------
@@ -592,6 +610,7 @@ def encode_texts(tokenizer, texts, max_len):
     encodings = tokenizer.encode_batch(list(texts), add_special_tokens=False)
     seqs = [[ids["cls"]] + e.ids[:max_len - 2] + [ids["sep"]] for e in encodings]
     return pad_batch(seqs, ids["pad"])
+
 
 # ----------------------------------------------------------------------------------------------
 # 5. Token cache: a corpus tokenized once into memory-mapped arrays, windows cut from them
@@ -1002,6 +1021,7 @@ def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbo
                  lambda: _write_windows(folder, max_len), rank, str(folder / f"windows-L{max_len}.npy"))
     tokenizer = load_tokenizer(vocab)
     return TokenWindows(folder, max_len, special_ids(tokenizer))
+
 
 # ----------------------------------------------------------------------------------------------
 # 6. Files written whole or not at all, and progress lines on long steps (here and in run.py)

@@ -1,13 +1,12 @@
 """The run: what every training script does around its method, and no method is about.
 
 What a method's train() takes from here (section 1): TrainConfig, the flags every pre-training script
-shares, with the papers' defaults in its comments (a method's Config adds its own fields); make_optimizer,
-the papers' Adam with warm-up; autocast_bf16; most_frequent_accuracy, the trivial baseline logged
-beside each accuracy. Then the machinery, each piece one call from train(): 2. the checks before any
-work; 3. TrainingRun (resume, log, checkpoints, --halt_at, a clean stop); 4. progress lines; 5. resume;
-6. run folders and their lock; 7. atomic checkpoints and a full disk; 8. Hugging Face folders and the
-starting checkpoints (a folder, minilm, a hub id); 9. the command line; 10. Ctrl-C and SIGTERM;
-11. one line for every expected failure. It imports data.py (text and tokens), never a method file.
+shares, the papers' defaults in its comments (a method's Config adds its own); make_optimizer, the papers'
+Adam with warm-up; autocast_bf16. Then the machinery, each piece one call from train(): 2. the checks
+before any work; 3. TrainingRun (resume, log, checkpoints, --halt_at, a clean stop); 4. progress lines;
+5. resume; 6. run folders and their lock; 7. atomic checkpoints, a full disk; 8. Hugging Face folders and
+the starting checkpoints; 9. the command line; 10. Ctrl-C and SIGTERM; 11. one line for each expected
+failure. It imports data.py (text and tokens), never a method file.
 """
 import contextlib
 import dataclasses
@@ -80,10 +79,8 @@ class TrainConfig:
     halt_at: int = 0              # stop after this step as if killed (0 = never); to test --resume
     preset: str = ""              # "paper": BERT-base sizes and the paper's hyper-parameters
 
-    # The fields that may differ on --resume (today's value applies from the next step): how and where, not
-    # what. Every other field defines the model, the data or the batches of the saved run, and a resumed run
-    # refuses to change it. A subclass lists its own (finetune.py's Config does); a new field is frozen
-    # until its Config lists it here. (out_dir: a run folder moved or copied resumes where it is.)
+    # The fields that may change on --resume (from the next step): how and where, not what; every other
+    # field is frozen, a new one too until its Config lists it. (out_dir: a moved run resumes where it is.)
     RESUMABLE: ClassVar[tuple] = ("steps", "epochs", "lr", "weight_decay", "warmup", "clip", "bf16", "workers",
                                   "log_every", "save_every", "preset", "cache_dir", "prep_workers", "out_dir",
                                   "new_corpus")
@@ -139,18 +136,6 @@ def autocast_bf16(device, enabled=True):
     native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
 
-
-def most_frequent_accuracy(targets, token=None):
-    """The trivial baseline of a token prediction (logged as X_chance beside X_acc): the accuracy of
-    always predicting `token`, the corpus' most frequent token (most_frequent_token), i.e. the
-    fraction of the targets equal to it. token None: this batch's most frequent target instead (a
-    slightly higher bar). targets (N,) or (B, L), -100 = no target -> () fp32."""
-    targets = targets[targets != -100]                                           # (N,)
-    if targets.numel() == 0:
-        return torch.zeros((), device=targets.device)
-    if token is None:
-        return targets.bincount().max().float() / targets.numel()
-    return (targets == token).float().mean()
 
 # ----------------------------------------------------------------------------------------------
 # 2. The start of a run: every check before any work
@@ -221,14 +206,13 @@ def load_windows(c, rank):
 
 
 def resolve_schedule(c, world, n_windows):
-    """Pre-training's batch and length from the flags that name them globally: --global_batch > 0 sets
-    batch_size = global_batch / (world x grad_accum), so --preset paper gives the paper's batch on any
-    number of ranks; --epochs > 0 sets steps = epochs x windows / global batch (rounded, at least 1),
-    counting the micro-batches an epoch holds (batches_per_epoch). Returns a new Config."""
+    """Pre-training's batch and length from the global flags: --global_batch > 0 sets batch_size (resolve_batch),
+    --epochs > 0 sets steps = epochs x windows / global batch (rounded, >= 1; batches_per_epoch). A new Config."""
     c = resolve_batch(c, world)
     per_epoch = data.batches_per_epoch(n_windows, c.batch_size, world)   # always: fewer than one batch fails here
     steps = max(1, round(c.epochs * per_epoch / c.grad_accum)) if c.epochs > 0 else c.steps
     return dataclasses.replace(c, steps=steps)
+
 
 # ----------------------------------------------------------------------------------------------
 # 3. A training run: the loop's bookkeeping in one object
@@ -343,6 +327,7 @@ def stop_if_not_finite(grad_norm, step, c, last_saved=0):
         raise data.DataError(f"step {step}: the loss is not finite (gradient norm {float(grad_norm)}); stopped "
                              f"without saving; {kept}")
 
+
 # ----------------------------------------------------------------------------------------------
 # 4. Progress lines and the training log
 # ----------------------------------------------------------------------------------------------
@@ -439,6 +424,7 @@ def peak_memory_mb(device):
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10   # Linux reports KiB
 
+
 # ----------------------------------------------------------------------------------------------
 # 5. Resume: a run continues exactly from its last checkpoint
 # ----------------------------------------------------------------------------------------------
@@ -501,21 +487,19 @@ def load_checkpoint(c, model, optimizer, scheduler, is_rank0, stream=None):
 
 
 def check_stream(c, saved, now, step, path):
-    """What defines a run's batches besides its flags, as the checkpoint recorded it: the process count
-    (each rank draws its own masks and dropout, so another count trains on other batches: refused) and
-    the corpus's tokens (another corpus: refused unless --new_corpus; then returns the line that says
-    from which step the data differ)."""
+    """What defines the batches besides the flags, as the checkpoint recorded it: the process count (each
+    rank draws its own masks and dropout: another count is refused) and the corpus's tokens (another corpus
+    is refused unless --new_corpus; then the line that says from which step the data differ)."""
     n, m = saved.get("processes", now.get("processes")), now.get("processes")
     if n != m:
         rerun = f"torchrun --nproc_per_node={n}" if n > 1 else "python (one process)"
         raise data.DataError(f"{path}: written by {n} process{'es' * (n > 1)}, this run has {m} (each rank draws "
                              f"its own masks and dropout); resume it with {rerun}, or start again with --overwrite")
     old, new = saved.get("corpus"), now.get("corpus")
-    if not (old and new) or [old[k] for k in ("tokens_crc32", "n_windows")] == [new[k] for k in ("tokens_crc32", "n_windows")]:
+    if not (old and new) or (old["tokens_crc32"], old["n_windows"]) == (new["tokens_crc32"], new["n_windows"]):
         return ""
     if not c.new_corpus:
-        what = data.what_changed(old["signature"], new["signature"]) if old["signature"] != new["signature"] else \
-            "the same files, other tokens"
+        what = data.what_changed(old["signature"], new["signature"]) if old["signature"] != new["signature"] else "?"
         raise data.DataError(f"{c.corpus}: the corpus changed since the run's checkpoint of step {step} ({what}; "
                              f"{old['n_windows']:,} -> {new['n_windows']:,} windows); resume on the corpus the run "
                              f"started with, or pass --new_corpus to continue on this one")
@@ -525,7 +509,7 @@ def check_stream(c, saved, now, step, path):
 def save_training_state(path, state):
     """Everything needed to resume (model, optimizer, scheduler, step) in one file (atomic); no
     RNG state: batches, masks and dropout are functions of (seed, rank, micro-step)."""
-    atomic_torch_save(path, state)
+    data.atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
 def load_training_state(path):
@@ -541,6 +525,7 @@ def load_training_state(path):
     if not isinstance(state, dict) or not {"step", "model", "optimizer", "scheduler", "config"} <= set(state):
         raise data.DataError(f"{path}: not a training state written by these scripts")
     return state
+
 
 # ----------------------------------------------------------------------------------------------
 # 6. Run folders: one run at a time, never overwritten silently
@@ -593,11 +578,10 @@ def check_writable(folder):
 
 
 def lock_run_folder(folder, create=False):
-    """Make `folder` this process's alone: an exclusive OS lock (flock) on the folder itself, held until
-    release_run_folder or the process ends (kill -9 included: the kernel drops it, nothing to clean up,
-    and no file is added to the folder). Rank 0 takes it and every rank hears the outcome, so a second run
-    (--overwrite too) is refused in one line before it touches anything. A folder that does not exist yet
-    is created only with create (just before the first write); taking a lock again is a no-op."""
+    """Make `folder` this process's alone: an exclusive flock on the folder itself (no file added), held
+    until release_run_folder or the process ends (kill -9 too: the kernel drops it). Rank 0 takes it, every
+    rank hears the outcome: a second run (--overwrite too) is refused in one line before it touches anything.
+    A missing folder is created only with create (just before the first write); locking twice is a no-op."""
     import fcntl
     folder = Path(folder).resolve()
     error = ""
@@ -635,6 +619,7 @@ def prepare_run_folder(c):
     if c.overwrite:
         (out / "state.pt").unlink(missing_ok=True)
         shutil.rmtree(out / "encoder", ignore_errors=True)
+
 
 # ----------------------------------------------------------------------------------------------
 # 7. Checkpoints: the encoder and the training state, switched together; a full disk in one line
@@ -710,9 +695,6 @@ def disk_full_error(target, out_dir, last_saved):
                           f"and continue with --resume (--out_dir the new place)")
 
 
-def atomic_torch_save(path, obj):
-    data.atomic_write(path, lambda tmp: torch.save(obj, tmp))
-
 # ----------------------------------------------------------------------------------------------
 # 8. Hugging Face BERT folders, the starting checkpoints (a folder, minilm, a hub id), retriever settings
 # ----------------------------------------------------------------------------------------------
@@ -730,18 +712,15 @@ def load_tensors(path):
 
 # The scripts' Encoder parameter names -> Hugging Face BertForMaskedLM names (both directions use this
 # table), and Config's model fields -> config.json keys.
-HF_NAMES = [("embeddings.word.", "bert.embeddings.word_embeddings."),
+HF_NAMES = [("embeddings.word.", "bert.embeddings.word_embeddings."), ("embeddings.norm.", "bert.embeddings.LayerNorm."),
             ("embeddings.position.", "bert.embeddings.position_embeddings."),
             ("embeddings.token_type.", "bert.embeddings.token_type_embeddings."),
-            ("embeddings.norm.", "bert.embeddings.LayerNorm."),
             ("attn.query.", "attention.self.query."), ("attn.key.", "attention.self.key."),
             ("attn.value.", "attention.self.value."), ("attn.out.", "attention.output.dense."),
             ("attn_norm.", "attention.output.LayerNorm."), ("ffn_in.", "intermediate.dense."),
-            ("ffn_out.", "output.dense."), ("ffn_norm.", "output.LayerNorm."),
-            ("blocks.", "bert.encoder.layer."),
-            ("mlm_head.dense.", "cls.predictions.transform.dense."),
-            ("mlm_head.norm.", "cls.predictions.transform.LayerNorm."),
-            ("mlm_head.bias", "cls.predictions.bias")]
+            ("ffn_out.", "output.dense."), ("ffn_norm.", "output.LayerNorm."), ("blocks.", "bert.encoder.layer."),
+            ("mlm_head.dense.", "cls.predictions.transform.dense."), ("mlm_head.bias", "cls.predictions.bias"),
+            ("mlm_head.norm.", "cls.predictions.transform.LayerNorm.")]
 
 HF_CONFIG_KEYS = dict(vocab_size="vocab_size", hidden_size="hidden_size", num_layers="num_hidden_layers",
                       num_heads="num_attention_heads", ffn_size="intermediate_size",
@@ -926,6 +905,7 @@ def copy_retriever_settings(source, folder):
         if (Path(source) / name).is_file():
             data.atomic_write(Path(folder) / name, lambda tmp, name=name: shutil.copyfile(Path(source) / name, tmp))
 
+
 # ----------------------------------------------------------------------------------------------
 # 9. Command line: a script's Config from its flags, each checked before any work
 # ----------------------------------------------------------------------------------------------
@@ -1008,6 +988,7 @@ def satisfies(value, rule):
     op, bound = rule.split()
     return value >= float(bound) if op == ">=" else value > float(bound)
 
+
 # ----------------------------------------------------------------------------------------------
 # 10. Signals: Ctrl-C and SIGTERM
 # ----------------------------------------------------------------------------------------------
@@ -1073,6 +1054,7 @@ def catch_stop_signals(defer_term=False):
                 signal.signal(s, handler)
     return restore
 
+
 # ----------------------------------------------------------------------------------------------
 # 11. The end of a script: one line for every expected failure
 # ----------------------------------------------------------------------------------------------
@@ -1135,12 +1117,9 @@ def exit_with(line, code):
 
 
 def leave_distributed(code=0):
-    """The end of a script's process under torchrun, after its last collective. NCCL's process group is
-    destroyed (else NCCL warns that it leaked). Gloo's is not torn down: its teardown aborted a rank now
-    and then, even after a barrier and with every file written ("terminate called without an active
-    exception", SIGABRT, exit code -6: 2 of 21 runs of test_resume_continues_exactly_with_two_processes on a
-    loaded machine), so the process flushes its output and leaves at once with os._exit(code). Outside
-    torchrun, nothing."""
+    """The end of a script's process under torchrun, after its last collective: NCCL's process group is
+    destroyed (else NCCL warns of a leak); gloo's teardown aborted a rank now and then (SIGABRT after every
+    file was written), so the process flushes its output and leaves at once (os._exit). Else nothing."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         return

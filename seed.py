@@ -288,9 +288,9 @@ class PretrainModel(nn.Module):
             {"L_MLM": mlm, "w L_dec": self.config.dec_weight * dec}
         return terms, {
             "mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
-            "mlm_chance": run.most_frequent_accuracy(batch["labels"], self.frequent_token),
+            "mlm_chance": data.most_frequent_accuracy(batch["labels"], self.frequent_token),
             "dec": dec.detach(), "dec_acc": dec_correct / max(targets.numel(), 1),
-            "dec_chance": run.most_frequent_accuracy(targets, self.frequent_token)}
+            "dec_chance": data.most_frequent_accuracy(targets, self.frequent_token)}
 
     def forward(self, batch):
         terms, metrics = self.terms(batch)

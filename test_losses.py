@@ -1153,9 +1153,9 @@ def test_most_frequent_token_and_its_accuracy():
     windows = [data.Window([101, 7, 7, 9, 102], [False] * 5), data.Window([101, 9, 7, 102], [False] * 4)]
     assert data.most_frequent_token(windows) == 7                                       # [CLS], [SEP] not counted
     targets = torch.tensor([[7, -100, 9], [7, 7, -100]])
-    assert float(run.most_frequent_accuracy(targets, 7)) == 0.75
-    assert float(run.most_frequent_accuracy(targets, 9)) == 0.25
-    assert float(run.most_frequent_accuracy(targets)) == 0.75                           # the batch's own
+    assert float(data.most_frequent_accuracy(targets, 7)) == 0.75
+    assert float(data.most_frequent_accuracy(targets, 9)) == 0.25
+    assert float(data.most_frequent_accuracy(targets)) == 0.75                           # the batch's own
     lines = run.chance_lines({"mlm": 2.0, "mlm_acc": 0.3, "mlm_chance": 0.1, "x_acc": 0.5})
     assert lines == ["mlm: accuracy 0.3000, chance 0.1000, ratio 3.00"]
 
