@@ -836,10 +836,20 @@ def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, ver
     (folder / "manifest.json").unlink(missing_ok=True)    # first: no rank maps the files while they change
     try:
         _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, verbose)
-    except BaseException:
+    except BaseException as e:
         if created:                                 # a corpus error (or Ctrl-C) leaves no half-built cache
             shutil.rmtree(folder, ignore_errors=True)
+        if is_disk_full(e):
+            raise DataError(f"{folder}: the disk is full while building the token cache (it needs about "
+                            f"{cache_bytes_needed(corpus, vocab) / 2**20:,.1f} MiB); free some space, or give "
+                            f"--cache_dir on another disk") from None
         raise
+
+
+def cache_bytes_needed(corpus, vocab, chars_per_token=4.0):
+    """About how many bytes a corpus's token cache takes: per token its id (2 or 4 bytes) and its word
+    start (1), at about 4 characters a token (English WordPiece; a guess: the tokens are not counted yet)."""
+    return int(corpus_chars(corpus) / chars_per_token * ((2 if vocab_size_of(vocab) <= 1 << 16 else 4) + 1))
 
 
 def _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, verbose):
@@ -1026,6 +1036,17 @@ def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbo
 # ----------------------------------------------------------------------------------------------
 # 6. Files written whole or not at all, and progress lines on long steps (here and in run.py)
 # ----------------------------------------------------------------------------------------------
+def is_disk_full(error):
+    """Whether a failed write ran out of space: ENOSPC or EDQUOT on the error or its cause, or their
+    words in its message (safetensors raises its own SafetensorError; torch.save a RuntimeError)."""
+    import errno
+    for e in (error, error.__cause__, error.__context__):
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or \
+                any(words in str(e) for words in ("No space left on device", "Disk quota exceeded")):
+            return True
+    return False
+
+
 def temporary_name(path):
     """Where `path` is written before its rename: '.NAME.PID@HOST.tmp' beside it says who writes it, so
     that a later run can tell a killed writer's leftover from a live writer's (_is_stale)."""

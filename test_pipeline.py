@@ -2639,6 +2639,23 @@ def test_a_run_folder_says_which_script_wrote_it(tmp_path, small_corpus):
                               f"another --out_dir (or delete the folder to reuse its name)"))
 
 
+def test_a_full_disk_while_building_the_token_cache_is_one_line(tmp_path, small_corpus, monkeypatch):
+    """ENOSPC while the cache is written (numpy and file writes raise OSError): one line naming the folder,
+    about how much space the cache needs and the flag that moves it; no half-built cache is left."""
+    import errno
+    folder = tmp_path / "cache" / "c"
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / ".doc_offsets.npy.1@h.tmp"))
+    monkeypatch.setattr(data, "atomic_save_npy", full)
+    with pytest.raises(data.DataError) as e:
+        data.build_token_cache(small_corpus, data.VOCAB, folder, workers=1, verbose=False)
+    need = data.cache_bytes_needed(small_corpus, data.VOCAB)
+    assert str(e.value) == (f"{folder}: the disk is full while building the token cache (it needs about "
+                            f"{need / 2**20:,.1f} MiB); free some space, or give --cache_dir on another disk")
+    assert not folder.exists()
+
+
 def test_ctrl_c_to_the_process_group_during_the_token_cache_build_prints_one_line(tmp_path, small_corpus):
     """Ctrl-C in a terminal reaches every process of the group: the pool's workers too. They ignore it
     (the parent stops them), so the run prints its one line and no worker's traceback."""
