@@ -1612,10 +1612,20 @@ class ProgressLine:
 # 9. A full disk while writing a checkpoint
 # ----------------------------------------------------------------------------------------------
 def is_disk_full(error, folder):
-    """True if a failed write ran out of space: ENOSPC / EDQUOT, or torch.save's RuntimeError ('unexpected
-    pos', which never says why) on a disk with less than 1 MiB left."""
+    """True if a failed write ran out of space. The error says so, each writer in its own words: ENOSPC /
+    EDQUOT (an OSError's errno, or its text in safetensors' SafetensorError, which is neither an OSError
+    nor a RuntimeError), numpy's short write ("N requested and M written", no errno), torch.save's
+    RuntimeError ("unexpected pos", a short write that never says why). The free space alone cannot
+    tell: the failed write's temporaries are deleted first, so the disk no longer looks full; it is
+    asked only of a torch.save error of other words (less than 1 MiB left in folder)."""
     import errno
+    import re
     if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(error)
+    if any(words in text for words in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT), "unexpected pos")):
+        return True
+    if isinstance(error, OSError) and re.search(r"\d+ requested and \d+ written", text):
         return True
     try:
         return isinstance(error, RuntimeError) and shutil.disk_usage(folder).free < 1 << 20
@@ -1624,11 +1634,21 @@ def is_disk_full(error, folder):
 
 
 def disk_full_error(target, out_dir, last_saved):
-    """The one line for a checkpoint that did not fit: the file, the cause, the last good step, what to do."""
-    kept = (f"{out_dir} keeps the checkpoint of step {last_saved}" if last_saved else
-            "no checkpoint was written yet")
-    return DataError(f"{target}: the disk is full; {kept}; free some space, or copy {out_dir} to a bigger disk, "
-                     f"and continue with --resume (--out_dir the new place)")
+    """The one line for a checkpoint that did not fit: the file, the space a checkpoint needs (as much as
+    the one kept; without one, more than is free), the last good step, what to do."""
+    out = Path(out_dir)
+    kept = [p for p in (out / "state.pt", *(out / "encoder").rglob("*")) if p.is_file()] if last_saved else []
+    try:
+        free = shutil.disk_usage(out).free
+    except OSError:
+        free = 0
+    def size(n):
+        return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    need = (f"a checkpoint needs {size(sum(p.stat().st_size for p in kept))}, {size(free)} free" if kept else
+            f"a checkpoint needs more than the {size(free)} free")
+    held = f"{out} keeps the checkpoint of step {last_saved}" if last_saved else f"{out} holds no checkpoint yet"
+    return DataError(f"{target}: the disk is full ({need}); {held}; free some space, or copy the run's --out_dir "
+                     f"to a bigger disk, and continue with --resume (--out_dir the new place)")
 
 
 # ----------------------------------------------------------------------------------------------

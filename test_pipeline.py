@@ -1935,8 +1935,11 @@ def test_a_full_disk_keeps_the_last_checkpoint_whole_and_says_so(tmp_path, small
     with pytest.raises(data.DataError) as caught:
         data.save_checkpoint(c, model, optimizer, scheduler, 4, True, 2)
     target = out / ("encoder" if fails == "encoder" else "state.pt")
-    assert str(caught.value) == (f"{target}: the disk is full; {out} keeps the checkpoint of step 2; free some space, "
-                                 f"or copy {out} to a bigger disk, and continue with --resume (--out_dir the new place)")
+    size = sum(p.stat().st_size for p in [out / "state.pt", *(out / "encoder").rglob("*")] if p.is_file())
+    assert re.fullmatch(rf"{re.escape(str(target))}: the disk is full \(a checkpoint needs {size / 2**20:.1f} MiB, "
+                        rf"[\d.]+ [MG]iB free\); {re.escape(str(out))} keeps the checkpoint of step 2; free some space, "
+                        r"or copy the run's --out_dir to a bigger disk, and continue with --resume \(--out_dir the new "
+                        r"place\)", str(caught.value)), caught.value
     assert folder_bytes(out) == before                             # encoder/ and state.pt both still step 2
 
 
@@ -2588,3 +2591,20 @@ def test_the_next_build_removes_the_temporaries_of_a_killed_build(tmp_path, wiki
     # Any later use of the folder removes them too, the built cache untouched.
     live.rename(killed)
     assert _windows_of(corpus)[0] == windows and sorted(folder.glob(".*.tmp")) == [unowned_new]
+
+
+# --- evaluate.py and finetune.py faults ---
+def test_a_full_disk_is_recognised_by_what_each_writer_raises(tmp_path):
+    """The temporaries of the failed write are deleted before the question is asked, so the disk has room
+    again (tmp_path has): the error itself must say it. The messages are those measured on a full tmpfs."""
+    import errno
+
+    from safetensors import SafetensorError
+    for error in (OSError(errno.ENOSPC, "No space left on device"), OSError(errno.EDQUOT, "Disk quota exceeded"),
+                  SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+                  OSError("100000 requested and 8176 written"),                                    # numpy's tofile
+                  RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")):  # torch.save
+        assert data.is_disk_full(error, tmp_path), error
+    for error in (OSError(errno.EACCES, "Permission denied"), RuntimeError("CUDA error: out of memory"),
+                  KeyError("state.pt")):
+        assert not data.is_disk_full(error, tmp_path), error
