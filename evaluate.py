@@ -979,14 +979,26 @@ def load_qrels_only(c):
 
 
 def compare_command(c):
-    """--compare A,B: per-metric means and paired two-tailed t-tests of run A against run B."""
+    """--compare A,B: per-metric means and paired two-tailed t-tests of run A against run B, over the judged
+    queries both runs have (a query one run lacks would count 0 there: not a pair); one line says how many
+    were left out. Fewer than 2 in common: refused."""
     paths = [p for p in c.compare.split(",") if p]
     if len(paths) != 2:
         raise ValueError(f"--compare expects two run files 'A.trec,B.trec', got {c.compare!r}")
     qrels = load_qrels_only(c)
-    (_, a), (_, b) = (compute_metrics(data.read_run(p), qrels) for p in paths)
+    run_a, run_b = (data.read_run(p) for p in paths)
+    in_a, in_b = set(run_a) & set(qrels), set(run_b) & set(qrels)          # the judged queries of each run
+    shared = in_a & in_b
+    if len(shared) < 2:
+        raise data.DataError(f"--compare: {paths[0]} and {paths[1]} have {len(shared)} judged "
+                             f"quer{'y' if len(shared) == 1 else 'ies'} in common (of {len(in_a)} and {len(in_b)}); "
+                             f"a paired t-test needs at least 2")
+    (_, a), (_, b) = (compute_metrics(run, {q: qrels[q] for q in sorted(shared)}) for run in (run_a, run_b))
     tests = compare_per_query(a, b)
     print(f"A = {paths[0]}\nB = {paths[1]}\n{len(a)} queries, paired two-tailed t-test")
+    if len(shared) < len(qrels):
+        print(f"left out: {len(in_a - shared)} judged queries that only A has, {len(in_b - shared)} that only B has, "
+              f"{len(set(qrels) - in_a - in_b)} that neither has")
     print(f"{'metric':<12} {'A':>8} {'B':>8} {'t':>8} {'p':>8}")
     for m, r in tests.items():
         print(f"{m:<12} {r['mean_a']:>8.4f} {r['mean_b']:>8.4f} {r['t']:>8.3f} {r['p']:>8.4f}")

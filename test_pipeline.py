@@ -2594,6 +2594,24 @@ def test_the_next_build_removes_the_temporaries_of_a_killed_build(tmp_path, wiki
 
 
 # --- evaluate.py and finetune.py faults ---
+def test_compare_pairs_only_the_queries_both_runs_have_and_refuses_fewer_than_two(tmp_path, capsys):
+    qrels = write(tmp_path / "qrels.tsv", "query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(1, 6)))
+    a = write(tmp_path / "a.trec", "".join(f"q{i} Q0 d{i} 1 2.0 a\n" for i in (1, 2, 3, 4)))    # q5: in neither run
+    b = write(tmp_path / "b.trec", "q1 Q0 x 1 3.0 b\nq1 Q0 d1 2 1.0 b\nq2 Q0 d2 1 1.0 b\nq9 Q0 d1 1 1.0 b\n")
+    tests = evaluate.main(evaluate.Config(compare=f"{a},{b}", qrels=str(qrels)))
+    assert {(r["n"], r["mean_a"]) for r in tests.values()} == {(2, 1.0)}       # q1 and q2 only, not q3, q4 (0 in B)
+    assert tests["MRR@10"]["mean_b"] == 0.75 and tests["MRR@10"]["p"] == pytest.approx(0.5)
+    printed = capsys.readouterr().out
+    assert "left out: 2 judged queries that only A has, 0 that only B has, 1 that neither has" in printed
+    for b_text, n in (("q5 Q0 d5 1 1.0 b\n", 0), ("q1 Q0 d1 1 1.0 b\nq5 Q0 d5 1 1.0 b\n", 1)):
+        b.write_text(b_text)
+        with pytest.raises(SystemExit) as stopped:
+            data.run_command_line(lambda: evaluate.main(evaluate.Config(compare=f"{a},{b}", qrels=str(qrels))))
+        assert stopped.value.code == (f"error: --compare: {a} and {b} have {n} judged quer{'y' if n == 1 else 'ies'} "
+                                      f"in common (of 4 and {n + 1}); a paired t-test needs at least 2")
+        assert " inf " not in capsys.readouterr().out
+
+
 def test_a_full_disk_is_recognised_by_what_each_writer_raises(tmp_path):
     """The temporaries of the failed write are deleted before the question is asked, so the disk has room
     again (tmp_path has): the error itself must say it. The messages are those measured on a full tmpfs."""
