@@ -1995,6 +1995,23 @@ def release_run_folder(folder):
         os.close(fd)                    # closing it drops the flock
 
 
+def held_by_another_run(folder):
+    """Whether another process holds folder locked (lock_run_folder), asked without taking it: a shared
+    flock, refused only by an exclusive one, let go at once (so two askers never refuse each other)."""
+    import fcntl
+    folder = Path(folder).resolve()
+    if folder in _LOCKS or not folder.is_dir():
+        return False
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)                    # closing it drops the shared flock
+
+
 def _rank():
     return torch.distributed.get_rank() if _distributed() else int(os.environ.get("RANK", "0"))
 

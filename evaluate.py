@@ -23,6 +23,7 @@ costa.py's, at the end of this file), so any Hugging Face BERT folder loads.
 import dataclasses
 import math
 import os
+import shutil
 import sys
 import textwrap
 import time
@@ -387,11 +388,28 @@ def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16
 
     def write(tmp):
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=shape)   # (N, H)
+        reserve_space(tmp)
         _encode_into(out, *args)
         out.flush()
         del out                                    # unmapped: its written pages leave this process
-    data._atomic(path, write)
+    try:
+        data._atomic(path, write)
+    except Exception as e:
+        if not data.is_disk_full(e, Path(path).parent):
+            raise
+        raise disk_full_line(Path(path).parent, "the corpus vectors need", shape[0] * shape[1] * 2, "",
+                             "free some space, or give another --vectors_dir") from None
     return np.load(path, mmap_mode="r")
+
+
+def reserve_space(path):
+    """Allocate the whole of a file on its disk now: a memmap written into a file that the disk cannot hold
+    dies of SIGBUS (exit 135, no line) when a page finds no room; reserved, a full disk is an OSError here."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
 @torch.no_grad()
@@ -591,16 +609,47 @@ def compare_per_query(per_query_a, per_query_b, metrics=METRICS):
 # ---------------------------------------------------------------------------------------------
 # Runs: BM25 and dense retrieval, saved and scored
 # ---------------------------------------------------------------------------------------------
+def trec_tag(tag):
+    """The tag as one word, so that every line of a run file keeps its 6 fields: the spaces of a folder name
+    (the default tag) or of --tag "my model" become '-'."""
+    return "-".join(str(tag).split()) or "run"
+
+
 def save_and_score(run, qrels, out_dir, tag, info=None):
-    """Write run.trec, then score the run AS READ BACK from that file (so the numbers are exactly
-    what trec_eval would report on it, rounding of the written scores included), and write
-    metrics.json with the means, the per-query values and `info`. Returns (means, per_query)."""
-    out_dir = Path(out_dir)
-    data.write_run(out_dir / "run.trec", run, tag)
-    means, per_query = compute_metrics(data.read_run(out_dir / "run.trec"), qrels)
-    data.atomic_write_json(out_dir / "metrics.json", {"tag": tag, "n_queries": len(per_query), "metrics": means,
-                                                      "info": info or {}, "per_query": per_query})
-    return means, per_query
+    """Write run.trec, then score the run AS READ BACK from that file (so the numbers are exactly what
+    trec_eval would report on it, rounding of the written scores included), and write metrics.json with
+    the means, the per-query values and `info`; the tag made one word (trec_tag). run.trec is written
+    under a temporary name and renamed into place last, once it reads back and metrics.json is written:
+    an evaluation that fails (a full disk is one line) leaves the previous pair as it was.
+    Returns (means, per_query)."""
+    out_dir, tag, scored = Path(out_dir), trec_tag(tag), []
+
+    def write_and_score(tmp):
+        data.write_run(tmp, run, tag)
+        scored.extend(compute_metrics(data.read_run(tmp), qrels))
+        data.atomic_write_json(out_dir / "metrics.json", {"tag": tag, "n_queries": len(scored[1]), "metrics": scored[0],
+                                                          "info": info or {}, "per_query": scored[1]})
+    try:
+        data._atomic(out_dir / "run.trec", write_and_score)
+    except Exception as e:
+        if not data.is_disk_full(e, out_dir):
+            raise
+        raise disk_full_line(out_dir, "run.trec needs", 0, "its run.trec and metrics.json are the previous ones; ",
+                             "free some space, or give another --out_dir") from None
+    return tuple(scored)
+
+
+def disk_full_line(folder, what, needs, kept, fix):
+    """The one line for a write into folder that found the disk full (data.is_disk_full): what needs how much
+    (needs bytes; 0 = unknown: more than the space now free, to which the failed write's temporaries were
+    given back), what was kept, what to do (fix)."""
+    existing = next(p for p in (Path(folder).absolute(), *Path(folder).absolute().parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+
+    def size(n):
+        return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+    need = f"{what} {size(needs)}, {size(free)} free" if needs else f"{what} more than the {size(free)} free"
+    return data.DataError(f"{folder}: the disk is full ({need}); {kept}{fix}")
 
 
 def evaluate_bm25(corpus, queries, qrels, out_dir, k1=1.2, b=0.75, depth=1000, verbose=True):
@@ -1014,12 +1063,45 @@ def main(c):
     if c.model:
         model_list(c)   # several models only with the figures that compare them
     rank, _, device = setup_distributed()
+    out_dirs = output_folders(c, names)            # before 'minilm' becomes a folder
+    hold_out_dirs(out_dirs)
+    try:
+        return run_commands(c, names, out_dirs, rank, device)
+    finally:
+        for folder in out_dirs:
+            data.release_run_folder(folder)
+
+
+def output_folders(c, names):
+    """The folders this evaluation writes into: one per split, or the figure's (the first model's)."""
+    if c.cls_by_length or c.tsne:
+        return [default_out_dir(dataclasses.replace(c, model=model_list(c)[0][0]))]
+    if c.words:
+        return [default_out_dir(c)]
+    return [split_out_dir(c, name, len(names) > 1) for name in names]
+
+
+def hold_out_dirs(folders):
+    """evaluate.py never writes where a live run does: refused in one line when an output folder, or the
+    folder that holds it, is held by another run (data.lock_run_folder; the default out_dir, eval-{split}/,
+    is inside the model's run folder). Only that one level up: a study holds the root of the run folders
+    whose evaluations it starts. Else each output folder is this evaluation's until it ends."""
+    for folder in folders:
+        data.check_writable(folder)
+        above = Path(folder).resolve().parent
+        if data.held_by_another_run(above):
+            raise data.DataError(f"{above} is in use by another run, and {folder} is inside it; wait for it to "
+                                 f"end, or give another --out_dir")
+        data.lock_run_folder(folder, create=True)
+
+
+def run_commands(c, names, out_dirs, rank, device):
+    """main's work, in the folders it holds: a figure (--cls_by_length, --tsne, --words), else the evaluation
+    of --model or --bm25 on each split."""
     if c.cls_by_length:
         return cls_by_length_command(c, device) if rank == 0 else None
     if c.tsne:
         return tsne_command(c, names[0], device)
-    out_dir = default_out_dir(c)
-    out_dirs = [split_out_dir(c, name, len(names) > 1) for name in names]   # before 'minilm' becomes a folder
     tag = c.tag or (Path(c.model).resolve().parent.name if Path(c.model).is_dir() else c.model)
     c = dataclasses.replace(c, model=data.resolve_model(c.model))    # 'minilm' or a hub id -> a folder
     c = resolve_retriever(c)
@@ -1029,7 +1111,7 @@ def main(c):
             decoder = load_cpdae_decoder(c.decoder or c.model).to(device)
             bottleneck = trained_bottleneck(c.decoder or c.model)
             probs = word_distribution(encoder, decoder, tokenizer, c.words, c.passage_len, device, bottleneck)
-            path = out_dir / "words.png"
+            path = out_dirs[0] / "words.png"
             words = plot_word_distribution(probs, c.words, tokenizer, path)
             print(" ".join(f"{w}:{v:.3g}" for w, v, _ in words))
             print(f"word distribution: {path}")

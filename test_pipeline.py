@@ -2594,6 +2594,51 @@ def test_the_next_build_removes_the_temporaries_of_a_killed_build(tmp_path, wiki
 
 
 # --- evaluate.py and finetune.py faults ---
+def test_a_tag_with_spaces_is_one_word_in_the_run_file_and_a_failed_evaluation_keeps_the_old_files(tmp_path,
+                                                                                                      monkeypatch):
+    """The default tag is the model folder's parent name, and the default out_dir the fine-tuning run's own
+    eval-test/: a space in that name used to spoil the run's run.trec (7 fields a line, unreadable)."""
+    beir, run = tiny_beir(tmp_path / "beir"), tmp_path / "ft run"
+    _tiny_init(run / "encoder")
+    flags = dict(model=str(run / "encoder"), dataset=str(beir), depth=10)
+    out = run / "eval-test"
+    for tag, written in (("", "ft-run"), ("my model", "my-model"), ("a\tb", "a-b")):
+        means, _ = evaluate.main(evaluate.Config(**flags, tag=tag))
+        lines = (out / "run.trec").read_text().splitlines()
+        assert lines and {line.split(" ")[5] for line in lines} == {written}, tag   # 6 fields, the tag one word
+        saved = json.loads((out / "metrics.json").read_text())
+        assert saved["tag"] == written and saved["metrics"] == means
+        assert evaluate.compute_metrics(data.read_run(out / "run.trec"), data.read_qrels(beir / "qrels" / "test.tsv"))[0] == means
+    before = folder_bytes(out)
+    monkeypatch.setattr(data, "read_run", lambda path: (_ for _ in ()).throw(data.DataError(f"{path}: unreadable")))
+    with pytest.raises(data.DataError, match="unreadable"):
+        evaluate.main(evaluate.Config(**flags, tag="other"))
+    assert folder_bytes(out) == before and sorted(p.name for p in out.iterdir()) == ["metrics.json", "run.trec"]
+
+
+def test_evaluate_never_writes_into_a_folder_that_a_live_run_holds(tmp_path):
+    beir, run = tiny_beir(tmp_path / "beir"), tmp_path / "ft"
+    _tiny_init(run / "encoder")
+    ev = tmp_path / "ev"
+    for held, out_dir, line in (
+            (run, "", (f"error: {run} is in use by another run, and {run / 'eval-test'} is inside it; wait for "
+                       f"it to end, or give another --out_dir")),     # the default out_dir, inside the live run
+            (ev, str(ev), f"error: {ev} is in use by another run; wait for it to end, or give another --out_dir")):
+        holder = _held_by_another_process(held)
+        try:
+            before = folder_bytes(tmp_path)
+            with pytest.raises(SystemExit) as stopped:
+                data.run_command_line(lambda out_dir=out_dir: evaluate.main(evaluate.Config(
+                    model=str(run / "encoder"), dataset=str(beir), out_dir=out_dir)))
+            assert stopped.value.code == line
+            assert folder_bytes(tmp_path) == before and not (run / "eval-test").exists()
+        finally:
+            holder.kill()                                   # kill -9: the kernel drops the lock
+            holder.wait()
+    evaluate.main(evaluate.Config(model=str(run / "encoder"), dataset=str(beir), out_dir=str(ev)))
+    assert (ev / "run.trec").is_file()
+
+
 def test_compare_pairs_only_the_queries_both_runs_have_and_refuses_fewer_than_two(tmp_path, capsys):
     qrels = write(tmp_path / "qrels.tsv", "query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(1, 6)))
     a = write(tmp_path / "a.trec", "".join(f"q{i} Q0 d{i} 1 2.0 a\n" for i in (1, 2, 3, 4)))    # q5: in neither run
@@ -2626,3 +2671,33 @@ def test_a_full_disk_is_recognised_by_what_each_writer_raises(tmp_path):
     for error in (OSError(errno.EACCES, "Permission denied"), RuntimeError("CUDA error: out of memory"),
                   KeyError("state.pt")):
         assert not data.is_disk_full(error, tmp_path), error
+
+
+def test_evaluate_full_disk_is_one_line_and_keeps_the_previous_files(tmp_path, monkeypatch):
+    import errno
+    beir, init, out = tiny_beir(tmp_path / "beir"), _tiny_init(tmp_path / "init"), tmp_path / "ev"
+    flags = dict(model=init, dataset=str(beir), depth=10, out_dir=str(out))
+    evaluate.main(evaluate.Config(**flags))
+    before = folder_bytes(out)
+
+    def full(*args, **kwargs):                          # what a text write on a full disk raises
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(data, "atomic_write_text", full)
+        with pytest.raises(SystemExit) as stopped:
+            data.run_command_line(lambda: evaluate.main(evaluate.Config(**flags, tag="new")))
+    assert re.fullmatch(rf"error: {re.escape(str(out))}: the disk is full \(run.trec needs more than the [\d.]+ [MG]iB "
+                        r"free\); its run.trec and metrics.json are the previous ones; free some space, or give "
+                        r"another --out_dir", stopped.value.code), stopped.value.code
+    assert folder_bytes(out) == before
+    # The corpus vectors (--vectors_dir): their space is reserved before the mapping is written (a full
+    # disk under a mapping is a SIGBUS, exit 135, not an error).
+    vectors = tmp_path / "vectors"
+    with monkeypatch.context() as m:
+        m.setattr(os, "posix_fallocate", lambda fd, offset, size: full())
+        with pytest.raises(SystemExit) as stopped:
+            data.run_command_line(lambda: evaluate.main(evaluate.Config(**flags, vectors_dir=str(vectors))))
+    assert re.fullmatch(rf"error: {re.escape(str(vectors))}: the disk is full \(the corpus vectors need "
+                        rf"{3 * 32 * 2 / 2**10:.1f} KiB, [\d.]+ [KMG]iB free\); free some space, or give another "
+                        r"--vectors_dir", stopped.value.code), stopped.value.code    # 3 documents x 32 fp16 values
+    assert not list(vectors.iterdir()) and folder_bytes(out) == before
