@@ -2673,6 +2673,97 @@ def test_a_full_disk_is_recognised_by_what_each_writer_raises(tmp_path):
         assert not data.is_disk_full(error, tmp_path), error
 
 
+def _ft_command(tmp_path, out):
+    beir, init = tmp_path / "beir", tmp_path / "init"
+    if not beir.exists():
+        tiny_beir(beir)
+        _tiny_init(init)
+    return ["--init", str(init), "--dataset", str(beir), "--train_split", "test", "--eval_split", "", "--batch_size", "1",
+            "--query_len", "16", "--passage_len", "16", "--steps", "4", "--save_every", "2", "--log_every", "1",
+            "--out_dir", str(out)]
+
+
+def _encoder_is_the_state(stage):
+    """The stage's encoder/ holds the weights of its state.pt: the checkpoint is one unit. -> state's step."""
+    state = data.load_training_state(stage / "state.pt")
+    encoder = data.load_tensors(stage / "encoder" / "model.safetensors")
+    weights = {data.to_hf_name(k.removeprefix("encoder.")): v for k, v in state["model"].items()}
+    assert weights.keys() == encoder.keys() and all(torch.equal(weights[k], encoder[k]) for k in weights)
+    return state["step"]
+
+
+def _same_encoder(a, b):
+    a, b = (data.load_tensors(Path(x) / "encoder" / "model.safetensors") for x in (a, b))
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("kill", ["before the switch", "after state.pt"])
+def test_finetune_checkpoint_switches_encoder_and_state_together(tmp_path, monkeypatch, kill):
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    finetune.main(_ft_command(tmp_path, straight))
+    real_save, real_replace = data.save_training_state, os.replace
+
+    def killed_writing_state(path, state):            # the kill lands after the encoder, before the state
+        if state["step"] == 4:
+            raise KeyboardInterrupt
+        real_save(path, state)
+
+    def killed_after_state(src, dst):                 # ... or right after state.pt was replaced
+        real_replace(src, dst)
+        if Path(dst).name == "state.pt" and data.load_training_state(dst)["step"] == 4:
+            raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        if kill == "before the switch":
+            m.setattr(data, "save_training_state", killed_writing_state)
+        else:
+            m.setattr(data.os, "replace", killed_after_state)
+        with pytest.raises(KeyboardInterrupt):
+            finetune.main(_ft_command(tmp_path, cut))
+    if kill == "before the switch":
+        assert _encoder_is_the_state(cut / "stage1") == 2                  # encoder/ is not step 4's
+    data.release_run_folder(cut)
+    finetune.main(_ft_command(tmp_path, cut) + ["--resume"])               # completes or drops the cut switch
+    assert _encoder_is_the_state(cut / "stage1") == 4
+    assert not [p.name for p in (cut / "stage1").iterdir() if p.name.startswith(".")]
+    assert _same_encoder(straight, cut) and _same_encoder(straight / "stage1", cut / "stage1")
+
+
+@pytest.mark.parametrize("fails", ["checkpoint", "final encoder"])
+def test_finetune_full_disk_is_one_line_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, fails):
+    import safetensors.torch
+    from safetensors import SafetensorError
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    finetune.main(_ft_command(tmp_path, straight))
+    real, saves = safetensors.torch.save_file, []
+
+    def full(tensors, path, *args, **kwargs):          # the checkpoint of step 4, or the final encoder, finds the disk full
+        saves.append(path)
+        if len(saves) == (2 if fails == "checkpoint" else 3):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(tensors, path, *args, **kwargs)
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(SystemExit) as stopped:
+        data.run_command_line(lambda: finetune.main(_ft_command(tmp_path, cut)))
+    stage = cut / "stage1"
+    if fails == "checkpoint":
+        size = sum(p.stat().st_size for p in [stage / "state.pt", *(stage / "encoder").rglob("*")] if p.is_file())
+        assert re.fullmatch(rf"error: {re.escape(str(stage / 'encoder'))}: the disk is full \(a checkpoint needs "
+                            rf"{size / 2**20:.1f} MiB, [\d.]+ [MG]iB free\); {re.escape(str(stage))} keeps the checkpoint "
+                            r"of step 2; free some space, or copy the run's --out_dir to a bigger disk, and continue "
+                            r"with --resume \(--out_dir the new place\)", stopped.value.code), stopped.value.code
+        assert _encoder_is_the_state(stage) == 2
+    else:
+        size = sum(p.stat().st_size for p in (stage / "encoder").rglob("*") if p.is_file())
+        assert re.fullmatch(rf"error: {re.escape(str(cut / 'encoder'))}: the disk is full \(the encoder needs "
+                            rf"{size / 2**20:.1f} MiB, [\d.]+ [MG]iB free\); {re.escape(str(stage / 'encoder'))} holds "
+                            r"it whole; free some space and continue with --resume", stopped.value.code), stopped.value.code
+        assert _encoder_is_the_state(stage) == 4
+    assert not [p for p in stage.iterdir() if p.name.startswith(".")]
+    monkeypatch.undo()
+    finetune.main(_ft_command(tmp_path, cut) + ["--resume"])
+    assert _same_encoder(straight, cut)
+
+
 def test_evaluate_full_disk_is_one_line_and_keeps_the_previous_files(tmp_path, monkeypatch):
     import errno
     beir, init, out = tiny_beir(tmp_path / "beir"), _tiny_init(tmp_path / "init"), tmp_path / "ev"
