@@ -634,22 +634,25 @@ def save_and_score(run, qrels, out_dir, tag, info=None):
     except Exception as e:
         if not data.is_disk_full(e, out_dir):
             raise
-        raise disk_full_line(out_dir, "run.trec needs", 0, "its run.trec and metrics.json are the previous ones; ",
+        needs = sum(len(f"{q} Q0 {d} {len(docs)} {score:.6f} {tag}\n") for q, docs in run.items()   # write_run's
+                    for d, score in docs.items())                                                       # lines, at most
+        raise disk_full_line(out_dir, "run.trec needs", needs, "its run.trec and metrics.json are the previous ones; ",
                              "free some space, or give another --out_dir") from None
     return tuple(scored)
 
 
 def disk_full_line(folder, what, needs, kept, fix):
-    """The one line for a write into folder that found the disk full (data.is_disk_full): what needs how much
-    (needs bytes; 0 = unknown: more than the space now free, to which the failed write's temporaries were
-    given back), what was kept, what to do (fix)."""
+    """The one line for a write into folder that found the disk full (data.is_disk_full): what needs how many
+    bytes and how many are free, what was kept, what to do (fix)."""
     existing = next(p for p in (Path(folder).absolute(), *Path(folder).absolute().parents) if p.exists())
-    free = shutil.disk_usage(existing).free
 
     def size(n):
-        return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
-    need = f"{what} {size(needs)}, {size(free)} free" if needs else f"{what} more than the {size(free)} free"
-    return data.DataError(f"{folder}: the disk is full ({need}); {kept}{fix}")
+        for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+            if n >= 2**shift:
+                return f"{n / 2**shift:.1f} {unit}"
+        return f"{n} B"
+    return data.DataError(f"{folder}: the disk is full ({what} {size(needs)}, {size(shutil.disk_usage(existing).free)} "
+                          f"free); {kept}{fix}")
 
 
 def evaluate_bm25(corpus, queries, qrels, out_dir, k1=1.2, b=0.75, depth=1000, verbose=True):

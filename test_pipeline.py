@@ -2777,9 +2777,12 @@ def test_evaluate_full_disk_is_one_line_and_keeps_the_previous_files(tmp_path, m
         m.setattr(data, "atomic_write_text", full)
         with pytest.raises(SystemExit) as stopped:
             data.run_command_line(lambda: evaluate.main(evaluate.Config(**flags, tag="new")))
-    assert re.fullmatch(rf"error: {re.escape(str(out))}: the disk is full \(run.trec needs more than the [\d.]+ [MG]iB "
-                        r"free\); its run.trec and metrics.json are the previous ones; free some space, or give "
-                        r"another --out_dir", stopped.value.code), stopped.value.code
+    line = re.fullmatch(rf"error: {re.escape(str(out))}: the disk is full \(run.trec needs (\d+) B, [\d.]+ [KMG]iB "
+                        r"free\); its run.trec and metrics.json are the previous ones; free some space, or give another "
+                        r"--out_dir", stopped.value.code)
+    assert line, stopped.value.code
+    data.write_run(tmp_path / "new.trec", data.read_run(out / "run.trec"), "new")      # what the write needed
+    assert (tmp_path / "new.trec").stat().st_size <= int(line[1]) <= 1.1 * (tmp_path / "new.trec").stat().st_size
     assert folder_bytes(out) == before
     # The corpus vectors (--vectors_dir): their space is reserved before the mapping is written (a full
     # disk under a mapping is a SIGBUS, exit 135, not an error).
@@ -2789,6 +2792,6 @@ def test_evaluate_full_disk_is_one_line_and_keeps_the_previous_files(tmp_path, m
         with pytest.raises(SystemExit) as stopped:
             data.run_command_line(lambda: evaluate.main(evaluate.Config(**flags, vectors_dir=str(vectors))))
     assert re.fullmatch(rf"error: {re.escape(str(vectors))}: the disk is full \(the corpus vectors need "
-                        rf"{3 * 32 * 2 / 2**10:.1f} KiB, [\d.]+ [KMG]iB free\); free some space, or give another "
+                        rf"{3 * 32 * 2} B, [\d.]+ [KMG]iB free\); free some space, or give another "
                         r"--vectors_dir", stopped.value.code), stopped.value.code    # 3 documents x 32 fp16 values
     assert not list(vectors.iterdir()) and folder_bytes(out) == before
