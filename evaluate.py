@@ -681,6 +681,7 @@ def evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c, dev
     return None. doc_vecs: this rank's corpus shard already encoded (evaluate_splits). Every rank must
     call this."""
     rank, world = rank_and_world()
+    tag = trec_tag(tag)                            # the run file's, in the printouts too
     doc_ids = list(corpus)
     doc_texts = [passage_text(corpus[d]) for d in doc_ids]
     qids = sorted(qrels)
