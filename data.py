@@ -840,9 +840,8 @@ def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, ver
         if created:                                 # a corpus error (or Ctrl-C) leaves no half-built cache
             shutil.rmtree(folder, ignore_errors=True)
         if is_disk_full(e):
-            raise DataError(f"{folder}: the disk is full while building the token cache (it needs about "
-                            f"{cache_bytes_needed(corpus, vocab) / 2**20:,.1f} MiB); free some space, or give "
-                            f"--cache_dir on another disk") from None
+            raise disk_full_line(folder, "the token cache needs about", cache_bytes_needed(corpus, vocab), "",
+                                 "free some space, or give --cache_dir on another disk") from None
         raise
 
 
@@ -1036,15 +1035,38 @@ def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbo
 # ----------------------------------------------------------------------------------------------
 # 6. Files written whole or not at all, and progress lines on long steps (here and in run.py)
 # ----------------------------------------------------------------------------------------------
-def is_disk_full(error):
-    """Whether a failed write ran out of space: ENOSPC or EDQUOT on the error or its cause, or their
-    words in its message (safetensors raises its own SafetensorError; torch.save a RuntimeError)."""
+def is_disk_full(error, folder=None):
+    """Whether a failed write ran out of space, by what each writer raises: ENOSPC or EDQUOT as an errno
+    or in the words of safetensors' SafetensorError (neither an OSError nor a RuntimeError), numpy's short
+    write ("N requested and M written"), torch.save's "unexpected pos" (a short write that never says
+    why); on the error or its cause. The free space alone cannot tell (the failed write's temporaries are
+    deleted first): it is asked only of another RuntimeError (less than 1 MiB left in folder)."""
     import errno
+    import re
     for e in (error, error.__cause__, error.__context__):
-        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or \
-                any(words in str(e) for words in ("No space left on device", "Disk quota exceeded")):
+        text = str(e) if e is not None else ""
+        if (getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or re.search(r"\d+ requested and \d+ written", text)
+                or any(w in text for w in (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT), "unexpected pos"))):
             return True
-    return False
+    try:
+        return folder is not None and isinstance(error, RuntimeError) and shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
+
+
+def format_bytes(n):
+    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n >= 2**shift:
+            return f"{n / 2**shift:.1f} {unit}"
+    return f"{n} B"
+
+
+def disk_full_line(folder, what, needs, kept, fix):
+    """The one line (a DataError to raise) for a write into folder that found the disk full (is_disk_full):
+    what needs how many bytes and how many are free, what was kept, what to do (fix)."""
+    existing = next(p for p in (Path(folder).absolute(), *Path(folder).absolute().parents) if p.exists())
+    free = format_bytes(shutil.disk_usage(existing).free)
+    return DataError(f"{folder}: the disk is full ({what} {format_bytes(needs)}, {free} free); {kept}{fix}")
 
 
 def temporary_name(path):

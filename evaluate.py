@@ -374,7 +374,7 @@ def torch_exact_search(query_vecs, doc_vecs, k, device, chunk=65536, batch=4096)
 def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16=True, similarity="dot", path=""):
     """(len(texts), H) float32 numpy vectors (unit length for "cos"). Texts are encoded sorted by
     length (less padding). With a path, the vectors are written into an fp16 .npy memmap there instead,
-    batch by batch in place (under a temporary name, then renamed: data._atomic), and that file is
+    batch by batch in place (under a temporary name, then renamed: data.atomic_write), and that file is
     returned opened read-only: a corpus is then never held in memory, let alone twice."""
     shape = (len(texts), encoder.config.hidden_size)
     args = (encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16, similarity)
@@ -383,11 +383,28 @@ def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16
 
     def write(tmp):
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=shape)   # (N, H)
+        reserve_space(tmp)
         _encode_into(out, *args)
         out.flush()
         del out                                    # unmapped: its written pages leave this process
-    data.atomic_write(path, write)
+    try:
+        data.atomic_write(path, write)
+    except Exception as e:
+        if not data.is_disk_full(e, Path(path).parent):
+            raise
+        raise data.disk_full_line(Path(path).parent, "the corpus vectors need", shape[0] * shape[1] * 2, "",
+                             "free some space, or give another --vectors_dir") from None
     return np.load(path, mmap_mode="r")
+
+
+def reserve_space(path):
+    """Allocate the whole of a file on its disk now: a memmap written into a file that the disk cannot hold
+    dies of SIGBUS (exit 135, no line) when a page finds no room; reserved, a full disk is an OSError here."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
 @torch.no_grad()
@@ -587,16 +604,36 @@ def compare_per_query(per_query_a, per_query_b, metrics=METRICS):
 # ---------------------------------------------------------------------------------------------
 # Runs: BM25 and dense retrieval, saved and scored
 # ---------------------------------------------------------------------------------------------
+def trec_tag(tag):
+    """The tag as one word, so that every line of a run file keeps its 6 fields: the spaces of a folder name
+    (the default tag) or of --tag "my model" become '-'."""
+    return "-".join(str(tag).split()) or "run"
+
+
 def save_and_score(run, qrels, out_dir, tag, info=None):
-    """Write run.trec, then score the run AS READ BACK from that file (so the numbers are exactly
-    what trec_eval would report on it, rounding of the written scores included), and write
-    metrics.json with the means, the per-query values and `info`. Returns (means, per_query)."""
-    out_dir = Path(out_dir)
-    data.write_run(out_dir / "run.trec", run, tag)
-    means, per_query = compute_metrics(data.read_run(out_dir / "run.trec"), qrels)
-    data.atomic_write_json(out_dir / "metrics.json", {"tag": tag, "n_queries": len(per_query), "metrics": means,
-                                                      "info": info or {}, "per_query": per_query})
-    return means, per_query
+    """Write run.trec, then score the run AS READ BACK from that file (so the numbers are exactly what
+    trec_eval would report on it, rounding of the written scores included), and write metrics.json with
+    the means, the per-query values and `info`; the tag made one word (trec_tag). run.trec is written
+    under a temporary name and renamed into place last, once it reads back and metrics.json is written:
+    an evaluation that fails (a full disk is one line) leaves the previous pair as it was.
+    Returns (means, per_query)."""
+    out_dir, tag, scored = Path(out_dir), trec_tag(tag), []
+
+    def write_and_score(tmp):
+        data.write_run(tmp, run, tag)
+        scored.extend(compute_metrics(data.read_run(tmp), qrels))
+        data.atomic_write_json(out_dir / "metrics.json", {"tag": tag, "n_queries": len(scored[1]), "metrics": scored[0],
+                                                          "info": info or {}, "per_query": scored[1]})
+    try:
+        data.atomic_write(out_dir / "run.trec", write_and_score)
+    except Exception as e:
+        if not data.is_disk_full(e, out_dir):
+            raise
+        needs = sum(len(f"{q} Q0 {d} {len(docs)} {score:.6f} {tag}\n") for q, docs in run.items()   # write_run's
+                    for d, score in docs.items())                                                       # lines, at most
+        raise data.disk_full_line(out_dir, "run.trec needs", needs, "its run.trec and metrics.json are the previous ones; ",
+                             "free some space, or give another --out_dir") from None
+    return tuple(scored)
 
 
 def evaluate_bm25(corpus, queries, qrels, out_dir, k1=1.2, b=0.75, depth=1000, verbose=True):
@@ -625,6 +662,7 @@ def evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c, dev
     return None. doc_vecs: this rank's corpus shard already encoded (evaluate_splits). Every rank must
     call this."""
     rank, world = rank_and_world()
+    tag = trec_tag(tag)                            # the run file's, in the printouts too
     doc_ids = list(corpus)
     doc_texts = [passage_text(corpus[d]) for d in doc_ids]
     qids = sorted(qrels)
@@ -1031,14 +1069,26 @@ def load_qrels_only(c):
 
 
 def compare_command(c):
-    """--compare A,B: per-metric means and paired two-tailed t-tests of run A against run B."""
+    """--compare A,B: per-metric means and paired two-tailed t-tests of run A against run B, over the judged
+    queries both runs have (a query one run lacks would count 0 there: not a pair); one line says how many
+    were left out. Fewer than 2 in common: refused."""
     paths = [p for p in c.compare.split(",") if p]
     if len(paths) != 2:
         raise ValueError(f"--compare expects two run files 'A.trec,B.trec', got {c.compare!r}")
     qrels = load_qrels_only(c)
-    (_, a), (_, b) = (compute_metrics(data.read_run(p), qrels) for p in paths)
+    run_a, run_b = (data.read_run(p) for p in paths)
+    in_a, in_b = set(run_a) & set(qrels), set(run_b) & set(qrels)          # the judged queries of each run
+    shared = in_a & in_b
+    if len(shared) < 2:
+        raise data.DataError(f"--compare: {paths[0]} and {paths[1]} have {len(shared)} judged "
+                             f"quer{'y' if len(shared) == 1 else 'ies'} in common (of {len(in_a)} and {len(in_b)}); "
+                             f"a paired t-test needs at least 2")
+    (_, a), (_, b) = (compute_metrics(run, {q: qrels[q] for q in sorted(shared)}) for run in (run_a, run_b))
     tests = compare_per_query(a, b)
     print(f"A = {paths[0]}\nB = {paths[1]}\n{len(a)} queries, paired two-tailed t-test")
+    if len(shared) < len(qrels):
+        print(f"left out: {len(in_a - shared)} judged queries that only A has, {len(in_b - shared)} that only B has, "
+              f"{len(set(qrels) - in_a - in_b)} that neither has")
     print(f"{'metric':<12} {'A':>8} {'B':>8} {'t':>8} {'p':>8}")
     for m, r in tests.items():
         print(f"{m:<12} {r['mean_a']:>8.4f} {r['mean_b']:>8.4f} {r['t']:>8.3f} {r['p']:>8.4f}")
@@ -1054,12 +1104,45 @@ def main(c):
     if c.model:
         model_list(c)   # several models only with the figures that compare them
     rank, _, device = setup_distributed()
+    out_dirs = output_folders(c, names)            # before 'minilm' becomes a folder
+    hold_out_dirs(out_dirs)
+    try:
+        return run_commands(c, names, out_dirs, rank, device)
+    finally:
+        for folder in out_dirs:
+            run.release_run_folder(folder)
+
+
+def output_folders(c, names):
+    """The folders this evaluation writes into: one per split, or the figure's (the first model's)."""
+    if c.cls_by_length or c.tsne:
+        return [default_out_dir(dataclasses.replace(c, model=model_list(c)[0][0]))]
+    if c.words:
+        return [default_out_dir(c)]
+    return [split_out_dir(c, name, len(names) > 1) for name in names]
+
+
+def hold_out_dirs(folders):
+    """evaluate.py never writes where a live run does: refused in one line when an output folder, or the
+    folder that holds it, is held by another run (run.lock_run_folder; the default out_dir, eval-{split}/,
+    is inside the model's run folder). Only that one level up: a study holds the root of the run folders
+    whose evaluations it starts. Else each output folder is this evaluation's until it ends."""
+    for folder in folders:
+        run.check_writable(folder)
+        above = Path(folder).resolve().parent
+        if run.held_by_another_run(above):
+            raise data.DataError(f"{above} is in use by another run, and {folder} is inside it; wait for it to "
+                                 f"end, or give another --out_dir")
+        run.lock_run_folder(folder, create=True)
+
+
+def run_commands(c, names, out_dirs, rank, device):
+    """main's work, in the folders it holds: a figure (--cls_by_length, --tsne, --words), else the evaluation
+    of --model or --bm25 on each split."""
     if c.cls_by_length:
         return cls_by_length_command(c, device) if rank == 0 else None
     if c.tsne:
         return tsne_command(c, names[0], device)
-    out_dir = default_out_dir(c)
-    out_dirs = [split_out_dir(c, name, len(names) > 1) for name in names]   # before 'minilm' becomes a folder
     tag = c.tag or (Path(c.model).resolve().parent.name if Path(c.model).is_dir() else c.model)
     c = dataclasses.replace(c, model=run.resolve_model(c.model))     # 'minilm' or a hub id -> a folder
     c = resolve_retriever(c)
@@ -1069,7 +1152,7 @@ def main(c):
             decoder = load_cpdae_decoder(c.decoder or c.model).to(device)
             bottleneck = trained_bottleneck(c.decoder or c.model)
             probs = word_distribution(encoder, decoder, tokenizer, c.words, c.passage_len, device, bottleneck)
-            path = out_dir / "words.png"
+            path = out_dirs[0] / "words.png"
             words = plot_word_distribution(probs, c.words, tokenizer, path)
             print(" ".join(f"{w}:{v:.3g}" for w, v, _ in words))
             print(f"word distribution: {path}")

@@ -433,7 +433,7 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
     Returns the trained encoder (also saved in {out_dir}/{stage}/encoder), or None when halted
     (--halt_at, counted from the first stage: step_offset = the steps of the stages before)."""
     rank, world = rank_and_world()
-    sc = dataclasses.replace(c, out_dir=str(Path(c.out_dir) / stage),
+    sc = dataclasses.replace(c, out_dir=str(Path(c.out_dir) / stage), vocab=tokenizer_vocab(c),
                              steps=stage_steps(c, len(examples), epochs, world))
     if broadcast_rank0_choice(c.resume and (Path(sc.out_dir) / "done.json").is_file(), device):
         if is_rank0:
@@ -487,7 +487,7 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
 
             def save(step=step):
                 nonlocal saved
-                save_checkpoint(sc, model, optimizer, scheduler, step, is_rank0, tokenizer_vocab(c))
+                save_checkpoint(sc, model, optimizer, scheduler, step, is_rank0, saved)
                 saved = step
             run.checkpoint_or_stop(step, saved, due, c.save_every, save, device)    # SIGTERM: save, then stop
             if halt:
@@ -544,6 +544,8 @@ def train(c, name=""):
     run.lock_run_folder(out, create=True)       # a new folder is locked as it is made
     if is_rank0:
         data.remove_dead_temporaries(out, locked=True)
+        for stage in out.glob("stage*"):
+            run.finish_checkpoint_switch(stage)     # a save cut short by a kill: complete it or drop it
         if not c.resume:
             clear_stale_outputs(out)
         run.write_config(out, c)
@@ -569,7 +571,7 @@ def train(c, name=""):
     if encoder is None:  # --halt_at
         return None
     if is_rank0:
-        save_encoder(encoder, out / "encoder", c, tokenizer_vocab(c))
+        save_final_encoder(encoder, out, c)
         print(f"fine-tuned encoder: {out / 'encoder'}", flush=True)
     run.barrier()
     splits = []                                 # dev (the held-out training queries: where settings are chosen), test
@@ -617,14 +619,27 @@ def save_encoder(encoder, folder, c, vocab):
     evaluate.write_retriever_settings(folder, c.pooling, c.similarity, c.query_len, c.passage_len)
 
 
-def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, vocab):
-    """Rank 0 writes the encoder (Hugging Face folder) and the full training state for --resume."""
-    if is_rank0:
-        save_encoder(model.encoder, Path(c.out_dir) / "encoder", c, vocab)
-        run.save_training_state(Path(c.out_dir) / "state.pt", {
-            "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(), "config": dataclasses.asdict(c)})
-    run.barrier()   # short: nobody races ahead of a checkpoint being written
+def save_final_encoder(encoder, out, c):
+    """{out}/encoder: the last stage's encoder again, where evaluate.py and the user look. A full disk is
+    one line: the last stage keeps it whole, and --resume writes it again."""
+    last = out / f"stage{c.rounds + 1}" / "encoder"
+    try:
+        save_encoder(encoder, out / "encoder", c, tokenizer_vocab(c))
+    except Exception as e:   # safetensors, numpy and torch.save each report a full disk their own way
+        if not data.is_disk_full(e, out):
+            raise
+        needs = sum(p.stat().st_size for p in last.rglob("*") if p.is_file())
+        raise data.disk_full_line(out / "encoder", "the encoder needs", needs, f"{last} holds it whole; ",
+                                      "free some space and continue with --resume") from None
+
+
+def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved):
+    """The stage's encoder (save_encoder's folder) and its full training state for --resume, switched
+    together as the pre-training scripts do (run.save_checkpoint): a kill or a full disk leaves the last
+    checkpoint whole, encoder/ and state.pt of one step (a full disk is one line)."""
+    settings = lambda folder: evaluate.write_retriever_settings(folder, c.pooling, c.similarity, c.query_len, c.passage_len)
+    run.save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved, settings,
+                        stream={"processes": rank_and_world()[1]})   # what --resume checks besides the flags
 
 
 # ==============================================================================================

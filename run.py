@@ -608,6 +608,23 @@ def release_run_folder(folder):
         os.close(fd)                    # closing it drops the flock
 
 
+
+def held_by_another_run(folder):
+    """Whether another process holds folder locked (lock_run_folder), asked without taking it: a shared
+    flock, refused only by an exclusive one, let go at once (so two askers never refuse each other)."""
+    import fcntl
+    folder = Path(folder).resolve()
+    if folder in _LOCKS or not folder.is_dir():
+        return False
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)                    # closing it drops the shared flock
+
 def prepare_run_folder(c):
     """Rank 0, after the last input check, before the first write: remove the .tmp files of killed
     writes, finish a cut checkpoint switch and, with --overwrite, remove the replaced run's checkpoint
@@ -651,7 +668,7 @@ def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved=0
         except Exception as e:      # torch.save reports a full disk as a RuntimeError: catch all, then sort
             shutil.rmtree(new_encoder, ignore_errors=True)
             new_state.unlink(missing_ok=True)
-            if is_disk_full(e, out):
+            if data.is_disk_full(e, out):
                 raise disk_full_error(target, out, last_saved) from None
             raise
         os.replace(new_state, out / "state.pt")     # the commit: from here on step `step` is the checkpoint
@@ -675,29 +692,19 @@ def finish_checkpoint_switch(out):
     shutil.rmtree(old_encoder, ignore_errors=True)
 
 
-def is_disk_full(error, folder):
-    """True if a failed write ran out of space: ENOSPC / EDQUOT, or torch.save's RuntimeError ('unexpected
-    pos', which never says why) on a disk with less than 1 MiB left."""
-    import errno
-    if getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    try:
-        return isinstance(error, RuntimeError) and shutil.disk_usage(folder).free < 1 << 20
-    except OSError:
-        return False
-
-
 def disk_full_error(target, out_dir, last_saved):
-    """The one line for a checkpoint that did not fit: the file, the cause, the last good step, what to do."""
-    kept = (f"{out_dir} keeps the checkpoint of step {last_saved}" if last_saved else
-            "no checkpoint was written yet")
-    return data.DataError(f"{target}: the disk is full; {kept}; free some space, or copy {out_dir} to a bigger disk, "
-                          f"and continue with --resume (--out_dir the new place)")
+    """The one line for a checkpoint that did not fit: the file, the space a checkpoint needs (as much as
+    the one kept; without one, more than is free), the last good step, what to do."""
+    out = Path(out_dir)
+    kept = [p for p in (out / "state.pt", *(out / "encoder").rglob("*")) if p.is_file()] if last_saved else []
+    free = shutil.disk_usage(out).free if out.is_dir() else 0
+    need = (f"a checkpoint needs {data.format_bytes(sum(p.stat().st_size for p in kept))}, "
+            f"{data.format_bytes(free)} free" if kept else f"a checkpoint needs more than the {data.format_bytes(free)} free")
+    held = f"{out} keeps the checkpoint of step {last_saved}" if last_saved else f"{out} holds no checkpoint yet"
+    return data.DataError(f"{target}: the disk is full ({need}); {held}; free some space, or copy the run's "
+                          f"--out_dir to a bigger disk, and continue with --resume (--out_dir the new place)")
 
 
-# ----------------------------------------------------------------------------------------------
-# 8. Hugging Face BERT folders, the starting checkpoints (a folder, minilm, a hub id), retriever settings
-# ----------------------------------------------------------------------------------------------
 def save_tensors(path, tensors):
     """A dict of tensors as safetensors (atomic). Tied tensors are stored once each (cloned)."""
     from safetensors.torch import save_file

@@ -1967,8 +1967,11 @@ def test_a_full_disk_keeps_the_last_checkpoint_whole_and_says_so(tmp_path, small
     with pytest.raises(data.DataError) as caught:
         run.save_checkpoint(c, model, optimizer, scheduler, 4, True, 2)
     target = out / ("encoder" if fails == "encoder" else "state.pt")
-    assert str(caught.value) == (f"{target}: the disk is full; {out} keeps the checkpoint of step 2; free some space, "
-                                 f"or copy {out} to a bigger disk, and continue with --resume (--out_dir the new place)")
+    size = sum(p.stat().st_size for p in [out / "state.pt", *(out / "encoder").rglob("*")] if p.is_file())
+    assert re.fullmatch(rf"{re.escape(str(target))}: the disk is full \(a checkpoint needs {size / 2**20:.1f} MiB, "
+                        rf"[\d.]+ (?:B|KiB|MiB|GiB) free\); {re.escape(str(out))} keeps the checkpoint of step 2; free some space, "
+                        r"or copy the run's --out_dir to a bigger disk, and continue with --resume \(--out_dir the new "
+                        r"place\)", str(caught.value)), caught.value
     assert folder_bytes(out) == before                             # encoder/ and state.pt both still step 2
 
 
@@ -2059,7 +2062,7 @@ def test_more_processes_than_gpus_is_one_error_before_the_process_group(name, mo
 def test_leave_distributed_ends_a_gloo_process_at_once_with_its_output_flushed(tmp_path):
     # gloo's teardown aborted a rank now and then (SIGABRT): the process leaves with os._exit(code) instead,
     # after flushing what it printed; outside torchrun leave_distributed does nothing
-    script = ("import datetime, sys, torch.distributed as dist, data\n"
+    script = ("import datetime, sys, torch.distributed as dist, run\n"
               "run.leave_distributed(5)\n"
               "dist.init_process_group('gloo', init_method=sys.argv[1], rank=0, world_size=1,"
               " timeout=datetime.timedelta(seconds=60))\n"
@@ -2317,7 +2320,7 @@ def test_benchmark_levers_change_the_arithmetic_only():
 # ----------------------------------------------------------------------------------------------
 def _held_by_another_process(folder):
     """A process that takes the run folder's lock and keeps it until killed."""
-    script = ("import sys, time, data; run.lock_run_folder(sys.argv[1], create=True); print('locked', flush=True); "
+    script = ("import sys, time, run; run.lock_run_folder(sys.argv[1], create=True); print('locked', flush=True); "
               "time.sleep(600)")
     holder = subprocess.Popen([PY, "-c", script, str(folder)], cwd=HERE, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "locked"
@@ -2651,8 +2654,9 @@ def test_a_full_disk_while_building_the_token_cache_is_one_line(tmp_path, small_
     with pytest.raises(data.DataError) as e:
         data.build_token_cache(small_corpus, data.VOCAB, folder, workers=1, verbose=False)
     need = data.cache_bytes_needed(small_corpus, data.VOCAB)
-    assert str(e.value) == (f"{folder}: the disk is full while building the token cache (it needs about "
-                            f"{need / 2**20:,.1f} MiB); free some space, or give --cache_dir on another disk")
+    free = data.format_bytes(shutil.disk_usage(tmp_path).free)
+    assert str(e.value) == (f"{folder}: the disk is full (the token cache needs about {data.format_bytes(need)}, "
+                            f"{free} free); free some space, or give --cache_dir on another disk")
     assert not folder.exists()
 
 
@@ -2720,3 +2724,207 @@ def test_the_next_build_removes_the_temporaries_of_a_killed_build(tmp_path, wiki
     # Any later use of the folder removes them too, the built cache untouched.
     live.rename(killed)
     assert _windows_of(corpus)[0] == windows and sorted(folder.glob(".*.tmp")) == [unowned_new]
+
+
+# --- evaluate.py and finetune.py faults ---
+def test_a_tag_with_spaces_is_one_word_in_the_run_file_and_a_failed_evaluation_keeps_the_old_files(tmp_path,
+                                                                                                      monkeypatch):
+    """The default tag is the model folder's parent name, and the default out_dir the fine-tuning run's own
+    eval-test/: a space in that name used to spoil the run's run.trec (7 fields a line, unreadable)."""
+    beir, run = tiny_beir(tmp_path / "beir"), tmp_path / "ft run"
+    _tiny_init(run / "encoder")
+    flags = dict(model=str(run / "encoder"), dataset=str(beir), depth=10)
+    out = run / "eval-test"
+    for tag, written in (("", "ft-run"), ("my model", "my-model"), ("a\tb", "a-b")):
+        means, _ = evaluate.main(evaluate.Config(**flags, tag=tag))
+        lines = (out / "run.trec").read_text().splitlines()
+        assert lines and {line.split(" ")[5] for line in lines} == {written}, tag   # 6 fields, the tag one word
+        saved = json.loads((out / "metrics.json").read_text())
+        assert saved["tag"] == written and saved["metrics"] == means
+        assert evaluate.compute_metrics(data.read_run(out / "run.trec"), data.read_qrels(beir / "qrels" / "test.tsv"))[0] == means
+    before = folder_bytes(out)
+    monkeypatch.setattr(data, "read_run", lambda path: (_ for _ in ()).throw(data.DataError(f"{path}: unreadable")))
+    with pytest.raises(data.DataError, match="unreadable"):
+        evaluate.main(evaluate.Config(**flags, tag="other"))
+    assert folder_bytes(out) == before and sorted(p.name for p in out.iterdir()) == ["metrics.json", "run.trec"]
+
+
+def test_evaluate_never_writes_into_a_folder_that_a_live_run_holds(tmp_path):
+    beir, ft = tiny_beir(tmp_path / "beir"), tmp_path / "ft"
+    _tiny_init(ft / "encoder")
+    ev = tmp_path / "ev"
+    for held, out_dir, line in (
+            (ft, "", (f"error: {ft} is in use by another run, and {ft / 'eval-test'} is inside it; wait for "
+                      f"it to end, or give another --out_dir")),     # the default out_dir, inside the live run
+            (ev, str(ev), f"error: {ev} is in use by another run; wait for it to end, or give another --out_dir")):
+        holder = _held_by_another_process(held)
+        try:
+            before = folder_bytes(tmp_path)
+            with pytest.raises(SystemExit) as stopped:
+                run.run_command_line(lambda out_dir=out_dir: evaluate.main(evaluate.Config(
+                    model=str(ft / "encoder"), dataset=str(beir), out_dir=out_dir)))
+            assert stopped.value.code == line
+            assert folder_bytes(tmp_path) == before and not (ft / "eval-test").exists()
+        finally:
+            holder.kill()                                   # kill -9: the kernel drops the lock
+            holder.wait()
+    evaluate.main(evaluate.Config(model=str(ft / "encoder"), dataset=str(beir), out_dir=str(ev)))
+    assert (ev / "run.trec").is_file()
+
+
+def test_compare_pairs_only_the_queries_both_runs_have_and_refuses_fewer_than_two(tmp_path, capsys):
+    qrels = write(tmp_path / "qrels.tsv", "query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(1, 6)))
+    a = write(tmp_path / "a.trec", "".join(f"q{i} Q0 d{i} 1 2.0 a\n" for i in (1, 2, 3, 4)))    # q5: in neither run
+    b = write(tmp_path / "b.trec", "q1 Q0 x 1 3.0 b\nq1 Q0 d1 2 1.0 b\nq2 Q0 d2 1 1.0 b\nq9 Q0 d1 1 1.0 b\n")
+    tests = evaluate.main(evaluate.Config(compare=f"{a},{b}", qrels=str(qrels)))
+    assert {(r["n"], r["mean_a"]) for r in tests.values()} == {(2, 1.0)}       # q1 and q2 only, not q3, q4 (0 in B)
+    assert tests["MRR@10"]["mean_b"] == 0.75 and tests["MRR@10"]["p"] == pytest.approx(0.5)
+    printed = capsys.readouterr().out
+    assert "left out: 2 judged queries that only A has, 0 that only B has, 1 that neither has" in printed
+    for b_text, n in (("q5 Q0 d5 1 1.0 b\n", 0), ("q1 Q0 d1 1 1.0 b\nq5 Q0 d5 1 1.0 b\n", 1)):
+        b.write_text(b_text)
+        with pytest.raises(SystemExit) as stopped:
+            run.run_command_line(lambda: evaluate.main(evaluate.Config(compare=f"{a},{b}", qrels=str(qrels))))
+        assert stopped.value.code == (f"error: --compare: {a} and {b} have {n} judged quer{'y' if n == 1 else 'ies'} "
+                                      f"in common (of 4 and {n + 1}); a paired t-test needs at least 2")
+        assert " inf " not in capsys.readouterr().out
+
+
+def test_a_full_disk_is_recognised_by_what_each_writer_raises(tmp_path):
+    """The temporaries of the failed write are deleted before the question is asked, so the disk has room
+    again (tmp_path has): the error itself must say it. The messages are those measured on a full tmpfs."""
+    import errno
+
+    from safetensors import SafetensorError
+    for error in (OSError(errno.ENOSPC, "No space left on device"), OSError(errno.EDQUOT, "Disk quota exceeded"),
+                  SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+                  OSError("100000 requested and 8176 written"),                                    # numpy's tofile
+                  RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")):  # torch.save
+        assert data.is_disk_full(error, tmp_path), error
+    for error in (OSError(errno.EACCES, "Permission denied"), RuntimeError("CUDA error: out of memory"),
+                  KeyError("state.pt")):
+        assert not data.is_disk_full(error, tmp_path), error
+
+
+def _ft_command(tmp_path, out):
+    beir, init = tmp_path / "beir", tmp_path / "init"
+    if not beir.exists():
+        tiny_beir(beir)
+        _tiny_init(init)
+    return ["--init", str(init), "--dataset", str(beir), "--train_split", "test", "--eval_split", "", "--batch_size", "1",
+            "--query_len", "16", "--passage_len", "16", "--steps", "4", "--save_every", "2", "--log_every", "1",
+            "--out_dir", str(out)]
+
+
+def _encoder_is_the_state(stage):
+    """The stage's encoder/ holds the weights of its state.pt: the checkpoint is one unit. -> state's step."""
+    state = run.load_training_state(stage / "state.pt")
+    encoder = run.load_tensors(stage / "encoder" / "model.safetensors")
+    weights = {run.to_hf_name(k.removeprefix("encoder.")): v for k, v in state["model"].items()}
+    assert weights.keys() == encoder.keys() and all(torch.equal(weights[k], encoder[k]) for k in weights)
+    return state["step"]
+
+
+def _same_encoder(a, b):
+    a, b = (run.load_tensors(Path(x) / "encoder" / "model.safetensors") for x in (a, b))
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("kill", ["before the switch", "after state.pt"])
+def test_finetune_checkpoint_switches_encoder_and_state_together(tmp_path, monkeypatch, kill):
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    finetune.main(_ft_command(tmp_path, straight))
+    real_save, real_replace = run.save_training_state, os.replace
+
+    def killed_writing_state(path, state):            # the kill lands after the encoder, before the state
+        if state["step"] == 4:
+            raise KeyboardInterrupt
+        real_save(path, state)
+
+    def killed_after_state(src, dst):                 # ... or right after state.pt was replaced
+        real_replace(src, dst)
+        if Path(dst).name == "state.pt" and run.load_training_state(dst)["step"] == 4:
+            raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        if kill == "before the switch":
+            m.setattr(run, "save_training_state", killed_writing_state)
+        else:
+            m.setattr(data.os, "replace", killed_after_state)
+        with pytest.raises(KeyboardInterrupt):
+            finetune.main(_ft_command(tmp_path, cut))
+    if kill == "before the switch":
+        assert _encoder_is_the_state(cut / "stage1") == 2                  # encoder/ is not step 4's
+    run.release_run_folder(cut)
+    finetune.main(_ft_command(tmp_path, cut) + ["--resume"])               # completes or drops the cut switch
+    assert _encoder_is_the_state(cut / "stage1") == 4
+    assert not [p.name for p in (cut / "stage1").iterdir() if p.name.startswith(".")]
+    assert _same_encoder(straight, cut) and _same_encoder(straight / "stage1", cut / "stage1")
+
+
+@pytest.mark.parametrize("fails", ["checkpoint", "final encoder"])
+def test_finetune_full_disk_is_one_line_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, fails):
+    import safetensors.torch
+    from safetensors import SafetensorError
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    finetune.main(_ft_command(tmp_path, straight))
+    real, saves = safetensors.torch.save_file, []
+
+    def full(tensors, path, *args, **kwargs):          # the checkpoint of step 4, or the final encoder, finds the disk full
+        saves.append(path)
+        if len(saves) == (2 if fails == "checkpoint" else 3):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(tensors, path, *args, **kwargs)
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(SystemExit) as stopped:
+        run.run_command_line(lambda: finetune.main(_ft_command(tmp_path, cut)))
+    stage = cut / "stage1"
+    if fails == "checkpoint":
+        size = sum(p.stat().st_size for p in [stage / "state.pt", *(stage / "encoder").rglob("*")] if p.is_file())
+        assert re.fullmatch(rf"error: {re.escape(str(stage / 'encoder'))}: the disk is full \(a checkpoint needs "
+                            rf"{size / 2**20:.1f} MiB, [\d.]+ [MG]iB free\); {re.escape(str(stage))} keeps the checkpoint "
+                            r"of step 2; free some space, or copy the run's --out_dir to a bigger disk, and continue "
+                            r"with --resume \(--out_dir the new place\)", stopped.value.code), stopped.value.code
+        assert _encoder_is_the_state(stage) == 2
+    else:
+        size = sum(p.stat().st_size for p in (stage / "encoder").rglob("*") if p.is_file())
+        assert re.fullmatch(rf"error: {re.escape(str(cut / 'encoder'))}: the disk is full \(the encoder needs "
+                            rf"{size / 2**20:.1f} MiB, [\d.]+ [MG]iB free\); {re.escape(str(stage / 'encoder'))} holds "
+                            r"it whole; free some space and continue with --resume", stopped.value.code), stopped.value.code
+        assert _encoder_is_the_state(stage) == 4
+    assert not [p for p in stage.iterdir() if p.name.startswith(".")]
+    monkeypatch.undo()
+    finetune.main(_ft_command(tmp_path, cut) + ["--resume"])
+    assert _same_encoder(straight, cut)
+
+
+def test_evaluate_full_disk_is_one_line_and_keeps_the_previous_files(tmp_path, monkeypatch):
+    import errno
+    beir, init, out = tiny_beir(tmp_path / "beir"), _tiny_init(tmp_path / "init"), tmp_path / "ev"
+    flags = dict(model=init, dataset=str(beir), depth=10, out_dir=str(out))
+    evaluate.main(evaluate.Config(**flags))
+    before = folder_bytes(out)
+
+    def full(*args, **kwargs):                          # what a text write on a full disk raises
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(data, "atomic_write_text", full)
+        with pytest.raises(SystemExit) as stopped:
+            run.run_command_line(lambda: evaluate.main(evaluate.Config(**flags, tag="new")))
+    line = re.fullmatch(rf"error: {re.escape(str(out))}: the disk is full \(run.trec needs (\d+) B, [\d.]+ [KMG]iB "
+                        r"free\); its run.trec and metrics.json are the previous ones; free some space, or give another "
+                        r"--out_dir", stopped.value.code)
+    assert line, stopped.value.code
+    data.write_run(tmp_path / "new.trec", data.read_run(out / "run.trec"), "new")      # what the write needed
+    assert (tmp_path / "new.trec").stat().st_size <= int(line[1]) <= 1.1 * (tmp_path / "new.trec").stat().st_size
+    assert folder_bytes(out) == before
+    # The corpus vectors (--vectors_dir): their space is reserved before the mapping is written (a full
+    # disk under a mapping is a SIGBUS, exit 135, not an error).
+    vectors = tmp_path / "vectors"
+    with monkeypatch.context() as m:
+        m.setattr(os, "posix_fallocate", lambda fd, offset, size: full())
+        with pytest.raises(SystemExit) as stopped:
+            run.run_command_line(lambda: evaluate.main(evaluate.Config(**flags, vectors_dir=str(vectors))))
+    assert re.fullmatch(rf"error: {re.escape(str(vectors))}: the disk is full \(the corpus vectors need "
+                        rf"{3 * 32 * 2} B, [\d.]+ [KMG]iB free\); free some space, or give another "
+                        r"--vectors_dir", stopped.value.code), stopped.value.code    # 3 documents x 32 fp16 values
+    assert not list(vectors.iterdir()) and folder_bytes(out) == before
