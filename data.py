@@ -629,24 +629,15 @@ def encode_texts(tokenizer, texts, max_len):
 # not the corpus, and nothing is tokenized twice. Windows are the ones make_windows cuts (a test checks).
 #
 # The cache proves itself before every use, on every rank, against what was recorded as each file was
-# written. A missing file or another size always fails (a stat each). The CRC-32s are read on every use
-# while the files total at most CRC_EVERY_USE_BYTES (1 GiB: 0.5 to 1 s from the page cache), and beyond
-# that only for a file whose time is not the recorded one (written to since; or copied, and then equal
-# bytes keep it): a file changed in place is caught even when it keeps its size, and a cache of the
-# papers' size (about 11 GB) still starts in well under a second instead of reading itself for seconds
-# to minutes; what a large cache can miss is a change that keeps both size and time (bit rot, a
-# deliberate edit). At build time the CRC-32s cost 0.03 % (the bundled Wikipedia slice: 3.65 MiB of
-# files in 1.3 ms, in a 4.2 s build on 2 cores). A failed check rebuilds the cache, saying which file
-# and what differed; a cache of format 1 (no records) is rebuilt once, saying so.
+# written: a missing file or another size always fails (a stat each); the CRC-32s are read on every use
+# while the files total at most CRC_EVERY_USE_BYTES, beyond that only for a file whose time changed (a
+# cache of the papers' size still starts in well under a second; a change that keeps both size and time
+# can go unseen). A failed check rebuilds the cache, saying which file and what differed.
 # Files are written under '.NAME.PID@HOST.tmp' and renamed; the next use removes a killed writer's.
 TOKEN_CACHE_VERSION = 2      # 2: the manifest records each file's size, time and CRC-32 (1 recorded none)
-
 CACHE_WAIT_S = 6 * 3600      # how long ranks > 0 wait for rank 0 to build a cache before giving up
-
 TOKEN_FILES = ("tokens.bin", "word_starts.bin", "doc_offsets.npy")   # what the manifest vouches for
-
 CRC_EVERY_USE_BYTES = 1 << 30   # files up to this total have their CRC-32s checked on every use
-
 UNOWNED_TEMP_S = 3600        # a temporary whose name has no PID is stale when unwritten this long
 
 

