@@ -444,17 +444,18 @@ def apply_resume_flags(c, optimizer, scheduler):
 
 
 def load_checkpoint(c, model, optimizer, scheduler, is_rank0, stream=None):
-    """Restore out_dir/state.pt; returns the step to continue from (0 if none yet). Batches, masks and
-    dropout are functions of the step: nothing else to restore. Today's flags apply; a frozen one that
-    changed stops the run (check_resume_flags), as does another process count or corpus (check_stream)."""
+    """Restore out_dir/state.pt; returns the step to continue from (0 if none yet). Batches, masks and dropout
+    are functions of the step. Today's flags apply; a frozen one that changed stops the run, as does another
+    process count or corpus (check_stream)."""
     path = Path(c.out_dir) / "state.pt"
     if not path.is_file():
         if is_rank0:
             print(f"resume: no {path} yet, starting from step 0")
         return 0
     state = load_training_state(path)
+    check_stream(c, state.get("stream", {}), {"processes": (stream or {}).get("processes")}, state["step"], path)
+    changed = check_resume_flags(c, state["config"], path)              # (after the process count, before the corpus)
     new_data = check_stream(c, state.get("stream", {}), stream or {}, state["step"], path)
-    changed = check_resume_flags(c, state["config"], path)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as e:     # same flags, other weights: a state.pt from an older layout of the model
@@ -464,18 +465,16 @@ def load_checkpoint(c, model, optimizer, scheduler, is_rank0, stream=None):
     scheduler.load_state_dict(state["scheduler"])
     apply_resume_flags(c, optimizer, scheduler)
     if is_rank0:
-        print(f"resume: {path} at step {state['step']}"
-              + (f"; changed flags apply from now: {changed}" if changed else ""))
-        if new_data:
-            print(f"resume: {new_data}", flush=True)
+        changed = f"; changed flags apply from now: {changed}" if changed else ""
+        print(f"resume: {path} at step {state['step']}{changed}" + (f"\nresume: {new_data}" if new_data else ""))
     return state["step"]
 
 
 def check_stream(c, saved, now, step, path):
     """The checkpoint's record of what defines the batches besides the flags: the process count (each rank
     draws its own masks and dropout) and the corpus's tokens (another corpus only with --new_corpus)."""
-    n, m = saved.get("processes", now.get("processes")), now.get("processes")
-    if n != m:
+    n, m = saved.get("processes"), now.get("processes")
+    if None not in (n, m) and n != m:
         rerun = f"torchrun --nproc_per_node={n}" if n > 1 else "python (one process)"
         raise data.DataError(f"{path}: written by {n} process{'es' * (n > 1)}, this run has {m} (each rank draws "
                              f"its own masks and dropout); resume it with {rerun}, or start again with --overwrite")
@@ -483,7 +482,8 @@ def check_stream(c, saved, now, step, path):
     if not (old and new) or (old["tokens_crc32"], old["n_windows"]) == (new["tokens_crc32"], new["n_windows"]):
         return ""
     if not c.new_corpus:
-        what = data.what_changed(old["signature"], new["signature"]) if old["signature"] != new["signature"] else "?"
+        what = data.what_changed(old["signature"], new["signature"]) if old["signature"] != new["signature"] else \
+            "other tokens"
         raise data.DataError(f"{c.corpus}: the corpus changed since the run's checkpoint of step {step} ({what}; "
                              f"{old['n_windows']:,} -> {new['n_windows']:,} windows); resume on the corpus the run "
                              f"started with, or pass --new_corpus to continue on this one")

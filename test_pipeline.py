@@ -331,13 +331,13 @@ def test_run_files_round_trip_atomically(tmp_path):
 
 def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path):
     path = tmp_path / "state.pt"
-    run.atomic_torch_save(path, {"step": 1})
+    run.save_training_state(path, {"step": 1})
 
     class Unpicklable:
         def __reduce__(self):
             raise RuntimeError("boom")
     with pytest.raises(RuntimeError, match="boom"):
-        run.atomic_torch_save(path, {"step": 2, "bad": Unpicklable()})
+        run.save_training_state(path, {"step": 2, "bad": Unpicklable()})
     assert torch.load(path, weights_only=True) == {"step": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]
 
@@ -1599,6 +1599,12 @@ def test_class4_init_vocabulary_and_mismatched_state(tmp_path, small_corpus):
     assert (code, err) == (1, (f"error: {bert}: 30522 entries, but the --init model {tmp_path / 'init'} "
                               f"has vocab_size {new.get_vocab_size()}"))
     # Resuming from another method's state.pt, a truncated one, or with other sizes.
+    code, err = run_error([HERE / "costa.py", *common, "--out_dir", tmp_path / "a", "--resume"], tmp_path)
+    assert (code, err) == (1, (f"error: {tmp_path / 'a'} holds a run of cpdae.py, not of costa.py; give another "
+                              f"--out_dir (or delete the folder to reuse its name)"))
+    saved = json.loads((tmp_path / "a" / "config.json").read_text())
+    del saved["script"]                                                # a folder written before config.json said whose
+    (tmp_path / "a" / "config.json").write_text(json.dumps(saved))
     code, err = run_error([HERE / "costa.py", *common, "--out_dir", tmp_path / "a", "--resume"], tmp_path)
     assert (code, err) == (1, (f"error: {tmp_path / 'a' / 'state.pt'}: written by another script (it has --cl_mode); "
                               f"resume it with that script, or start again with --overwrite"))
