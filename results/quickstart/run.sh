@@ -6,6 +6,7 @@
 #
 #     bash results/quickstart/run.sh          # from the repository root; about 10 min on a 2-core CPU
 set -euo pipefail
+export PYTHONUNBUFFERED=1   # output.txt keeps the order in which lines were printed
 cd "$(dirname "$0")/../.."
 here=results/quickstart
 run=runs/finetune
