@@ -55,7 +55,7 @@ if __name__ == "__main__":
         train_costa(sys.argv[1:])
         sys.exit()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("sizes", help="million tokens, e.g. 1,20 (the old path holds about 56 bytes per token per rank)")
+    parser.add_argument("sizes", help="million tokens, e.g. 1,20 (memory grows with the corpus here: see results/scale/before.md)")
     parser.add_argument("--procs", default="1,2", help="torchrun processes")
     parser.add_argument("--dir", default="runs/bench-scale", help="synthetic corpora (shared with scale.py)")
     args = parser.parse_args()
