@@ -32,8 +32,10 @@ import contextlib
 import dataclasses
 import gc
 import importlib
+import io
 import json
 import resource
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -94,6 +96,64 @@ def peak_rss_mib():
 def cpu_bf16():
     """Whether training autocasts to bf16 on this CPU (the rule of run.autocast_bf16)."""
     return any(getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile"))
+
+
+def machine(command):
+    """Where and how a measurement ran, for the head of its results file: the commit (with "+changes" when
+    tracked files differ from it), the command, the CPU's model, its native bf16 (AVX512-BF16, AMX) and so
+    the precision training autocasts to there, the threads, torch's version and the date (UTC)."""
+    def git(*argv):
+        r = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=False)
+        return r.stdout.strip() if r.returncode == 0 else ""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+        cpu = platform.processor() or platform.machine()
+    native = {x: getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")}
+    return {"commit": (git("rev-parse", "--short", "HEAD") or "?") + ("+changes" if git("status", "--porcelain",
+                                                                                        "--untracked-files=no") else ""),
+            "command": command, "cpu": cpu, "cpu_bf16": native,
+            "precision": "bf16" if any(native.values()) else "fp32", "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+class _Tee:
+    """A stream that writes to several streams (recorded's stdout)."""
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text):
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self):
+        for stream in self.streams:
+            stream.flush()
+
+
+@contextlib.contextmanager
+def recorded(path):
+    """Print as usual, and when the command finishes write what it printed to `path` (markdown, under
+    results/), under a head from machine(): the commit, the command, the CPU, its native bf16 and so the
+    precision, the date and how long it took. A page cites that file; a run that fails writes nothing."""
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    head, buffer, stdout, t0 = machine(command), io.StringIO(), sys.stdout, time.time()
+    sys.stdout = _Tee(stdout, buffer)
+    try:
+        yield
+    finally:
+        sys.stdout = stdout
+    native = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in head["cpu_bf16"].items())
+    text = (f"# `{command}`\n\nWhat the command printed, as written by it (`benchmark.recorded`).\n\n"
+            f"| commit | CPU | native bf16 | precision | threads | torch | date | took |\n|---|---|---|---|---|---|---|---|\n"
+            f"| {head['commit']} | {head['cpu']} | {native} | {head['precision']} | {head['threads']} | {head['torch']} "
+            f"| {head['date']} | {time.time() - t0:,.0f} s |\n\n{buffer.getvalue()}")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    data.atomic_write_text(Path(path), text)
+    print(f"(written to {path})")
 
 
 def matmul_rate(m, k, n, dtype, reps=15):
@@ -359,16 +419,17 @@ def variant_row(variant, overrides, steps, warmup):
 
 def variant_table(variants, overrides, steps, warmup):
     """variant_row of each variant, each in a fresh process."""
-    print(f"{'variant':<14}{'tokens/s':>10}{'peak MiB':>10}  setup")
+    print(f"\nEach variant in a fresh process, {steps} steps after {warmup} untimed:\n\n"
+          "| variant | tokens/s | peak MiB | setup |\n|---|---|---|---|")
     for variant in variants:
         try:
             r = in_fresh_process(__file__, "--child", "variant_row", json.dumps([variant, overrides, steps, warmup]))
         except RuntimeError as e:
-            print(f"{variant:<14}{'failed':>10}  {e}")
+            print(f"| {variant} | failed: {e} | | |")
             continue
-        print(f"{variant:<14}{r['tokens_per_s']:>10,.0f}{r['peak_mib']:>10,.0f}  {r['params_m']:.1f}M params, "
+        print(f"| {variant} | {r['tokens_per_s']:,.0f} | {r['peak_mib']:,.0f} | {r['params_m']:.1f}M params, "
               f"{r['num_layers']}x{r['hidden_size']}, batch {r['batch_size']}x{r['max_len']}, "
-              f"{r['device']} ({r['threads']} threads)", flush=True)
+              f"{r['device']} ({r['threads']} threads) |", flush=True)
 
 
 # --gpu: the papers' size on one GPU, as model FLOP utilisation (MFU) ------------------------------
@@ -455,6 +516,8 @@ def main():
     parser.add_argument("--gpu", action="store_true", help="BERT-base on one GPU: step time, memory and MFU per method")
     parser.add_argument("--gpu_batch", type=int, default=32, help="--gpu: texts per step")
     parser.add_argument("--gpu_len", type=int, default=512, help="--gpu: tokens per text")
+    parser.add_argument("--out", default="", help="the results file this run writes what it prints to "
+                        "(default results/speed/benchmark.md; with --gpu results/gpu/benchmark-gpu.md)")
     parser.add_argument("--child", nargs=2, metavar=("FUNCTION", "ARGS"), help=argparse.SUPPRESS)  # in_fresh_process
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
@@ -466,14 +529,16 @@ def main():
     elif args.gpu:
         if not torch.cuda.is_available():
             sys.exit("error: --gpu: no CUDA device")
-        gpu_table(args.gpu_batch, args.gpu_len, args.steps, args.warmup, variants)
+        with recorded(args.out or ROOT / "results" / "gpu" / "benchmark-gpu.md"):
+            gpu_table(args.gpu_batch, args.gpu_len, args.steps, args.warmup, variants)
     else:
-        t0 = time.perf_counter()
-        goals_table(speed_table(args.reps, args.quick))
-        print(f"({time.perf_counter() - t0:.0f} s)\n", flush=True)
-        overrides = {k: parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}
-        if variants:
-            variant_table(variants, overrides, args.steps, args.warmup)
+        with recorded(args.out or ROOT / "results" / "speed" / "benchmark.md"):
+            t0 = time.perf_counter()
+            goals_table(speed_table(args.reps, args.quick))
+            print(f"\n(the speed table and the goals: {time.perf_counter() - t0:.0f} s)", flush=True)
+            overrides = {k: parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}
+            if variants:
+                variant_table(variants, overrides, args.steps, args.warmup)
 
 
 if __name__ == "__main__":

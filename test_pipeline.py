@@ -667,6 +667,63 @@ def test_readme_reading_guide_states_the_files_as_they_are():
     assert f"hunks too ({hunks[0]} against `cpdae.py`, {hunks[1]} against `seed.py`)" in guide
 
 
+def _markdown_table(text, header_start):
+    """The body of the first markdown table in text whose header line starts with header_start, as lists
+    of stripped cells."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+QUICKSTART_ROWS = {"BM25 (k1=1.2, b=0.75)": "eval-test-bm25", "minilm zero-shot": "zero-shot/eval-test",
+                   "minilm + fine-tune": "no-pretrain/eval-test", "minilm + costa + fine-tune": "eval-test"}
+
+
+def test_readme_command1_table_is_its_committed_files():
+    """README's table of command 1 is what results/quickstart/rows/ holds: each row's means (4 decimals, as
+    the command prints them) from its metrics.json, and '*' where the paired t-test over the queries against
+    the BM25 row (evaluate.paired_t_test on the per-query values there) gives p <= 0.05."""
+    rows = {name: json.loads((HERE / "results" / "quickstart" / "rows" / folder / "metrics.json").read_text())
+            for name, folder in QUICKSTART_ROWS.items()}
+    bm25 = rows["BM25 (k1=1.2, b=0.75)"]["per_query"]
+    expected = []
+    for name, row in rows.items():
+        cells = [name]
+        for metric in ("MRR@10", "Recall@100", "NDCG@10"):
+            qids = sorted(set(row["per_query"]) & set(bm25))
+            _, p = evaluate.paired_t_test([row["per_query"][q][metric] for q in qids], [bm25[q][metric] for q in qids])
+            star = "*" if row["per_query"] is not bm25 and p <= 0.05 else ""
+            cells.append(f"{row['metrics'][metric]:.4f}{star}")
+        expected.append(cells)
+    readme = (HERE / "README.md").read_text()
+    assert _markdown_table(readme, "| command 1, SciFact test (300 queries) |") == expected
+
+
+def test_readme_study_table_is_results_study_table():
+    """README's study table is the test table of results/study/table.md, cell for cell: the arms renamed,
+    the zero-shot, nDCG@10, MRR@10 and Recall@100 columns, and each comparison's diff [interval], p (Holm)."""
+    table = (HERE / "results" / "study" / "table.md").read_text()
+    test_part = table[table.index("## test"):table.index("## dev")]
+    header = [cell.strip() for cell in next(line for line in test_part.splitlines()
+                                            if line.startswith("| arm |")).strip("|").split("|")]
+    names = {"none": "none (fine-tuning only)", "mlm": "MLM-only", "seed": "SEED", "cpdae": "CPDAE", "costa": "COSTA"}
+    pair = lambda diff, p: f"{diff}, {p.replace('(Holm ', '(')}" if diff else ""
+    expected = []
+    for cells in _markdown_table(test_part, "| arm |"):
+        row = dict(zip(header, cells))
+        expected.append([names[row["arm"]], row["zero-shot nDCG@10"].replace(" (one encoder)", ""), row["NDCG@10"],
+                         row["MRR@10"], row["Recall@100"],
+                         pair(row["nDCG@10 diff [95% CI] vs none"], row["nDCG@10 p (paired t over seeds) vs none"]),
+                         pair(row["nDCG@10 diff [95% CI] vs mlm"], row["nDCG@10 p (paired t over seeds) vs mlm"])])
+    readme = (HERE / "README.md").read_text()
+    assert _markdown_table(readme, "| arm | zero-shot nDCG@10 |") == expected
+
+
 # ----------------------------------------------------------------------------------------------
 # Every departure from a paper, marked where it happens, is listed in docs/departures.md
 # ----------------------------------------------------------------------------------------------

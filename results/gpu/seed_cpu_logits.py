@@ -1,5 +1,7 @@
-"""SEED's CPU step at 4x256 and 6x384: decoder logits in fp32 (before) vs autocast's bf16 (now), alternated
-in one process. Usage: python results/gpu/seed_cpu_logits.py"""
+"""SEED's CPU step at 4x256 and 6x384: decoder logits in fp32 (autocast off) against autocast's bf16 (as
+seed.decoder_loss computes them), alternated
+in one process. What it prints is written to results/gpu/seed_cpu_logits.md.
+Usage: python results/gpu/seed_cpu_logits.py"""
 import sys
 import time
 from pathlib import Path
@@ -24,17 +26,18 @@ def old_decoder_loss(states, weight, targets, reduction="mean"):
         return total, n_correct
     return total / targets.ne(-100).sum().clamp_min(1), n_correct
 new = seed.decoder_loss
-for size, fields in (("4x256", {}), ("6x384", benchmark.MINILM)):
-    c = seed.Config(**fields); c.steps = 10**6
-    torch.manual_seed(0)
-    step = benchmark.pretrain_step(seed, c, benchmark.load_batches(seed, c, 4))
-    base = benchmark.pretrain_step(costa, costa.Config(gwc_weight=0.0, **fields), benchmark.load_batches(costa, costa.Config(gwc_weight=0.0, **fields), 4))
-    times = {"fp32": [], "bf16": [], "mlm": []}
-    for fn in (old_decoder_loss, new): seed.decoder_loss = fn; step()
-    base()
-    for _ in range(4):
-        for name, fn in (("fp32", old_decoder_loss), ("bf16", new)):
-            seed.decoder_loss = fn; t0 = time.perf_counter(); step(); times[name].append(time.perf_counter() - t0)
-        t0 = time.perf_counter(); base(); times["mlm"].append(time.perf_counter() - t0)
-    m = {k: 1000 * np.median(v) for k, v in times.items()}
-    print(f"{size}: seed fp32 logits {m['fp32']:.0f} ms, bf16 logits {m['bf16']:.0f} ms ({m['fp32']/m['bf16']:.2f}x), MLM-only {m['mlm']:.0f} ms", flush=True)
+with benchmark.recorded(Path(__file__).parent / "seed_cpu_logits.md"):
+    for size, fields in (("4x256", {}), ("6x384", benchmark.MINILM)):
+        c = seed.Config(**fields); c.steps = 10**6
+        torch.manual_seed(0)
+        step = benchmark.pretrain_step(seed, c, benchmark.load_batches(seed, c, 4))
+        base = benchmark.pretrain_step(costa, costa.Config(gwc_weight=0.0, **fields), benchmark.load_batches(costa, costa.Config(gwc_weight=0.0, **fields), 4))
+        times = {"fp32": [], "bf16": [], "mlm": []}
+        for fn in (old_decoder_loss, new): seed.decoder_loss = fn; step()
+        base()
+        for _ in range(4):
+            for name, fn in (("fp32", old_decoder_loss), ("bf16", new)):
+                seed.decoder_loss = fn; t0 = time.perf_counter(); step(); times[name].append(time.perf_counter() - t0)
+            t0 = time.perf_counter(); base(); times["mlm"].append(time.perf_counter() - t0)
+        m = {k: 1000 * np.median(v) for k, v in times.items()}
+        print(f"{size}: seed fp32 logits {m['fp32']:.0f} ms, bf16 logits {m['bf16']:.0f} ms ({m['fp32']/m['bf16']:.2f}x), MLM-only {m['mlm']:.0f} ms", flush=True)

@@ -1,7 +1,8 @@
 """The "in memory (before)" rows of scale.py's table: the data path before the token cache, where
 every rank read and tokenized the whole corpus into Python lists (data.make_windows) at every start.
 Measured as scale.py measures the token cache (the same synthetic corpora, costa.py with a tiny model
-for 2 steps under torchrun, time to the first step, peak RSS of the largest process). See README.md here.
+for 2 steps under torchrun, time to the first step, peak RSS of the largest process). What it prints is written
+to results/scale/before.md.
 
     python results/scale/before.py 1,20                      # sizes in million tokens; --procs 1,2
 """
@@ -55,9 +56,10 @@ if __name__ == "__main__":
         train_costa(sys.argv[1:])
         sys.exit()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("sizes", help="million tokens, e.g. 1,20 (the old path holds about 56 bytes per token per rank)")
+    parser.add_argument("sizes", help="million tokens, e.g. 1,20 (memory grows with the corpus here: see results/scale/before.md)")
     parser.add_argument("--procs", default="1,2", help="torchrun processes")
     parser.add_argument("--dir", default="runs/bench-scale", help="synthetic corpora (shared with scale.py)")
     args = parser.parse_args()
-    before_table([float(x) if "." in x else int(x) for x in args.sizes.split(",")],
-                 [int(x) for x in args.procs.split(",")], args.dir)
+    with scale.benchmark.recorded(Path(__file__).parent / "before.md"):
+        before_table([float(x) if "." in x else int(x) for x in args.sizes.split(",")],
+                     [int(x) for x in args.procs.split(",")], args.dir)

@@ -2,7 +2,8 @@
 sets them: build time, index size, queries/s and Recall@100 against exact search, for Flat, HNSW32 and
 inverted lists (exact and 8-bit codes) at several search settings. First a SciFact-sized set (real vectors
 from --vectors, else synthetic), then synthetic 384-d sets of each of --sizes, and how each setting's
-per-query cost grows between them. The table is in docs/paper-scale.md.
+per-query cost grows between them. What it prints is written to
+results/scale/index_bench.md.
 
     python results/scale/index_bench.py                                  # synthetic: SciFact's size, 100k, 1M
     python results/scale/index_bench.py --vectors docs.npy,queries.npy   # ... SciFact's part on real vectors
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root
+import benchmark
 import evaluate
 
 
@@ -154,4 +156,5 @@ if __name__ == "__main__":
     parser.add_argument("--sizes", default="100000,1000000", help="synthetic corpus sizes ('' = none)")
     parser.add_argument("--queries", type=int, default=500, help="synthetic queries")
     args = parser.parse_args()
-    index_bench(args.vectors, [int(float(x)) for x in args.sizes.split(",") if x], args.queries)
+    with benchmark.recorded(Path(__file__).parent / "index_bench.md"):
+        index_bench(args.vectors, [int(float(x)) for x in args.sizes.split(",") if x], args.queries)

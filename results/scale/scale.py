@@ -3,7 +3,8 @@ the given sizes (the bundled Wikipedia slice repeated, its documents shuffled in
 with a tiny model (2 x 64) for 2 steps under torchrun, so that what grows is the data path; the first run
 builds the token cache, the second maps it. Time from the command to the first step's line, peak RSS of
 the largest process (a rank). before.py measures the old data path with the same corpora and helpers;
-see README.md here. The table is in docs/paper-scale.md.
+see README.md here. What it prints is
+written to results/scale/scale.md.
 
     python results/scale/scale.py 1,20,200                 # sizes in million tokens; --procs 1,2
     python results/scale/scale.py 0.05 --procs 1 --dir /tmp/bench-scale   # a quick check
@@ -91,5 +92,6 @@ if __name__ == "__main__":
     parser.add_argument("--dir", default="runs/bench-scale", help="synthetic corpora and caches (shared with before.py)")
     parser.add_argument("--prep_workers", type=int, default=0, help="tokenizing processes (0 = all cores)")
     args = parser.parse_args()
-    scale_table([float(x) if "." in x else int(x) for x in args.sizes.split(",")],
-                [int(x) for x in args.procs.split(",")], args.dir, args.prep_workers)
+    with benchmark.recorded(Path(__file__).parent / "scale.md"):
+        scale_table([float(x) if "." in x else int(x) for x in args.sizes.split(",")],
+                    [int(x) for x in args.procs.split(",")], args.dir, args.prep_workers)

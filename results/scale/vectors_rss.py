@@ -2,7 +2,8 @@
 (as before --vectors_dir) or an fp16 memmap on disk, searched by faiss (Flat, IVF256,SQ8) or by
 evaluate.torch_exact_search (the GPU path, here on the CPU). The encoder is a stand-in that returns random
 hidden states, so that the run measures the vectors and the search, not a model; each case runs in a fresh
-process (the peak is a high-water mark). The table is in docs/paper-scale.md.
+process (the peak is a high-water mark). What it prints is written to
+results/scale/vectors_rss.md.
 
     python results/scale/vectors_rss.py 300000             # 300,000 x 768 vectors
     python results/scale/vectors_rss.py 2000               # a quick check
@@ -75,4 +76,5 @@ if __name__ == "__main__":
     if args.child:
         print(json.dumps(CHILDREN[args.child[0]](*json.loads(args.child[1]))))
     else:
-        vectors_rss_table(args.n)
+        with benchmark.recorded(Path(__file__).parent / "vectors_rss.md"):
+            vectors_rss_table(args.n)

@@ -1,7 +1,7 @@
 """CPDAE's eq. 5 loss: peak memory of the chunked JS divergence (cpdae.js_divergence, chunks of 1 to 16
 anchors) against the naive (m, 2m, V) mixture, forward + backward on one thread, each variant in a fresh
 process, as is and with glibc's mmap threshold pinned at 1 MiB (so that the peak is live memory). The
-numbers are in docs/speed.md.
+output is written to results/speed/js_memory.md.
 
     python results/speed/js_memory.py              # the paper's batch: 64 texts x 2 views, |V| = 30,522
     python results/speed/js_memory.py --texts 4    # a quick check
@@ -75,4 +75,5 @@ if __name__ == "__main__":
     if args.child:
         print(json.dumps(CHILDREN[args.child[0]](*json.loads(args.child[1]))))
     else:
-        js_memory_table(args.texts, 30522)
+        with benchmark.recorded(Path(__file__).parent / "js_memory.md"):
+            js_memory_table(args.texts, 30522)

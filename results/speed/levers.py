@@ -2,7 +2,8 @@
 queries + 32 positives + 32 negatives, bf16): its time, round-robin in one process in a new order each
 pass (speed against as shipped); its first loss from the same seed (a change that only reorders the
 arithmetic moves it by rounding at most); and the peak RSS of its steps in a fresh process with malloc's
-mmap threshold pinned (st.py --one). None was kept; the numbers are in docs/speed.md.
+mmap threshold pinned (st.py --one). What it prints is written to
+results/speed/levers.md.
 
     python results/speed/levers.py              # every lever
     python results/speed/levers.py --reps 3 --no_memory
@@ -113,4 +114,5 @@ if __name__ == "__main__":
     parser.add_argument("--reps", type=int, default=5, help="timed round-robin passes")
     parser.add_argument("--no_memory", action="store_true", help="leave out the peak RSS column")
     args = parser.parse_args()
-    lever_table(args.reps, memory=not args.no_memory)
+    with benchmark.recorded(HERE / "levers.md"):
+        lever_table(args.reps, memory=not args.no_memory)

@@ -1,7 +1,8 @@
 """The encoder's own dropout and attention, each against what it replaced (torch's bernoulli_, F.dropout,
 scaled_dot_product_attention), on a MiniLM-size attention map (32 x 12 heads x 128 x 128), and a fused QKV
 projection against the three the encoder has; under bf16 autocast where the CPU has it, forward + backward,
-round-robin in this process, median of 7. The numbers are in docs/speed.md.
+round-robin in this process, median of 7. What it prints is written to
+results/speed/micro.md.
 
     python results/speed/micro.py
 """
@@ -55,4 +56,5 @@ def micro_table(reps=7):
 
 
 if __name__ == "__main__":
-    micro_table()
+    with benchmark.recorded(Path(__file__).parent / "micro.md"):
+        micro_table()

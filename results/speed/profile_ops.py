@@ -1,7 +1,8 @@
 """Where a method's step time goes beyond its FLOP ratio to MLM-only: torch.profiler's self CPU time of
 2 full training steps per variant (4 x 256, batch 32 x 128, bf16 where the CPU has it), grouped by op kind,
 next to the step's matmul FLOPs. A method whose time share outside matmul is large spends it on work that
-the FLOP ratio does not count. The numbers are in docs/speed.md.
+the FLOP ratio does not count. What it prints is written
+to results/speed/profile_ops.md.
 
     python results/speed/profile_ops.py costa-mlm,cpdae,seed
 """
@@ -61,4 +62,5 @@ if __name__ == "__main__":
     unknown = [v for v in variants if v not in benchmark.VARIANTS or v == "hf-bert-mlm"]
     if unknown:
         sys.exit(f"error: unknown {unknown}; choose from costa-mlm, costa, cpdae, seed")
-    profile_table(variants)
+    with benchmark.recorded(Path(__file__).parent / "profile_ops.md"):
+        profile_table(variants)

@@ -1,6 +1,11 @@
 """finetune.py against sentence-transformers at the same recipe and on the same batches (all-MiniLM-L6-v2,
-lr 1e-4, batch 32 + 1 BM25 negative, 64 / 128 tokens, bf16): step time and peak RSS, each tool in a fresh
-process, and where fine-tuning's memory goes. The numbers are in docs/speed.md.
+lr 1e-4, batch 32 + 1 BM25 negative, 64 / 128 tokens): step time and peak RSS, each tool in a fresh
+process, and where fine-tuning's memory goes. Both tools run in the precision a user gets on this CPU:
+bf16 autocast where the CPU has native bf16 (AVX512-BF16 or AMX), fp32 elsewhere, the rule of
+data.autocast_bf16 that finetune.py follows (emulated bf16 is slower than fp32, so autocasting only the
+peer there would report a speed-up that is only the precision). Each row records its precision and the
+CPU's bf16 support. What a run prints is written to results/speed/st.md (--memory: st-memory.md), which
+docs/speed.md cites.
 
     python results/speed/st.py                  # s/step and peak RSS of both tools, then the two goals
     python results/speed/st.py --memory         # resident between steps and peak: malloc as is and pinned
@@ -55,7 +60,7 @@ def st_one(which, n_steps, warmup, lever="as shipped"):
 
         def step():
             features = [model.tokenize(x) for x in next(it)]                     # queries, positives, negatives
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with data.autocast_bf16(torch.device("cpu")):                      # as finetune.py's step
                 loss = loss_fn(features, None)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -70,7 +75,8 @@ def st_one(which, n_steps, warmup, lever="as shipped"):
         step()
         times.append(time.perf_counter() - t0)
     return {"which": which, "step_s": float(np.median(times[warmup:])), "peak_mib": benchmark.peak_rss_mib(),
-            "between_mib": between}
+            "between_mib": between, "precision": "bf16" if benchmark.cpu_bf16() else "fp32",
+            "cpu_bf16": benchmark.machine("")["cpu_bf16"]}
 
 
 def fresh(which, n_steps, warmup, env=None):
@@ -86,11 +92,12 @@ def st_table(n_steps, warmup, pairs):
         for which, runs in rows.items():
             runs.append(fresh(which, n_steps, warmup))
     med = {w: {k: float(np.median([r[k] for r in rs])) for k in ("step_s", "peak_mib")} for w, rs in rows.items()}
-    print(f"fine-tuning step, same recipe and batches (all-MiniLM-L6-v2, lr 1e-4, batch 32 + 1 BM25 negative, "
-          f"64/128 tokens, bf16; median of {n_steps} steps after {warmup}, {pairs} process pairs)")
-    print("| | s/step | peak RSS MiB during the steps |\n|---|---|---|")
+    native = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in rows["ours"][0]["cpu_bf16"].items())
+    print(f"Fine-tuning step, same recipe and batches (all-MiniLM-L6-v2, lr 1e-4, batch 32 + 1 BM25 negative, "
+          f"64/128 tokens; median of {n_steps} steps after {warmup}, {pairs} process pairs):\n")
+    print("| | precision | CPU's native bf16 | s/step | peak RSS MiB during the steps |\n|---|---|---|---|---|")
     for w, name in (("ours", "finetune.py"), ("st", "sentence-transformers (MultipleNegativesRankingLoss)")):
-        print(f"| {name} | {med[w]['step_s']:.2f} | {med[w]['peak_mib']:,.0f} |")
+        print(f"| {name} | {rows[w][0]['precision']} | {native} | {med[w]['step_s']:.2f} | {med[w]['peak_mib']:,.0f} |")
     goals = benchmark.GOALS
     print(f"\n| measure | goal | today |\n|---|---|---|\n"
           f"| finetune.py step vs sentence-transformers', same recipe: speed | >= {goals['st_speed']}x | "
@@ -104,16 +111,16 @@ def st_memory_table(n_steps=2, warmup=1):
     is and with its mmap threshold pinned at 64 KiB (freed activations go back to the OS, so the peak is
     live memory and the resident set between steps is what the step keeps): how much of each peak is
     memory that malloc retained rather than memory the step needs."""
-    print("| fine-tuning step, MiniLM, batch 32 x (1 + 2) texts | malloc | resident between steps MiB | peak MiB |\n"
-          "|---|---|---|---|")
+    print("| fine-tuning step, MiniLM, batch 32 x (1 + 2) texts | malloc | precision | resident between steps MiB | "
+          "peak MiB |\n|---|---|---|---|---|")
     for which, label in (("ours", "finetune.py"), ("st", "sentence-transformers")):
         for name, env in (("as is", None), ("mmap threshold 64 KiB", {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})):
             try:
                 r = fresh(which, n_steps, warmup, env)
             except RuntimeError as e:
-                print(f"| {label} | {name} | failed: {e} | |")
+                print(f"| {label} | {name} | | failed: {e} | |")
                 continue
-            print(f"| {label} | {name} | {r['between_mib']:,.0f} | {r['peak_mib']:,.0f} |", flush=True)
+            print(f"| {label} | {name} | {r['precision']} | {r['between_mib']:,.0f} | {r['peak_mib']:,.0f} |", flush=True)
 
 
 if __name__ == "__main__":
@@ -127,6 +134,8 @@ if __name__ == "__main__":
         which, n_steps, warmup, *lever = args.one.split(":")
         print(json.dumps(st_one(which, int(n_steps), int(warmup), *lever)))
     elif args.memory:
-        st_memory_table()
+        with benchmark.recorded(Path(__file__).parent / "st-memory.md"):
+            st_memory_table()
     else:
-        st_table(args.steps, 2, args.pairs)
+        with benchmark.recorded(Path(__file__).parent / "st.md"):
+            st_table(args.steps, 2, args.pairs)

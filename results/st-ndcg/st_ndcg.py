@@ -109,9 +109,11 @@ def st_ndcg_table(seeds, out_root, results=HERE):
                 continue
             t0 = time.time()
             m = st_ndcg_one(which, seed, out_root)
+            command = f"python results/st-ndcg/st_ndcg.py {','.join(map(str, seeds))}"
+            where = benchmark.machine(command)          # the CPU, its native bf16 and so both tools' precision
             row = {"which": which, "seed": seed, "metrics": m["metrics"], "per_query": m["per_query"],
                    "seconds": round(time.time() - t0), "commit": commit, "torch": torch.__version__,
-                   "command": f"python results/st-ndcg/st_ndcg.py {','.join(map(str, seeds))}"}
+                   "command": command, **{k: where[k] for k in ("cpu", "cpu_bf16", "precision", "date")}}
             data.atomic_write_json(path, row)
             print(f"{which} seed {seed}: test nDCG@10 {m['metrics']['NDCG@10']:.4f} ({row['seconds']} s) -> {path}",
                   flush=True)
