@@ -1124,21 +1124,24 @@ def separation(query_vec, doc_vecs, relevant):
     return float(auc), float((near.mean() - far.mean()) / spread) if spread > 0 else math.nan
 
 
-def discrimination(query_vecs, doc_vecs, relevant, depth=100):
-    """COSTA's discriminativeness over every query: each query's candidates are its top `depth`
-    documents by the retriever's own score (query_vecs @ doc_vecs.T: dot, or cosine for unit vectors)
-    plus every relevant document wherever it ranks (one outside the top loses all its pairs), then
-    separation. query_vecs (Q, H), doc_vecs (N, H), relevant [Q lists of document rows].
-    -> {"auc", "margin": means over the queries (margin over those where it is defined, else None),
-    "n_queries", "per_query": [(auc, margin or None)]}."""
-    _, top = search(query_vecs, doc_vecs, depth)                                                # (Q, depth)
+def discrimination(query_vecs, doc_vecs, candidates, relevant):
+    """COSTA's discriminativeness over every query: separation of each query's relevant documents against
+    its other candidates. query_vecs (Q, H), doc_vecs (N, H); candidates and relevant: Q lists of rows of
+    doc_vecs (the relevant ones are added to the candidates). A query whose candidates are all relevant
+    has nothing to be set against: left out (None in per_query). -> {"auc", "margin": means over the
+    queries measured (margin over those where it is defined; None if none), "n_queries" (measured),
+    "n_left_out", "per_query": [(auc, margin or None) or None]}."""
     per_query = []
     for q, rows in enumerate(relevant):
-        candidates = np.array(sorted(set(top[q][top[q] >= 0].tolist()) | set(rows)))             # (K,)
-        per_query.append(separation(query_vecs[q], doc_vecs[candidates], np.isin(candidates, rows)))
-    margins = [m for _, m in per_query if not math.isnan(m)]
-    return {"auc": float(np.mean([a for a, _ in per_query])), "margin": float(np.mean(margins)) if margins else None,
-            "n_queries": len(per_query), "per_query": [(a, None if math.isnan(m) else m) for a, m in per_query]}
+        pool = np.array(sorted(set(candidates[q]) | set(rows)))                                     # (K,)
+        is_relevant = np.isin(pool, rows)                                                          # (K,)
+        per_query.append(separation(query_vecs[q], doc_vecs[pool], is_relevant) if not is_relevant.all() else None)
+    measured = [p for p in per_query if p is not None]
+    margins = [m for _, m in measured if not math.isnan(m)]
+    return {"auc": float(np.mean([a for a, _ in measured])) if measured else None,
+            "margin": float(np.mean(margins)) if margins else None, "n_queries": len(measured),
+            "n_left_out": len(per_query) - len(measured),
+            "per_query": [p and (p[0], None if math.isnan(p[1]) else p[1]) for p in per_query]}
 
 
 def plot_decoder_cosine(curves, path, title=""):
@@ -1269,31 +1272,44 @@ def decoder_reliance_command(c, out_dir, device):
     return rows
 
 
+CANDIDATES = 100   # --discrimination: each query's candidates, BM25's top 100 (Figure 3 draws a top 100)
+
+
 def discrimination_command(c, split, device):
-    """--discrimination: COSTA's claim (section 5.4, Figure 3) for every model of --model on every
-    judged query of the split: discrimination over its top --depth (at most 100, Figure 3's) and its
-    relevant documents, plus the random-pair cosine by length of the corpus's texts (Figure 5's
-    curve), in the model's own pooling. One row per model."""
+    """--discrimination: COSTA's claim (section 5.4, Figure 3) for every model of --model on every judged
+    query of the split with a relevant document: discrimination of its relevant documents against the
+    other candidates of BM25's top 100 (--k1, --b), the same documents for every model, so that arms
+    are set side by side on one pool and a model blind to relevance sits at auc 0.5 (against its own
+    top 100 a relevant document it misses would lose every pair, and chance would be near 0). Plus the
+    random-pair cosine by length of the corpus's texts (Figure 5's curve). The model's own pooling. One
+    row per model."""
     corpus, queries, qrels = load_eval_split(c, split)
     doc_ids = list(corpus)
     row_of = {d: i for i, d in enumerate(doc_ids)}
     qids = [q for q in sorted(qrels) if any(g > 0 and d in row_of for d, g in qrels[q].items())]
     doc_texts = [passage_text(corpus[d]) for d in doc_ids]
+    scores, top = BM25(doc_texts, c.k1, c.b).search([queries[q] for q in qids], CANDIDATES)        # (Q, 100)
+    candidates = [top[i][scores[i] > 0].tolist() for i in range(len(qids))]                      # as BM25's run
+    relevant = [[row_of[d] for d, g in qrels[q].items() if g > 0 and d in row_of] for q in qids]
+    used = sorted({r for rows in candidates + relevant for r in rows})       # only these documents are encoded
+    place = {r: i for i, r in enumerate(used)}
+    candidates, relevant = ([[place[r] for r in rows] for rows in lists] for lists in (candidates, relevant))
     rows = []
     for model, tag in model_list(c):
         m = model_settings(c, model, tag)
         encoder, tokenizer = load_model(m, device)
         args = (m.encode_batch, device, m.bf16, m.similarity)
-        doc_vecs = encode(encoder, m.pooling, tokenizer, doc_texts, m.passage_len, *args)                # (N, H)
-        query_vecs = encode(encoder, m.pooling, tokenizer, [queries[q] for q in qids], m.query_len, *args)  # (Q, H)
-        relevant = [[row_of[d] for d, g in qrels[q].items() if g > 0 and d in row_of] for q in qids]
-        numbers = discrimination(query_vecs, doc_vecs, relevant, min(c.depth, 100))
+        doc_vecs = encode(encoder, m.pooling, tokenizer, [doc_texts[r] for r in used], m.passage_len, *args)  # (U, H)
+        query_vecs = encode(encoder, m.pooling, tokenizer, [queries[q] for q in qids], m.query_len, *args)    # (Q, H)
+        numbers = discrimination(query_vecs, doc_vecs, candidates, relevant)
         numbers["per_query"] = dict(zip(qids, numbers["per_query"]))
         lengths = [n for n in (32, 64, 128, 256, 512) if n <= encoder.config.max_position]
         numbers["cosine_by_length"] = cls_similarity_by_length(encoder, tokenizer, doc_texts, lengths, pooling=m.pooling)
-        rows.append(mechanism_row(c, "discrimination", m.model, tag, {**numbers, "split": split}))
-        print(f"{tag}: relevant closer than the other top-{min(c.depth, 100)} candidates in {numbers['auc']:.3f} of "
-              f"the pairs, {numbers['margin'] or math.nan:.2f} sd ahead, over {len(qids)} queries", flush=True)
+        rows.append(mechanism_row(c, "discrimination", m.model, tag, {**numbers, "split": split,
+                                                                      "candidates": f"bm25 top {CANDIDATES}"}))
+        print(f"{tag}: relevant closer than BM25's other top-{CANDIDATES} candidates in {numbers['auc'] or math.nan:.3f} "
+              f"of the pairs, {numbers['margin'] or math.nan:.2f} sd ahead, over {numbers['n_queries']} queries "
+              f"({numbers['n_left_out']} without another candidate)", flush=True)
     return rows
 
 

@@ -1620,22 +1620,30 @@ def test_separation_known_values():
     assert math.isnan(evaluate.separation(query, [at(0.5), at(0.2), at(0.2)], [True, False, False])[1])
 
 
-def test_discrimination_counts_a_relevant_document_outside_the_top():
+def test_discrimination_known_values_and_chance_for_a_blind_encoder():
     docs = np.array([[1.0, 0.0], [0.8, 0.6], [0.6, 0.8], [-1.0, 0.0]], np.float32)
     queries = np.array([[1.0, 0.0], [1.0, 0.0]], np.float32)
-    result = evaluate.discrimination(queries, docs, [[0], [3]], depth=2)   # q1: its relevant is the farthest
-    assert [auc for auc, _ in result["per_query"]] == pytest.approx([1.0, 0.0])
-    assert result["auc"] == pytest.approx(0.5) and result["n_queries"] == 2
+    result = evaluate.discrimination(queries, docs, [[1, 2], [0, 1, 2]], [[0], [3]])  # q1's relevant: the farthest
+    # q0: relevant at cosine 1, others 0.8 and 0.6 (mean 0.7, sd 0.1); q1: relevant at -1, others 1, 0.8, 0.6
+    assert result["per_query"] == [(1.0, pytest.approx(3.0)), (0.0, pytest.approx(-1.8 / math.sqrt(0.08 / 3)))]
+    assert result["auc"] == pytest.approx(0.5) and (result["n_queries"], result["n_left_out"]) == (2, 0)
+    assert evaluate.discrimination(queries, docs, [[0], [1, 2]], [[0], [1]])["per_query"][0] is None  # only relevant
+    rng = np.random.default_rng(0)                      # vectors that know nothing of relevance: auc near 0.5
+    blind = evaluate.discrimination(rng.standard_normal((20, 16)), rng.standard_normal((400, 16)),
+                                    [list(range(400))] * 20, [list(range(q * 10, q * 10 + 10)) for q in range(20)])
+    assert abs(blind["auc"] - 0.5) < 0.05 and abs(blind["margin"]) < 0.3
 
 
 def test_discrimination_command_one_row_per_model(tmp_path):
-    beir = tiny_beir(tmp_path / "beir")
+    texts = {"d1": "apples are red", "d2": "bananas are yellow", "d3": "red and yellow grapes", "d4": "plums"}
+    beir = tiny_beir(tmp_path / "beir", corpus_lines=[json.dumps({"_id": d, "text": t}) for d, t in texts.items()])
     models = f"{_tiny_init(tmp_path / 'a')},{_tiny_init(tmp_path / 'b')}"
     rows = evaluate.main(evaluate.Config(model=models, tag="costa,mlm", discrimination=True, dataset=str(beir),
                                          out_dir=str(tmp_path / "out")))["discrimination"]
-    assert [(r["arm"], r["method"], r["seed"], r["n_queries"], r["split"]) for r in rows] == [
-        ("costa", None, None, 2, "test"), ("mlm", None, None, 2, "test")]
-    assert set(rows[0]["per_query"]) == {"q1", "q2"} and 0 <= rows[0]["auc"] <= 1
+    assert [(r["arm"], r["method"], r["seed"], r["n_queries"], r["n_left_out"], r["split"]) for r in rows] == [
+        ("costa", None, None, 2, 0, "test"), ("mlm", None, None, 2, 0, "test")]   # d3 is each query's other candidate
+    assert set(rows[0]["per_query"]) == {"q1", "q2"} and rows[0]["auc"] in (0.0, 0.5, 1.0)
+    assert rows[0]["candidates"] == "bm25 top 100"
     assert rows[0]["auc"] == rows[1]["auc"]                           # the same weights: the same numbers
     assert (tmp_path / "out" / "discrimination-costa.json").is_file()
     assert evaluate.command_line(evaluate.Config(model="m", discrimination=True, n_texts=5)) == \
