@@ -1,9 +1,9 @@
 """Evaluate a dense retriever or BM25 the way the papers report it: metrics as trec_eval computes
 them, TREC run files, paired two-tailed t-tests, and the papers' figures (COSTA Figure 3 t-SNE,
-CPDAE Table 4 word distributions, SEED-Encoder Figure 5 [CLS] similarity by length). The retrieval
-layer that finetune.py trains with lives here too (pooling, BM25, encode, exact search); this file
-imports nothing from finetune.py. One file, top to bottom: config, retrieval, metrics, significance,
-runs, figures, command line, shared blocks.
+CPDAE Table 4 word distributions, SEED-Encoder Figures 4-5), and each paper's mechanism measured
+against its ablation (docs/mechanisms.md). The retrieval layer that finetune.py trains with lives here
+too (pooling, BM25, encode, exact search); this file imports nothing from finetune.py. One file, top to
+bottom: config, retrieval, metrics, significance, runs, figures, mechanisms, command line, shared blocks.
 
     python evaluate.py --bm25 --dataset data/scifact --split test          # BM25 baseline row
     python evaluate.py --model runs/finetune/encoder --split test       # any saved encoder (HF BERT folder)
