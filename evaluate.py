@@ -1,9 +1,9 @@
 """Evaluate a dense retriever or BM25 the way the papers report it: metrics as trec_eval computes
 them, TREC run files, paired two-tailed t-tests, and the papers' figures (COSTA Figure 3 t-SNE,
-CPDAE Table 4 word distributions, SEED-Encoder Figure 5 [CLS] similarity by length). The retrieval
-layer that finetune.py trains with lives here too (pooling, BM25, encode, exact search); this file
-imports nothing from finetune.py. One file, top to bottom: config, retrieval, metrics, significance,
-runs, figures, command line, shared blocks.
+CPDAE Table 4 word distributions, SEED-Encoder Figures 4-5), and each paper's mechanism measured
+against its ablation (docs/mechanisms.md). The retrieval layer that finetune.py trains with lives here
+too (pooling, BM25, encode, exact search); this file imports nothing from finetune.py. One file, top to
+bottom: config, retrieval, metrics, significance, runs, figures, mechanisms, command line, shared blocks.
 
     python evaluate.py --bm25 --dataset data/scifact --split test          # BM25 baseline row
     python evaluate.py --model runs/finetune/encoder --split test       # any saved encoder (HF BERT folder)
@@ -14,6 +14,9 @@ runs, figures, command line, shared blocks.
     python evaluate.py --model minilm,DIR --tsne auto                   # the same, one panel per model, side by side
     python evaluate.py --model runs/cpdae/encoder --words "Some text"   # CPDAE Table 4 figure
     python evaluate.py --model minilm,runs/seed/encoder --cls_by_length # SEED-Encoder Figure 5, one line per model
+    python evaluate.py --model A,B --tag on,off --word_shares --corpus T # CPDAE 3.3 per model (docs/mechanisms.md)
+    python evaluate.py --model A,B --decoder_reliance --corpus T        # SEED h0 swap and Figure 4, one row per model
+    python evaluate.py --model A,B --discrimination --split test        # COSTA 5.4 over every test query
     python evaluate.py --corpus collection.tsv --queries queries.dev.small.tsv --qrels qrels.dev.small.tsv --bm25
 
 Outputs in out_dir: run.trec (qid Q0 docid rank score tag), metrics.json (means, per-query values,
@@ -44,7 +47,7 @@ import run
 # ==============================================================================================
 @dataclass
 class Config:
-    model: str = ""               # BERT folder to evaluate (ours, any BERT or sentence-transformers one), hub id, or "minilm"; several, comma-separated, with --tsne or --cls_by_length
+    model: str = ""               # BERT folder to evaluate (ours, any BERT or sentence-transformers one), hub id, or "minilm"; several, comma-separated, with --tsne, --cls_by_length or a mechanism flag
     bm25: bool = False            # evaluate BM25 instead of a model
     dataset: str = str(data.SCIFACT)  # BEIR folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' ok)
     split: str = "test"           # qrels/{split}.tsv; several, comma-separated (dev,test): one encoding of the corpus, split s in {out_dir}/eval-{s}
@@ -73,6 +76,11 @@ class Config:
     words: str = ""               # text for the CPDAE Table 4 figure (needs the CPDAE decoder)
     cls_by_length: bool = False   # SEED-Encoder Figure 5: cosine of random text pairs of the corpus by length, no retrieval
     decoder: str = ""             # folder with cpdae.py's decoder.safetensors; "" = the model folder
+    word_shares: bool = False     # CPDAE 3.3: z_tilde's share on common words and on the text's own; JSON rows
+    decoder_reliance: bool = False  # SEED 3.2-3.4: decoder loss with its own h0 against another text's, Figure 4; JSON rows
+    discrimination: bool = False  # COSTA 5.4: relevant documents against the other top 100, every query; JSON rows
+    n_texts: int = 1000           # --word_shares, --decoder_reliance: a fixed sample of this many texts of --corpus (else the dataset's)
+    n_common: int = 100           # --word_shares: the common words, the tokens of lowest IDF in the run's pre-training corpus
     dev_queries: int = 0          # with --split dev: the fixed sample of this many train queries that finetune.py --dev_queries holds out
 
 
@@ -81,7 +89,7 @@ FLAG_RULES = {"query_len": "0 or >= 3", "passage_len": "0 or >= 3", "depth": ">=
               "k1": ">= 0", "b": "in [0, 1]", "nprobe": ">= 0", "ef_search": ">= 0", "index_train": ">= 1",
               "index": "a faiss index_factory string", "pooling": "one of {cls, mean} or empty",
               "similarity": "one of {dot, cos} or empty",
-              "dev_queries": ">= 0"}
+              "dev_queries": ">= 0", "n_texts": ">= 2", "n_common": ">= 1"}
 
 
 # ==============================================================================================
@@ -963,6 +971,367 @@ def load_cpdae_decoder(folder):
 
 
 # ---------------------------------------------------------------------------------------------
+# Mechanisms: each paper's claim measured directly, to set against its own ablation
+# ---------------------------------------------------------------------------------------------
+def held_out_sample(texts, n, seed=0):
+    """A fixed sample of n of the texts (all of them when there are fewer) in a fixed random order, numpy
+    default_rng(seed): every model and arm of a comparison reads the same texts, and neighbours (between
+    whom --decoder_reliance swaps h0) are unrelated texts, not a file's consecutive ones."""
+    order = np.random.default_rng(seed).permutation(len(texts))[:n]
+    return [texts[i] for i in order]
+
+
+def common_token_ids(idf, n, special_ids):
+    """CPDAE section 3.3's common words S: the n tokens of lowest IDF (cpdae.cached_idf over the
+    corpus the decoder was pre-trained on, the table IDF-REC weighs by), i.e. found in the most texts;
+    special tokens never. Section 3.3's argument is about words that "appear in almost every document"
+    of the training batches with the same high probability: the training corpus's document frequency
+    says which those are. z_tilde is over WordPiece tokens, and a stopword list of English words
+    would miss the punctuation and pieces ("," "." "##s") that take its mass. idf (V,) -> (n,) sorted ids."""
+    idf = np.asarray(idf, dtype=np.float64).copy()
+    idf[list(special_ids)] = np.inf
+    order = np.lexsort((np.arange(len(idf)), idf))          # lowest IDF first, ties by the lower id
+    return np.sort(order[:n])
+
+
+def word_shares(probs, bag, common):
+    """CPDAE section 3.3, measured per text: the mass of its word distribution z_tilde on the common
+    words, sum_{j in S} z~_j, and on the text's representative words (in the text, not common),
+    sum_{j in text \\ S} z~_j; beside each, the same share under a uniform z_tilde (|S| / V and
+    |text \\ S| / V), the level a decoder that knows nothing reaches. Contrastive pre-training should
+    lower the first and raise the second (claims 1 and 2). probs (N, V) rows summing to 1; bag (N, V)
+    0/1, the text's tokens (cpdae.bag_of_words: never a special token); common (V,) bool.
+    -> {name: (N,) per text}."""
+    probs, bag, common = probs.float(), bag.bool(), common.bool()
+    representative = bag & ~common                                                   # (N, V)
+    vocab = probs.shape[1]
+    return {"common": probs[:, common].sum(1), "representative": (probs * representative).sum(1),
+            "common_uniform": torch.full((len(probs),), common.sum().item() / vocab),
+            "representative_uniform": representative.sum(1).float() / vocab}
+
+
+@torch.no_grad()
+def cpdae_word_shares(encoder, decoder, tokenizer, texts, common_ids, max_len, bottleneck="cls", batch_size=32):
+    """word_shares averaged over the texts: each text (unmasked, cut to max_len) encoded, its vector
+    (bottleneck: the one the decoder was trained on) through the decoder, z_tilde by
+    cpdae.word_distribution itself. -> {share: mean over texts, "n_texts": N}."""
+    import cpdae  # here: only this measurement and the Table 4 figure need it
+
+    device = next(encoder.parameters()).device
+    encoder.eval()
+    decoder.eval()
+    vocab, special = decoder.out.weight.shape[0], data.special_ids(tokenizer).values()
+    common = torch.zeros(vocab, dtype=torch.bool)
+    common[torch.as_tensor(np.asarray(common_ids), dtype=torch.long)] = True
+    parts = []
+    for start in range(0, len(texts), batch_size):
+        ids, mask = data.encode_texts(tokenizer, texts[start:start + batch_size], max_len)      # (b, L)
+        h = pool(encoder(ids.to(device), mask.to(device)), mask.to(device), bottleneck)        # (b, H)
+        probs = cpdae.word_distribution(decoder(h)).cpu()                                      # (b, V)
+        parts.append(word_shares(probs, cpdae.bag_of_words(ids, vocab, special), common))
+    return {**{k: torch.cat([p[k] for p in parts]).mean().item() for k in parts[0]}, "n_texts": len(texts)}
+
+
+def h0_reliance(decoder, weight, h0, decoder_input, targets):
+    """SEED sections 3.2-3.4, measured: how much the decoder uses h0. Its eq. 9 loss (seed.decoder_loss,
+    summed over the target tokens) with each text's own h0, and with another text's: h0 rolled by one
+    row, so text i gets text i-1's (a permutation with no fixed point; the texts must differ). A
+    decoder that bypasses the encoder, predicting from its own context, loses nothing when h0 is
+    swapped (gap 0); one that reads the text from h0 loses what h0 told it. decoder(input, h0) ->
+    (B, L, H) states; weight (V, H) its output projection; h0 (B, H); decoder_input, targets (B, L)
+    (seed.decoder_inputs_and_targets). -> (own loss sum, other loss sum, target tokens, own states)."""
+    import seed  # here: only this measurement needs it
+
+    states = decoder(decoder_input, h0)                                                        # (B, L, H)
+    own = seed.decoder_loss(states, weight, targets, "sum")[0]
+    other = seed.decoder_loss(decoder(decoder_input, h0.roll(1, 0)), weight, targets, "sum")[0]
+    return own.item(), other.item(), int(targets.ne(-100).sum()), states
+
+
+def cosine_by_position(states, h0, mask):
+    """SEED Figure 4 for one batch: the cosine between the decoder's last-layer state at each position
+    and the text's h0, summed over the texts that have that position. states (B, L, H); h0 (B, H);
+    mask (B, L) 1 = a real input position. -> (sums (L,), counts (L,))."""
+    mask = mask.float()
+    cos = F.cosine_similarity(states.float(), h0.float()[:, None, :].expand_as(states), dim=-1)   # (B, L)
+    return (cos * mask).sum(0), mask.sum(0)
+
+
+@torch.no_grad()
+def seed_decoder_reliance(encoder, decoder, ids, mask, bottleneck="cls", batch_size=32):
+    """SEED's two measurements over held-out texts (ids, mask (N, L), '[CLS] .. [SEP]' unmasked): the
+    encoder reads each text, the decoder rebuilds it from h0 (h0_reliance), and the cosine of its
+    states with h0 by position (cosine_by_position). The states are WeakDecoder's output, the last
+    layer after its final LayerNorm: what its output projection reads. Batches of near-equal size
+    (at least 2 texts each: the swap needs another text). -> {"loss_own", "loss_other", "gap" (nats
+    per token, other - own), "cosine_by_position" [position 0 = the start symbol, ...], "n_texts",
+    "n_tokens"}."""
+    import seed
+
+    if len(ids) < 2:
+        raise ValueError(f"--decoder_reliance needs at least 2 texts (h0 is swapped between them); got {len(ids)}")
+    device = next(encoder.parameters()).device
+    encoder.eval()
+    decoder.eval()
+    own = other = 0.0
+    n_tokens, sums, counts = 0, torch.zeros(ids.shape[1] - 1), torch.zeros(ids.shape[1] - 1)
+    for rows in np.array_split(np.arange(len(ids)), math.ceil(len(ids) / batch_size)):
+        batch_ids, batch_mask = ids[rows].to(device), mask[rows].to(device)                    # (b, L)
+        h0 = pool(encoder(batch_ids, batch_mask), batch_mask, bottleneck)                      # (b, H)
+        decoder_input, targets = seed.decoder_inputs_and_targets(batch_ids, batch_mask)        # (b, L-1)
+        o, x, n, states = h0_reliance(decoder, decoder.word_embedding[0].weight, h0, decoder_input, targets)
+        s, k = cosine_by_position(states, h0, batch_mask[:, :-1])                              # (L-1,)
+        own, other, n_tokens, sums, counts = own + o, other + x, n_tokens + n, sums + s.cpu(), counts + k.cpu()
+    return {"loss_own": own / n_tokens, "loss_other": other / n_tokens, "gap": (other - own) / n_tokens,
+            "cosine_by_position": (sums / counts.clamp_min(1))[counts > 0].tolist(), "n_texts": len(ids),
+            "n_tokens": n_tokens}
+
+
+def load_seed_decoder(folder, encoder):
+    """seed.py's weak decoder, from the state.pt of the run whose encoder folder is `folder` (seed.py
+    keeps its decoder only there), its output projection tied to `encoder`'s word embedding, as in
+    training. -> (decoder, the run's seed.Config)."""
+    import seed
+
+    path = Path(folder).resolve().parent / "state.pt"
+    if run_config(folder).get("script") != "seed.py":
+        raise data.DataError(f"{folder}: not the encoder of a seed.py run (no {path.parent / 'config.json'} "
+                             f"naming seed.py); --decoder_reliance needs SEED's decoder")
+    state = run.load_training_state(path)
+    names = {f.name for f in dataclasses.fields(seed.Config)}
+    c = seed.Config(**{k: v for k, v in state["config"].items() if k in names})
+    decoder = seed.WeakDecoder(c, encoder.embeddings.word)
+    decoder.load_state_dict({k.removeprefix("decoder."): v for k, v in state["model"].items() if k.startswith("decoder.")})
+    return decoder.to(next(encoder.parameters()).device), c
+
+
+def separation(query_vec, doc_vecs, relevant):
+    """COSTA section 5.4 / Figure 3 as numbers for one query: how far its relevant documents sit from
+    it against its other candidates, in cosine (the geometry Figure 3 draws, whatever the vectors'
+    lengths). auc: the fraction of (relevant, other) pairs whose relevant document is the closer
+    (ties count half): 1 = every relevant one closer than every other, 0.5 = no better than chance.
+    margin: (mean cosine of the relevant - mean of the others) / the others' sd (population): how many
+    spreads of the crowd the relevant sit ahead of it; nan when the others' cosines are all equal.
+    query_vec (H,), doc_vecs (K, H), relevant (K,) bool with at least one of each. -> (auc, margin)."""
+    cos = F.cosine_similarity(torch.as_tensor(doc_vecs, dtype=torch.float64),
+                              torch.as_tensor(query_vec, dtype=torch.float64)[None], dim=-1).numpy()   # (K,)
+    relevant = np.asarray(relevant, dtype=bool)
+    if relevant.all() or not relevant.any():
+        raise ValueError("separation needs at least one relevant document and one other")
+    near, far = cos[relevant], cos[~relevant]
+    auc = ((near[:, None] > far[None]).mean() + 0.5 * (near[:, None] == far[None]).mean())
+    spread = far.std()
+    return float(auc), float((near.mean() - far.mean()) / spread) if spread > 0 else math.nan
+
+
+def discrimination(query_vecs, doc_vecs, candidates, relevant):
+    """COSTA's discriminativeness over every query: separation of each query's relevant documents against
+    its other candidates. query_vecs (Q, H), doc_vecs (N, H); candidates and relevant: Q lists of rows of
+    doc_vecs (the relevant ones are added to the candidates). A query whose candidates are all relevant
+    has nothing to be set against: left out (None in per_query). -> {"auc", "margin": means over the
+    queries measured (margin over those where it is defined; None if none), "n_queries" (measured),
+    "n_left_out", "per_query": [(auc, margin or None) or None]}."""
+    per_query = []
+    for q, rows in enumerate(relevant):
+        pool = np.array(sorted(set(candidates[q]) | set(rows)))                                     # (K,)
+        is_relevant = np.isin(pool, rows)                                                          # (K,)
+        per_query.append(separation(query_vecs[q], doc_vecs[pool], is_relevant) if not is_relevant.all() else None)
+    measured = [p for p in per_query if p is not None]
+    margins = [m for _, m in measured if not math.isnan(m)]
+    return {"auc": float(np.mean([a for a, _ in measured])) if measured else None,
+            "margin": float(np.mean(margins)) if margins else None, "n_queries": len(measured),
+            "n_left_out": len(per_query) - len(measured),
+            "per_query": [p and (p[0], None if math.isnan(p[1]) else p[1]) for p in per_query]}
+
+
+def plot_decoder_cosine(curves, path, title=""):
+    """SEED Figure 4: the cosine between the decoder's last-layer state at each position and h0, one
+    line per model (the paper: full attention against the span-2 decoder). curves: {model label:
+    [cosine at position 0, 1, ...]} (seed_decoder_reliance's "cosine_by_position")."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for model, values in curves.items():
+        ax.plot(range(len(values)), values, label=model)
+    lowest = min([0.0] + [min(v) for v in curves.values() if v])
+    ax.set(xlabel="decoder position (0 = the start symbol, beside [CLS])", ylabel="cosine(decoder state, h0)",
+           ylim=(lowest, 1.0), title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save_figure(fig, path)
+
+
+def run_config(folder):
+    """The config.json of the pre-training run whose encoder folder is `folder` ({} for a model no run of
+    ours wrote: MiniLM, a hub id)."""
+    path = Path(folder).resolve().parent / "config.json"
+    return data.read_json(path) if path.is_file() else {}
+
+
+def git_state():
+    """(commit, dirty) of this checkout: dirty = a tracked .py file differs from the commit."""
+    import subprocess
+
+    def git(*args):
+        r = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+    return git("rev-parse", "HEAD") or "unknown", bool(git("status", "--porcelain", "--", "*.py"))
+
+
+def command_line(c):
+    """The command that remakes c: `python evaluate.py` and every flag that differs from its default."""
+    import shlex
+
+    flags = []
+    for f in dataclasses.fields(Config):
+        value = getattr(c, f.name)
+        if value != f.default:
+            flags += [f"--{f.name}"] + ([] if value is True else [str(value).lower() if value is False else str(value)])
+    return shlex.join(["python", "evaluate.py", *flags])
+
+
+def mechanism_row(c, measure, model, tag, numbers):
+    """One JSON row of a mechanism measurement: the measure, the run (method: the script that trained it;
+    arm: --tag, else the run folder's name; seed: its --seed; null for a model no run of ours trained),
+    the code (commit, dirty), the command that remakes it, the model folder, then the numbers."""
+    config = run_config(model)
+    commit, dirty = git_state()
+    return {"measure": measure, "method": Path(config["script"]).stem if "script" in config else None, "arm": tag,
+            "seed": config.get("seed"), "commit": commit, "dirty": dirty, "command": command_line(c),
+            "model": str(model), **numbers}
+
+
+def write_rows(out_dir, measure, rows):
+    """Each row to {out_dir}/{measure}-{arm}-seed{seed}.json ({measure}-{arm}.json for a model without a
+    run), atomically, one file a row: an arm's other seeds and the other arms' rows stay as they are."""
+    for row in rows:
+        seed = "" if row["seed"] is None else f"-seed{row['seed']}"
+        data.atomic_write_json(Path(out_dir) / f"{measure}-{trec_tag(row['arm'])}{seed}.json", row)
+
+
+def held_out_texts(c, model):
+    """The texts of --word_shares and --decoder_reliance: --corpus, else the dataset's corpus.jsonl,
+    sampled (held_out_sample, --n_texts). -> (texts, whether they are held out: not the corpus the run
+    pre-trained on)."""
+    path = Path(c.corpus or data.find_file(c.dataset, "corpus.jsonl")).resolve()
+    trained_on = run_config(model).get("corpus")
+    texts = held_out_sample(data.read_pretraining_texts(path), c.n_texts)
+    return texts, not (trained_on and Path(trained_on).resolve() == path)
+
+
+def word_shares_command(c, device):
+    """--word_shares: CPDAE's claim (section 3.3) for every model of --model (cpdae.py encoder folders,
+    each with its decoder): word_shares over the held-out texts, the common words the --n_common of
+    lowest IDF in the run's own pre-training corpus (common_token_ids). One row per model."""
+    import cpdae
+
+    rows = []
+    for model, tag in model_list(c):
+        m = model_settings(c, model, tag)
+        encoder, tokenizer = load_model(m, device)
+        config = run_config(m.model)
+        if config.get("script") != "cpdae.py":
+            raise data.DataError(f"{m.model}: not the encoder of a cpdae.py run (no config.json beside it naming "
+                                 f"cpdae.py); --word_shares needs the run's corpus for its common words")
+        decoder = load_cpdae_decoder(m.model).to(device)
+        windows = data.token_windows(config["corpus"], config["vocab"], config["max_len"], 0, config.get("cache_dir", ""))
+        common = common_token_ids(cpdae.cached_idf(windows, decoder.out.weight.shape[0], 0).numpy(), c.n_common,
+                                  data.special_ids(tokenizer).values())
+        texts, held_out = held_out_texts(c, m.model)
+        numbers = cpdae_word_shares(encoder, decoder, tokenizer, texts, common, config["max_len"], config.get("bottleneck", "cls"))
+        rows.append(mechanism_row(c, "word_shares", m.model, tag, {**numbers, "held_out": held_out, "n_common": c.n_common,
+                                                                   "common_words": [tokenizer.id_to_token(int(i)) for i in common]}))
+        print(f"{tag}: z_tilde on the {c.n_common} common words {numbers['common']:.4f} (uniform "
+              f"{numbers['common_uniform']:.4f}), on the text's own other words {numbers['representative']:.4f} "
+              f"(uniform {numbers['representative_uniform']:.4f}), {len(texts)} texts", flush=True)
+    return rows
+
+
+def decoder_reliance_command(c, out_dir, device):
+    """--decoder_reliance: SEED's claim (sections 3.2-3.4, Figures 4-5) for every model of --model
+    (seed.py encoder folders; their decoders from state.pt): seed_decoder_reliance over the held-out
+    texts cut to the run's --max_len, Figure 5's random-pair cosine by length, and Figure 4, one line
+    per model, to decoder_cosine.png. One row per model."""
+    rows, curves = [], {}
+    for model, tag in model_list(c):
+        m = model_settings(c, model, tag)
+        encoder, tokenizer = load_model(m, device)
+        decoder, run_c = load_seed_decoder(m.model, encoder)
+        texts, held_out = held_out_texts(c, m.model)
+        ids, mask = data.encode_texts(tokenizer, texts, run_c.max_len)                        # (N, L)
+        numbers = seed_decoder_reliance(encoder, decoder, ids, mask, run_c.bottleneck)
+        lengths = [n for n in (32, 64, 128, 256, 512) if n <= encoder.config.max_position]
+        numbers["cosine_by_length"] = cls_similarity_by_length(encoder, tokenizer, texts, lengths, pooling=run_c.bottleneck)
+        rows.append(mechanism_row(c, "decoder_reliance", m.model, tag, {**numbers, "held_out": held_out,
+                                                                        "dec_span": run_c.dec_span}))
+        curves[f"{tag} (span {run_c.dec_span or 'full'})"] = numbers["cosine_by_position"]
+        print(f"{tag}: decoder loss {numbers['loss_own']:.3f} with its own h0, {numbers['loss_other']:.3f} with "
+              f"another text's (gap {numbers['gap']:.3f} nats/token), {len(texts)} texts", flush=True)
+    path = Path(out_dir) / "decoder_cosine.png"
+    plot_decoder_cosine(curves, path, "SEED-Encoder Figure 4: decoder states against h0, by position")
+    print(f"cosine of the decoder's states with h0 by position: {path}")
+    return rows
+
+
+CANDIDATES = 100   # --discrimination: each query's candidates, BM25's top 100 (Figure 3 draws a top 100)
+
+
+def discrimination_command(c, split, device):
+    """--discrimination: COSTA's claim (section 5.4, Figure 3) for every model of --model on every judged
+    query of the split with a relevant document: discrimination of its relevant documents against the
+    other candidates of BM25's top 100 (--k1, --b), the same documents for every model, so that arms
+    are set side by side on one pool and a model blind to relevance sits at auc 0.5 (against its own
+    top 100 a relevant document it misses would lose every pair, and chance would be near 0). Plus the
+    random-pair cosine by length of the corpus's texts (Figure 5's curve). The model's own pooling. One
+    row per model."""
+    corpus, queries, qrels = load_eval_split(c, split)
+    doc_ids = list(corpus)
+    row_of = {d: i for i, d in enumerate(doc_ids)}
+    qids = [q for q in sorted(qrels) if any(g > 0 and d in row_of for d, g in qrels[q].items())]
+    doc_texts = [passage_text(corpus[d]) for d in doc_ids]
+    scores, top = BM25(doc_texts, c.k1, c.b).search([queries[q] for q in qids], CANDIDATES)        # (Q, 100)
+    candidates = [top[i][scores[i] > 0].tolist() for i in range(len(qids))]                      # as BM25's run
+    relevant = [[row_of[d] for d, g in qrels[q].items() if g > 0 and d in row_of] for q in qids]
+    used = sorted({r for rows in candidates + relevant for r in rows})       # only these documents are encoded
+    place = {r: i for i, r in enumerate(used)}
+    candidates, relevant = ([[place[r] for r in rows] for rows in lists] for lists in (candidates, relevant))
+    rows = []
+    for model, tag in model_list(c):
+        m = model_settings(c, model, tag)
+        encoder, tokenizer = load_model(m, device)
+        args = (m.encode_batch, device, m.bf16, m.similarity)
+        doc_vecs = encode(encoder, m.pooling, tokenizer, [doc_texts[r] for r in used], m.passage_len, *args)  # (U, H)
+        query_vecs = encode(encoder, m.pooling, tokenizer, [queries[q] for q in qids], m.query_len, *args)    # (Q, H)
+        numbers = discrimination(query_vecs, doc_vecs, candidates, relevant)
+        numbers["per_query"] = dict(zip(qids, numbers["per_query"]))
+        lengths = [n for n in (32, 64, 128, 256, 512) if n <= encoder.config.max_position]
+        numbers["cosine_by_length"] = cls_similarity_by_length(encoder, tokenizer, doc_texts, lengths, pooling=m.pooling)
+        rows.append(mechanism_row(c, "discrimination", m.model, tag, {**numbers, "split": split,
+                                                                      "candidates": f"bm25 top {CANDIDATES}"}))
+        print(f"{tag}: relevant closer than BM25's other top-{CANDIDATES} candidates in {numbers['auc'] or math.nan:.3f} "
+              f"of the pairs, {numbers['margin'] or math.nan:.2f} sd ahead, over {numbers['n_queries']} queries "
+              f"({numbers['n_left_out']} without another candidate)", flush=True)
+    return rows
+
+
+MECHANISMS = ("word_shares", "decoder_reliance", "discrimination")   # the mechanism measurements' flags
+
+
+def mechanisms_command(c, split, out_dir, device):
+    """--word_shares, --decoder_reliance, --discrimination (any of them together): each measure's rows
+    for every model of --model, written to the out_dir (write_rows). -> {measure: rows}."""
+    commands = {"word_shares": lambda: word_shares_command(c, device),
+                "decoder_reliance": lambda: decoder_reliance_command(c, out_dir, device),
+                "discrimination": lambda: discrimination_command(c, split, device)}
+    result = {}
+    for measure in MECHANISMS:
+        if getattr(c, measure):
+            result[measure] = commands[measure]()
+            write_rows(out_dir, measure, result[measure])
+            print(f"{measure}: {len(result[measure])} row(s) in {out_dir}")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
 # How a model folder declares its pooling, similarity and lengths (finetune.py writes them)
 # ---------------------------------------------------------------------------------------------
 def read_retriever_settings(folder):
@@ -1115,7 +1484,7 @@ def main(c):
 
 def output_folders(c, names):
     """The folders this evaluation writes into: one per split, or the figure's (the first model's)."""
-    if c.cls_by_length or c.tsne:
+    if c.cls_by_length or c.tsne or any(getattr(c, m) for m in MECHANISMS):
         return [default_out_dir(dataclasses.replace(c, model=model_list(c)[0][0]))]
     if c.words:
         return [default_out_dir(c)]
@@ -1139,6 +1508,8 @@ def hold_out_dirs(folders):
 def run_commands(c, names, out_dirs, rank, device):
     """main's work, in the folders it holds: a figure (--cls_by_length, --tsne, --words), else the evaluation
     of --model or --bm25 on each split."""
+    if any(getattr(c, m) for m in MECHANISMS):
+        return mechanisms_command(c, names[0], out_dirs[0], device) if rank == 0 else None
     if c.cls_by_length:
         return cls_by_length_command(c, device) if rank == 0 else None
     if c.tsne:
@@ -1178,8 +1549,9 @@ def model_list(c):
     """--model and --tag as [(model, tag)]; tag "" = the model folder's parent name, or the model id."""
     models = [m.strip() for m in c.model.split(",") if m.strip()]
     tags = c.tag.split(",") if c.tag else [""] * len(models)
-    if len(models) > 1 and not (c.tsne or c.cls_by_length):
-        raise ValueError(f"--model {c.model}: several models go with --tsne or --cls_by_length only")
+    if len(models) > 1 and not (c.tsne or c.cls_by_length or any(getattr(c, m) for m in MECHANISMS)):
+        raise ValueError(f"--model {c.model}: several models go with --tsne or --cls_by_length (or --word_shares, "
+                         f"--decoder_reliance, --discrimination) only")
     if len(tags) != len(models) or len(set(tags)) < len(tags):
         raise ValueError(f"--tag {c.tag!r}: give one tag per model of --model ({len(models)}), all different")
     return [(m, t or (Path(m).resolve().parent.name if Path(m).is_dir() else m)) for m, t in zip(models, tags)]
@@ -1258,7 +1630,7 @@ def split_names(c):
     if not names:
         raise ValueError("--split: give a split (test) or several, comma-separated (dev,test)")
     several = len(names) > 1
-    for flag in ("corpus", "compare", "tsne", "words"):
+    for flag in ("corpus", "compare", "tsne", "words", "discrimination"):
         if several and getattr(c, flag):
             raise ValueError(f"--split {c.split}: several splits need the BEIR folder (--dataset) and cannot "
                              f"go with --{flag}; give one split")

@@ -1543,6 +1543,170 @@ def test_word_distribution_figure_from_a_cpdae_folder(tmp_path):
         evaluate.main(evaluate.Config(model=str(tmp_path / "plain"), words=text))
 
 
+# ----------------------------------------------------------------------------------------------
+# Mechanisms: each measurement on a case whose answer is known
+# ----------------------------------------------------------------------------------------------
+def test_common_words_are_the_lowest_idf_tokens_never_a_special_one():
+    idf = np.array([0.1, 3.0, 1.0, 0.5, 2.0, 1.0, 9.0])           # id 0 and 3 special; 2 and 5 tie
+    assert evaluate.common_token_ids(idf, 3, [0, 3]).tolist() == [2, 4, 5]
+    assert evaluate.common_token_ids(idf, 2, [0, 3]).tolist() == [2, 5]   # the tie goes to the lower id
+
+
+def test_held_out_sample_is_fixed_and_shuffled():
+    texts = [f"t{i}" for i in range(50)]
+    sample = evaluate.held_out_sample(texts, 10)
+    assert sample == evaluate.held_out_sample(texts, 10) and len(set(sample)) == 10 and sample != sorted(sample)
+    assert sorted(evaluate.held_out_sample(texts, 99)) == sorted(texts)
+
+
+def test_word_shares_known_answers():
+    common = torch.tensor([True, True, False, False, False, False])
+    bag = torch.tensor([[0, 1, 1, 1, 0, 0], [0, 0, 0, 0, 1, 0]])    # text 0: words 1 2 3; text 1: word 4
+    probs = torch.tensor([[1.0, 0, 0, 0, 0, 0], [1 / 6] * 6])       # all on a common word; uniform
+    shares = evaluate.word_shares(probs, bag, common)
+    assert shares["common"].tolist() == pytest.approx([1.0, 2 / 6])
+    assert shares["representative"].tolist() == pytest.approx([0.0, 1 / 6])   # word 1 is common: not the text's own
+    assert shares["common_uniform"].tolist() == pytest.approx([2 / 6, 2 / 6])
+    assert shares["representative_uniform"].tolist() == pytest.approx([2 / 6, 1 / 6])
+    on_own = torch.tensor([[0, 0, 0.5, 0.5, 0, 0], [0, 0, 0, 0, 1.0, 0]])      # all on the text's own words
+    assert evaluate.word_shares(on_own, bag, common)["representative"].tolist() == pytest.approx([1.0, 1.0])
+
+
+def _fake_run(folder, script, config, model, extra=None):
+    """A pre-training run folder as run.py leaves one (config.json, state.pt, encoder/), without training."""
+    folder.mkdir(parents=True)
+    data.atomic_write_json(folder / "config.json", {"script": script, **dataclasses.asdict(config)})
+    run.save_training_state(folder / "state.pt", {"step": 0, "model": model.state_dict(), "optimizer": {},
+                                                  "scheduler": {}, "config": dataclasses.asdict(config)})
+    run.save_pretrained(model.encoder, folder / "encoder")
+    if extra:
+        extra(folder / "encoder")
+    return str(folder / "encoder")
+
+
+def test_word_shares_of_a_decoder_that_knows_nothing_is_the_uniform_level(tmp_path, wiki_texts):
+    """A CPDAE decoder with zero weights and biases gives every word the same z_tilde: both shares sit at
+    their uniform level exactly; the common words are the corpus's own ("the", ",")."""
+    import cpdae
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in wiki_texts))
+    torch.manual_seed(0)
+    c = cpdae.Config(**TINY, max_len=64, corpus=str(corpus), cache_dir=str(tmp_path / "cache"))
+    model = cpdae.PretrainModel(c, cpdae.Encoder(c))
+    torch.nn.init.zeros_(model.decoder.out.weight)
+    torch.nn.init.zeros_(model.decoder.out.bias)
+    save = lambda enc: run.save_tensors(enc / "decoder.safetensors", model.decoder.state_dict())
+    folder = _fake_run(tmp_path / "cpdae", "cpdae.py", c, model, save)
+    rows = evaluate.main(evaluate.Config(model=folder, tag="cl on", word_shares=True, corpus=str(corpus), n_texts=8,
+                                         n_common=10, out_dir=str(tmp_path / "out")))["word_shares"]
+    row = rows[0]
+    assert row["common"] == pytest.approx(10 / 30522) and row["common"] == pytest.approx(row["common_uniform"])
+    assert row["representative"] == pytest.approx(row["representative_uniform"]) and row["representative"] > 0
+    assert {"the", ",", "."} <= set(row["common_words"]) and len(row["common_words"]) == 10
+    assert (row["method"], row["arm"], row["seed"], row["n_texts"], row["held_out"]) == ("cpdae", "cl on", 0, 8, False)
+    assert row["command"].startswith("python evaluate.py --model ") and "--word_shares --n_texts 8" in row["command"]
+    assert json.loads((tmp_path / "out" / "word_shares-cl-on-seed0.json").read_text()) == row
+    with pytest.raises(data.DataError, match="not the encoder of a cpdae.py run"):
+        evaluate.main(evaluate.Config(model=_tiny_init(tmp_path / "plain"), word_shares=True, corpus=str(corpus)))
+
+
+def test_h0_reliance_known_gaps():
+    """A decoder that reads the text only from h0 loses exactly a nats a token when h0 is swapped (h0 = a e_i,
+    output projection I: own loss log(1 + (V-1) e^-a), other log(e^a + V - 1)); one that ignores h0, none."""
+    a, vocab = 3.0, 5
+    ids = torch.tensor([[1] * 4, [2] * 4, [3] * 4])                                 # text i: token i+1 repeated
+    h0 = a * torch.eye(vocab)[ids[:, 0]]                                            # (3, 5)
+    reads_h0 = lambda inputs, h: h[:, None, :].expand(-1, inputs.shape[1], -1)
+    own, other, n, _ = evaluate.h0_reliance(reads_h0, torch.eye(vocab), h0, ids, ids)
+    assert n == 12 and own / n == pytest.approx(math.log(1 + (vocab - 1) * math.exp(-a)), rel=1e-5)
+    assert (other - own) / n == pytest.approx(a, rel=1e-5)
+    ignores_h0 = lambda inputs, h: torch.eye(vocab)[inputs]
+    own, other, _, _ = evaluate.h0_reliance(ignores_h0, torch.eye(vocab), h0, ids, ids)
+    assert own == other
+
+
+def test_cosine_by_position_known_values():
+    h0 = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    states = torch.stack([torch.stack([h0[0], torch.tensor([0.0, 5.0]), -h0[0]]),      # 1, 0, -1
+                          torch.stack([h0[1], 3 * h0[1], torch.tensor([9.0, 9.0])])])   # 1, 1, (padding)
+    sums, counts = evaluate.cosine_by_position(states, h0, torch.tensor([[1, 1, 1], [1, 1, 0]]))
+    assert (sums / counts).tolist() == pytest.approx([1.0, 0.5, -1.0]) and counts.tolist() == [2, 2, 1]
+
+
+def _seed_run(folder, dec_span, ignore_h0=False):
+    import seed
+
+    torch.manual_seed(0)
+    c = seed.Config(**TINY, max_len=32, dec_span=dec_span)
+    model = seed.PretrainModel(c, seed.Encoder(c))
+    if ignore_h0:   # the cross-attention's output zero: h0 never reaches the decoder's states
+        for block in model.decoder.blocks:
+            torch.nn.init.zeros_(block.cross_out.weight)
+            torch.nn.init.zeros_(block.cross_out.bias)
+    return _fake_run(folder, "seed.py", c, model)
+
+
+def test_decoder_reliance_from_seed_runs_zero_gap_when_h0_is_ignored(tmp_path, wiki_texts):
+    """Two seed.py runs from the command line: a strong decoder whose cross-attention is cut off (gap exactly
+    0) and a weak one that reads h0 (a gap); one row each, Figure 4 with one line each."""
+    corpus = tmp_path / "held_out.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in wiki_texts))
+    weak, strong = _seed_run(tmp_path / "weak", 2), _seed_run(tmp_path / "strong", 0, ignore_h0=True)
+    rows = evaluate.main(evaluate.Config(model=f"{weak},{strong}", tag="weak,strong", decoder_reliance=True,
+                                         corpus=str(corpus), n_texts=5, out_dir=str(tmp_path / "out")))["decoder_reliance"]
+    assert [(r["arm"], r["dec_span"], r["method"], r["held_out"]) for r in rows] == [
+        ("weak", 2, "seed", True), ("strong", 0, "seed", True)]
+    assert rows[1]["gap"] == 0.0 and rows[1]["loss_own"] == rows[1]["loss_other"]
+    assert rows[0]["gap"] != 0.0 and rows[0]["n_texts"] == 5
+    assert len(rows[0]["cosine_by_position"]) == 31 and all(-1 <= v <= 1 for v in rows[0]["cosine_by_position"])
+    assert rows[0]["cosine_by_length"] and all(-1 <= v <= 1 for v in rows[0]["cosine_by_length"].values())
+    assert (tmp_path / "out" / "decoder_cosine.png").read_bytes()[:4] == b"\x89PNG"
+    assert {p.name for p in (tmp_path / "out").glob("*.json")} == {"decoder_reliance-weak-seed0.json",
+                                                                 "decoder_reliance-strong-seed0.json"}
+    with pytest.raises(data.DataError, match="not the encoder of a seed.py run"):
+        evaluate.main(evaluate.Config(model=_tiny_init(tmp_path / "plain"), decoder_reliance=True, corpus=str(corpus)))
+
+
+def test_separation_known_values():
+    at = lambda cos: [cos, math.sqrt(1 - cos * cos)]                 # a unit vector at that cosine to (1, 0)
+    query, others = [1.0, 0.0], [at(0.1), at(0.3)]                   # mean 0.2, population sd 0.1
+    assert evaluate.separation(query, [at(0.5)] + others, [True, False, False]) == pytest.approx((1.0, 3.0))
+    assert evaluate.separation(query, [at(0.0)] + others, [True, False, False]) == pytest.approx((0.0, -2.0))
+    assert evaluate.separation(query, [at(0.3)] + others, [True, False, False])[0] == pytest.approx(0.75)  # a tie: half
+    assert math.isnan(evaluate.separation(query, [at(0.5), at(0.2), at(0.2)], [True, False, False])[1])
+
+
+def test_discrimination_known_values_and_chance_for_a_blind_encoder():
+    docs = np.array([[1.0, 0.0], [0.8, 0.6], [0.6, 0.8], [-1.0, 0.0]], np.float32)
+    queries = np.array([[1.0, 0.0], [1.0, 0.0]], np.float32)
+    result = evaluate.discrimination(queries, docs, [[1, 2], [0, 1, 2]], [[0], [3]])  # q1's relevant: the farthest
+    # q0: relevant at cosine 1, others 0.8 and 0.6 (mean 0.7, sd 0.1); q1: relevant at -1, others 1, 0.8, 0.6
+    assert result["per_query"] == [(1.0, pytest.approx(3.0)), (0.0, pytest.approx(-1.8 / math.sqrt(0.08 / 3)))]
+    assert result["auc"] == pytest.approx(0.5) and (result["n_queries"], result["n_left_out"]) == (2, 0)
+    assert evaluate.discrimination(queries, docs, [[0], [1, 2]], [[0], [1]])["per_query"][0] is None  # only relevant
+    rng = np.random.default_rng(0)                      # vectors that know nothing of relevance: auc near 0.5
+    blind = evaluate.discrimination(rng.standard_normal((20, 16)), rng.standard_normal((400, 16)),
+                                    [list(range(400))] * 20, [list(range(q * 10, q * 10 + 10)) for q in range(20)])
+    assert abs(blind["auc"] - 0.5) < 0.05 and abs(blind["margin"]) < 0.3
+
+
+def test_discrimination_command_one_row_per_model(tmp_path):
+    texts = {"d1": "apples are red", "d2": "bananas are yellow", "d3": "red and yellow grapes", "d4": "plums"}
+    beir = tiny_beir(tmp_path / "beir", corpus_lines=[json.dumps({"_id": d, "text": t}) for d, t in texts.items()])
+    models = f"{_tiny_init(tmp_path / 'a')},{_tiny_init(tmp_path / 'b')}"
+    rows = evaluate.main(evaluate.Config(model=models, tag="costa,mlm", discrimination=True, dataset=str(beir),
+                                         out_dir=str(tmp_path / "out")))["discrimination"]
+    assert [(r["arm"], r["method"], r["seed"], r["n_queries"], r["n_left_out"], r["split"]) for r in rows] == [
+        ("costa", None, None, 2, 0, "test"), ("mlm", None, None, 2, 0, "test")]   # d3 is each query's other candidate
+    assert set(rows[0]["per_query"]) == {"q1", "q2"} and rows[0]["auc"] in (0.0, 0.5, 1.0)
+    assert rows[0]["candidates"] == "bm25 top 100"
+    assert rows[0]["auc"] == rows[1]["auc"]                           # the same weights: the same numbers
+    assert (tmp_path / "out" / "discrimination-costa.json").is_file()
+    assert evaluate.command_line(evaluate.Config(model="m", discrimination=True, n_texts=5)) == \
+        "python evaluate.py --model m --discrimination --n_texts 5"
+
+
 def test_compare_command_and_one_line_errors(tmp_path, capsys):
     import subprocess
 
