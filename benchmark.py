@@ -17,6 +17,10 @@ method's own masking), with the same model size and batch, for --steps optimizer
     python benchmark.py --set batch_size=64 --set max_len=256
     python benchmark.py --gpu                             # BERT-base, batch 32 x 512, on one GPU: MFU per method
 
+Each run writes what it prints to results/speed/benchmark.md (--gpu: results/gpu/benchmark-gpu.md; --out
+FILE elsewhere), under a head naming the commit, the command, the CPU, its native bf16 support, the
+precision, the date and the run time (recorded), so that a page can cite the file.
+
 tokens/s counts real (non-padding) tokens through forward, backward and the AdamW step.
 peak memory: max resident set size of the process on CPU (model, optimizer, activations and the
 few documents loaded), torch.cuda.max_memory_allocated on GPU.
@@ -25,7 +29,8 @@ One-off experiments live beside the numbers they produced, as scripts that take 
 from this file: results/speed/ (finetune.py against sentence-transformers, encoder levers,
 micro-benchmarks, profiles, the memory of CPDAE's contrastive loss), results/st-ndcg/ (test nDCG@10
 against sentence-transformers), results/scale/ (start-up time and peak memory against corpus size, with
-the data path before the token cache; peak memory of encode + search; faiss indexes).
+the in-memory data path the token cache replaced; peak memory of encode + search; faiss indexes). Each
+writes what it prints to a file beside it, the same way.
 """
 import argparse
 import contextlib

@@ -2,7 +2,7 @@
 lr 1e-4, batch 32 + 1 BM25 negative, 64 / 128 tokens): step time and peak RSS, each tool in a fresh
 process, and where fine-tuning's memory goes. Both tools run in the precision a user gets on this CPU:
 bf16 autocast where the CPU has native bf16 (AVX512-BF16 or AMX), fp32 elsewhere, the rule of
-data.autocast_bf16 that finetune.py follows (emulated bf16 is slower than fp32, so autocasting only the
+run.autocast_bf16 that finetune.py follows (emulated bf16 is slower than fp32, so autocasting only the
 peer there would report a speed-up that is only the precision). Each row records its precision and the
 CPU's bf16 support. What a run prints is written to results/speed/st.md (--memory: st-memory.md), which
 docs/speed.md cites.
@@ -60,7 +60,7 @@ def st_one(which, n_steps, warmup, lever="as shipped"):
 
         def step():
             features = [model.tokenize(x) for x in next(it)]                     # queries, positives, negatives
-            with data.autocast_bf16(torch.device("cpu")):                      # as finetune.py's step
+            with run.autocast_bf16(torch.device("cpu")):                      # as finetune.py's step
                 loss = loss_fn(features, None)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
