@@ -168,7 +168,7 @@ def reconstruction_loss(logits, bag, idf=None, reduction="sum"):
     vocabulary as eq. 4 writes it, then averaged over the N texts. w_j = 1, or idf[j] for IDF-REC.
     Departure (option-cpdae-rec-mean): reduction="mean" (--rec_reduction mean), the mean over the
     vocabulary instead of the sum, as DupMAE normalises its bag-of-words loss: the sum of 30,522 terms
-    (~21,000 nats from MiniLM) sends the encoder ~10^6 times the gradient of lambda L_CL, the mean 1/|V|.
+    (21,780 nats at MiniLM, results/levers) sends the encoder ~10^6 times the gradient of lambda L_CL, the mean 1/|V|.
     Eq. 3's sigmoid is inside BCE-with-logits (as log-sigmoid), which keeps it finite for any logit. fp32.
     logits (N, V), bag (N, V) 0/1, idf (V,) or None -> scalar.
     """
@@ -512,7 +512,7 @@ def attention(q, k, v, attend, p):
     """softmax(q k^T / sqrt(d)) v per head, with dropout p on the probabilities (BERT's attention
     dropout). q, k, v (B, heads, L, d); attend (B, 1, 1, L) or (L, L), True = key visible.
     scaled_dot_product_attention (fused kernels) on GPU, and on CPU without gradients (encoding).
-    Training on CPU writes the equation out: 2x faster there than SDPA, whose CPU kernel has no
+    Training on CPU writes the equation out: 2.7x as fast there as SDPA, whose CPU kernel has no
     dropout (it falls back to its math path and torch's slow dropout) and a slow backward
     (results/speed/micro.py)."""
     if q.device.type != "cpu" or not torch.is_grad_enabled():

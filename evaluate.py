@@ -1700,7 +1700,7 @@ def attention(q, k, v, attend, p):
     """softmax(q k^T / sqrt(d)) v per head, with dropout p on the probabilities (BERT's attention
     dropout). q, k, v (B, heads, L, d); attend (B, 1, 1, L) or (L, L), True = key visible.
     scaled_dot_product_attention (fused kernels) on GPU, and on CPU without gradients (encoding).
-    Training on CPU writes the equation out: 2x faster there than SDPA, whose CPU kernel has no
+    Training on CPU writes the equation out: 2.7x as fast there as SDPA, whose CPU kernel has no
     dropout (it falls back to its math path and torch's slow dropout) and a slow backward
     (results/speed/micro.py)."""
     if q.device.type != "cpu" or not torch.is_grad_enabled():
