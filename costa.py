@@ -142,10 +142,9 @@ def mlm_loss(hidden, labels, head):
 
     Departure (mlm-mean): the papers write this sum; we take the mean over the masked tokens (times
     1/|m(x)|), as BERT's and SEED's code do, so that a loss weight (lambda) does not depend on how many
-    tokens a batch masks. Only the masked positions go through `head` (the vocabulary projection is
-    most of the cost). hidden (B, L, H), labels (B, L) with -100 where nothing is predicted, head:
-    MLMHead. Returns (loss, n_correct, n_masked). Under torchrun the mean is over this rank's masked
-    tokens; DDP averages the ranks."""
+    tokens a batch masks. Only the masked positions go through `head` (the vocabulary projection is most of the
+    cost). hidden (B, L, H), labels (B, L) with -100 where nothing is predicted, head: MLMHead. Returns (loss,
+    n_correct, n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
     chosen = labels != -100                                     # (B, L)
     if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
         return head(hidden[:1, 0]).sum() * 0.0, 0, 0
@@ -170,9 +169,8 @@ def gwc_loss(text_vecs, span_vecs, tau, n_anchors=None, sim="dot"):
     The logits' columns, e.g. N = 2 texts with S = 3 spans each: 0-1 the texts, 2-4 text 0's spans,
     5-7 text 1's. Anchor 0: positives 2-4, column 0 dropped, columns 1 and 5-7 negatives; each positive
     is scored against all the others, its fellow positives included.
-    Departure (option-costa-gwc-cos): sim="cos" (--gwc_sim cos), cosine / tau: the dot product of
-    unnormalised vectors makes logits of any size (89 nats at step 10 from MiniLM, against MLM's 10);
-    cosine bounds them by 1/tau.
+    Departure (option-costa-gwc-cos): sim="cos" (--gwc_sim cos): cosine / tau, bounded by 1/tau; the dot product
+    of unnormalised vectors makes logits of any size (89 nats at step 10 from MiniLM, against MLM's 10).
     Departure (costa-gwc-mean): the mean over the S positives, as eq. 8, then over the anchors where
     eq. 8 sums over texts, so that lambda does not scale with the batch size.
     Logits in fp32 with autocast off (under autocast a matmul runs in bf16 even on fp32 inputs).

@@ -142,10 +142,9 @@ def mlm_loss(hidden, labels, head):
 
     Departure (mlm-mean): the papers write this sum; we take the mean over the masked tokens (times
     1/|m(x)|), as BERT's and SEED's code do, so that a loss weight (lambda) does not depend on how many
-    tokens a batch masks. Only the masked positions go through `head` (the vocabulary projection is
-    most of the cost). hidden (B, L, H), labels (B, L) with -100 where nothing is predicted, head:
-    MLMHead. Returns (loss, n_correct, n_masked). Under torchrun the mean is over this rank's masked
-    tokens; DDP averages the ranks."""
+    tokens a batch masks. Only the masked positions go through `head` (the vocabulary projection is most of the
+    cost). hidden (B, L, H), labels (B, L) with -100 where nothing is predicted, head: MLMHead. Returns (loss,
+    n_correct, n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
     chosen = labels != -100                                     # (B, L)
     if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
         return head(hidden[:1, 0]).sum() * 0.0, 0, 0
