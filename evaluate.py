@@ -401,7 +401,7 @@ def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16
         if not data.is_disk_full(e, Path(path).parent):
             raise
         raise data.disk_full_line(Path(path).parent, "the corpus vectors need", shape[0] * shape[1] * 2, "",
-                             "free some space, or give another --vectors_dir") from None
+                                  "free some space, or give another --vectors_dir") from None
     return np.load(path, mmap_mode="r")
 
 
@@ -640,7 +640,7 @@ def save_and_score(run, qrels, out_dir, tag, info=None):
         needs = sum(len(f"{q} Q0 {d} {len(docs)} {score:.6f} {tag}\n") for q, docs in run.items()   # write_run's
                     for d, score in docs.items())                                                       # lines, at most
         raise data.disk_full_line(out_dir, "run.trec needs", needs, "its run.trec and metrics.json are the previous ones; ",
-                             "free some space, or give another --out_dir") from None
+                                  "free some space, or give another --out_dir") from None
     return tuple(scored)
 
 

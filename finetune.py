@@ -630,14 +630,15 @@ def save_final_encoder(encoder, out, c):
             raise
         needs = sum(p.stat().st_size for p in last.rglob("*") if p.is_file())
         raise data.disk_full_line(out / "encoder", "the encoder needs", needs, f"{last} holds it whole; ",
-                                      "free some space and continue with --resume") from None
+                                  "free some space and continue with --resume") from None
 
 
 def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved):
     """The stage's encoder (save_encoder's folder) and its full training state for --resume, switched
     together as the pre-training scripts do (run.save_checkpoint): a kill or a full disk leaves the last
     checkpoint whole, encoder/ and state.pt of one step (a full disk is one line)."""
-    settings = lambda folder: evaluate.write_retriever_settings(folder, c.pooling, c.similarity, c.query_len, c.passage_len)
+    def settings(folder):   # the retriever's pooling and similarity, beside the encoder (save_encoder's)
+        evaluate.write_retriever_settings(folder, c.pooling, c.similarity, c.query_len, c.passage_len)
     run.save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved, settings,
                         stream={"processes": rank_and_world()[1]})   # what --resume checks besides the flags
 
