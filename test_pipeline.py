@@ -2381,12 +2381,12 @@ def test_torchrun_error_is_one_line_from_rank0_and_exit_code_1(tmp_path):
     assert result.returncode == 1
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
     assert lines == [f"error: {tmp_path / 'missing.jsonl'}: file not found"]
-    # The workers print no traceback; the one left is torchrun's own ChildFailedError summary, whose frames
-    # are torch's (they may sit under HERE when the venv does, as in CI), never one of the project's files.
+    # The workers print no traceback: one of theirs would start at the script's own frame (costa.py, run by
+    # torchrun as a file). What is left is torchrun's (its ChildFailedError summary, and under a loaded CI
+    # once a second of its own), whose frames are torch's (under HERE when the venv is, as in CI).
     output = result.stdout + result.stderr
-    assert output.count("Traceback") <= 1
     assert not [name for name in (*METHOD_FILES, "data.py", "run.py")
-                if f'File "{HERE / name}"' in output]
+                if f'File "{HERE / name}"' in output], output
 
 
 def test_silent_inputs_are_refused_or_named(tmp_path, capsys, monkeypatch):
