@@ -17,6 +17,7 @@ bottom: config, retrieval, metrics, significance, runs, figures, mechanisms, com
     python evaluate.py --model A,B --tag on,off --word_shares --corpus T # CPDAE 3.3 per model (docs/mechanisms.md)
     python evaluate.py --model A,B --decoder_reliance --corpus T        # SEED h0 swap and Figure 4, one row per model
     python evaluate.py --model A,B --discrimination --split test        # COSTA 5.4 over every test query
+    python evaluate.py --model A,B --heads --corpus HELD_OUT            # each run's own losses on held-out windows
     python evaluate.py --corpus collection.tsv --queries queries.dev.small.tsv --qrels qrels.dev.small.tsv --bm25
 
 Outputs in out_dir: run.trec (qid Q0 docid rank score tag), metrics.json (means, per-query values,
@@ -79,7 +80,8 @@ class Config:
     word_shares: bool = False     # CPDAE 3.3: z_tilde's share on common words and on the text's own; JSON rows
     decoder_reliance: bool = False  # SEED 3.2-3.4: decoder loss with its own h0 against another text's, Figure 4; JSON rows
     discrimination: bool = False  # COSTA 5.4: relevant documents against the other top 100, every query; JSON rows
-    n_texts: int = 1000           # --word_shares, --decoder_reliance: a fixed sample of this many texts of --corpus (else the dataset's)
+    heads: bool = False           # each run's own objective (every loss term, accuracy, chance) on --corpus's windows; JSON rows
+    n_texts: int = 1000           # --word_shares, --decoder_reliance, --heads: a fixed sample of this many texts (--heads: windows)
     n_common: int = 100           # --word_shares: the common words, the tokens of lowest IDF in the run's pre-training corpus
     dev_queries: int = 0          # with --split dev: the fixed sample of this many train queries that finetune.py --dev_queries holds out
 
@@ -1202,10 +1204,12 @@ def mechanism_row(c, measure, model, tag, numbers):
 
 def write_rows(out_dir, measure, rows):
     """Each row to {out_dir}/{measure}-{arm}-seed{seed}.json ({measure}-{arm}.json for a model without a
-    run), atomically, one file a row: an arm's other seeds and the other arms' rows stay as they are."""
+    run; -step{step} added for a --heads row), atomically, one file a row: an arm's other seeds and steps
+    and the other arms' rows stay as they are."""
     for row in rows:
         seed = "" if row["seed"] is None else f"-seed{row['seed']}"
-        data.atomic_write_json(Path(out_dir) / f"{measure}-{trec_tag(row['arm'])}{seed}.json", row)
+        step = f"-step{row['step']}" if measure == "heads" else ""
+        data.atomic_write_json(Path(out_dir) / f"{measure}-{trec_tag(row['arm'])}{seed}{step}.json", row)
 
 
 def held_out_texts(c, model):
@@ -1313,7 +1317,60 @@ def discrimination_command(c, split, device):
     return rows
 
 
-MECHANISMS = ("word_shares", "decoder_reliance", "discrimination")   # the mechanism measurements' flags
+def held_out_heads(folder, corpus, n_windows, batch_size=32):
+    """Each term of a pre-training run's own objective on the windows of `corpus`, with what it logs
+    (each accuracy X_acc beside its trivial baseline X_chance): the run's PretrainModel rebuilt from
+    its state.pt, its own Batches (masks, views, spans as in training; the run's --seed) over the first
+    n_windows // batch_size of them, dropout off. The pilot's curve of a head against the step, and the
+    check that a head trained past chance on windows it never saw. -> {name: mean over the batches}."""
+    import importlib
+
+    state = run.load_training_state(Path(folder).resolve().parent / "state.pt")
+    module = importlib.import_module(Path(run_config(folder)["script"]).stem)
+    names = {f.name for f in dataclasses.fields(module.Config)}
+    c = module.Config(**{k: v for k, v in state["config"].items() if k in names})
+    c = dataclasses.replace(c, init="", batch_size=batch_size, grad_accum=1, steps=max(1, n_windows // batch_size))
+    trained_on = data.token_windows(c.corpus, c.vocab, c.max_len, 0, c.cache_dir)
+    idf = {"idf": module.cached_idf(trained_on, c.vocab_size, 0)} if getattr(c, "idf_rec", False) else {}
+    model = module.PretrainModel(c, module.Encoder(c), frequent_token=data.most_frequent_token(trained_on), **idf)
+    model.load_state_dict(state["model"])
+    model.eval()
+    windows = data.token_windows(corpus, c.vocab, c.max_len, 0, "")
+    batches = module.Batches(c, windows, 0, 1)
+    sums = {}
+    with torch.no_grad():
+        for i in range(len(batches)):
+            terms, metrics = model.terms(batches[i])
+            for name, value in {**terms, **metrics}.items():
+                sums[name] = sums.get(name, 0.0) + float(value)
+    return {"step": state["step"], "steps": state["config"]["steps"],
+            "n_windows": len(batches) * batch_size,
+            **{name: total / len(batches) for name, total in sums.items()}}
+
+
+def heads_command(c, device):
+    """--heads: held_out_heads for every model of --model (encoder folders of our pre-training runs) on
+    the windows of --corpus, and Figure 5's random-pair cosine by length of its texts (the run's
+    bottleneck vector), so every arm, decoder or none, has that curve on the same texts. One row per model."""
+    rows = []
+    for model, tag in model_list(c):
+        m = model_settings(c, model, tag)
+        if "script" not in run_config(m.model):
+            raise data.DataError(f"{m.model}: not the encoder of one of our pre-training runs (no config.json beside "
+                                 f"it naming its script); --heads needs the run's state.pt")
+        encoder, tokenizer = load_model(m, device)
+        texts, held_out = held_out_texts(c, m.model)
+        numbers = held_out_heads(m.model, c.corpus, c.n_texts)
+        lengths = [n for n in (32, 64, 128, 256, 512) if n <= encoder.config.max_position]
+        numbers["cosine_by_length"] = cls_similarity_by_length(encoder, tokenizer, texts, lengths,
+                                                               pooling=trained_bottleneck(m.model))
+        rows.append(mechanism_row(c, "heads", m.model, tag, {**numbers, "held_out": held_out}))
+        print(f"{tag} at step {numbers['step']}: " + ", ".join(
+            f"{k} {v:.4f}" for k, v in numbers.items() if isinstance(v, float)), flush=True)
+    return rows
+
+
+MECHANISMS = ("word_shares", "decoder_reliance", "discrimination", "heads")   # the mechanism measurements' flags
 
 
 def mechanisms_command(c, split, out_dir, device):
@@ -1321,7 +1378,8 @@ def mechanisms_command(c, split, out_dir, device):
     for every model of --model, written to the out_dir (write_rows). -> {measure: rows}."""
     commands = {"word_shares": lambda: word_shares_command(c, device),
                 "decoder_reliance": lambda: decoder_reliance_command(c, out_dir, device),
-                "discrimination": lambda: discrimination_command(c, split, device)}
+                "discrimination": lambda: discrimination_command(c, split, device),
+                "heads": lambda: heads_command(c, device)}
     result = {}
     for measure in MECHANISMS:
         if getattr(c, measure):

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# Each paper's mechanism against its own ablation (docs/mechanisms.md): six arms, three seeds, one regime.
+#   costa / mlm                COSTA and the same run with --gwc_weight 0 (MLM only)
+#   seed-weak / seed-strong    SEED-Encoder (span-2 decoder) and the same with --dec_span 0 (full causal)
+#   cpdae-cl / cpdae-nocl      CPDAE and the same with --cl_weight 0 (Table 2's "w/o CL")
+# The regime: a small BERT (2 layers, H 128) from scratch on 4/5 of the bundled Wikipedia slice, with its
+# own 8,192-token WordPiece vocabulary, SEED-Encoder's own setting (from scratch, Wikipedia) at CPU size;
+# the other 1/5 of the articles is held out: every measure reads it (or SciFact's test split), never the
+# texts trained on. Seed 0 is the pilot: its run stops every PILOT_EVERY steps for its heads' held-out
+# losses (evaluate.py --heads), the curves that say whether STEPS is enough (docs/mechanisms.md).
+# Run from the repository root: bash results/mechanisms/make.sh (PYTHON=... picks the interpreter).
+# A run whose rows are in results/mechanisms/rows is not trained again: on a fresh clone this command
+# only reprints the tables and figures from the committed rows (report.py). About 80 minutes on 2 CPU cores.
+set -euo pipefail
+export PYTHONUNBUFFERED=1   # progress lines reach the log as they come
+PY=${PYTHON:-python}
+RUNS=runs/mechanisms
+OUT=results/mechanisms
+ROWS=$OUT/rows
+STEPS=600
+PILOT_EVERY=100
+SEEDS=(0 1 2)
+ARMS=(costa mlm seed-weak seed-strong cpdae-cl cpdae-nocl)
+declare -A SCRIPT=([costa]=costa.py [mlm]=costa.py [seed-weak]=seed.py [seed-strong]=seed.py
+                   [cpdae-cl]=cpdae.py [cpdae-nocl]=cpdae.py)
+declare -A FLAGS=([costa]="" [mlm]="--gwc_weight 0" [seed-weak]="" [seed-strong]="--dec_span 0"
+                  [cpdae-cl]="" [cpdae-nocl]="--cl_weight 0")
+HELD_OUT=$RUNS/wiki-heldout.jsonl
+mkdir -p "$RUNS" "$ROWS"
+
+have_rows() {   # have_rows SEED: every row of this seed is committed
+    local seed=$1 arm
+    for arm in "${ARMS[@]}"; do [ -f "$ROWS/heads-$arm-seed$seed-step$STEPS.json" ] || return 1; done
+    for arm in cpdae-cl cpdae-nocl; do [ -f "$ROWS/word_shares-$arm-seed$seed.json" ] || return 1; done
+    for arm in seed-weak seed-strong; do [ -f "$ROWS/decoder_reliance-$arm-seed$seed.json" ] || return 1; done
+    for arm in costa mlm seed-weak; do [ -f "$ROWS/discrimination-$arm-seed$seed.json" ] || return 1; done
+}
+
+prepare() {   # the split by article (every 5th held out) and the vocabulary of the training part
+    [ -f "$HELD_OUT" ] && [ -f "$RUNS/vocab.txt" ] && return
+    "$PY" -c "
+import gzip, sys
+lines = gzip.open('data/wiki.jsonl.gz', 'rt', encoding='utf-8').read().splitlines(keepends=True)
+open(sys.argv[1], 'w').writelines(l for i, l in enumerate(lines) if i % 5 != 4)
+open(sys.argv[2], 'w').writelines(l for i, l in enumerate(lines) if i % 5 == 4)
+print(f'{len(lines)} articles: {sum(i % 5 != 4 for i in range(len(lines)))} to train on, '
+      f'{sum(i % 5 == 4 for i in range(len(lines)))} held out')" "$RUNS/wiki-train.jsonl" "$HELD_OUT"
+    "$PY" data.py "$RUNS/wiki-train.jsonl" "$RUNS/vocab.txt" 8192
+}
+
+step_of() {   # the step of a run folder's checkpoint (0 without one)
+    [ -f "$1/state.pt" ] || { echo 0; return; }
+    "$PY" -c "import sys, run; print(run.load_training_state(sys.argv[1])['step'])" "$1/state.pt"
+}
+
+train() {   # train ARM SEED [HALT]: the run, continued from its checkpoint if it has one
+    local arm=$1 seed=$2 halt=${3:-0} folder=$RUNS/$1-seed$2
+    local start=--overwrite
+    [ -f "$folder/state.pt" ] && start=--resume
+    # shellcheck disable=SC2086
+    "$PY" "${SCRIPT[$arm]}" --corpus "$RUNS/wiki-train.jsonl" --vocab "$RUNS/vocab.txt" --vocab_size 8192 \
+        --max_len 128 --max_position 128 --hidden_size 128 --num_layers 2 --num_heads 2 --ffn_size 512 \
+        --steps $STEPS --save_every $PILOT_EVERY --seed "$seed" ${FLAGS[$arm]} --halt_at "$halt" \
+        --out_dir "$folder" $start 2>&1 | tee -a "$folder.log" | grep -v "^step " || true
+    [ "$(step_of "$folder")" -ge "$([ "$halt" = 0 ] && echo $STEPS || echo "$halt")" ]   # else stop here
+}
+
+heads() {   # heads SEED ARM...: each run's own losses on the held-out windows, at its checkpoint's step
+    local seed=$1 models="" tags=""
+    shift
+    for arm in "$@"; do models+="${models:+,}$RUNS/$arm-seed$seed/encoder"; tags+="${tags:+,}$arm"; done
+    "$PY" evaluate.py --model "$models" --tag "$tags" --heads --corpus "$HELD_OUT" --out_dir "$ROWS"
+}
+
+measure() {   # measure SEED: each claim's rows
+    local s=$1 r=$RUNS
+    "$PY" evaluate.py --model "$r/cpdae-cl-seed$s/encoder,$r/cpdae-nocl-seed$s/encoder" --tag cpdae-cl,cpdae-nocl \
+        --word_shares --corpus "$HELD_OUT" --out_dir "$ROWS"
+    "$PY" evaluate.py --model "$r/seed-weak-seed$s/encoder,$r/seed-strong-seed$s/encoder" --tag seed-weak,seed-strong \
+        --decoder_reliance --corpus "$HELD_OUT" --out_dir "$ROWS"
+    rm -f "$ROWS/decoder_cosine.png"   # one seed's; report.py draws the mean over the seeds
+    "$PY" evaluate.py --model "$r/costa-seed$s/encoder,$r/mlm-seed$s/encoder,$r/seed-weak-seed$s/encoder" \
+        --tag costa,mlm,seed-weak --discrimination --dataset data/scifact --split test --pooling cls \
+        --query_len 64 --passage_len 128 --out_dir "$ROWS"
+}
+
+for seed in "${SEEDS[@]}"; do
+    have_rows "$seed" && continue
+    prepare
+    for arm in "${ARMS[@]}"; do
+        echo "== $arm seed $seed: $(date -u +%H:%M:%S)"
+        if [ "$seed" = "${SEEDS[0]}" ]; then   # the pilot: held-out heads every PILOT_EVERY steps
+            for ((halt = PILOT_EVERY; halt < STEPS; halt += PILOT_EVERY)); do
+                [ -f "$ROWS/heads-$arm-seed$seed-step$halt.json" ] && continue
+                [ "$(step_of "$RUNS/$arm-seed$seed")" -le "$halt" ] || { echo "$arm: past step $halt"; exit 1; }
+                train "$arm" "$seed" "$halt"
+                heads "$seed" "$arm"
+            done
+        fi
+        train "$arm" "$seed"
+    done
+    heads "$seed" "${ARMS[@]}"
+    measure "$seed"
+done
+
+# Figure 3 for one query (COSTA against MLM-only, seed 0), the query chosen by pick_tsne_query's rule,
+# stated before the runs; and CPDAE's Table 4 text with and without CL. Both need the models.
+if [ ! -f "$OUT/costa_tsne.png" ] || [ ! -f "$OUT/cpdae_words-cl.png" ]; then
+    s=${SEEDS[0]}
+    "$PY" evaluate.py --model "$RUNS/costa-seed$s/encoder,$RUNS/mlm-seed$s/encoder" --tag "COSTA,MLM only" --tsne auto \
+        --dataset data/scifact --split test --pooling cls --query_len 64 --passage_len 128 --out_dir "$RUNS/tsne"
+    cp "$RUNS"/tsne/tsne-*.png "$OUT/costa_tsne.png"
+    TEXT="Nanotechnology raises many of the same issues as any new technology, including concerns about the toxicity \
+and environmental impact of nanomaterials, and their potential effects on global economics, as well as speculation"
+    for arm in cpdae-cl cpdae-nocl; do
+        "$PY" evaluate.py --model "$RUNS/$arm-seed$s/encoder" --words "$TEXT" --out_dir "$RUNS/words-$arm"
+        cp "$RUNS/words-$arm/words.png" "$OUT/cpdae_words-${arm#cpdae-}.png"
+    done
+fi
+
+"$PY" "$OUT/report.py" "$OUT"   # the tables (table.md) and the figures from the rows
