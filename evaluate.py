@@ -1317,19 +1317,20 @@ def discrimination_command(c, split, device):
     return rows
 
 
-def held_out_heads(folder, corpus, n_windows, batch_size=32):
+def held_out_heads(folder, corpus, n_windows):
     """Each term of a pre-training run's own objective on the windows of `corpus`, with what it logs
     (each accuracy X_acc beside its trivial baseline X_chance): the run's PretrainModel rebuilt from
-    its state.pt, its own Batches (masks, views, spans as in training; the run's --seed) over the first
-    n_windows // batch_size of them, dropout off. The pilot's curve of a head against the step, and the
-    check that a head trained past chance on windows it never saw. -> {name: mean over the batches}."""
+    its state.pt, its own Batches (masks, views, spans as in training; the run's --seed and --batch_size,
+    on which a contrastive chance depends) over n_windows // batch_size batches of them, dropout off.
+    The pilot's curve of a head against the step, and the check that a head trained past chance on
+    windows it never saw. -> {name: mean over the batches}."""
     import importlib
 
     state = run.load_training_state(Path(folder).resolve().parent / "state.pt")
     module = importlib.import_module(Path(run_config(folder)["script"]).stem)
     names = {f.name for f in dataclasses.fields(module.Config)}
     c = module.Config(**{k: v for k, v in state["config"].items() if k in names})
-    c = dataclasses.replace(c, init="", batch_size=batch_size, grad_accum=1, steps=max(1, n_windows // batch_size))
+    c = dataclasses.replace(c, init="", grad_accum=1, steps=max(1, n_windows // c.batch_size))
     trained_on = data.token_windows(c.corpus, c.vocab, c.max_len, 0, c.cache_dir)
     idf = {"idf": module.cached_idf(trained_on, c.vocab_size, 0)} if getattr(c, "idf_rec", False) else {}
     model = module.PretrainModel(c, module.Encoder(c), frequent_token=data.most_frequent_token(trained_on), **idf)
@@ -1344,7 +1345,7 @@ def held_out_heads(folder, corpus, n_windows, batch_size=32):
             for name, value in {**terms, **metrics}.items():
                 sums[name] = sums.get(name, 0.0) + float(value)
     return {"step": state["step"], "steps": state["config"]["steps"],
-            "n_windows": len(batches) * batch_size,
+            "n_windows": len(batches) * c.batch_size,
             **{name: total / len(batches) for name, total in sums.items()}}
 
 

@@ -1668,6 +1668,37 @@ def test_decoder_reliance_from_seed_runs_zero_gap_when_h0_is_ignored(tmp_path, w
         evaluate.main(evaluate.Config(model=_tiny_init(tmp_path / "plain"), decoder_reliance=True, corpus=str(corpus)))
 
 
+def test_heads_rebuild_the_runs_objective_and_a_unigram_head_sits_at_chance(tmp_path, wiki_texts):
+    """--heads: a costa.py run whose MLM head always answers the training corpus's most frequent token
+    scores exactly its chance on held-out windows; every number is the mean of the run's own
+    PretrainModel.terms over its Batches of those windows, dropout off; one row per step."""
+    train, held_out = tmp_path / "train.jsonl", tmp_path / "held_out.jsonl"
+    for path, texts in ((train, wiki_texts[:10]), (held_out, wiki_texts[10:])):
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    torch.manual_seed(0)
+    c = costa.Config(**TINY, max_len=64, batch_size=4, corpus=str(train), cache_dir=str(tmp_path / "cache"))
+    frequent = data.most_frequent_token(data.token_windows(c.corpus, c.vocab, c.max_len, 0, c.cache_dir))
+    model = costa.PretrainModel(c, costa.Encoder(c), frequent_token=frequent)
+    with torch.no_grad():
+        model.encoder.mlm_head.bias[frequent] = 1e4                  # argmax = the most frequent token, always
+    encoder = _fake_run(tmp_path / "run", "costa.py", c, model)
+    rows = evaluate.main(evaluate.Config(model=encoder, tag="unigram", heads=True, corpus=str(held_out), n_texts=8,
+                                         out_dir=str(tmp_path / "out")))["heads"]
+    assert [(r["arm"], r["method"], r["step"], r["n_windows"], r["held_out"]) for r in rows] == [
+        ("unigram", "costa", 0, 8, True)]
+    assert rows[0]["mlm_acc"] == rows[0]["mlm_chance"] > 0
+    model.eval()
+    batches = costa.Batches(dataclasses.replace(c, steps=2), data.token_windows(str(held_out), c.vocab, 64, 0, ""), 0, 1)
+    with torch.no_grad():
+        expected = [{**terms, **metrics} for terms, metrics in (model.terms(batches[i]) for i in range(2))]
+    for name in ("L_MLM", "lambda L_GWC", "gwc", "gwc_acc", "gwc_chance"):
+        assert rows[0][name] == pytest.approx((float(expected[0][name]) + float(expected[1][name])) / 2, rel=1e-5)
+    assert set(rows[0]["cosine_by_length"]) == {32, 64, 128, 256, 512}
+    assert [p.name for p in (tmp_path / "out").glob("*.json")] == ["heads-unigram-seed0-step0.json"]
+    with pytest.raises(data.DataError, match="not the encoder of one of our pre-training runs"):
+        evaluate.main(evaluate.Config(model=_tiny_init(tmp_path / "plain"), heads=True, corpus=str(held_out)))
+
+
 def test_separation_known_values():
     at = lambda cos: [cos, math.sqrt(1 - cos * cos)]                 # a unit vector at that cosine to (1, 0)
     query, others = [1.0, 0.0], [at(0.1), at(0.3)]                   # mean 0.2, population sd 0.1

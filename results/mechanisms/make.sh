@@ -7,7 +7,8 @@
 # own 8,192-token WordPiece vocabulary, SEED-Encoder's own setting (from scratch, Wikipedia) at CPU size;
 # the other 1/5 of the articles is held out: every measure reads it (or SciFact's test split), never the
 # texts trained on. Seed 0 is the pilot: its run stops every PILOT_EVERY steps for its heads' held-out
-# losses (evaluate.py --heads), the curves that say whether STEPS is enough (docs/mechanisms.md).
+# losses (evaluate.py --heads), the curves that say whether STEPS is enough (docs/mechanisms.md); then the
+# check: the cheaper pairs (COSTA, CPDAE) again at twice the steps, seed 0, their heads and claims.
 # Run from the repository root: bash results/mechanisms/make.sh (PYTHON=... picks the interpreter).
 # A run whose rows are in results/mechanisms/rows is not trained again: on a fresh clone this command
 # only reprints the tables and figures from the committed rows (report.py). About 80 minutes on 2 CPU cores.
@@ -53,16 +54,16 @@ step_of() {   # the step of a run folder's checkpoint (0 without one)
     "$PY" -c "import sys, run; print(run.load_training_state(sys.argv[1])['step'])" "$1/state.pt"
 }
 
-train() {   # train ARM SEED [HALT]: the run, continued from its checkpoint if it has one
-    local arm=$1 seed=$2 halt=${3:-0} folder=$RUNS/$1-seed$2
-    local start=--overwrite
+train() {   # train ARM SEED [HALT]: the run, continued from its checkpoint if it has one (ARM-x2: 2 x STEPS)
+    local arm=${1%-x2} seed=$2 halt=${3:-0} folder=$RUNS/$1-seed$2 steps=$STEPS start=--overwrite
+    [ "$1" != "$arm" ] && steps=$((2 * STEPS))
     [ -f "$folder/state.pt" ] && start=--resume
     # shellcheck disable=SC2086
     "$PY" "${SCRIPT[$arm]}" --corpus "$RUNS/wiki-train.jsonl" --vocab "$RUNS/vocab.txt" --vocab_size 8192 \
         --max_len 128 --max_position 128 --hidden_size 128 --num_layers 2 --num_heads 2 --ffn_size 512 \
-        --steps $STEPS --save_every $PILOT_EVERY --seed "$seed" ${FLAGS[$arm]} --halt_at "$halt" \
+        --steps $steps --save_every $PILOT_EVERY --seed "$seed" ${FLAGS[$arm]} --halt_at "$halt" \
         --out_dir "$folder" $start 2>&1 | tee -a "$folder.log" | grep -v "^step " || true
-    [ "$(step_of "$folder")" -ge "$([ "$halt" = 0 ] && echo $STEPS || echo "$halt")" ]   # else stop here
+    [ "$(step_of "$folder")" -ge "$([ "$halt" = 0 ] && echo "$steps" || echo "$halt")" ]   # else stop here
 }
 
 heads() {   # heads SEED ARM...: each run's own losses on the held-out windows, at its checkpoint's step
@@ -72,16 +73,27 @@ heads() {   # heads SEED ARM...: each run's own losses on the held-out windows, 
     "$PY" evaluate.py --model "$models" --tag "$tags" --heads --corpus "$HELD_OUT" --out_dir "$ROWS"
 }
 
+word_shares() {   # word_shares SEED [-x2]: CPDAE's claim
+    local s=$1 x=${2:-} r=$RUNS
+    "$PY" evaluate.py --model "$r/cpdae-cl$x-seed$s/encoder,$r/cpdae-nocl$x-seed$s/encoder" \
+        --tag "cpdae-cl$x,cpdae-nocl$x" --word_shares --corpus "$HELD_OUT" --out_dir "$ROWS"
+}
+
+discrimination() {   # discrimination SEED ARM...: COSTA's claim, on SciFact's test split
+    local seed=$1 models="" tags=""
+    shift
+    for arm in "$@"; do models+="${models:+,}$RUNS/$arm-seed$seed/encoder"; tags+="${tags:+,}$arm"; done
+    "$PY" evaluate.py --model "$models" --tag "$tags" --discrimination --dataset data/scifact --split test \
+        --pooling cls --query_len 64 --passage_len 128 --out_dir "$ROWS"
+}
+
 measure() {   # measure SEED: each claim's rows
     local s=$1 r=$RUNS
-    "$PY" evaluate.py --model "$r/cpdae-cl-seed$s/encoder,$r/cpdae-nocl-seed$s/encoder" --tag cpdae-cl,cpdae-nocl \
-        --word_shares --corpus "$HELD_OUT" --out_dir "$ROWS"
+    word_shares "$s"
     "$PY" evaluate.py --model "$r/seed-weak-seed$s/encoder,$r/seed-strong-seed$s/encoder" --tag seed-weak,seed-strong \
         --decoder_reliance --corpus "$HELD_OUT" --out_dir "$ROWS"
     rm -f "$ROWS/decoder_cosine.png"   # one seed's; report.py draws the mean over the seeds
-    "$PY" evaluate.py --model "$r/costa-seed$s/encoder,$r/mlm-seed$s/encoder,$r/seed-weak-seed$s/encoder" \
-        --tag costa,mlm,seed-weak --discrimination --dataset data/scifact --split test --pooling cls \
-        --query_len 64 --passage_len 128 --out_dir "$ROWS"
+    discrimination "$s" costa mlm seed-weak
 }
 
 for seed in "${SEEDS[@]}"; do
@@ -102,6 +114,19 @@ for seed in "${SEEDS[@]}"; do
     heads "$seed" "${ARMS[@]}"
     measure "$seed"
 done
+
+# The check of STEPS: COSTA and CPDAE, both arms, seed 0, at twice the steps (SEED's pair would take
+# about 25 minutes more on 2 CPU cores; docs/mechanisms.md gives its pilot curve instead).
+if [ ! -f "$ROWS/discrimination-mlm-x2-seed${SEEDS[0]}.json" ]; then
+    prepare
+    for arm in costa-x2 mlm-x2 cpdae-cl-x2 cpdae-nocl-x2; do
+        echo "== $arm seed ${SEEDS[0]}: $(date -u +%H:%M:%S)"
+        train "$arm" "${SEEDS[0]}"
+    done
+    heads "${SEEDS[0]}" costa-x2 mlm-x2 cpdae-cl-x2 cpdae-nocl-x2
+    word_shares "${SEEDS[0]}" -x2
+    discrimination "${SEEDS[0]}" costa-x2 mlm-x2
+fi
 
 # Figure 3 for one query (COSTA against MLM-only, seed 0), the query chosen by pick_tsne_query's rule,
 # stated before the runs; and CPDAE's Table 4 text with and without CL. Both need the models.
