@@ -118,7 +118,7 @@ def costa_section(di):
 
 def pilot_table(rows, seed, end):
     """Seed `seed`'s heads by step, and in the last column the same arm run for twice the steps (ARM-x2)."""
-    steps = sorted({st for (a, s, st) in rows if s == seed and not a.endswith("-x2")})
+    steps = sorted({st for (a, s, st) in rows if s == seed and a in ARMS})
     lines = ["| arm | measure | " + " | ".join(f"step {st}" for st in steps) + f" | run of {2 * end} steps, its end |",
              "|---|---|" + "---|" * (len(steps) + 1)]
     for arm in ARMS:
@@ -127,6 +127,25 @@ def pilot_table(rows, seed, end):
             values.append(rows.get((f"{arm}-x2", seed, 2 * end), {}).get(key))
             lines.append(f"| {arm} | {key} | " + " | ".join("-" if v is None else f"{v:.4f}" for v in values) + " |")
     return lines, steps
+
+
+CPDAE_PILOT = {"cpdae-paper": "(the paper's: --cl_tau 1, --rec_reduction sum)", "cpdae-tau0.02": "--cl_tau 0.02",
+               "cpdae-mean-tau0.02": "--rec_reduction mean --cl_tau 0.02"}
+
+
+def cpdae_pilot_table(rows, seed, steps):
+    """CPDAE's pilot: each variant's heads on the held-out windows at the end; make.sh takes the variant
+    with the most accurate CL head for the cpdae-cl and cpdae-nocl arms."""
+    ends = {v: rows[v, seed, steps] for v in CPDAE_PILOT if (v, seed, steps) in rows}
+    if not ends:
+        return []
+    chosen = max(ends, key=lambda v: ends[v]["cl_acc"])
+    lines = [f"## CPDAE's pilot: seed {seed}, {steps} steps, heads on the held-out windows (`heads-cpdae-*-seed{seed}`)",
+             "", "| variant | flags | cl_acc | cl_chance | L_CL | L_REC | MLM accuracy |", "|---|---|---|---|---|---|---|"]
+    for v, r in ends.items():
+        lines.append(f"| {v}{' (chosen)' if v == chosen else ''} | {CPDAE_PILOT[v]} | {r['cl_acc']:.4f} | "
+                     f"{r['cl_chance']:.4f} | {r['cl']:.4f} | {r['rec']:.4g} | {r['mlm_acc']:.4f} |")
+    return lines + [""]
 
 
 def twice_the_steps(rows, seed, steps):
@@ -196,7 +215,7 @@ def plot_claims(rows, path):
     save(fig, path)
 
 
-def plot_seed_figures(rows, path):
+def plot_seed_figures(rows, end, steps, path):
     """SEED-Encoder Figures 4 and 5, the mean over seeds: the decoder's states against h0 by position
     (weak against strong), and random pairs' cosine by length (weak, strong, MLM-only) on held-out texts."""
     import matplotlib.pyplot as plt
@@ -208,9 +227,8 @@ def plot_seed_figures(rows, path):
         left.plot(range(n), np.mean([c[:n] for c in curves], axis=0), label=arm)
     left.set(title="Figure 4: cos(decoder state at position t, h0)", xlabel="position t", ylabel="mean cosine")
     left.legend()
-    heads = {k: r for k, r in rows["heads"].items() if k[2] == max(st for (_, _, st) in rows["heads"])}
     for arm in ("seed-weak", "seed-strong", "mlm"):
-        curves = list(by_seed(heads, arm, "cosine_by_length", max(st for (_, _, st) in heads)).values())
+        curves = list(by_seed(end, arm, "cosine_by_length", steps).values())
         lengths = sorted(curves[0], key=int)
         right.plot([int(n) for n in lengths], [np.mean([c[n] for c in curves]) for n in lengths], marker="o", label=arm)
     right.set(title="Figure 5: cosine of random held-out pairs by length", xlabel="tokens", ylabel="mean cosine")
@@ -231,9 +249,9 @@ def main(folder):
     matplotlib.use("Agg")
     folder = Path(folder)
     rows = load_rows(folder)
-    steps = max(st for (a, _, st) in rows["heads"] if not a.endswith("-x2"))
-    seeds = sorted({s for (a, s, st) in rows["heads"] if st == steps and not a.endswith("-x2")})
-    end = {k: r for k, r in rows["heads"].items() if k[2] == steps}
+    steps = max(st for (a, _, st) in rows["heads"] if a in ARMS)
+    seeds = sorted({s for (a, s, st) in rows["heads"] if st == steps and a in ARMS})
+    end = {k: r for k, r in rows["heads"].items() if k[2] == steps and k[0] in ARMS}
     pilot_lines, pilot_steps = pilot_table(rows["heads"], seeds[0], steps)
     commits = sorted({r["commit"][:7] + (" (dirty)" if r["dirty"] else "") for m in rows.values() for r in m.values()})
     written = (f"Written by `python results/mechanisms/report.py results/mechanisms` from `rows/`, which `bash "
@@ -247,7 +265,7 @@ def main(folder):
            *pilot_lines, "", *twice_the_steps(rows, seeds[0], steps)]
     (folder / "table.md").write_text("\n".join(out))
     plot_claims(rows, folder / "claims.png")
-    plot_seed_figures(rows, folder / "seed_figures.png")
+    plot_seed_figures(rows, end, steps, folder / "seed_figures.png")
     plot_pilot(rows["heads"], seeds[0], pilot_steps, folder / "pilot.png")
     print("\n".join(out))
 
