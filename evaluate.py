@@ -1317,13 +1317,14 @@ def discrimination_command(c, split, device):
     return rows
 
 
-def held_out_heads(folder, corpus, n_windows):
+def held_out_heads(folder, corpus, n_windows, device="cpu"):
     """Each term of a pre-training run's own objective on the windows of `corpus`, with what it logs
     (each accuracy X_acc beside its trivial baseline X_chance): the run's PretrainModel rebuilt from
     its state.pt, its own Batches (masks, views, spans as in training; the run's --seed and --batch_size,
-    on which a contrastive chance depends) over n_windows // batch_size batches of them, dropout off.
-    The pilot's curve of a head against the step, and the check that a head trained past chance on
-    windows it never saw. -> {name: mean over the batches}."""
+    on which a contrastive chance depends, for one process) over n_windows // batch_size batches of them,
+    dropout off, in fp32 (training ran under run.autocast_bf16: its logged losses differ by bf16's
+    rounding). The pilot's curve of a head against the step, and the check that a head trained past
+    chance on windows it never saw. -> {name: mean over the batches}."""
     import importlib
 
     state = run.load_training_state(Path(folder).resolve().parent / "state.pt")
@@ -1335,13 +1336,13 @@ def held_out_heads(folder, corpus, n_windows):
     idf = {"idf": module.cached_idf(trained_on, c.vocab_size, 0)} if getattr(c, "idf_rec", False) else {}
     model = module.PretrainModel(c, module.Encoder(c), frequent_token=data.most_frequent_token(trained_on), **idf)
     model.load_state_dict(state["model"])
-    model.eval()
+    model.to(device).eval()
     windows = data.token_windows(corpus, c.vocab, c.max_len, 0, "")
     batches = module.Batches(c, windows, 0, 1)
     sums = {}
     with torch.no_grad():
         for i in range(len(batches)):
-            terms, metrics = model.terms(batches[i])
+            terms, metrics = model.terms({k: v.to(device) for k, v in batches[i].items()})
             for name, value in {**terms, **metrics}.items():
                 sums[name] = sums.get(name, 0.0) + float(value)
     return {"step": state["step"], "steps": state["config"]["steps"],
@@ -1356,12 +1357,14 @@ def heads_command(c, device):
     rows = []
     for model, tag in model_list(c):
         m = model_settings(c, model, tag)
+        if not c.corpus:
+            raise ValueError("--heads: give --corpus, the held-out text whose windows the heads are measured on")
         if "script" not in run_config(m.model):
             raise data.DataError(f"{m.model}: not the encoder of one of our pre-training runs (no config.json beside "
                                  f"it naming its script); --heads needs the run's state.pt")
         encoder, tokenizer = load_model(m, device)
         texts, held_out = held_out_texts(c, m.model)
-        numbers = held_out_heads(m.model, c.corpus, c.n_texts)
+        numbers = held_out_heads(m.model, c.corpus, c.n_texts, device)
         lengths = [n for n in (32, 64, 128, 256, 512) if n <= encoder.config.max_position]
         numbers["cosine_by_length"] = cls_similarity_by_length(encoder, tokenizer, texts, lengths,
                                                                pooling=trained_bottleneck(m.model))

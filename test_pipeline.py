@@ -724,6 +724,25 @@ def test_readme_study_table_is_results_study_table():
     assert _markdown_table(readme, "| arm | zero-shot nDCG@10 |") == expected
 
 
+def test_results_mechanisms_reprint_from_their_rows_and_the_pages_quote_them(tmp_path):
+    """results/mechanisms/report.py trains and measures nothing: from a copy of the committed rows it writes
+    table.md as committed (the same figures' names beside it); every table row and every verdict line that
+    the README's figures section and docs/mechanisms.md give is a line of that table.md."""
+    folder = HERE / "results" / "mechanisms"
+    shutil.copytree(folder / "rows", tmp_path / "rows")
+    subprocess.run([PY, str(folder / "report.py"), str(tmp_path)], check=True, capture_output=True, timeout=300)
+    table = (folder / "table.md").read_text()
+    assert (tmp_path / "table.md").read_text() == table
+    assert {p.name for p in tmp_path.glob("*.png")} <= {p.name for p in folder.glob("*.png")}
+    readme = (HERE / "README.md").read_text()
+    figures = readme[readme.index("## Figures"):readme.index("## The study, in brief")]
+    docs = (HERE / "docs" / "mechanisms.md").read_text()
+    quoted = [line for page in (figures, docs) for line in page.splitlines()
+              if (line.startswith("| ") and re.search(r"\d\.\d", line)) or " seeds " in line and "p = " in line]
+    assert len(quoted) >= 10, "the pages quote the mechanisms' table"
+    assert [line for line in quoted if line not in table.splitlines()] == []
+
+
 # ----------------------------------------------------------------------------------------------
 # Every departure from a paper, marked where it happens, is listed in docs/departures.md
 # ----------------------------------------------------------------------------------------------

@@ -59,19 +59,21 @@ step_of() {   # the step of a run folder's checkpoint (0 without one)
 }
 
 train() {   # train ARM SEED [HALT]: the run, continued from its checkpoint if it has one (ARM-x2: 2 x STEPS)
-    local arm=${1%-x2} seed=$2 halt=${3:-0} folder=$RUNS/$1-seed$2 steps=$STEPS start=--overwrite
+    local arm=${1%-x2} seed=$2 halt=${3:-0} folder=$RUNS/$1-seed$2 steps=$STEPS start=--overwrite target
     [ "$1" != "$arm" ] && steps=$((2 * STEPS))
+    target=$([ "$halt" = 0 ] && echo "$steps" || echo "$halt")
+    [ "$(step_of "$folder")" -ge "$target" ] && return 0   # there already (a resume would run past --halt_at)
     [ -f "$folder/state.pt" ] && start=--resume
     # shellcheck disable=SC2086
     "$PY" "${SCRIPT[$arm]}" --corpus "$RUNS/wiki-train.jsonl" --vocab "$RUNS/vocab.txt" --vocab_size 8192 \
         --max_len 128 --max_position 128 --hidden_size 128 --num_layers 2 --num_heads 2 --ffn_size 512 \
         --steps $steps --save_every $PILOT_EVERY --seed "$seed" ${FLAGS[$arm]} --halt_at "$halt" \
         --out_dir "$folder" $start 2>&1 | tee -a "$folder.log" | grep -v "^step " || true
-    [ "$(step_of "$folder")" -ge "$([ "$halt" = 0 ] && echo "$steps" || echo "$halt")" ]   # else stop here
+    [ "$(step_of "$folder")" -ge "$target" ] || { echo "$folder: did not reach step $target (see $folder.log)"; exit 1; }
 }
 
 heads() {   # heads SEED ARM...: each run's own losses on the held-out windows, at its checkpoint's step
-    local seed=$1 models="" tags=""
+    local seed=$1 models="" tags="" arm
     shift
     for arm in "$@"; do models+="${models:+,}$RUNS/$arm-seed$seed/encoder"; tags+="${tags:+,}$arm"; done
     "$PY" evaluate.py --model "$models" --tag "$tags" --heads --corpus "$HELD_OUT" --out_dir "$ROWS"
@@ -84,7 +86,7 @@ word_shares() {   # word_shares SEED [-x2]: CPDAE's claim
 }
 
 discrimination() {   # discrimination SEED ARM...: COSTA's claim, on SciFact's test split
-    local seed=$1 models="" tags=""
+    local seed=$1 models="" tags="" arm
     shift
     for arm in "$@"; do models+="${models:+,}$RUNS/$arm-seed$seed/encoder"; tags+="${tags:+,}$arm"; done
     "$PY" evaluate.py --model "$models" --tag "$tags" --discrimination --dataset data/scifact --split test \
@@ -150,8 +152,9 @@ fi
 
 # Figure 3 for one query (COSTA against MLM-only, seed 0), the query chosen by pick_tsne_query's rule,
 # stated before the runs; and CPDAE's Table 4 text with and without CL. Both need the models.
-if [ ! -f "$OUT/costa_tsne.png" ] || [ ! -f "$OUT/cpdae_words-cl.png" ]; then
+if [ ! -f "$OUT/costa_tsne.png" ] || [ ! -f "$OUT/cpdae_words-cl.png" ] || [ ! -f "$OUT/cpdae_words-nocl.png" ]; then
     s=${SEEDS[0]}
+    rm -rf "$RUNS/tsne"
     "$PY" evaluate.py --model "$RUNS/costa-seed$s/encoder,$RUNS/mlm-seed$s/encoder" --tag "COSTA,MLM only" --tsne auto \
         --dataset data/scifact --split test --pooling cls --query_len 64 --passage_len 128 --out_dir "$RUNS/tsne"
     cp "$RUNS"/tsne/tsne-*.png "$OUT/costa_tsne.png"

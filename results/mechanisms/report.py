@@ -57,13 +57,14 @@ def difference(rows, arm, ablation, key, sign):
 
 
 def heads_table(rows, steps):
-    header = f"| arm | own head | held-out accuracy at step {steps} | its chance | held-out loss | MLM accuracy | MLM chance |"
+    header = (f"| arm | own head: accuracy / loss | held-out accuracy at step {steps} | its chance | held-out loss | "
+              "MLM accuracy | MLM chance |")
     lines = [header, "|---|---|---|---|---|---|---|"]
     for arm in ARMS:
         acc, chance, loss = OWN_HEAD[arm]
         cells = [mean_sd(by_seed(rows, arm, k, steps).values()) if k else "-" for k in (acc, chance, loss)]
         cells += [mean_sd(by_seed(rows, arm, k, steps).values()) for k in ("mlm_acc", "mlm_chance")]
-        lines.append(f"| {arm} | {loss} | " + " | ".join(cells) + " |")
+        lines.append(f"| {arm} | {acc or '-'} / {loss} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -164,27 +165,35 @@ def twice_the_steps(rows, seed, steps):
 
 
 def plot_pilot(rows, seed, steps, path):
+    """Seed `seed`'s heads by step: each arm's own accuracy beside its chance (CPDAE's L_REC, both arms, on a
+    second axis: without CL it has no accuracy), and as a star the end of the run of twice the steps."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, (title, arms) in zip(axes, [("COSTA: GWC / MLM accuracy", ["costa", "mlm"]),
-                                        ("SEED: decoder accuracy", ["seed-weak", "seed-strong"]),
-                                        ("CPDAE: CL accuracy / L_REC", ["cpdae-cl", "cpdae-nocl"])]):
+    panels = [("COSTA: GWC / MLM accuracy", ["costa", "mlm"]), ("SEED: decoder accuracy", ["seed-weak", "seed-strong"]),
+              ("CPDAE: CL accuracy; L_REC (dashed, right axis)", ["cpdae-cl"])]
+    for i, (ax, (title, arms)) in enumerate(zip(axes, panels)):
         for arm in arms:
-            acc, chance, loss = OWN_HEAD[arm]
-            key = acc or loss
-            ys = [rows[arm, seed, st][key] for st in steps if (arm, seed, st) in rows]
-            ax.plot(steps[:len(ys)], ys, marker="o", label=f"{arm}: {key}")
-            color = ax.lines[-1].get_color()
-            if (f"{arm}-x2", seed, 2 * steps[-1]) in rows:   # the run of twice the steps, its end
-                ax.plot([2 * steps[-1]], [rows[f"{arm}-x2", seed, 2 * steps[-1]][key]], marker="*", ms=12, ls="",
-                        color=color, label=f"{arm}: run of {2 * steps[-1]} steps")
-            if chance:
-                ax.plot(steps[:len(ys)], [rows[arm, seed, st][chance] for st in steps[:len(ys)]], ls=":",
-                        color=color, label=f"{arm}: chance")
+            acc, chance, _ = OWN_HEAD[arm]
+            curve(ax, rows, arm, seed, steps, acc, f"C{arms.index(arm)}", "-", f"{arm}: {acc}")
+            curve(ax, rows, arm, seed, steps, chance, f"C{arms.index(arm)}", ":", f"{arm}: chance")
+        if i == 2:
+            right = ax.twinx()
+            for j, arm in enumerate(["cpdae-cl", "cpdae-nocl"]):
+                curve(right, rows, arm, seed, steps, "rec", f"C{j + 2}", "--", f"{arm}: L_REC")
+            right.legend(fontsize=7, loc="center right")
         ax.set(title=title, xlabel="step")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left")
     save(fig, path)
+
+
+def curve(ax, rows, arm, seed, steps, key, color, style, label):
+    """One arm's `key` by step, and (a star) its value at the end of the run of twice the steps."""
+    ys = [rows[arm, seed, st][key] for st in steps if (arm, seed, st) in rows]
+    ax.plot(steps[:len(ys)], ys, marker="o" if style == "-" else None, ls=style, color=color, label=label)
+    if style != ":" and (f"{arm}-x2", seed, 2 * steps[-1]) in rows:
+        ax.plot([2 * steps[-1]], [rows[f"{arm}-x2", seed, 2 * steps[-1]][key]], marker="*", ms=12, ls="", color=color,
+                label=f"{arm}: run of {2 * steps[-1]} steps, end")
 
 
 def plot_claims(rows, path):
@@ -262,7 +271,7 @@ def main(folder):
            *cpdae_section(rows["word_shares"]), *seed_section(rows["decoder_reliance"], end, steps),
            *costa_section(rows["discrimination"]),
            f"## The pilot: seed {seeds[0]}'s heads on the held-out windows by step (`heads-*-seed{seeds[0]}-step*`)", "",
-           *pilot_lines, "", *twice_the_steps(rows, seeds[0], steps)]
+           *pilot_lines, "", *cpdae_pilot_table(rows["heads"], seeds[0], steps), *twice_the_steps(rows, seeds[0], steps)]
     (folder / "table.md").write_text("\n".join(out))
     plot_claims(rows, folder / "claims.png")
     plot_seed_figures(rows, end, steps, folder / "seed_figures.png")
