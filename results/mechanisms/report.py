@@ -96,14 +96,14 @@ def seed_section(dr, end, steps):
     for arm in ARMS:
         curves = list(by_seed(end, arm, "cosine_by_length", steps).values())
         lines.append(f"| {arm} | " + " | ".join(mean_sd(c[n] for c in curves) for n in lengths) + " |")
-    longest = {(a, s, None): {"cosine": r["cosine_by_length"][lengths[-1]]} for (a, s, _), r in end.items()}
+    longest = longest_cosine(end)
     for ablation, name in (("seed-strong", "strong"), ("mlm", "MLM-only")):
         lines.append(f"- cosine at {lengths[-1]} tokens, weak - {name} (claimed < 0): "
                      f"{difference(longest, 'seed-weak', ablation, 'cosine', -1)}")
     return lines + [""]
 
 
-def costa_section(di):
+def costa_section(di, end):
     lines = ["## COSTA section 5.4: relevant documents near, the rest away (`discrimination-*`, SciFact test)", "",
              "| arm | AUC (relevant closer than another BM25 top-100 candidate) | margin (sd) | queries |",
              "|---|---|---|---|"]
@@ -114,7 +114,18 @@ def costa_section(di):
     for key in ("auc", "margin"):
         for ablation, name in (("mlm", "MLM-only"), ("seed-weak", "SEED")):
             lines.append(f"- {key}, COSTA - {name} (claimed > 0): {difference(di, 'costa', ablation, key, +1)}")
+    longest = longest_cosine(end)
+    length = next(iter(end.values()))["cosine_by_length"]
+    for ablation, name in (("mlm", "MLM-only"), ("seed-weak", "SEED")):   # "the rest spread away": Figure 5's curve
+        lines.append(f"- random held-out pairs' cosine at {max(length, key=int)} tokens, COSTA - {name} (claimed < 0): "
+                     f"{difference(longest, 'costa', ablation, 'cosine', -1)}")
     return lines + [""]
+
+
+def longest_cosine(end):
+    """{(arm, seed, None): {"cosine": the random-pair cosine at the longest length}} of the end-of-run heads rows."""
+    return {(a, s, None): {"cosine": r["cosine_by_length"][max(r["cosine_by_length"], key=int)]}
+            for (a, s, _), r in end.items()}
 
 
 def pilot_table(rows, seed, end):
@@ -269,7 +280,7 @@ def main(folder):
            "Values: mean ± sd over the seeds. Differences are paired by seed: arm - ablation.", "",
            "## Each arm's own head on the held-out windows at the end (`heads-*`)", "", *heads_table(end, steps), "",
            *cpdae_section(rows["word_shares"]), *seed_section(rows["decoder_reliance"], end, steps),
-           *costa_section(rows["discrimination"]),
+           *costa_section(rows["discrimination"], end),
            f"## The pilot: seed {seeds[0]}'s heads on the held-out windows by step (`heads-*-seed{seeds[0]}-step*`)", "",
            *pilot_lines, "", *cpdae_pilot_table(rows["heads"], seeds[0], steps), *twice_the_steps(rows, seeds[0], steps)]
     (folder / "table.md").write_text("\n".join(out))
