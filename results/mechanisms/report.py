@@ -68,7 +68,7 @@ def heads_table(rows, steps):
     return lines
 
 
-def cpdae_section(ws):
+def cpdae_section(ws, end, steps):
     lines = ["## CPDAE section 3.3: z~ on common words and on the text's own words (`word_shares-*`)", "",
              "| arm | common | uniform | representative | uniform |", "|---|---|---|---|---|"]
     for arm in ("cpdae-cl", "cpdae-nocl"):
@@ -76,8 +76,11 @@ def cpdae_section(ws):
         lines.append(f"| {arm} | " + " | ".join(mean_sd(by_seed(ws, arm, k).values()) for k in keys) + " |")
     common = difference(ws, "cpdae-cl", "cpdae-nocl", "common", -1)
     representative = difference(ws, "cpdae-cl", "cpdae-nocl", "representative", +1)
+    cl, chance = by_seed(end, "cpdae-cl", "cl", steps).values(), by_seed(end, "cpdae-cl", "cl_chance", steps).values()
+    blind = (f"- L_CL of cpdae-cl on the held-out windows at step {steps}: {mean_sd(cl)}; a loss blind to which "
+             f"view is which: ln(2m - 1) = {np.log(1 / np.mean(list(chance))):.4f}")
     return lines + ["", f"- common, CL on - off (claimed < 0): {common}",
-                    f"- representative, CL on - off (claimed > 0): {representative}", ""]
+                    f"- representative, CL on - off (claimed > 0): {representative}", blind, ""]
 
 
 def seed_section(dr, end, steps):
@@ -279,7 +282,7 @@ def main(folder):
     out = [f"# Mechanisms: each claim against its own ablation ({len(seeds)} seeds, {steps} steps)", "", written,
            "Values: mean ± sd over the seeds. Differences are paired by seed: arm - ablation.", "",
            "## Each arm's own head on the held-out windows at the end (`heads-*`)", "", *heads_table(end, steps), "",
-           *cpdae_section(rows["word_shares"]), *seed_section(rows["decoder_reliance"], end, steps),
+           *cpdae_section(rows["word_shares"], end, steps), *seed_section(rows["decoder_reliance"], end, steps),
            *costa_section(rows["discrimination"], end),
            f"## The pilot: seed {seeds[0]}'s heads on the held-out windows by step (`heads-*-seed{seeds[0]}-step*`)", "",
            *pilot_lines, "", *cpdae_pilot_table(rows["heads"], seeds[0], steps), *twice_the_steps(rows, seeds[0], steps)]
