@@ -85,14 +85,17 @@ def cpdae_section(ws, end, steps):
 
 def seed_section(dr, end, steps):
     lines = ["## SEED-Encoder sections 3.2-3.4: does the decoder read h0? (`decoder_reliance-*`)", "",
-             "| arm | loss, own h0 | loss, another text's h0 | gap (nats/token) | cos(state, h0) at t=1 | at the last t |",
-             "|---|---|---|---|---|---|"]
+             ("| arm | loss, own h0 | loss, another text's h0 | gap (nats/token) | cos(state, h0) at t=1 | at the last t "
+             "| mean over t |"), "|---|---|---|---|---|---|---|"]
     for arm in ("seed-weak", "seed-strong"):
         curves = by_seed(dr, arm, "cosine_by_position").values()
         cells = [mean_sd(by_seed(dr, arm, k).values()) for k in ("loss_own", "loss_other", "gap")]
-        cells += [mean_sd(c[1] for c in curves), mean_sd(c[-1] for c in curves)]
+        cells += [mean_sd(c[1] for c in curves), mean_sd(c[-1] for c in curves), mean_sd(np.mean(c) for c in curves)]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
-    lines += ["", f"- gap, weak - strong (claimed > 0): {difference(dr, 'seed-weak', 'seed-strong', 'gap', +1)}", "",
+    figure4 = {k: {"cosine": np.mean(r["cosine_by_position"])} for k, r in dr.items()}
+    lines += ["", f"- gap, weak - strong (claimed > 0): {difference(dr, 'seed-weak', 'seed-strong', 'gap', +1)}",
+              (f"- Figure 4, cos(state, h0) over t, weak - strong (claimed > 0): "
+              f"{difference(figure4, 'seed-weak', 'seed-strong', 'cosine', +1)}"), "",
               "Figure 5, random held-out pairs' cosine of the trained vector by length (`heads-*`):", ""]
     lengths = sorted(next(iter(end.values()))["cosine_by_length"], key=int)
     lines += ["| arm | " + " | ".join(f"{n} tokens" for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
