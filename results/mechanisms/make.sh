@@ -137,8 +137,8 @@ for seed in "${SEEDS[@]}"; do
     measure "$seed"
 done
 
-# The check of STEPS: COSTA and CPDAE, both arms, seed 0, at twice the steps (SEED's pair would take
-# about 25 minutes more on 2 CPU cores; docs/mechanisms.md gives its pilot curve instead).
+# The check of STEPS: COSTA and CPDAE, both arms, seed 0, at twice the steps (SEED's pair, the costliest
+# by far, is not: docs/mechanisms.md gives its pilot curve instead).
 if [ ! -f "$ROWS/discrimination-mlm-x2-seed${SEEDS[0]}.json" ]; then
     prepare
     for arm in costa-x2 mlm-x2 cpdae-cl-x2 cpdae-nocl-x2; do
