@@ -39,7 +39,8 @@ def by_seed(rows, arm, key, step=None):
 
 def mean_sd(values):
     values = np.asarray(list(values), dtype=float)
-    return f"{values.mean():.4g} ± {values.std(ddof=1) if len(values) > 1 else 0:.2g}"   # 4 significant digits
+    sd = values.std(ddof=1) if len(values) > 1 else 0.0
+    return f"{values.mean():.4g} ± {sd if sd > 1e-12 * abs(values.mean()) else 0:.2g}"   # equal values: sd 0, not 4e-18
 
 
 def difference(rows, arm, ablation, key, sign):
