@@ -3,9 +3,10 @@
     python results/mechanisms/report.py results/mechanisms      # make.sh runs it last
 
 Reads {folder}/rows/*.json, writes {folder}/table.md and the figures beside it; it trains and measures
-nothing, so on a fresh clone it reprints the committed tables and figures byte for byte. A claim is
-"shown" when its difference with the ablation, paired by seed, has the claimed sign in every seed and a
-one-sided paired t-test over the seeds gives p < 0.05: the rule fixed before the runs (docs/mechanisms.md).
+nothing, so on a fresh clone it reprints the committed table.md exactly (and the figures, byte for byte
+with the same matplotlib and FreeType). A claim is "shown" when its difference with the ablation, paired
+by seed, has the claimed sign in every seed and a one-sided paired t-test over the seeds gives p < 0.05:
+the rule fixed before any claim was measured (docs/mechanisms.md).
 """
 import json
 import sys
