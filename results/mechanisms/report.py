@@ -169,17 +169,26 @@ def cpdae_pilot_table(rows, seed, steps):
 
 
 def twice_the_steps(rows, seed, steps):
-    """The check of the budget: COSTA's and CPDAE's pairs at 2 x steps (seed `seed`), their claims beside
-    the same seed's at `steps`."""
-    ws, di = rows["word_shares"], rows["discrimination"]
+    """The check of the budget: COSTA's and CPDAE's pairs at 2 x steps (seed `seed`), their heads and
+    claims beside the same seed's at `steps`."""
+    ws, di, heads = rows["word_shares"], rows["discrimination"], rows["heads"]
     if ("mlm-x2", seed, None) not in di:
         return []
+    longest = lambda r: r["cosine_by_length"][max(r["cosine_by_length"], key=int)]
+    checks = [(heads, "costa", "gwc_acc"), (heads, "costa", "mlm_acc"), (heads, "mlm", "mlm_acc"),
+              (heads, "cpdae-cl", "cl_acc"), (heads, "cpdae-cl", "cl"), (heads, "cpdae-cl", "mlm_acc"),
+              (heads, "cpdae-nocl", "mlm_acc"), (ws, "cpdae-cl", "common"), (ws, "cpdae-nocl", "common"),
+              (ws, "cpdae-cl", "representative"), (ws, "cpdae-nocl", "representative"), (di, "costa", "auc"),
+              (di, "mlm", "auc"), (di, "costa", "margin"), (di, "mlm", "margin"), (heads, "costa", longest),
+              (heads, "mlm", longest)]
     lines = [f"## The check: the same seed at {steps} and at {2 * steps} steps (`*-x2-seed{seed}*`)", "",
-             f"| measure | at {steps} steps | at {2 * steps} steps |", "|---|---|---|"]
-    for measure, arm, key in [(ws, "cpdae-cl", "common"), (ws, "cpdae-nocl", "common"), (ws, "cpdae-cl", "representative"),
-                              (ws, "cpdae-nocl", "representative"), (di, "costa", "auc"), (di, "mlm", "auc"),
-                              (di, "costa", "margin"), (di, "mlm", "margin")]:
-        lines.append(f"| {arm}: {key} | {measure[arm, seed, None][key]:.4g} | {measure[f'{arm}-x2', seed, None][key]:.4g} |")
+             f"| arm: measure | at {steps} steps | at {2 * steps} steps |", "|---|---|---|"]
+    for measure, arm, key in checks:
+        at = (steps, 2 * steps) if measure is heads else (None, None)
+        value = key if callable(key) else lambda r, key=key: r[key]
+        name = "random pairs' cosine, longest" if callable(key) else key
+        lines.append(f"| {arm}: {name} | {value(measure[arm, seed, at[0]]):.4g} | "
+                     f"{value(measure[f'{arm}-x2', seed, at[1]]):.4g} |")
     return lines + [""]
 
 
