@@ -150,18 +150,13 @@ if [ ! -f "$ROWS/discrimination-mlm-x2-seed${SEEDS[0]}.json" ]; then
     discrimination "${SEEDS[0]}" costa-x2 mlm-x2
 fi
 
-# Figure 3 for one query (COSTA against MLM-only, seed 0), the query chosen by pick_tsne_query's rule,
-# stated before the runs; and CPDAE's Table 4 text with and without CL. Both need the models.
-if [ ! -f "$OUT/costa_tsne.png" ] || [ ! -f "$OUT/cpdae_words-cl.png" ] || [ ! -f "$OUT/cpdae_words-nocl.png" ]; then
-    s=${SEEDS[0]}
-    rm -rf "$RUNS/tsne"
-    "$PY" evaluate.py --model "$RUNS/costa-seed$s/encoder,$RUNS/mlm-seed$s/encoder" --tag "COSTA,MLM only" --tsne auto \
-        --dataset data/scifact --split test --pooling cls --query_len 64 --passage_len 128 --out_dir "$RUNS/tsne"
-    cp "$RUNS"/tsne/tsne-*.png "$OUT/costa_tsne.png"
+# CPDAE's Table 4 text with and without CL (seed 0); it needs the models. (COSTA's Figure 3 is not drawn:
+# pick_tsne_query's rule, a query with a relevant document in every model's top 100, finds none here.)
+if [ ! -f "$OUT/cpdae_words-cl.png" ] || [ ! -f "$OUT/cpdae_words-nocl.png" ]; then
     TEXT="Nanotechnology raises many of the same issues as any new technology, including concerns about the toxicity \
 and environmental impact of nanomaterials, and their potential effects on global economics, as well as speculation"
     for arm in cpdae-cl cpdae-nocl; do
-        "$PY" evaluate.py --model "$RUNS/$arm-seed$s/encoder" --words "$TEXT" --out_dir "$RUNS/words-$arm"
+        "$PY" evaluate.py --model "$RUNS/$arm-seed${SEEDS[0]}/encoder" --words "$TEXT" --out_dir "$RUNS/words-$arm"
         cp "$RUNS/words-$arm/words.png" "$OUT/cpdae_words-${arm#cpdae-}.png"
     done
 fi
