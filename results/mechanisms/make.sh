@@ -72,34 +72,35 @@ train() {   # train ARM SEED [HALT]: the run, continued from its checkpoint if i
     [ "$(step_of "$folder")" -ge "$target" ] || { echo "$folder: did not reach step $target (see $folder.log)"; exit 1; }
 }
 
-heads() {   # heads SEED ARM...: each run's own losses on the held-out windows, at its checkpoint's step
+models() {   # models SEED ARM...: evaluate.py's --model and --tag for these arms' encoders at this seed
     local seed=$1 models="" tags="" arm
     shift
     for arm in "$@"; do models+="${models:+,}$RUNS/$arm-seed$seed/encoder"; tags+="${tags:+,}$arm"; done
-    "$PY" evaluate.py --model "$models" --tag "$tags" --heads --corpus "$HELD_OUT" --out_dir "$ROWS"
+    echo "--model $models --tag $tags"
+}
+
+heads() {   # heads SEED ARM...: each run's own losses on the held-out windows, at its checkpoint's step
+    # shellcheck disable=SC2046
+    "$PY" evaluate.py $(models "$@") --heads --corpus "$HELD_OUT" --out_dir "$ROWS"
 }
 
 word_shares() {   # word_shares SEED [-x2]: CPDAE's claim
-    local s=$1 x=${2:-} r=$RUNS
-    "$PY" evaluate.py --model "$r/cpdae-cl$x-seed$s/encoder,$r/cpdae-nocl$x-seed$s/encoder" \
-        --tag "cpdae-cl$x,cpdae-nocl$x" --word_shares --corpus "$HELD_OUT" --out_dir "$ROWS"
+    # shellcheck disable=SC2046
+    "$PY" evaluate.py $(models "$1" "cpdae-cl${2:-}" "cpdae-nocl${2:-}") --word_shares --corpus "$HELD_OUT" --out_dir "$ROWS"
 }
 
 discrimination() {   # discrimination SEED ARM...: COSTA's claim, on SciFact's test split
-    local seed=$1 models="" tags="" arm
-    shift
-    for arm in "$@"; do models+="${models:+,}$RUNS/$arm-seed$seed/encoder"; tags+="${tags:+,}$arm"; done
-    "$PY" evaluate.py --model "$models" --tag "$tags" --discrimination --dataset data/scifact --split test \
+    # shellcheck disable=SC2046
+    "$PY" evaluate.py $(models "$@") --discrimination --dataset data/scifact --split test \
         --pooling cls --query_len 64 --passage_len 128 --out_dir "$ROWS"
 }
 
 measure() {   # measure SEED: each claim's rows
-    local s=$1 r=$RUNS
-    word_shares "$s"
-    "$PY" evaluate.py --model "$r/seed-weak-seed$s/encoder,$r/seed-strong-seed$s/encoder" --tag seed-weak,seed-strong \
-        --decoder_reliance --corpus "$HELD_OUT" --out_dir "$ROWS"
+    word_shares "$1"
+    # shellcheck disable=SC2046
+    "$PY" evaluate.py $(models "$1" seed-weak seed-strong) --decoder_reliance --corpus "$HELD_OUT" --out_dir "$ROWS"
     rm -f "$ROWS/decoder_cosine.png"   # one seed's; report.py draws the mean over the seeds
-    discrimination "$s" costa mlm seed-weak
+    discrimination "$1" costa mlm seed-weak
 }
 
 # CPDAE's pilot, then its two arms with the variant chosen
