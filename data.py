@@ -636,6 +636,7 @@ def encode_texts(tokenizer, texts, max_len):
 # Files are written under '.NAME.PID@HOST.tmp' and renamed; the next use removes a killed writer's.
 TOKEN_CACHE_VERSION = 2      # 2: the manifest records each file's size, time and CRC-32 (1 recorded none)
 CACHE_WAIT_S = 6 * 3600      # how long ranks > 0 wait for rank 0 to build a cache before giving up
+WORKER_SILENCE_S = 600       # a tokenizing worker that gives nothing back this long is stuck: named, stopped
 TOKEN_FILES = ("tokens.bin", "word_starts.bin", "doc_offsets.npy")   # what the manifest vouches for
 CRC_EVERY_USE_BYTES = 1 << 30   # files up to this total have their CRC-32s checked on every use
 UNOWNED_TEMP_S = 3600        # a temporary whose name has no PID is stale when unwritten this long
@@ -749,9 +750,15 @@ def _is_ready(problem, folder, redo, say=False):
 def _start_worker(vocab):
     import signal
     global _worker_tokenizer
-    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C reaches the whole process group: the parent stops
-    if hasattr(signal, "pthread_sigmask"):           # the workers (no traceback of theirs); it was blocked (_pool)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    # A worker stops as the operating system means, whatever handlers the parent installed (run.py's stop
+    # handlers are inherited through fork): SIGTERM ends it (Pool.terminate sends it), Ctrl-C is the parent's
+    # to act on (it reaches the whole process group). Both were blocked since before the fork (_pool), so one
+    # sent while the worker was starting waits, pending, and acts here; caught by the inherited Python handler
+    # it was lost, and terminate() then waited without end on a worker that never ended.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     os.environ["TOKENIZERS_PARALLELISM"] = "false"   # one thread per worker process: the pool is the parallelism
     _worker_tokenizer = load_tokenizer(vocab)
 
@@ -766,7 +773,14 @@ def _tokenize_chunk(texts):
     starts = np.ones(total, dtype=bool)                  # a token starts a word when its word id changes,
     starts[1:] = words[1:] != words[:-1]                 # and every document starts with a word
     starts[np.cumsum(lengths)[:-1][lengths[1:] > 0]] = True
-    return ids, starts.astype(np.uint8), lengths
+    return ids, starts.astype(np.uint8), lengths, _over_long_chars(encodings)
+
+
+def _over_long_chars(encodings):
+    """Characters in words longer than WordPiece reads (100): each such word became one [UNK] token."""
+    unk, longest = _worker_tokenizer.token_to_id("[UNK]"), _worker_tokenizer.model.max_input_chars_per_word
+    return sum(end - start for e in encodings if unk in e.ids
+               for token, (start, end) in zip(e.ids, e.offsets) if token == unk and end - start > longest)
 
 
 def _tokenize_chunk_sized(texts):
@@ -805,14 +819,45 @@ def _pool(vocab, workers):
     import multiprocessing
     import signal
     workers = workers or os.cpu_count() or 1
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"   # (no fork on Windows)
-    if not hasattr(signal, "pthread_sigmask"):
-        return multiprocessing.get_context(method).Pool(workers, _start_worker, (str(vocab),))
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})   # until a worker ignores it
+    context = multiprocessing.get_context()   # the platform's: fork on Linux; spawn on macOS (where forking a
+    if not hasattr(signal, "pthread_sigmask"):  # process that runs threads is unsafe) and on Windows
+        return context.Pool(workers, _start_worker, (str(vocab),))
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # until _start_worker
     try:
-        return multiprocessing.get_context(method).Pool(workers, _start_worker, (str(vocab),))
+        return context.Pool(workers, _start_worker, (str(vocab),))
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _results(pool, tasks, folder):
+    """Each result of pool.imap in order, waiting at most WORKER_SILENCE_S for each: a stuck worker is
+    named in one line, never waited on without end."""
+    import multiprocessing
+    answers = pool.imap(_tokenize_chunk_sized, tasks)
+    while True:
+        try:
+            yield answers.next(timeout=WORKER_SILENCE_S)
+        except StopIteration:
+            return
+        except multiprocessing.TimeoutError:
+            raise DataError(_stuck_line(pool, folder)) from None
+
+
+def _close_pool(pool, folder):
+    """The workers leave when the tasks run out: wait for each, at most WORKER_SILENCE_S in all."""
+    pool.close()
+    deadline = time.monotonic() + WORKER_SILENCE_S
+    for worker in pool._pool:                        # (the pool's processes: Pool has no public name for them)
+        worker.join(max(0.0, deadline - time.monotonic()))
+    if any(worker.is_alive() for worker in pool._pool):
+        raise DataError(_stuck_line(pool, folder))
+    pool.join()
+
+
+def _stuck_line(pool, folder):
+    pids = ", ".join(str(worker.pid) for worker in pool._pool if worker.is_alive())
+    return (f"token cache {folder}: the tokenizing workers (pids {pids}) gave nothing back for {WORKER_SILENCE_S} s; "
+            f"they were stopped and no half-built cache is kept. Run the command again (--prep_workers 1: one worker)")
 
 
 def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, verbose=True):
@@ -846,18 +891,22 @@ def _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, v
     import time
     dtype = np.uint16 if vocab_size_of(vocab) <= 1 << 16 else np.uint32
     tmp = {name: temporary_name(folder / name) for name in ("tokens.bin", "word_starts.bin")}
-    lengths, n_tokens, t0 = [np.zeros(1, np.int64)], 0, time.time()
+    lengths, n_tokens, over_long, t0 = [np.zeros(1, np.int64)], 0, 0, time.time()
     progress = ProgressLine(f"tokenizing {corpus}:", corpus_chars(corpus), "chars", rank=0 if verbose else 1)
     try:
-        with open(tmp["tokens.bin"], "wb") as tok_f, open(tmp["word_starts.bin"], "wb") as ws_f, \
-                _pool(vocab, workers) as pool:
-            chunks = _chunks(iter_pretraining_texts(corpus), chunk_chars)
-            for ids, starts, doc_lengths, n_chars in pool.imap(_tokenize_chunk_sized, chunks):
-                tok_f.write(ids.astype(dtype).tobytes())
-                ws_f.write(starts.tobytes())
-                lengths.append(doc_lengths)
-                n_tokens += len(ids)
-                progress.add(n_chars)
+        with open(tmp["tokens.bin"], "wb") as tok_f, open(tmp["word_starts.bin"], "wb") as ws_f:
+            pool = _pool(vocab, workers)
+            try:
+                chunks = _chunks(iter_pretraining_texts(corpus), chunk_chars)
+                for ids, starts, doc_lengths, n_over_long, n_chars in _results(pool, chunks, folder):
+                    tok_f.write(ids.astype(dtype).tobytes())
+                    ws_f.write(starts.tobytes())
+                    lengths.append(doc_lengths)
+                    n_tokens, over_long = n_tokens + len(ids), over_long + n_over_long
+                    progress.add(n_chars)
+                _close_pool(pool, folder)           # every worker ended (terminate() is for errors only)
+            finally:
+                pool.terminate()                    # after an error; nothing left to do after _close_pool
         if n_tokens == 0:
             raise DataError(f"{corpus}: empty corpus (no non-blank document)" if len(lengths) == 1 else
                             f"{corpus}: every document tokenized to nothing")
@@ -880,6 +929,9 @@ def _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, v
     if verbose:
         print(f"token cache: {folder}: {len(offsets) - 1:,} documents, {n_tokens:,} tokens in {seconds:.1f}s "
               f"({n_tokens / max(seconds, 1e-9):,.0f} tokens/s)", flush=True)
+    if verbose and over_long:
+        print(f"token cache: {over_long:,} characters were in words over 100 characters long, each word now one "
+              f"[UNK] token (BERT's WordPiece reads no longer word)", flush=True)
 
 
 def cut_windows(word_starts, doc_offsets, max_len, min_tokens=8):

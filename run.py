@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import gc
 import json
 import math
 import os
@@ -1008,10 +1009,9 @@ def catch_stop_signals(defer_term=False):
             raise KeyboardInterrupt
 
     def on_term(signum, frame):
-        if os.getpid() != owner:    # a forked worker (the token cache's pool, a data loader) dies quietly, as before
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
+        if os.getpid() != owner:    # a forked data-loader worker. The first SIGTERM is the process group's (Slurm
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)   # and systemd send it to all): its parent acts on it,
+            return                  # ends the step and shuts it down; the next one (the parent's terminate()) ends it
         STOP_SIGNALS["term"].append(signum)
         if not defer_term:
             raise Terminated
@@ -1063,6 +1063,7 @@ def run_command_line(run, interrupted="interrupted before the first step; nothin
         line = str(e) or (interrupted if code == 130 else interrupted.replace("interrupted", "terminated (SIGTERM)"))
     finally:
         restore()
+    gc.collect()            # the stopped train()'s data loader shuts its workers down now, not at the exit
     exit_with(line, code)   # one line (rank 0 only under torchrun), the process group left, no traceback
 
 

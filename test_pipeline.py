@@ -2970,6 +2970,116 @@ def test_ctrl_c_to_the_process_group_during_the_token_cache_build_prints_one_lin
     assert not list((tmp_path / "cache").glob("*"))                   # the half-built cache is gone
 
 
+# --- the token cache's pool: its workers always end, whatever handlers the parent installed ---
+def _signal_masks(pid):
+    """{'SigBlk': int, 'SigIgn': int, 'SigCgt': int} of a process, from /proc (bit n - 1 is signal n)."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {key: int(value, 16) for key, value in (line.split(":\t") for line in lines)
+            if key in ("SigBlk", "SigIgn", "SigCgt")}
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads signal masks from Linux's /proc")
+def test_token_cache_workers_die_on_sigterm_and_ignore_ctrl_c_whatever_the_parent_installed():
+    """Every script installs run.catch_stop_signals before it builds a cache, and a forked worker inherits
+    Python handlers: a SIGTERM that came while the worker started was lost in them, and pool.terminate()
+    then waited without end (command 1 hung so). A worker runs neither handler: SIGTERM is at its default,
+    SIGINT ignored, both blocked from the fork until they are."""
+    import signal
+    term, ctrl_c = 1 << (signal.SIGTERM - 1), 1 << (signal.SIGINT - 1)
+    restore = run.catch_stop_signals()
+    try:
+        pool = data._pool(data.VOCAB, 2)
+        try:
+            pool.map(len, ["a", "bb"] * 8)
+            deadline = time.time() + 60
+            for worker in pool._pool:
+                while _signal_masks(worker.pid)["SigBlk"] & term and time.time() < deadline:
+                    time.sleep(0.01)                  # still starting: blocked, as it should be until it is set
+                masks = _signal_masks(worker.pid)
+                assert not masks["SigBlk"] & (term | ctrl_c), masks
+                assert not masks["SigCgt"] & term and masks["SigIgn"] & ctrl_c, masks
+        finally:
+            pool.terminate()
+    finally:
+        restore()
+
+
+POOL_CYCLES = """
+import sys, tempfile, torch, data, run
+run.catch_stop_signals()                                # what every script installs first
+torch.ones(8, 8) @ torch.ones(8, 8)                     # torch's threads started, as in a run
+for _ in range(150):
+    data._pool(data.VOCAB, 2).terminate()               # workers still starting when SIGTERM comes
+with tempfile.TemporaryDirectory() as tmp:
+    for i in range(10):
+        data.build_token_cache(sys.argv[1], data.VOCAB, f"{tmp}/{i}", workers=2, verbose=False)
+"""
+
+
+def test_token_cache_pools_end_every_time_with_the_stop_handlers_installed(small_corpus):
+    """The hang itself, under a bound: 150 pools created and terminated, then 10 builds. Before the workers
+    reset their signals, 3 of 3 such loops of pools hung within 180 cycles (SIGTERM lost, terminate() joined
+    a live worker for ever)."""
+    try:
+        result = subprocess.run([PY, "-c", POOL_CYCLES, str(small_corpus)], cwd=HERE, capture_output=True,
+                                text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    except subprocess.TimeoutExpired:
+        pytest.fail("a token-cache pool did not end within 240 s: a worker outlived pool.terminate()")
+    assert result.returncode == 0, result.stderr
+
+
+def _sleep_for_ever(texts):
+    time.sleep(600)
+
+
+def test_a_stuck_tokenizing_worker_is_named_and_the_build_stops_keeping_nothing(tmp_path, small_corpus,
+                                                                                 monkeypatch):
+    monkeypatch.setattr(data, "_tokenize_chunk_sized", _sleep_for_ever)    # (the forked workers find it by name)
+    monkeypatch.setattr(data, "WORKER_SILENCE_S", 1)
+    t0 = time.time()
+    with pytest.raises(data.DataError) as stopped:
+        data.build_token_cache(small_corpus, data.VOCAB, tmp_path / "cache", workers=2, verbose=False)
+    line = str(stopped.value)
+    assert re.fullmatch(rf"token cache {re.escape(str(tmp_path / 'cache'))}: the tokenizing workers \(pids \d+, \d+\) "
+                        r"gave nothing back for 1 s; they were stopped and no half-built cache is kept\. Run the "
+                        r"command again \(--prep_workers 1: one worker\)", line), line
+    assert time.time() - t0 < 60 and not (tmp_path / "cache").exists()
+
+
+def test_a_word_too_long_for_wordpiece_is_counted_in_the_cache_line(tmp_path, capsys):
+    """A 200,000-character word is one [UNK] token: the build says how many characters went that way."""
+    corpus = write(tmp_path / "c.jsonl", json.dumps({"text": "a short first document about proteins"}) + "\n"
+                   + json.dumps({"text": "x" * 200_000 + " and " + "y" * 150}) + "\n")
+    data.build_token_cache(corpus, data.VOCAB, tmp_path / "cache", workers=1)
+    assert ("token cache: 200,150 characters were in words over 100 characters long, each word now one [UNK] "
+            "token (BERT's WordPiece reads no longer word)") in capsys.readouterr().out
+
+
+def test_a_process_group_sigterm_with_data_loader_workers_saves_and_stops_with_one_line(tmp_path, small_corpus):
+    """Slurm and systemd send SIGTERM to the whole process group: the data-loader workers leave stopping to
+    the run (no 'DataLoader worker killed by signal'), which ends its step, checkpoints and says so."""
+    import signal
+    out = tmp_path / "run"
+    proc = subprocess.Popen([PY, "costa.py", "--corpus", str(small_corpus), *TINY_ARGS, "--workers", "2", "--steps",
+                             "2000", "--save_every", "4", "--out_dir", str(out)], cwd=HERE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        for line in proc.stdout:
+            if line.startswith("step      3/"):
+                break
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, stderr
+    last = re.fullmatch(rf"terminated \(SIGTERM\) at step (\d+); last checkpoint at step (\d+) in {re.escape(str(out))}; "
+                        r"continue with --resume", stderr.strip().splitlines()[-1])
+    assert last and "DataLoader" not in stderr, stderr
+    assert run.load_training_state(out / "state.pt")["step"] == int(last[2])
+
+
 def test_the_next_build_removes_the_temporaries_of_a_killed_build(tmp_path, wiki_texts):
     import signal
     corpus = write(tmp_path / "wiki.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in wiki_texts))
