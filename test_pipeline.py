@@ -2140,6 +2140,49 @@ def test_study_code_hash_covers_the_shared_scripts_and_the_arms_own_method_file(
         assert not {"costa", "cpdae", "seed"} & set(vars(module)), module.__name__
 
 
+
+def test_study_code_hash_stays_for_every_other_arm_when_a_method_is_added(tmp_path, monkeypatch):
+    """A new method is its file plus one entry in run.METHODS: that entry is no code any other arm runs,
+    so their hashes stay and their rows stand. Any other edit to run.py is code: every arm's hash moves."""
+    import study
+
+    for name in study.SCRIPTS:
+        shutil.copy(HERE / name, tmp_path / name)
+    monkeypatch.setattr(study, "HERE", tmp_path)
+    before = {arm: study.code_hash(study.scripts_of(arm)) for arm in study.ARMS}
+    text = (tmp_path / "run.py").read_text()
+    assert text.count("\nMETHODS = (") == 1
+    (tmp_path / "run.py").write_text(text.replace("\nMETHODS = (", '\nMETHODS = ("costa2", '))
+    assert {arm: study.code_hash(study.scripts_of(arm)) for arm in study.ARMS} == before
+    (tmp_path / "run.py").write_text(text + "\n# an edit\n")
+    assert all(study.code_hash(study.scripts_of(arm)) != before[arm] for arm in study.ARMS)
+
+
+def test_git_state_is_one_rule_dirty_is_a_script_changed_or_new(tmp_path):
+    """One git_state (evaluate.py's) for every row that records its code: dirty = a .py file other than the
+    tests differs from the commit or is not in it; a page or a test edited is not."""
+    assert [p.name for p in sorted(HERE.glob("*.py")) if not p.name.startswith("test_")
+            and "def git_state(" in p.read_text()] == ["evaluate.py"]
+    git = lambda *argv: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *argv], cwd=tmp_path,
+                                       check=True, capture_output=True, text=True).stdout.strip()
+    files = {"costa.py": "x = 1\n", "test_x.py": "y = 1\n", "conftest.py": "z = 1\n", "README.md": "a\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "start")
+    commit = git("rev-parse", "HEAD")
+    assert evaluate.git_state(tmp_path) == (commit, False)
+    for name in ("test_x.py", "conftest.py", "README.md"):
+        (tmp_path / name).write_text("edited\n")
+    (tmp_path / "notes.md").write_text("new page\n")
+    assert evaluate.git_state(tmp_path) == (commit, False)
+    (tmp_path / "scratch.py").write_text("new script\n")
+    assert evaluate.git_state(tmp_path) == (commit, True)
+    (tmp_path / "scratch.py").unlink()
+    (tmp_path / "costa.py").write_text("x = 2\n")
+    assert evaluate.git_state(tmp_path) == (commit, True)
+
 def test_holm_adjustment_by_hand():
     import study
 
