@@ -2131,13 +2131,13 @@ def test_study_code_hash_covers_the_shared_scripts_and_the_arms_own_method_file(
 
     assert study.scripts_of("none") == study.SHARED and "finetune.py" in study.SHARED and "data.py" in study.SHARED
     assert study.scripts_of("mlm") == study.scripts_of("costa") == study.SHARED + ("costa.py",)
-    assert study.scripts_of("seed")[-1] == "seed.py" and study.scripts_of("cpdae")[-1] == "cpdae.py"
+    assert all(study.scripts_of(method)[-1] == f"{method}.py" for method in run.METHODS)
     hashes = {arm: study.code_hash(study.scripts_of(arm)) for arm in study.ARMS}
-    assert len(set(hashes.values())) == 4 and hashes["mlm"] == hashes["costa"]
+    assert len(set(hashes.values())) == len(study.ARMS) - 1 and hashes["mlm"] == hashes["costa"]
     import evaluate
     import finetune
     for module in (evaluate, finetune):      # the shared scripts import no method file: an edit to one cannot reach them
-        assert not {"costa", "cpdae", "seed"} & set(vars(module)), module.__name__
+        assert not set(run.METHODS) & set(vars(module)), module.__name__
 
 
 
@@ -2370,7 +2370,7 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, small_corpus):
     assert match and int(match.group(1)) >= 3 and saved >= 2, err
 
 
-@pytest.mark.parametrize("name", ["costa", "cpdae", "seed", "finetune", "evaluate"])
+@pytest.mark.parametrize("name", [*run.METHODS, "finetune", "evaluate"])
 def test_more_processes_than_gpus_is_one_error_before_the_process_group(name, monkeypatch):
     module = importlib.import_module(name)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
