@@ -105,11 +105,10 @@ def cpu_bf16():
 
 def machine(command):
     """Where and how a measurement ran, for the head of its results file: the commit (with "+changes" when
-    tracked files differ from it), the command, the CPU's model, its native bf16 (AVX512-BF16, AMX) and so
-    the precision training autocasts to there, the threads, torch's version and the date (UTC)."""
-    def git(*argv):
-        r = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=False)
-        return r.stdout.strip() if r.returncode == 0 else ""
+    the code differs from it, as evaluate.git_state says), the command, the CPU's model, its native bf16
+    (AVX512-BF16, AMX) and so the precision training autocasts to there, the threads, torch's version and the
+    date (UTC)."""
+    commit, dirty = evaluate.git_state()
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                    if line.startswith("model name"))
@@ -117,8 +116,7 @@ def machine(command):
         import platform
         cpu = platform.processor() or platform.machine()
     native = {x: getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")}
-    return {"commit": (git("rev-parse", "--short", "HEAD") or "?") + ("+changes" if git("status", "--porcelain",
-                                                                                        "--untracked-files=no") else ""),
+    return {"commit": commit[:7] + ("+changes" if dirty else ""),
             "command": command, "cpu": cpu, "cpu_bf16": native,
             "precision": "bf16" if any(native.values()) else "fp32", "threads": torch.get_num_threads(),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

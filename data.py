@@ -1,16 +1,19 @@
 """Text and tokens: the data module every script shares. It imports no other module of this project.
 
-What a method's train() takes from here, in the order it uses it (section 1):
-  Window              one pre-training text: its token ids and word_starts (1 where a whole word begins)
-  batch_indices       which windows this rank trains on at a micro-step (a function of the step alone)
-  batch_generator     the seeded generator a batch's masks are drawn from; step_seed seeds dropout
-  pad_batch           token-id lists -> a padded (B, L) batch and its attention mask
-  mask_tokens         BERT's masking: 15 % of the tokens, 80/10/10, labels -100 elsewhere
-  most_frequent_token the corpus's most frequent token: the MLM accuracy's trivial baseline
-Then what builds them: 2. the tokenizer (BERT's uncased WordPiece); 3. the readers (pre-training text,
-BEIR, MS MARCO, TREC qrels and run files), each bad line one DataError naming the file and line;
-4. windows; 5. the token cache (a corpus tokenized once into memory-mapped files); 6. files written
-whole or not at all, and progress lines. The run itself (flags, resume, checkpoints) is run.py's.
+What a method's train() calls from here, in the order it calls them (sections 1-2 hold them in this order):
+  most_frequent_token     1. the corpus' most frequent token: the MLM accuracy's trivial baseline
+  load_tokenizer          1. BERT's uncased WordPiece (Batches loads it once)
+  special_ids             1. the ids of [PAD], [UNK], [CLS], [SEP] and [MASK]
+  batch_indices           2. which windows this rank trains on at a micro-step (a function of the step alone)
+  batch_generator         2. the seeded generator a batch's masks are drawn from
+  pad_batch               2. token-id lists -> a padded (B, L) batch and its attention mask
+  mask_tokens             2. BERT's masking: 15 % of the tokens, 80/10/10, labels -100 elsewhere
+  step_seed               2. the seed of one micro-step's stream: COSTA's spans, every method's dropout
+  DataError               2. bad input in one line, 'file:line: what is wrong' (COSTA's span sampling raises it)
+  most_frequent_accuracy  2. an accuracy's chance: how often always predicting the most frequent token is right
+Its windows come from run.load_windows: a TokenWindows (5) of Window (4: token ids and word_starts). CPDAE's
+--idf_rec adds rank0_builds (5) and atomic_save_npy (6). Then what builds them: 3. the readers, each bad line
+one DataError naming the file and line; 4. windows; 5. the token cache; 6. files written whole or not at all.
 """
 import functools
 import gzip
@@ -35,98 +38,8 @@ SCIFACT = HERE / "data" / "scifact"          # default retrieval benchmark (BEIR
 
 
 # ----------------------------------------------------------------------------------------------
-# 1. What a method's train() uses from here, in the order it uses it
+# 1. What train() calls first from here: the corpus' most frequent token, then the tokenizer
 # ----------------------------------------------------------------------------------------------
-class DataError(ValueError):
-    """Bad input. The message is one line: 'file:line: what is wrong'. Scripts print it and exit."""
-
-
-def _where(path, line=None):
-    return f"{path}:{line}" if line is not None else f"{path}"
-
-
-class Window(NamedTuple):
-    input_ids: list    # [CLS] tokens... [SEP]
-    word_starts: list  # True where a whole word starts; False at [CLS], [SEP] and '##' pieces
-
-
-def batch_indices(n_examples, batch_size, rank, world, seed, micro_step):
-    """Example indices of this rank's batch at a micro-step. Stateless: a function of the step alone,
-    so resuming needs no data-loader state. Ranks take disjoint slices of one shuffled global batch."""
-    per_epoch = batches_per_epoch(n_examples, batch_size, world)
-    epoch, index = divmod(micro_step, per_epoch)
-    order = _epoch_order(n_examples, seed, epoch)
-    start = (index * world + rank) * batch_size
-    return order[start:start + batch_size].tolist()
-
-
-@functools.lru_cache(maxsize=2)
-def _epoch_order(n_examples, seed, epoch):
-    return np.random.default_rng([seed, epoch]).permutation(n_examples)
-
-
-def batches_per_epoch(n_examples, batch_size, world):
-    """Global batches per epoch. Each epoch's leftover n % (batch_size * world) examples sit out that
-    epoch only (a fresh shuffle every epoch), so every rank holds the same batch size."""
-    count = n_examples // (batch_size * world)
-    if count == 0:
-        fix = "lower --batch_size" if batch_size > 1 else "add text to the corpus"
-        raise DataError(f"only {n_examples} example(s): fewer than one global batch ({batch_size} per rank x "
-                        f"{world} ranks); {fix}{', or run fewer processes' if world > 1 else ''}")
-    return count
-
-
-# The random streams of one micro-step. Each is drawn from its own seed, so that no stream repeats
-# another's numbers (with one shared integer, the masks and the dropout would be the same stream).
-STREAMS = ("dropout", "masks", "spans")
-
-
-def step_seed(seed, rank, micro_step, stream="dropout"):
-    """One seed per (run seed, rank, micro-step, stream): "dropout" (the global torch RNG the training
-    loop seeds before each forward), "masks" (batch_generator) or "spans" (COSTA's --span_resample).
-    numpy's SeedSequence hashes the four numbers, so the streams are independent of each other and of
-    the neighbouring steps and ranks. Draws are the same whether a run went straight through or was
-    resumed. (COSTA's per-window spans, the default, come from default_rng([seed, window]) instead.)"""
-    entropy = [seed % 2**64, rank, micro_step, STREAMS.index(stream)]
-    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> 1)  # < 2**63
-
-
-def batch_generator(seed, rank, micro_step):
-    """A torch.Generator for building one batch (masks): a function of the step alone, on the "masks"
-    stream, independent of the dropout stream."""
-    return torch.Generator().manual_seed(step_seed(seed, rank, micro_step, "masks"))
-
-
-def pad_batch(seqs, pad_id=0):
-    """List of token-id lists -> (ids (B, L) long, attention_mask (B, L) long), padded on the right."""
-    length = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), length), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, :len(s)] = 1
-    return ids, mask
-
-
-def mask_tokens(input_ids, maskable, vocab_size, mask_id, generator, mask_prob=0.15):
-    """BERT's masking: choose mask_prob of the maskable tokens; of those 80% -> [MASK],
-    10% -> a random token, 10% unchanged. Returns (masked_ids, labels), labels -100 where not chosen.
-
-    maskable: (B, L) bool, False at [CLS], [SEP] and padding so they are never chosen.
-    The random replacement is drawn from the whole vocabulary, as BERT's and Hugging Face's code do.
-    """
-    probs = torch.full(input_ids.shape, mask_prob) * maskable                         # (B, L)
-    chosen = torch.bernoulli(probs, generator=generator).bool()                       # (B, L)
-    labels = torch.where(chosen, input_ids, torch.full_like(input_ids, -100))         # (B, L)
-    roll = torch.rand(input_ids.shape, generator=generator)                           # (B, L)
-    to_mask = chosen & (roll < 0.8)
-    to_random = chosen & (roll >= 0.8) & (roll < 0.9)
-    random_ids = torch.randint(vocab_size, input_ids.shape, generator=generator)      # (B, L)
-    masked = torch.where(to_mask, torch.full_like(input_ids, mask_id), input_ids)
-    masked = torch.where(to_random, random_ids, masked)
-    return masked, labels
-
-
 def most_frequent_token(windows, chunk=1 << 24):
     """The corpus' most frequent token between [CLS] and [SEP] ('.' in SciFact, 3.6% of its tokens): the
     MLM and SEED-decoder accuracy of always predicting it is their trivial baseline. TokenWindows: a
@@ -143,29 +56,6 @@ def most_frequent_token(windows, chunk=1 << 24):
     return int(counts.argmax()) if counts.any() else None
 
 
-def most_frequent_accuracy(targets, token=None):
-    """The trivial baseline of a token prediction (logged as X_chance beside X_acc): the accuracy of
-    always predicting `token`, the corpus' most frequent token (most_frequent_token), i.e. the
-    fraction of the targets equal to it. token None: this batch's most frequent target instead (a
-    slightly higher bar). targets (N,) or (B, L), -100 = no target -> () fp32."""
-    targets = targets[targets != -100]                                           # (N,)
-    if targets.numel() == 0:
-        return torch.zeros((), device=targets.device)
-    if token is None:
-        return targets.bincount().max().float() / targets.numel()
-    return (targets == token).float().mean()
-
-
-def shard(n_items, rank, world):
-    """Contiguous shard of range(n_items) for a rank (sizes differ by at most one; no item twice or
-    lost). For encoding a corpus across ranks."""
-    bounds = np.linspace(0, n_items, world + 1).round().astype(int)
-    return range(bounds[rank], bounds[rank + 1])
-
-
-# ----------------------------------------------------------------------------------------------
-# 2. Tokenizer
-# ----------------------------------------------------------------------------------------------
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
@@ -216,7 +106,108 @@ def train_wordpiece(texts, out_path, vocab_size=30522, min_frequency=2):
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. Readers: pre-training text, BEIR, MS MARCO, TREC qrels and run files
+# 2. One micro-step: its batch (windows, padding, masks, random streams), bad input, each accuracy's chance
+# ----------------------------------------------------------------------------------------------
+def batch_indices(n_examples, batch_size, rank, world, seed, micro_step):
+    """Example indices of this rank's batch at a micro-step. Stateless: a function of the step alone,
+    so resuming needs no data-loader state. Ranks take disjoint slices of one shuffled global batch."""
+    per_epoch = batches_per_epoch(n_examples, batch_size, world)
+    epoch, index = divmod(micro_step, per_epoch)
+    order = _epoch_order(n_examples, seed, epoch)
+    start = (index * world + rank) * batch_size
+    return order[start:start + batch_size].tolist()
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order(n_examples, seed, epoch):
+    return np.random.default_rng([seed, epoch]).permutation(n_examples)
+
+
+def batches_per_epoch(n_examples, batch_size, world):
+    """Global batches per epoch. Each epoch's leftover n % (batch_size * world) examples sit out that
+    epoch only (a fresh shuffle every epoch), so every rank holds the same batch size."""
+    count = n_examples // (batch_size * world)
+    if count == 0:
+        fix = "lower --batch_size" if batch_size > 1 else "add text to the corpus"
+        raise DataError(f"only {n_examples} example(s): fewer than one global batch ({batch_size} per rank x "
+                        f"{world} ranks); {fix}{', or run fewer processes' if world > 1 else ''}")
+    return count
+
+
+def batch_generator(seed, rank, micro_step):
+    """A torch.Generator for building one batch (masks): a function of the step alone, on the "masks"
+    stream, independent of the dropout stream."""
+    return torch.Generator().manual_seed(step_seed(seed, rank, micro_step, "masks"))
+
+
+def pad_batch(seqs, pad_id=0):
+    """List of token-id lists -> (ids (B, L) long, attention_mask (B, L) long), padded on the right."""
+    length = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, :len(s)] = 1
+    return ids, mask
+
+
+def mask_tokens(input_ids, maskable, vocab_size, mask_id, generator, mask_prob=0.15):
+    """BERT's masking: choose mask_prob of the maskable tokens; of those 80% -> [MASK],
+    10% -> a random token, 10% unchanged. Returns (masked_ids, labels), labels -100 where not chosen.
+
+    maskable: (B, L) bool, False at [CLS], [SEP] and padding so they are never chosen.
+    The random replacement is drawn from the whole vocabulary, as BERT's and Hugging Face's code do.
+    """
+    probs = torch.full(input_ids.shape, mask_prob) * maskable                         # (B, L)
+    chosen = torch.bernoulli(probs, generator=generator).bool()                       # (B, L)
+    labels = torch.where(chosen, input_ids, torch.full_like(input_ids, -100))         # (B, L)
+    roll = torch.rand(input_ids.shape, generator=generator)                           # (B, L)
+    to_mask = chosen & (roll < 0.8)
+    to_random = chosen & (roll >= 0.8) & (roll < 0.9)
+    random_ids = torch.randint(vocab_size, input_ids.shape, generator=generator)      # (B, L)
+    masked = torch.where(to_mask, torch.full_like(input_ids, mask_id), input_ids)
+    masked = torch.where(to_random, random_ids, masked)
+    return masked, labels
+
+
+# The random streams of one micro-step. Each is drawn from its own seed, so that no stream repeats
+# another's numbers (with one shared integer, the masks and the dropout would be the same stream).
+STREAMS = ("dropout", "masks", "spans")
+
+
+def step_seed(seed, rank, micro_step, stream="dropout"):
+    """One seed per (run seed, rank, micro-step, stream): "dropout" (the global torch RNG the training
+    loop seeds before each forward), "masks" (batch_generator) or "spans" (COSTA's --span_resample).
+    numpy's SeedSequence hashes the four numbers, so the streams are independent of each other and of
+    the neighbouring steps and ranks. Draws are the same whether a run went straight through or was
+    resumed. (COSTA's per-window spans, the default, come from default_rng([seed, window]) instead.)"""
+    entropy = [seed % 2**64, rank, micro_step, STREAMS.index(stream)]
+    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> 1)  # < 2**63
+
+
+class DataError(ValueError):
+    """Bad input. The message is one line: 'file:line: what is wrong'. Scripts print it and exit."""
+
+
+def _where(path, line=None):
+    return f"{path}:{line}" if line is not None else f"{path}"
+
+
+def most_frequent_accuracy(targets, token=None):
+    """The trivial baseline of a token prediction (logged as X_chance beside X_acc): the accuracy of
+    always predicting `token`, the corpus' most frequent token (most_frequent_token), i.e. the
+    fraction of the targets equal to it. token None: this batch's most frequent target instead (a
+    slightly higher bar). targets (N,) or (B, L), -100 = no target -> () fp32."""
+    targets = targets[targets != -100]                                           # (N,)
+    if targets.numel() == 0:
+        return torch.zeros((), device=targets.device)
+    if token is None:
+        return targets.bincount().max().float() / targets.numel()
+    return (targets == token).float().mean()
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Readers: pre-training text, BEIR, MS MARCO, TREC qrels and run files; a rank's share of a list
 # ----------------------------------------------------------------------------------------------
 def read_lines(path):
     """Yield (line_number, line) of a text file, gunzipping '.gz' transparently. Bad bytes are refused,
@@ -550,9 +541,21 @@ def write_run(path, run, tag="dense"):
     atomic_write_text(path, "".join(lines))
 
 
+def shard(n_items, rank, world):
+    """Contiguous shard of range(n_items) for a rank (sizes differ by at most one; no item twice or
+    lost). For encoding a corpus across ranks."""
+    bounds = np.linspace(0, n_items, world + 1).round().astype(int)
+    return range(bounds[rank], bounds[rank + 1])
+
+
 # ----------------------------------------------------------------------------------------------
 # 4. Windows: documents -> [CLS] ... [SEP] of at most max_len tokens, with word starts
 # ----------------------------------------------------------------------------------------------
+class Window(NamedTuple):
+    input_ids: list    # [CLS] tokens... [SEP]
+    word_starts: list  # True where a whole word starts; False at [CLS], [SEP] and '##' pieces
+
+
 def _cut_points(word_start, body):
     """Chunk boundaries for a token sequence: at most `body` tokens each, moved back to the start of
     the word they would split (a word longer than a whole chunk is cut where it must be)."""

@@ -1169,14 +1169,18 @@ def run_config(folder):
     return data.read_json(path) if path.is_file() else {}
 
 
-def git_state():
-    """(commit, dirty) of this checkout: dirty = a tracked .py file differs from the commit."""
+def git_state(folder=data.HERE):
+    """(commit, dirty) of the checkout at `folder` (this repository's by default), for every row and results
+    file that records its code. dirty = a .py file other than the tests (test_*.py, conftest.py) differs from
+    the commit or is new to it: the code a result ran, not the pages or tests beside it. Outside a git
+    checkout: ("unknown", False)."""
     import subprocess
 
     def git(*args):
-        r = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True)
+        r = subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True)
         return r.stdout.strip() if r.returncode == 0 else None
-    return git("rev-parse", "HEAD") or "unknown", bool(git("status", "--porcelain", "--", "*.py"))
+    changed = git("status", "--porcelain", "--", "*.py", ":(exclude)test_*.py", ":(exclude)conftest.py")
+    return git("rev-parse", "HEAD") or "unknown", bool(changed)
 
 
 def command_line(c):

@@ -1,12 +1,15 @@
-"""The run: what every training script does around its method, and no method is about.
-
-What a method's train() takes from here (section 1): TrainConfig, the flags every pre-training script
-shares, the papers' defaults in its comments (a method's Config adds its own); make_optimizer, the papers'
-Adam with warm-up; autocast_bf16. Then the machinery, each piece one call from train(): 2. the checks
-before any work; 3. TrainingRun (resume, log, checkpoints, --halt_at, a clean stop); 4. progress lines;
-5. resume; 6. run folders and their lock; 7. atomic checkpoints, a full disk; 8. Hugging Face folders and
-the starting checkpoints; 9. the command line; 10. Ctrl-C and SIGTERM; 11. one line for each expected
-failure. It imports data.py (text and tokens), never a method file.
+"""The run: what every training script does around its method, and no method is about. A method's Config
+extends TrainConfig (the shared flags), and its train(c) calls from here, in this order (sections 1-2):
+  start_run         1. the checks that need no model: --init found, the run folder free and locked, the batch split
+  init_encoder      1. the encoder: BERT's random init, or the --init checkpoint
+  resolve_vocab     1. the vocabulary (--vocab, else --init's, else BERT's), checked against the model
+  load_windows      1. the corpus' windows, mapped from its token cache (built once by rank 0)
+  resolve_schedule  1. --epochs -> steps; the batch split checked again (resolve_batch, as in start_run)
+  make_optimizer    1. the papers' Adam with warm-up; new heads first under --head_warmup
+  TrainingRun       2. resume, run folder, log, checkpoints, --halt_at, a clean stop; the loop calls its methods
+  autocast_bf16     2. bf16 autocast where the device computes bf16 natively
+Then what they use: 3. progress lines, 4. resume, 5. run folders, 6. checkpoints, 7. Hugging Face folders and
+the starting checkpoints, 8. the command line, 9. signals, 10. exit lines. It imports data.py, never a method file.
 """
 import contextlib
 import dataclasses
@@ -32,7 +35,7 @@ METHODS = ("seed", "cpdae", "costa")
 
 
 # ----------------------------------------------------------------------------------------------
-# 1. What a method's train() uses from here: the shared flags, the optimizer, autocast
+# 1. The flags (TrainConfig), then what train() calls before its loop, in that order
 # ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class TrainConfig:
@@ -98,6 +101,77 @@ TRAIN_RULES = {
     "bottleneck": "one of {cls, mean}"}
 
 
+def start_run(c, world):
+    """The checks that need no model, before any work: --init resolved to a folder, the run folder (free,
+    no run in it unless --resume or --overwrite), the batch arithmetic. Returns c with both resolved."""
+    c = dataclasses.replace(c, init=resolve_model(c.init))
+    check_run_folder(c)                      # a run folder is never overwritten silently
+    lock_run_folder(c.out_dir)               # ... nor shared by two runs at once (if it exists yet)
+    return resolve_batch(c, world)           # before the token cache
+
+
+def resolve_batch(c, world):
+    """Before the token cache: --global_batch must split evenly over ranks and micro-steps, and an explicit
+    --batch_size (not Config's default) must agree with it. Returns a new Config with batch_size set."""
+    if c.global_batch <= 0:
+        return c
+    batch_size, rest = divmod(c.global_batch, world * c.grad_accum)
+    if rest or batch_size == 0:
+        raise ValueError(f"--global_batch {c.global_batch} is not a multiple of {world} process(es) x "
+                         f"--grad_accum {c.grad_accum}")
+    default = next(f.default for f in dataclasses.fields(c) if f.name == "batch_size")
+    if c.batch_size not in (default, batch_size):
+        raise ValueError(f"--batch_size {c.batch_size} disagrees with --global_batch {c.global_batch} on {world} "
+                         f"process(es) x --grad_accum {c.grad_accum} (= {batch_size} per rank); give one of them")
+    return dataclasses.replace(c, batch_size=batch_size)
+
+
+def init_encoder(Encoder, c):
+    """The run's encoder (the calling script's class): BERT's random init, or the --init checkpoint,
+    whose model sizes replace c's. Says so when the checkpoint brings no MLM head."""
+    if not c.init:
+        return Encoder(c)
+    encoder = load_pretrained(Encoder, c.init, c)
+    if _rank() == 0 and encoder.new_mlm_head:
+        print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
+    return encoder
+
+
+def resolve_vocab(c):
+    """Before any work: the vocabulary is --vocab when given, else the --init folder's vocab.txt, else BERT's;
+    it must match the model's embedding rows, and the windows the model's learned positions."""
+    own = Path(c.init) / "vocab.txt" if c.init else None
+    if c.vocab == str(data.VOCAB) and own and own.is_file():
+        c = dataclasses.replace(c, vocab=str(own))
+    n = data.vocab_size_of(c.vocab) if Path(c.vocab).is_file() else c.vocab_size  # (missing: load_tokenizer says)
+    model = f"the --init model {c.init}" if c.init else "the model"
+    if n != c.vocab_size:
+        raise data.DataError(f"{c.vocab}: {n} entries, but {model} has vocab_size {c.vocab_size}")
+    if c.max_len > c.max_position:
+        raise ValueError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
+                         f"(max_position)")
+    return c
+
+
+def load_windows(c, rank):
+    """The corpus' windows, mapped from its token cache (built by rank 0 on the first run)."""
+    t0 = time.time()
+    windows = data.token_windows(c.corpus, c.vocab, c.max_len, rank, c.cache_dir, c.prep_workers, rank == 0)
+    if rank == 0:
+        print(f"data: {c.corpus}: {len(windows):,} windows, {windows.n_tokens:,} tokens, mapped from "
+              f"{windows.folder} ({time.time() - t0:.1f}s)")
+    return windows
+
+
+def resolve_schedule(c, world, n_windows):
+    """Pre-training's batch and length from the global flags: --global_batch > 0 sets batch_size (resolve_batch),
+    --epochs > 0 sets steps = epochs x windows / global batch (rounded, >= 1; batches_per_epoch). A new Config."""
+    c = resolve_batch(c, world)
+    per_epoch = data.batches_per_epoch(n_windows, c.batch_size, world)   # always: fewer than one batch fails here
+    steps = max(1, round(c.epochs * per_epoch / c.grad_accum)) if c.epochs > 0 else c.steps
+    return dataclasses.replace(c, steps=steps)
+
+
 def make_optimizer(model, c, eps=1e-8):
     """AdamW (eps: Adam's epsilon) without weight decay on biases and LayerNorm; linear warm-up, then linear
     decay to 0. Departure (optimizer-decay): COSTA and CPDAE say only "Adam with warm-up"; weight decay and
@@ -126,90 +200,8 @@ def make_optimizer(model, c, eps=1e-8):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
 
-def autocast_bf16(device, enabled=True):
-    """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
-    as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
-    cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
-    native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
-
-
 # ----------------------------------------------------------------------------------------------
-# 2. The start of a run: every check before any work
-# ----------------------------------------------------------------------------------------------
-def start_run(c, world):
-    """The checks that need no model, before any work: --init resolved to a folder, the run folder (free,
-    no run in it unless --resume or --overwrite), the batch arithmetic. Returns c with both resolved."""
-    c = dataclasses.replace(c, init=resolve_model(c.init))
-    check_run_folder(c)                      # a run folder is never overwritten silently
-    lock_run_folder(c.out_dir)               # ... nor shared by two runs at once (if it exists yet)
-    return resolve_batch(c, world)           # before the token cache
-
-
-def resolve_batch(c, world):
-    """Before the token cache: --global_batch must split evenly over ranks and micro-steps, and an explicit
-    --batch_size (not Config's default) must agree with it. Returns a new Config with batch_size set."""
-    if c.global_batch <= 0:
-        return c
-    batch_size, rest = divmod(c.global_batch, world * c.grad_accum)
-    if rest or batch_size == 0:
-        raise ValueError(f"--global_batch {c.global_batch} is not a multiple of {world} process(es) x "
-                         f"--grad_accum {c.grad_accum}")
-    default = next(f.default for f in dataclasses.fields(c) if f.name == "batch_size")
-    if c.batch_size not in (default, batch_size):
-        raise ValueError(f"--batch_size {c.batch_size} disagrees with --global_batch {c.global_batch} on {world} "
-                         f"process(es) x --grad_accum {c.grad_accum} (= {batch_size} per rank); give one of them")
-    return dataclasses.replace(c, batch_size=batch_size)
-
-
-def resolve_vocab(c):
-    """Before any work: the vocabulary is --vocab when given, else the --init folder's vocab.txt, else BERT's;
-    it must match the model's embedding rows, and the windows the model's learned positions."""
-    own = Path(c.init) / "vocab.txt" if c.init else None
-    if c.vocab == str(data.VOCAB) and own and own.is_file():
-        c = dataclasses.replace(c, vocab=str(own))
-    n = data.vocab_size_of(c.vocab) if Path(c.vocab).is_file() else c.vocab_size  # (missing: load_tokenizer says)
-    model = f"the --init model {c.init}" if c.init else "the model"
-    if n != c.vocab_size:
-        raise data.DataError(f"{c.vocab}: {n} entries, but {model} has vocab_size {c.vocab_size}")
-    if c.max_len > c.max_position:
-        raise ValueError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
-                         f"(max_position)")
-    return c
-
-
-def init_encoder(Encoder, c):
-    """The run's encoder (the calling script's class): BERT's random init, or the --init checkpoint,
-    whose model sizes replace c's. Says so when the checkpoint brings no MLM head."""
-    if not c.init:
-        return Encoder(c)
-    encoder = load_pretrained(Encoder, c.init, c)
-    if _rank() == 0 and encoder.new_mlm_head:
-        print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
-    return encoder
-
-
-def load_windows(c, rank):
-    """The corpus' windows, mapped from its token cache (built by rank 0 on the first run)."""
-    t0 = time.time()
-    windows = data.token_windows(c.corpus, c.vocab, c.max_len, rank, c.cache_dir, c.prep_workers, rank == 0)
-    if rank == 0:
-        print(f"data: {c.corpus}: {len(windows):,} windows, {windows.n_tokens:,} tokens, mapped from "
-              f"{windows.folder} ({time.time() - t0:.1f}s)")
-    return windows
-
-
-def resolve_schedule(c, world, n_windows):
-    """Pre-training's batch and length from the global flags: --global_batch > 0 sets batch_size (resolve_batch),
-    --epochs > 0 sets steps = epochs x windows / global batch (rounded, >= 1; batches_per_epoch). A new Config."""
-    c = resolve_batch(c, world)
-    per_epoch = data.batches_per_epoch(n_windows, c.batch_size, world)   # always: fewer than one batch fails here
-    steps = max(1, round(c.epochs * per_epoch / c.grad_accum)) if c.epochs > 0 else c.steps
-    return dataclasses.replace(c, steps=steps)
-
-
-# ----------------------------------------------------------------------------------------------
-# 3. A training run: the loop's bookkeeping in one object
+# 2. A training run: the loop's bookkeeping in one object, then the forward's precision
 # ----------------------------------------------------------------------------------------------
 class TrainingRun:
     """What a pre-training loop does around its steps: resume (--resume), the run folder made ready (only
@@ -316,8 +308,16 @@ def stop_if_not_finite(grad_norm, step, c, last_saved=0):
                              f"without saving; {kept}")
 
 
+def autocast_bf16(device, enabled=True):
+    """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
+    as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
+    cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
+    native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
+
+
 # ----------------------------------------------------------------------------------------------
-# 4. Progress lines and the training log
+# 3. Progress lines and the training log
 # ----------------------------------------------------------------------------------------------
 class Progress:
     """One line per log interval on rank 0 (step, losses, lr, tokens/s, ETA) and a JSONL log."""
@@ -413,7 +413,7 @@ def peak_memory_mb(device):
 
 
 # ----------------------------------------------------------------------------------------------
-# 5. Resume: a run continues exactly from its last checkpoint
+# 4. Resume: a run continues exactly from its last checkpoint
 # ----------------------------------------------------------------------------------------------
 def check_resume_flags(c, saved, path):
     """Stop with one line if state.pt is another script's, or if a flag that cannot change on resume
@@ -513,7 +513,7 @@ def load_training_state(path):
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. Run folders: one run at a time, never overwritten silently
+# 5. Run folders: one run at a time, never overwritten silently
 # ----------------------------------------------------------------------------------------------
 RUN_FILES = ("state.pt", "log.jsonl", "encoder")     # these show that a folder holds a pre-training run
 _LOCKS = {}                                          # folder -> the open folder this process holds locked
@@ -619,7 +619,7 @@ def prepare_run_folder(c):
 
 
 # ----------------------------------------------------------------------------------------------
-# 7. Checkpoints: the encoder and the training state switched together; a full disk in one line
+# 6. Checkpoints: the encoder and the training state switched together; a full disk in one line
 # ----------------------------------------------------------------------------------------------
 def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved=0, extra_files=None, stream=None):
     """Rank 0 writes the encoder (a Hugging Face folder, plus extra_files(folder)) and the training state
@@ -684,7 +684,7 @@ def disk_full_error(target, out_dir, last_saved):
 
 
 # ----------------------------------------------------------------------------------------------
-# 8. Hugging Face BERT folders, and the starting checkpoints (a folder, minilm, a hub id)
+# 7. Hugging Face BERT folders, and the starting checkpoints (a folder, minilm, a hub id)
 # ----------------------------------------------------------------------------------------------
 def save_tensors(path, tensors):
     """A dict of tensors as safetensors (atomic). Tied tensors are stored once each (cloned)."""
@@ -886,7 +886,7 @@ def copy_retriever_settings(source, folder):
 
 
 # ----------------------------------------------------------------------------------------------
-# 9. Command line: a script's Config from its flags, each checked before any work
+# 8. Command line: a script's Config from its flags, each checked before any work
 # ----------------------------------------------------------------------------------------------
 BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
@@ -967,7 +967,7 @@ def satisfies(value, rule):
 
 
 # ----------------------------------------------------------------------------------------------
-# 10. Signals: Ctrl-C and SIGTERM
+# 9. Signals: Ctrl-C and SIGTERM
 # ----------------------------------------------------------------------------------------------
 class Interrupted(KeyboardInterrupt):   # Ctrl-C or SIGTERM in training, with the line saying where it stopped
     code = 130
@@ -1028,7 +1028,7 @@ def catch_stop_signals(defer_term=False):
 
 
 # ----------------------------------------------------------------------------------------------
-# 11. The end of a script: one line for every expected failure
+# 10. The end of a script: one line for every expected failure
 # ----------------------------------------------------------------------------------------------
 def os_error_line(e):
     """One line for an operating-system error: the path, the cause, what to do."""

@@ -136,20 +136,16 @@ def scripts_of(arm):
 
 def code_hash(names=SCRIPTS):
     """sha256 of the scripts (12 hex digits): two rows with the same hash of their arm's scripts (a row's
-    `code`) ran the same code, so an edit to seed.py leaves the other arms' rows standing."""
+    `code`) ran the same code, so an edit to seed.py leaves the other arms' rows standing. run.py is read
+    without its METHODS table: which methods there are is no code an arm runs (its own file is hashed), so a
+    new method (its file and its entry there) leaves the other arms' rows standing too."""
     h = hashlib.sha256()
     for name in names:
-        h.update(name.encode() + b"\0" + (HERE / name).read_bytes() + b"\0")
+        text = (HERE / name).read_bytes()
+        if name == "run.py":
+            text = re.sub(rb"(?ms)^METHODS = \(.*?\)$", b"METHODS = ...", text)
+        h.update(name.encode() + b"\0" + text + b"\0")
     return h.hexdigest()[:12]
-
-
-def git_state():
-    """(commit, dirty): dirty = the scripts the stages run differ from that commit (README or test edits do
-    not count)."""
-    def git(*args):
-        r = subprocess.run(["git", *args], cwd=HERE, capture_output=True, text=True)
-        return r.stdout.strip() if r.returncode == 0 else None
-    return git("rev-parse", "HEAD") or "unknown", bool(git("status", "--porcelain", "--", *SCRIPTS))
 
 
 def machine():
@@ -187,7 +183,7 @@ def settings(c, arm):
 
 
 def provenance(c, arm):
-    commit, dirty = git_state()
+    commit, dirty = evaluate.git_state()
     return {"commit": commit, "dirty": dirty, "code": code_hash(scripts_of(arm)), "shared_code": code_hash(SHARED),
             "torch": importlib.metadata.version("torch"),
             "python": sys.version.split()[0], "machine": machine()}

@@ -2131,14 +2131,57 @@ def test_study_code_hash_covers_the_shared_scripts_and_the_arms_own_method_file(
 
     assert study.scripts_of("none") == study.SHARED and "finetune.py" in study.SHARED and "data.py" in study.SHARED
     assert study.scripts_of("mlm") == study.scripts_of("costa") == study.SHARED + ("costa.py",)
-    assert study.scripts_of("seed")[-1] == "seed.py" and study.scripts_of("cpdae")[-1] == "cpdae.py"
+    assert all(study.scripts_of(method)[-1] == f"{method}.py" for method in run.METHODS)
     hashes = {arm: study.code_hash(study.scripts_of(arm)) for arm in study.ARMS}
-    assert len(set(hashes.values())) == 4 and hashes["mlm"] == hashes["costa"]
+    assert len(set(hashes.values())) == len(study.ARMS) - 1 and hashes["mlm"] == hashes["costa"]
     import evaluate
     import finetune
     for module in (evaluate, finetune):      # the shared scripts import no method file: an edit to one cannot reach them
-        assert not {"costa", "cpdae", "seed"} & set(vars(module)), module.__name__
+        assert not set(run.METHODS) & set(vars(module)), module.__name__
 
+
+
+def test_study_code_hash_stays_for_every_other_arm_when_a_method_is_added(tmp_path, monkeypatch):
+    """A new method is its file plus one entry in run.METHODS: that entry is no code any other arm runs,
+    so their hashes stay and their rows stand. Any other edit to run.py is code: every arm's hash moves."""
+    import study
+
+    for name in study.SCRIPTS:
+        shutil.copy(HERE / name, tmp_path / name)
+    monkeypatch.setattr(study, "HERE", tmp_path)
+    before = {arm: study.code_hash(study.scripts_of(arm)) for arm in study.ARMS}
+    text = (tmp_path / "run.py").read_text()
+    assert text.count("\nMETHODS = (") == 1
+    (tmp_path / "run.py").write_text(text.replace("\nMETHODS = (", '\nMETHODS = ("costa2", '))
+    assert {arm: study.code_hash(study.scripts_of(arm)) for arm in study.ARMS} == before
+    (tmp_path / "run.py").write_text(text + "\n# an edit\n")
+    assert all(study.code_hash(study.scripts_of(arm)) != before[arm] for arm in study.ARMS)
+
+
+def test_git_state_is_one_rule_dirty_is_a_script_changed_or_new(tmp_path):
+    """One git_state (evaluate.py's) for every row that records its code: dirty = a .py file other than the
+    tests differs from the commit or is not in it; a page or a test edited is not."""
+    assert [p.name for p in sorted(HERE.glob("*.py")) if not p.name.startswith("test_")
+            and "def git_state(" in p.read_text()] == ["evaluate.py"]
+    git = lambda *argv: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *argv], cwd=tmp_path,
+                                       check=True, capture_output=True, text=True).stdout.strip()
+    files = {"costa.py": "x = 1\n", "test_x.py": "y = 1\n", "conftest.py": "z = 1\n", "README.md": "a\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "start")
+    commit = git("rev-parse", "HEAD")
+    assert evaluate.git_state(tmp_path) == (commit, False)
+    for name in ("test_x.py", "conftest.py", "README.md"):
+        (tmp_path / name).write_text("edited\n")
+    (tmp_path / "notes.md").write_text("new page\n")
+    assert evaluate.git_state(tmp_path) == (commit, False)
+    (tmp_path / "scratch.py").write_text("new script\n")
+    assert evaluate.git_state(tmp_path) == (commit, True)
+    (tmp_path / "scratch.py").unlink()
+    (tmp_path / "costa.py").write_text("x = 2\n")
+    assert evaluate.git_state(tmp_path) == (commit, True)
 
 def test_holm_adjustment_by_hand():
     import study
@@ -2213,7 +2256,8 @@ def test_choice_flags_and_batch_arithmetic_fail_before_the_token_cache(tmp_path,
     assert (code, err) == (1, "error: --index must be a faiss index_factory string, got 'bogus'")
     assert not (tmp_path / "ft").exists()
     code, err = run_error([HERE / "study.py", "--arms", "none,bogus", "--out_dir", tmp_path / "st"], tmp_path)
-    assert (code, err) == (1, "error: --arms must be names from {none, mlm, seed, cpdae, costa}, got 'none,bogus'")
+    arms = ", ".join(["none", "mlm", *run.METHODS])
+    assert (code, err) == (1, f"error: --arms must be names from {{{arms}}}, got 'none,bogus'")
 
 
 def _tiny_training(tmp_path, small_corpus):
@@ -2327,7 +2371,7 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, small_corpus):
     assert match and int(match.group(1)) >= 3 and saved >= 2, err
 
 
-@pytest.mark.parametrize("name", ["costa", "cpdae", "seed", "finetune", "evaluate"])
+@pytest.mark.parametrize("name", [*run.METHODS, "finetune", "evaluate"])
 def test_more_processes_than_gpus_is_one_error_before_the_process_group(name, monkeypatch):
     module = importlib.import_module(name)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
