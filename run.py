@@ -14,8 +14,8 @@ the starting checkpoints, 8. the command line, 9. signals, 10. exit lines. It im
 import contextlib
 import dataclasses
 import functools
-import inspect
 import gc
+import inspect
 import json
 import math
 import os
@@ -278,10 +278,12 @@ def stops_cleanly(where):
     restore = catch_stop_signals(defer_term=True)
     try:
         yield
-    except KeyboardInterrupt as e:
-        step, saved, folder = where()
+    except (KeyboardInterrupt, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and not STOP_SIGNALS["term"]:
+            raise
+        step, saved, folder = where()        # (a RuntimeError after SIGTERM: the next batch's worker had ended)
         last = f"last checkpoint at step {saved} in {folder}" if saved else f"no checkpoint yet in {folder}"
-        kind = Terminated if isinstance(e, Terminated) else Interrupted
+        kind = Interrupted if isinstance(e, KeyboardInterrupt) and not isinstance(e, Terminated) else Terminated
         what = "terminated (SIGTERM)" if kind is Terminated else "interrupted"
         raise kind(f"{what} at step {step}; {last}; continue with --resume") from None
     finally:
@@ -1009,12 +1011,18 @@ def catch_stop_signals(defer_term=False):
             raise KeyboardInterrupt
 
     def on_term(signum, frame):
-        if os.getpid() != owner:    # a forked data-loader worker. The first SIGTERM is the process group's (Slurm
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)   # and systemd send it to all): its parent acts on it,
-            return                  # ends the step and shuts it down; the next one (the parent's terminate()) ends it
+        if os.getpid() != owner:    # a forked worker dies quietly
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         STOP_SIGNALS["term"].append(signum)
         if not defer_term:
             raise Terminated
+        # Slurm and systemd send SIGTERM to the whole process group: it ended the data-loader workers too (torch's
+        # handler in them). Their deaths are this signal, not a failure to raise mid-step, mid-checkpoint or when
+        # the stopped loop's loader shuts down: torch's SIGCHLD handler stays aside while this process ends.
+        if hasattr(signal, "SIGCHLD"):
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     if before[signal.SIGINT] is signal.default_int_handler:
         signal.signal(signal.SIGINT, on_ctrl_c)
     if before[signal.SIGTERM] in (signal.SIG_DFL, None) or getattr(before[signal.SIGTERM], "__name__", "") == "on_term":
