@@ -146,6 +146,7 @@ def load_encoder(folder, c=None):
     else EncoderConfig; the folder's config.json replaces its sizes."""
     encoder = run.load_pretrained(Encoder, folder, c or EncoderConfig())
     encoder.mlm_head = None
+    encoder.source = str(folder)    # what check_finite names
     return encoder
 
 
@@ -431,10 +432,23 @@ def _encode_into(out, encoder, pooling, tokenizer, texts, max_len, batch_size, d
         ids, mask = ids.to(device), mask.to(device)
         with autocast:
             vecs = text_vectors(encoder(ids, mask), mask, pooling, similarity)                 # (b, H)
+        check_finite(vecs, encoder, rows, texts)
         out[rows] = vecs.float().cpu().numpy()
         progress.add(len(rows))
     encoder.train(was_training)
     return out
+
+
+def check_finite(vecs, encoder, rows, texts):
+    """Every vector that evaluation, zero-shot rows and mining search comes from _encode_into: a NaN or inf
+    one (a damaged checkpoint, an overflow) would rank nothing, silently (faiss gives it id -1). One line
+    naming the model (load_encoder records its folder) and the first text that gave one."""
+    bad = (~torch.isfinite(vecs)).any(1).nonzero()
+    if len(bad):
+        i = int(rows[int(bad[0])])
+        raise data.DataError(f"{getattr(encoder, 'source', 'the encoder')}: the model gives a non-finite vector "
+                             f"(NaN or inf) for text {i} of {len(texts)} ({texts[i][:40]!r}); its weights hold NaN or inf "
+                             f"(a damaged or diverged checkpoint?)")
 
 
 def _all_gather(t, device):
@@ -508,10 +522,20 @@ def retrieve(encoder, tokenizer, doc_texts, query_texts, k, c, device, timings=N
     t3 = time.time()
     if world > 1:
         scores, ids = merge_topk_across_ranks(scores, ids, k, device)
+    say_short_rankings(ids, k, c.index, rank)
     if timings is not None:
         timings.update(encode_docs_s=t1 - t0, docs_per_s_per_rank=len(shard) / max(t1 - t0, 1e-9),
                        encode_queries_s=t2 - t1, search_s=t3 - t2, merge_s=time.time() - t3)
     return scores, ids
+
+
+def say_short_rankings(ids, k, index, rank):
+    """An approximate index may find fewer than k documents for a query (faiss's id -1, left out of every
+    ranking and mined list): one line on rank 0 saying for how many queries, never silently."""
+    short = int((ids < 0).any(1).sum()) if ids.size else 0
+    if short and rank == 0:
+        print(f"note: the {index} index found fewer than {k} documents for {short} of {len(ids)} queries; their "
+              f"rankings are shorter (a larger --nprobe or --ef_search finds more)", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------

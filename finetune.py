@@ -405,7 +405,7 @@ def hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc
         t0 = time.time()
         _, ids = evaluate.retrieve(encoder, tokenizer, doc_texts, [ex.query for ex in examples],
                           c.hard_depth, c, device)
-        ranked = {ex.qid: row[row >= 0].tolist() for ex, row in zip(examples, ids)}   # -1: an approximate index found fewer
+        ranked = {ex.qid: row[row >= 0].tolist() for ex, row in zip(examples, ids)}   # -1: fewer found (retrieve says)
         if is_rank0:
             write_negatives(path, ranked, doc_ids)
             print(f"mined: top-{c.hard_depth} of {len(examples)} queries over {len(doc_texts):,} passages "

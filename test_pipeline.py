@@ -3208,3 +3208,43 @@ def test_evaluate_full_disk_is_one_line_and_keeps_the_previous_files(tmp_path, m
                         rf"{3 * 32 * 2} B, [\d.]+ [KMG]iB free\); free some space, or give another "
                         r"--vectors_dir", stopped.value.code), stopped.value.code    # 3 documents x 32 fp16 values
     assert not list(vectors.iterdir()) and folder_bytes(out) == before
+
+
+# ----------------------------------------------------------------------------------------------
+# Faults that used to pass silently or hang: each is one line now
+# ----------------------------------------------------------------------------------------------
+def _nan_model(folder):
+    """A tiny BERT folder with one weight matrix all NaN: every vector it gives is NaN."""
+    torch.manual_seed(0)
+    encoder = finetune.Encoder(finetune.Config(**TINY))
+    with torch.no_grad():
+        encoder.blocks[1].ffn_out.weight.fill_(float("nan"))
+    run.save_pretrained(encoder, folder)
+    return folder
+
+
+def test_a_model_that_gives_nan_vectors_is_one_line_naming_it(tmp_path):
+    beir, model = tiny_beir(tmp_path / "beir"), _nan_model(tmp_path / "nan")
+    names_it = rf"^{re.escape(str(model))}: the model gives a non-finite vector"
+    with pytest.raises(data.DataError, match=names_it):
+        evaluate.main(evaluate.Config(model=str(model), dataset=str(beir), out_dir=str(tmp_path / "ev")))
+    assert not (tmp_path / "ev" / "run.trec").exists()
+    c = finetune.retriever_settings(finetune.Config(init=str(model), dataset=str(beir)))   # --pretrain's zero-shot row
+    with pytest.raises(data.DataError, match=names_it):
+        finetune.evaluate_folder(c, c.init, tmp_path / "zero-shot", "zero-shot")
+    code, line = run_error([HERE / "evaluate.py", "--model", model, "--dataset", beir, "--out_dir", tmp_path / "ev"],
+                           tmp_path)
+    assert code == 1 and re.match(rf"error: {names_it[1:]}", line) and "\n" not in line, line
+
+
+def test_an_index_that_finds_fewer_documents_says_so(tmp_path, capsys):
+    torch.manual_seed(0)
+    encoder = finetune.Encoder(finetune.Config(**TINY))
+    c = finetune.Config(**TINY, encode_batch=8, query_len=16, passage_len=24, pooling="cls", index="IVF8,Flat",
+                        index_train=37)
+    texts = _toy_texts()
+    _, ids = evaluate.retrieve(encoder, _tokenizer(), texts, texts[:5], 30, c, torch.device("cpu"))
+    short = int((ids < 0).any(1).sum())
+    assert short > 0          # nprobe 1 of 8 lists: fewer than 30 documents for some queries
+    assert (f"the IVF8,Flat index found fewer than 30 documents for {short} of 5 queries"
+            in capsys.readouterr().out)
