@@ -48,7 +48,7 @@ import run
 # ==============================================================================================
 @dataclass
 class Config:
-    model: str = ""               # BERT folder to evaluate (ours, any BERT or sentence-transformers one), hub id, or "minilm"; several, comma-separated, with --tsne, --cls_by_length or a mechanism flag
+    model: str = ""               # BERT folder to evaluate (ours, any BERT or sentence-transformers one), hub id, or "minilm"; several, comma-separated, with --tsne, --cls_by_length or a mechanism flag (a path that exists is one model, commas and all)
     bm25: bool = False            # evaluate BM25 instead of a model
     dataset: str = str(data.SCIFACT)  # BEIR folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' ok)
     split: str = "test"           # qrels/{split}.tsv; several, comma-separated (dev,test): one encoding of the corpus, split s in {out_dir}/eval-{s}
@@ -1632,15 +1632,18 @@ def run_commands(c, names, out_dirs, rank, device):
 
 
 def model_list(c):
-    """--model and --tag as [(model, tag)]; tag "" = the model folder's parent name, or the model id."""
-    models = [m.strip() for m in c.model.split(",") if m.strip()]
-    tags = c.tag.split(",") if c.tag else [""] * len(models)
+    """--model and --tag as [(model, tag)]. --model is one model when the whole of it is a path that exists (a
+    folder whose name holds a comma), else comma-separated models. No --tag: each model folder's parent name
+    (its run folder), or the model id; the paths as given where two of those names are the same."""
+    models = [c.model] if Path(c.model).exists() else [m.strip() for m in c.model.split(",") if m.strip()]
     if len(models) > 1 and not (c.tsne or c.cls_by_length or any(getattr(c, m) for m in MECHANISMS)):
         raise ValueError(f"--model {c.model}: several models go with --tsne or --cls_by_length (or --word_shares, "
                          f"--decoder_reliance, --discrimination) only")
+    names = [Path(m).resolve().parent.name if Path(m).is_dir() else m for m in models]
+    tags = c.tag.split(",") if c.tag else names if len(set(names)) == len(names) else models
     if len(tags) != len(models) or len(set(tags)) < len(tags):
         raise ValueError(f"--tag {c.tag!r}: give one tag per model of --model ({len(models)}), all different")
-    return [(m, t or (Path(m).resolve().parent.name if Path(m).is_dir() else m)) for m, t in zip(models, tags)]
+    return list(zip(models, tags))
 
 
 def model_settings(c, model, tag):

@@ -3248,3 +3248,18 @@ def test_an_index_that_finds_fewer_documents_says_so(tmp_path, capsys):
     assert short > 0          # nprobe 1 of 8 lists: fewer than 30 documents for some queries
     assert (f"the IVF8,Flat index found fewer than 30 documents for {short} of 5 queries"
             in capsys.readouterr().out)
+
+
+def test_several_models_need_no_tag_and_a_path_with_a_comma_is_one_model(tmp_path):
+    corpus = write(tmp_path / "corpus.jsonl", "".join(json.dumps({"text": " ".join(["cells protein gene"] * n)}) + "\n"
+                                                      for n in (20, 25, 30)))
+    a, b = _tiny_init(tmp_path / "a" / "encoder"), _tiny_init(tmp_path / "b" / "encoder")
+    curves = evaluate.main(evaluate.Config(model=f"{a},{b}", cls_by_length=True, corpus=str(corpus),
+                                           out_dir=str(tmp_path / "fig")))
+    assert list(curves) == [("a", "cls"), ("a", "mean"), ("b", "cls"), ("b", "mean")]   # the run folders' names
+    c, d = _tiny_init(tmp_path / "c"), _tiny_init(tmp_path / "d")          # one folder holds both: their paths
+    assert evaluate.model_list(evaluate.Config(model=f"{c},{d}", tsne="auto")) == [(c, c), (d, d)]
+    comma = _tiny_init(tmp_path / "x,y" / "encoder")
+    assert evaluate.model_list(evaluate.Config(model=comma)) == [(comma, "x,y")]   # it exists: one model
+    evaluate.main(evaluate.Config(model=comma, dataset=str(tiny_beir(tmp_path / "beir")), depth=10))
+    assert (tmp_path / "x,y" / "eval-test" / "run.trec").is_file()
