@@ -394,7 +394,7 @@ def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16
 
     def write(tmp):
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=shape)   # (N, H)
-        reserve_space(tmp)
+        reserve_space(tmp, out.offset)
         _encode_into(out, *args)
         out.flush()
         del out                                    # unmapped: its written pages leave this process
@@ -408,12 +408,19 @@ def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16
     return np.load(path, mmap_mode="r")
 
 
-def reserve_space(path):
+def reserve_space(path, start=0, chunk=1 << 24):
     """Allocate the whole of a file on its disk now: a memmap written into a file that the disk cannot hold
-    dies of SIGBUS (exit 135, no line) when a page finds no room; reserved, a full disk is an OSError here."""
+    dies of SIGBUS (exit 135, no line) when a page finds no room; reserved, a full disk is an OSError here.
+    Where there is no posix_fallocate (macOS), the zeros from `start` (after the .npy header) are written
+    through instead: the same blocks allocated, at the cost of writing the file once more."""
     fd = os.open(path, os.O_RDWR)
     try:
-        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+        size = os.fstat(fd).st_size
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+        else:
+            for offset in range(start, size, chunk):
+                os.pwrite(fd, bytes(min(chunk, size - offset)), offset)
     finally:
         os.close(fd)
 

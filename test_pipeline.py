@@ -3263,3 +3263,13 @@ def test_several_models_need_no_tag_and_a_path_with_a_comma_is_one_model(tmp_pat
     assert evaluate.model_list(evaluate.Config(model=comma)) == [(comma, "x,y")]   # it exists: one model
     evaluate.main(evaluate.Config(model=comma, dataset=str(tiny_beir(tmp_path / "beir")), depth=10))
     assert (tmp_path / "x,y" / "eval-test" / "run.trec").is_file()
+
+
+def test_vectors_dir_without_posix_fallocate_as_on_macos(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    encoder = finetune.Encoder(finetune.Config(**TINY))
+    texts, cpu = _toy_texts(), torch.device("cpu")
+    ref = evaluate.encode(encoder, "cls", _tokenizer(), texts, 24, 8, cpu)
+    monkeypatch.delattr(os, "posix_fallocate")
+    mem = evaluate.encode(encoder, "cls", _tokenizer(), texts, 24, 8, cpu, path=tmp_path / "docs.npy")
+    np.testing.assert_array_equal(mem, ref.astype(np.float16))       # the .npy header and every row intact
