@@ -39,7 +39,6 @@ import gc
 import importlib
 import io
 import json
-import resource
 import shlex
 import subprocess
 import sys
@@ -95,7 +94,7 @@ def peak_rss_mib():
     try:
         return int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0]) / 1024
     except (OSError, IndexError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return run.max_rss_mib()
 
 
 def cpu_bf16():

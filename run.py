@@ -407,8 +407,13 @@ def barrier():
 def peak_memory_mb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    return max_rss_mib()
+
+
+def max_rss_mib():
+    """This process's peak resident set size in MiB, from ru_maxrss: KiB on Linux, bytes on macOS."""
     import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10   # Linux reports KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
 
 
 # ----------------------------------------------------------------------------------------------

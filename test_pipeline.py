@@ -3273,3 +3273,16 @@ def test_vectors_dir_without_posix_fallocate_as_on_macos(tmp_path, monkeypatch):
     monkeypatch.delattr(os, "posix_fallocate")
     mem = evaluate.encode(encoder, "cls", _tokenizer(), texts, 24, 8, cpu, path=tmp_path / "docs.npy")
     np.testing.assert_array_equal(mem, ref.astype(np.float16))       # the .npy header and every row intact
+
+
+def test_peak_memory_reads_ru_maxrss_in_bytes_on_macos(monkeypatch):
+    import resource
+
+    import benchmark
+    monkeypatch.setattr(resource, "getrusage", lambda who: types.SimpleNamespace(ru_maxrss=3 * 2**30))  # macOS: bytes
+    monkeypatch.setattr(sys, "platform", "darwin")
+    no_proc = types.SimpleNamespace(read_text=lambda: (_ for _ in ()).throw(FileNotFoundError("/proc")))
+    monkeypatch.setattr(benchmark, "Path", lambda path: no_proc)                                   # macOS: no /proc
+    assert run.peak_memory_mb(torch.device("cpu")) == benchmark.peak_rss_mib() == 3072
+    monkeypatch.setattr(sys, "platform", "linux")                                                  # Linux: KiB
+    assert run.peak_memory_mb(torch.device("cpu")) == 3 * 2**20
