@@ -3286,3 +3286,15 @@ def test_peak_memory_reads_ru_maxrss_in_bytes_on_macos(monkeypatch):
     assert run.peak_memory_mb(torch.device("cpu")) == benchmark.peak_rss_mib() == 3072
     monkeypatch.setattr(sys, "platform", "linux")                                                  # Linux: KiB
     assert run.peak_memory_mb(torch.device("cpu")) == 3 * 2**20
+
+
+def test_apple_silicon_is_told_once_why_its_gpu_is_not_used(monkeypatch, capsys):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    for platform, lines in (("linux", 0), ("darwin", 1)):
+        monkeypatch.setattr(sys, "platform", platform)
+        if hasattr(run.say_mps_is_not_used, "cache_clear"):
+            run.say_mps_is_not_used.cache_clear()
+        for _ in range(2):                               # finetune.py --pretrain parses the method's flags too
+            run.parse_config(evaluate.Config, ["--split", "dev"])
+        said = re.findall(r"^note: .*MPS.* not used.*$", capsys.readouterr().out, re.MULTILINE)
+        assert len(said) == lines, (platform, said)
