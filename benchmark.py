@@ -68,11 +68,16 @@ ST_NDCG_RESULTS = ROOT / "results" / "st-ndcg"   # st_ndcg.py's rows there (comm
 
 
 # Measurement helpers ------------------------------------------------------------------------------
-def in_fresh_process(script, *argv, env=None):
+def in_fresh_process(script, *argv, env=None, hours=6.0):
     """Run `python script *argv` in a new process (so that its peak RSS is its own) and return the JSON
-    of its last stdout line; RuntimeError with its last stderr line if it fails."""
-    result = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, env=env,
-                            check=False)
+    of its last stdout line; RuntimeError with its last stderr line if it fails. A measurement takes
+    minutes: one still running after `hours` is taken for hung, killed and named (RuntimeError too)."""
+    cmd = [sys.executable, str(script), *map(str, argv)]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, timeout=hours * 3600)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"still running after {data.format_seconds(hours * 3600)}, taken for hung and killed: "
+                           f"{shlex.join(cmd)}") from None
     if result.returncode:
         raise RuntimeError((result.stderr.strip().splitlines() or ["?"])[-1])
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -106,9 +111,6 @@ def machine(command):
     """Where and how a measurement ran, for the head of its results file: the commit (with "+changes" when
     tracked files differ from it), the command, the CPU's model, its native bf16 (AVX512-BF16, AMX) and so
     the precision training autocasts to there, the threads, torch's version and the date (UTC)."""
-    def git(*argv):
-        r = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=False)
-        return r.stdout.strip() if r.returncode == 0 else ""
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                    if line.startswith("model name"))
@@ -116,8 +118,9 @@ def machine(command):
         import platform
         cpu = platform.processor() or platform.machine()
     native = {x: getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")}
-    return {"commit": (git("rev-parse", "--short", "HEAD") or "?") + ("+changes" if git("status", "--porcelain",
-                                                                                        "--untracked-files=no") else ""),
+    commit = run.git("rev-parse", "--short", "HEAD") or "?"
+    changes = run.git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit + ("+changes" if changes else ""),
             "command": command, "cpu": cpu, "cpu_bf16": native,
             "precision": "bf16" if any(native.values()) else "fp32", "threads": torch.get_num_threads(),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

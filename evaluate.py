@@ -1202,12 +1202,7 @@ def run_config(folder):
 
 def git_state():
     """(commit, dirty) of this checkout: dirty = a tracked .py file differs from the commit."""
-    import subprocess
-
-    def git(*args):
-        r = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True)
-        return r.stdout.strip() if r.returncode == 0 else None
-    return git("rev-parse", "HEAD") or "unknown", bool(git("status", "--porcelain", "--", "*.py"))
+    return run.git("rev-parse", "HEAD") or "unknown", bool(run.git("status", "--porcelain", "--", "*.py"))
 
 
 def command_line(c):

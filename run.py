@@ -416,6 +416,21 @@ def max_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
 
 
+GIT_TIMEOUT_S = 60   # git answers these in well under a second; a minute without one is a hang (a lock, a dead mount)
+
+
+def git(*args):
+    """git's output in this checkout (stripped), or None where git fails (no repository): the commit that
+    results record. A git that gives no answer in GIT_TIMEOUT_S is killed and named, never waited on."""
+    import subprocess
+    try:
+        r = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
+                           timeout=GIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise data.DataError(f"git {' '.join(args)}: no answer in {GIT_TIMEOUT_S} s; killed") from None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
 # ----------------------------------------------------------------------------------------------
 # 5. Resume: a run continues exactly from its last checkpoint
 # ----------------------------------------------------------------------------------------------

@@ -2091,7 +2091,7 @@ def test_study_quick_end_to_end_resumes_without_training_and_refuses_mixed_code(
     # A rerun (a fresh clone: no run folders) trains nothing and prints the same table.
     shutil.rmtree(out / "none")
     calls = []
-    monkeypatch.setattr(study, "run_stage", lambda cmd, log: calls.append(cmd) or pytest.fail(f"ran {cmd}"))
+    monkeypatch.setattr(study, "run_stage", lambda cmd, log, hours: calls.append(cmd) or pytest.fail(f"ran {cmd}"))
     capsys.readouterr()
     study.main(argv)
     assert not calls and (results / "table.md").read_text() == table and table in capsys.readouterr().out
@@ -3298,3 +3298,28 @@ def test_apple_silicon_is_told_once_why_its_gpu_is_not_used(monkeypatch, capsys)
             run.parse_config(evaluate.Config, ["--split", "dev"])
         said = re.findall(r"^note: .*MPS.* not used.*$", capsys.readouterr().out, re.MULTILINE)
         assert len(said) == lines, (platform, said)
+
+
+def test_a_hung_child_of_the_study_or_the_benchmark_is_killed_and_named(tmp_path, monkeypatch):
+    import benchmark
+    import study
+    hang = tmp_path / "hang.py"
+    hang.write_text("import time\ntime.sleep(120)\n")
+    t0 = time.time()
+    with pytest.raises(RuntimeError) as stopped:
+        study.run_stage([PY, str(hang)], tmp_path / "stage.log", hours=1 / 3600)
+    assert re.fullmatch(rf"stage still running after 0m01s, taken for hung and killed \(--stage_hours\): "
+                        rf"{re.escape(PY)} {re.escape(str(hang))} \(its output: {re.escape(str(tmp_path))}/stage.log\)",
+                        str(stopped.value)), str(stopped.value)
+    with pytest.raises(RuntimeError, match=rf"still running after 0m01s, taken for hung and killed: .*{hang.name}"):
+        benchmark.in_fresh_process(hang, hours=1 / 3600)
+    fake_git = tmp_path / "bin" / "git"                       # a git that never answers (a lock, a dead mount)
+    fake_git.parent.mkdir()
+    fake_git.write_text(f"#!{PY}\nimport time\ntime.sleep(120)\n")
+    fake_git.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_git.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(run, "GIT_TIMEOUT_S", 1, raising=False)
+    for git_state in (study.git_state, evaluate.git_state, lambda: benchmark.machine("x")):
+        with pytest.raises(data.DataError, match=r"^git rev-parse (--short )?HEAD: no answer in 1 s; killed"):
+            git_state()
+    assert time.time() - t0 < 15
