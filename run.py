@@ -164,9 +164,7 @@ def resolve_batch(c, world):
 def resolve_vocab(c):
     """Before any work: the vocabulary is --vocab when given, else the --init folder's vocab.txt, else BERT's;
     it must match the model's embedding rows, and the windows the model's learned positions."""
-    own = Path(c.init) / "vocab.txt" if c.init else None
-    if c.vocab == str(data.VOCAB) and own and own.is_file():
-        c = dataclasses.replace(c, vocab=str(own))
+    c = dataclasses.replace(c, vocab=run_vocab(c))
     n = data.vocab_size_of(c.vocab) if Path(c.vocab).is_file() else c.vocab_size  # (missing: load_tokenizer says)
     model = f"the --init model {c.init}" if c.init else "the model"
     if n != c.vocab_size:
@@ -175,6 +173,12 @@ def resolve_vocab(c):
         raise ValueError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
                          f"(max_position)")
     return c
+
+
+def run_vocab(c):
+    """The vocabulary a run tokenizes with: --vocab when given, else the --init folder's vocab.txt, else BERT's."""
+    own = Path(c.init) / "vocab.txt" if c.init else None
+    return str(own) if c.vocab == str(data.VOCAB) and own and own.is_file() else c.vocab
 
 
 def init_encoder(Encoder, c):

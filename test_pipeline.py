@@ -3323,3 +3323,50 @@ def test_a_hung_child_of_the_study_or_the_benchmark_is_killed_and_named(tmp_path
         with pytest.raises(data.DataError, match=r"^git rev-parse (--short )?HEAD: no answer in 1 s; killed"):
             git_state()
     assert time.time() - t0 < 15
+
+
+@contextlib.contextmanager
+def read_only(folder):
+    """The folder cannot be written: chmod; as root, who writes anywhere, os.access says so (what the code asks),
+    and the test checks that nothing was written."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        try:
+            yield
+        finally:
+            folder.chmod(0o755)
+        return
+    real_access = os.access
+
+    def access(path, mode, **kw):
+        return False if mode & os.W_OK and Path(path).resolve() == folder.resolve() else real_access(path, mode, **kw)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(os, "access", access)
+        yield
+
+
+def test_a_complete_token_cache_next_to_a_read_only_corpus_is_read_as_it_is(tmp_path, small_cache_corpus):
+    built = data.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
+    before = folder_bytes(built.folder)
+    with read_only(tmp_path):
+        windows = data.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
+        assert windows.folder == built.folder and [windows[i] for i in range(5)] == [built[i] for i in range(5)]
+        with pytest.raises(data.DataError, match=r"read-only\), and no complete one is there; pass --cache_dir DIR"):
+            data.token_windows(small_cache_corpus, data.VOCAB, 128, verbose=False)    # these windows were never cut
+    assert folder_bytes(built.folder) == before
+
+
+def test_pretrain_on_a_read_only_corpus_stops_before_any_work_naming_a_flag_that_works(tmp_path):
+    beir, out = _scifact_subset(tmp_path / "ro" / "beir", n_train=8, n_test=4, n_other=20), tmp_path / "run"
+    flags = ["--pretrain", "costa", "--pretrain_steps", "1", "--init", _tiny_init(tmp_path / "tiny"), "--baseline",
+             "false", "--dataset", str(beir), "--steps", "1", "--batch_size", "4", "--passage_len", "64",
+             "--out_dir", str(out)]
+    before = folder_bytes(beir)
+    with read_only(beir):
+        with pytest.raises(data.DataError, match=r'read-only\), and no complete one is there; pass --pretrain_args '
+                                                 r'"--cache_dir DIR"$'):
+            finetune.main(flags + ["--pretrain_args", "--batch_size 4 --max_len 64"])
+        assert not out.exists()                                          # no zero-shot row, no fine-tuning
+        finetune.main(flags + ["--pretrain_args", f"--batch_size 4 --max_len 64 --cache_dir {tmp_path / 'cache'}"])
+    assert (out / "pretrain" / "done.json").is_file() and list((tmp_path / "cache").glob("corpus.jsonl.gz.tokens-*"))
+    assert folder_bytes(beir) == before
