@@ -454,8 +454,8 @@ def check_finite(vecs, encoder, rows, texts):
     if len(bad):
         i = int(rows[int(bad[0])])
         raise data.DataError(f"{getattr(encoder, 'source', 'the encoder')}: the model gives a non-finite vector "
-                             f"(NaN or inf) for text {i} of {len(texts)} ({texts[i][:40]!r}); its weights hold NaN or inf "
-                             f"(a damaged or diverged checkpoint?)")
+                             f"(NaN or inf) for text {i} of {len(texts)} ({texts[i][:40]!r}); its weights hold NaN "
+                             f"or inf (a damaged or diverged checkpoint?)")
 
 
 def _all_gather(t, device):
