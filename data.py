@@ -661,14 +661,24 @@ def corpus_signature(corpus, vocab):
     return {"version": TOKEN_CACHE_VERSION, "files": files, "vocab_sha256": sha256_of(vocab)}
 
 
-def token_cache_folder(corpus, vocab, cache_dir=""):
-    """<corpus>.tokens-<vocab hash> next to the corpus, or inside cache_dir (a read-only corpus folder)."""
+def token_cache_folder(corpus, vocab, cache_dir="", max_len=None, flag="--cache_dir DIR"):
+    """<corpus>.tokens-<vocab hash> next to the corpus, or inside cache_dir. Next to a corpus whose folder
+    cannot be written (a read-only dataset) only a cache that proves itself complete (_is_complete: with the
+    windows of max_len) is used, read as it is; else one line naming `flag`, the way to give another place."""
     corpus = Path(corpus)
     parent = Path(cache_dir) if cache_dir else corpus.resolve().parent
-    if not cache_dir and not os.access(parent, os.W_OK):
-        raise DataError(f"{parent}: cannot write the token cache next to the corpus (read-only); "
-                        f"pass --cache_dir DIR")
-    return parent / f"{corpus.name}.tokens-{sha256_of(vocab)[:8]}"
+    folder = parent / f"{corpus.name}.tokens-{sha256_of(vocab)[:8]}"
+    if not cache_dir and not os.access(parent, os.W_OK) and not _is_complete(folder, corpus, vocab, max_len):
+        raise DataError(f"{parent}: cannot write the token cache next to the corpus (read-only), and no complete "
+                        f"one is there; pass {flag}")
+    return folder
+
+
+def _is_complete(folder, corpus, vocab, max_len=None):
+    """Whether the token cache in folder is whole and built from this corpus and vocab, with the windows of
+    max_len (None: any), as its manifest and records say: a cache that needs no write."""
+    return (_cache_problem(folder, corpus_signature(corpus, vocab)) is None
+            and (max_len is None or _windows_problem(folder, max_len) is None))
 
 
 def file_record(path, chunk=1 << 24):
@@ -1065,7 +1075,7 @@ def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbo
     """The pre-training windows of a corpus: built into a token cache on first use (rank 0; the other
     ranks wait), checked on every use (a stale or damaged cache is rebuilt, saying why), then mapped
     from it. Returns TokenWindows."""
-    folder = token_cache_folder(corpus, vocab, cache_dir)
+    folder = token_cache_folder(corpus, vocab, cache_dir, max_len)
     signature = corpus_signature(corpus, vocab)
     if rank == 0 and folder.is_dir():
         remove_dead_temporaries(folder, verbose)

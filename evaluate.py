@@ -48,7 +48,7 @@ import run
 # ==============================================================================================
 @dataclass
 class Config:
-    model: str = ""               # BERT folder to evaluate (ours, any BERT or sentence-transformers one), hub id, or "minilm"; several, comma-separated, with --tsne, --cls_by_length or a mechanism flag
+    model: str = ""               # BERT folder to evaluate (ours, any BERT or sentence-transformers one), hub id, or "minilm"; several, comma-separated, with --tsne, --cls_by_length or a mechanism flag (a path that exists is one model, commas and all)
     bm25: bool = False            # evaluate BM25 instead of a model
     dataset: str = str(data.SCIFACT)  # BEIR folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' ok)
     split: str = "test"           # qrels/{split}.tsv; several, comma-separated (dev,test): one encoding of the corpus, split s in {out_dir}/eval-{s}
@@ -146,6 +146,7 @@ def load_encoder(folder, c=None):
     else EncoderConfig; the folder's config.json replaces its sizes."""
     encoder = run.load_pretrained(Encoder, folder, c or EncoderConfig())
     encoder.mlm_head = None
+    encoder.source = str(folder)    # what check_finite names
     return encoder
 
 
@@ -393,7 +394,7 @@ def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16
 
     def write(tmp):
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=shape)   # (N, H)
-        reserve_space(tmp)
+        reserve_space(tmp, out.offset)
         _encode_into(out, *args)
         out.flush()
         del out                                    # unmapped: its written pages leave this process
@@ -407,12 +408,19 @@ def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16
     return np.load(path, mmap_mode="r")
 
 
-def reserve_space(path):
+def reserve_space(path, start=0, chunk=1 << 24):
     """Allocate the whole of a file on its disk now: a memmap written into a file that the disk cannot hold
-    dies of SIGBUS (exit 135, no line) when a page finds no room; reserved, a full disk is an OSError here."""
+    dies of SIGBUS (exit 135, no line) when a page finds no room; reserved, a full disk is an OSError here.
+    Where there is no posix_fallocate (macOS), the zeros from `start` (after the .npy header) are written
+    through instead: the same blocks allocated, at the cost of writing the file once more."""
     fd = os.open(path, os.O_RDWR)
     try:
-        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+        size = os.fstat(fd).st_size
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, size)
+        else:
+            for offset in range(start, size, chunk):
+                os.pwrite(fd, bytes(min(chunk, size - offset)), offset)
     finally:
         os.close(fd)
 
@@ -431,10 +439,23 @@ def _encode_into(out, encoder, pooling, tokenizer, texts, max_len, batch_size, d
         ids, mask = ids.to(device), mask.to(device)
         with autocast:
             vecs = text_vectors(encoder(ids, mask), mask, pooling, similarity)                 # (b, H)
+        check_finite(vecs, encoder, rows, texts)
         out[rows] = vecs.float().cpu().numpy()
         progress.add(len(rows))
     encoder.train(was_training)
     return out
+
+
+def check_finite(vecs, encoder, rows, texts):
+    """Every vector that evaluation, zero-shot rows and mining search comes from _encode_into: a NaN or inf
+    one (a damaged checkpoint, an overflow) would rank nothing, silently (faiss gives it id -1). One line
+    naming the model (load_encoder records its folder) and the first text that gave one."""
+    bad = (~torch.isfinite(vecs)).any(1).nonzero()
+    if len(bad):
+        i = int(rows[int(bad[0])])
+        raise data.DataError(f"{getattr(encoder, 'source', 'the encoder')}: the model gives a non-finite vector "
+                             f"(NaN or inf) for text {i} of {len(texts)} ({texts[i][:40]!r}); its weights hold NaN "
+                             f"or inf (a damaged or diverged checkpoint?)")
 
 
 def _all_gather(t, device):
@@ -508,10 +529,20 @@ def retrieve(encoder, tokenizer, doc_texts, query_texts, k, c, device, timings=N
     t3 = time.time()
     if world > 1:
         scores, ids = merge_topk_across_ranks(scores, ids, k, device)
+    say_short_rankings(ids, k, c.index, rank)
     if timings is not None:
         timings.update(encode_docs_s=t1 - t0, docs_per_s_per_rank=len(shard) / max(t1 - t0, 1e-9),
                        encode_queries_s=t2 - t1, search_s=t3 - t2, merge_s=time.time() - t3)
     return scores, ids
+
+
+def say_short_rankings(ids, k, index, rank):
+    """An approximate index may find fewer than k documents for a query (faiss's id -1, left out of every
+    ranking and mined list): one line on rank 0 saying for how many queries, never silently."""
+    short = int((ids < 0).any(1).sum()) if ids.size else 0
+    if short and rank == 0:
+        print(f"note: the {index} index found fewer than {k} documents for {short} of {len(ids)} queries; their "
+              f"rankings are shorter (a larger --nprobe or --ef_search finds more)", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1174,13 +1205,8 @@ def git_state(folder=data.HERE):
     file that records its code. dirty = a .py file other than the tests (test_*.py, conftest.py) differs from
     the commit or is new to it: the code a result ran, not the pages or tests beside it. Outside a git
     checkout: ("unknown", False)."""
-    import subprocess
-
-    def git(*args):
-        r = subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True)
-        return r.stdout.strip() if r.returncode == 0 else None
-    changed = git("status", "--porcelain", "--", "*.py", ":(exclude)test_*.py", ":(exclude)conftest.py")
-    return git("rev-parse", "HEAD") or "unknown", bool(changed)
+    changed = run.git("status", "--porcelain", "--", "*.py", ":(exclude)test_*.py", ":(exclude)conftest.py", cwd=folder)
+    return run.git("rev-parse", "HEAD", cwd=folder) or "unknown", bool(changed)
 
 
 def command_line(c):
@@ -1612,15 +1638,18 @@ def run_commands(c, names, out_dirs, rank, device):
 
 
 def model_list(c):
-    """--model and --tag as [(model, tag)]; tag "" = the model folder's parent name, or the model id."""
-    models = [m.strip() for m in c.model.split(",") if m.strip()]
-    tags = c.tag.split(",") if c.tag else [""] * len(models)
+    """--model and --tag as [(model, tag)]. --model is one model when the whole of it is a path that exists (a
+    folder whose name holds a comma), else comma-separated models. No --tag: each model folder's parent name
+    (its run folder), or the model id; the paths as given where two of those names are the same."""
+    models = [c.model] if Path(c.model).exists() else [m.strip() for m in c.model.split(",") if m.strip()]
     if len(models) > 1 and not (c.tsne or c.cls_by_length or any(getattr(c, m) for m in MECHANISMS)):
         raise ValueError(f"--model {c.model}: several models go with --tsne or --cls_by_length (or --word_shares, "
                          f"--decoder_reliance, --discrimination) only")
+    names = [Path(m).resolve().parent.name if Path(m).is_dir() else m for m in models]
+    tags = c.tag.split(",") if c.tag else names if len(set(names)) == len(names) else models
     if len(tags) != len(models) or len(set(tags)) < len(tags):
         raise ValueError(f"--tag {c.tag!r}: give one tag per model of --model ({len(models)}), all different")
-    return [(m, t or (Path(m).resolve().parent.name if Path(m).is_dir() else m)) for m, t in zip(models, tags)]
+    return list(zip(models, tags))
 
 
 def model_settings(c, model, tag):

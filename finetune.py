@@ -405,7 +405,7 @@ def hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc
         t0 = time.time()
         _, ids = evaluate.retrieve(encoder, tokenizer, doc_texts, [ex.query for ex in examples],
                           c.hard_depth, c, device)
-        ranked = {ex.qid: row[row >= 0].tolist() for ex, row in zip(examples, ids)}   # -1: an approximate index found fewer
+        ranked = {ex.qid: row[row >= 0].tolist() for ex, row in zip(examples, ids)}   # -1: fewer found (retrieve says)
         if is_rank0:
             write_negatives(path, ranked, doc_ids)
             print(f"mined: top-{c.hard_depth} of {len(examples)} queries over {len(doc_texts):,} passages "
@@ -650,13 +650,7 @@ def pretrain(c):
     """Continue pre-training c.init with {c.pretrain}.py (costa, seed or cpdae) on the fine-tuning
     corpus (domain-adaptive, as the papers continue from BERT's checkpoint) into {out_dir}/pretrain;
     returns its encoder folder. Skipped when a previous run finished it (done.json)."""
-    module = importlib.import_module(c.pretrain)
-    folder = Path(c.out_dir) / "pretrain"
-    corpus = c.corpus or str(data.find_file(c.dataset, "corpus.jsonl"))
-    argv = (["--init", c.init, "--corpus", corpus, "--lr", "5e-5", "--steps", str(c.pretrain_steps)]
-            + shlex.split(c.pretrain_args) + ["--out_dir", str(folder), "--seed", str(c.seed)]
-            + (["--resume"] if c.resume else []) + (["--overwrite"] if c.overwrite else []))
-    pc = run.parse_config(module.Config, argv, module.__doc__, module.PAPER_PRESET, module.FLAG_RULES)
+    module, folder, pc = pretrain_config(c)
     if not (c.resume and (folder / "done.json").is_file()):
         if (folder / "done.json").is_file() and os.environ.get("RANK", "0") == "0":
             (folder / "done.json").unlink()  # a fresh run: an older run's marker must not survive a crash
@@ -666,6 +660,25 @@ def pretrain(c):
     elif rank_and_world()[0] == 0:
         print(f"pretrain: already finished, using {folder / 'encoder'}")
     return str(folder / "encoder")
+
+
+def pretrain_config(c):
+    """(the {c.pretrain}.py module, its run folder, its Config from c and --pretrain_args)."""
+    module = importlib.import_module(c.pretrain)
+    folder = Path(c.out_dir) / "pretrain"
+    corpus = c.corpus or str(data.find_file(c.dataset, "corpus.jsonl"))
+    argv = (["--init", c.init, "--corpus", corpus, "--lr", "5e-5", "--steps", str(c.pretrain_steps)]
+            + shlex.split(c.pretrain_args) + ["--out_dir", str(folder), "--seed", str(c.seed)]
+            + (["--resume"] if c.resume else []) + (["--overwrite"] if c.overwrite else []))
+    return module, folder, run.parse_config(module.Config, argv, module.__doc__, module.PAPER_PRESET, module.FLAG_RULES)
+
+
+def check_pretraining(c):
+    """Before any work, not after the zero-shot row and the baseline: --pretrain_args parse, and the token
+    cache has a place (a read-only corpus needs a complete cache next to it, or a --cache_dir)."""
+    _, _, pc = pretrain_config(c)
+    data.token_cache_folder(pc.corpus, run.run_vocab(pc), pc.cache_dir, pc.max_len,
+                            flag='--pretrain_args "--cache_dir DIR"')
 
 
 def evaluate_folder(c, folder, out_dir, tag):
@@ -700,6 +713,7 @@ def pipeline(c):
     run.lock_run_folder(c.out_dir)               # one run at a time in a run folder (if it exists yet)
     out, name = Path(c.out_dir), Path(c.init).name if Path(c.init).is_dir() else c.init
     c = retriever_settings(dataclasses.replace(c, init=run.resolve_model(c.init)))
+    check_pretraining(c)
     run.lock_run_folder(out, create=True)       # a new folder is locked as it is made
     rows = {f"{name} zero-shot": evaluate_folder(c, c.init, out / f"zero-shot/eval-{c.eval_split}", f"{name}-zero-shot")}
     if c.baseline:

@@ -140,9 +140,7 @@ def init_encoder(Encoder, c):
 def resolve_vocab(c):
     """Before any work: the vocabulary is --vocab when given, else the --init folder's vocab.txt, else BERT's;
     it must match the model's embedding rows, and the windows the model's learned positions."""
-    own = Path(c.init) / "vocab.txt" if c.init else None
-    if c.vocab == str(data.VOCAB) and own and own.is_file():
-        c = dataclasses.replace(c, vocab=str(own))
+    c = dataclasses.replace(c, vocab=run_vocab(c))
     n = data.vocab_size_of(c.vocab) if Path(c.vocab).is_file() else c.vocab_size  # (missing: load_tokenizer says)
     model = f"the --init model {c.init}" if c.init else "the model"
     if n != c.vocab_size:
@@ -151,6 +149,12 @@ def resolve_vocab(c):
         raise ValueError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
                          f"(max_position)")
     return c
+
+
+def run_vocab(c):
+    """The vocabulary a run tokenizes with: --vocab when given, else the --init folder's vocab.txt, else BERT's."""
+    own = Path(c.init) / "vocab.txt" if c.init else None
+    return str(own) if c.vocab == str(data.VOCAB) and own and own.is_file() else c.vocab
 
 
 def load_windows(c, rank):
@@ -410,8 +414,27 @@ def barrier():
 def peak_memory_mb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    return max_rss_mib()
+
+
+def max_rss_mib():
+    """This process's peak resident set size in MiB, from ru_maxrss: KiB on Linux, bytes on macOS."""
     import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10   # Linux reports KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+GIT_TIMEOUT_S = 60   # git answers these in well under a second; a minute without one is a hang (a lock, a dead mount)
+
+
+def git(*args, cwd=data.HERE):
+    """git's output in the checkout at cwd (stripped), or None where git fails (no repository): the commit that
+    results record. A git that gives no answer in GIT_TIMEOUT_S is killed and named, never waited on."""
+    import subprocess
+    try:
+        r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=GIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise data.DataError(f"git {' '.join(args)}: no answer in {GIT_TIMEOUT_S} s; killed") from None
+    return r.stdout.strip() if r.returncode == 0 else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -936,7 +959,18 @@ def parse_config(Config, argv, doc="", preset=None, rules=None):
     for name, rule in (rules or {}).items():
         if not satisfies(getattr(c, name), rule):
             exit_with(f"error: --{name} must be {rule}, got {getattr(c, name)!r}", 1)
+    say_mps_is_not_used()
     return c
+
+
+@functools.cache                                       # once per process
+def say_mps_is_not_used():
+    """setup_distributed picks CUDA, else the CPU, never Apple's GPU (MPS): no run here was made on MPS
+    (autocast_bf16 knows no bf16 there; which ops it lacks is untested), so no test or number vouches for
+    it. On Apple silicon rank 0 says so in one line, so that the CPU's speed is not taken for the GPU's."""
+    if sys.platform == "darwin" and torch.backends.mps.is_available() and os.environ.get("RANK", "0") == "0":
+        print("note: Apple's GPU (MPS) is not used, the CPU is: nothing here is tested on MPS (bf16 autocast, "
+              "op coverage)", flush=True)
 
 
 def satisfies(value, rule):

@@ -2091,7 +2091,7 @@ def test_study_quick_end_to_end_resumes_without_training_and_refuses_mixed_code(
     # A rerun (a fresh clone: no run folders) trains nothing and prints the same table.
     shutil.rmtree(out / "none")
     calls = []
-    monkeypatch.setattr(study, "run_stage", lambda cmd, log: calls.append(cmd) or pytest.fail(f"ran {cmd}"))
+    monkeypatch.setattr(study, "run_stage", lambda cmd, log, hours: calls.append(cmd) or pytest.fail(f"ran {cmd}"))
     capsys.readouterr()
     study.main(argv)
     assert not calls and (results / "table.md").read_text() == table and table in capsys.readouterr().out
@@ -3362,3 +3362,165 @@ def test_evaluate_full_disk_is_one_line_and_keeps_the_previous_files(tmp_path, m
                         rf"{3 * 32 * 2} B, [\d.]+ [KMG]iB free\); free some space, or give another "
                         r"--vectors_dir", stopped.value.code), stopped.value.code    # 3 documents x 32 fp16 values
     assert not list(vectors.iterdir()) and folder_bytes(out) == before
+
+
+# ----------------------------------------------------------------------------------------------
+# Faults that used to pass silently or hang: each is one line now
+# ----------------------------------------------------------------------------------------------
+def _nan_model(folder):
+    """A tiny BERT folder with one weight matrix all NaN: every vector it gives is NaN."""
+    torch.manual_seed(0)
+    encoder = finetune.Encoder(finetune.Config(**TINY))
+    with torch.no_grad():
+        encoder.blocks[1].ffn_out.weight.fill_(float("nan"))
+    run.save_pretrained(encoder, folder)
+    return folder
+
+
+def test_a_model_that_gives_nan_vectors_is_one_line_naming_it(tmp_path):
+    beir, model = tiny_beir(tmp_path / "beir"), _nan_model(tmp_path / "nan")
+    names_it = rf"^{re.escape(str(model))}: the model gives a non-finite vector"
+    with pytest.raises(data.DataError, match=names_it):
+        evaluate.main(evaluate.Config(model=str(model), dataset=str(beir), out_dir=str(tmp_path / "ev")))
+    assert not (tmp_path / "ev" / "run.trec").exists()
+    c = finetune.retriever_settings(finetune.Config(init=str(model), dataset=str(beir)))   # --pretrain's zero-shot row
+    with pytest.raises(data.DataError, match=names_it):
+        finetune.evaluate_folder(c, c.init, tmp_path / "zero-shot", "zero-shot")
+    code, line = run_error([HERE / "evaluate.py", "--model", model, "--dataset", beir, "--out_dir", tmp_path / "ev"],
+                           tmp_path)
+    assert code == 1 and re.match(rf"error: {names_it[1:]}", line) and "\n" not in line, line
+
+
+def test_an_index_that_finds_fewer_documents_says_so(tmp_path, capsys):
+    torch.manual_seed(0)
+    encoder = finetune.Encoder(finetune.Config(**TINY))
+    c = finetune.Config(**TINY, encode_batch=8, query_len=16, passage_len=24, pooling="cls", index="IVF8,Flat",
+                        index_train=37)
+    texts = _toy_texts()
+    _, ids = evaluate.retrieve(encoder, _tokenizer(), texts, texts[:5], 30, c, torch.device("cpu"))
+    short = int((ids < 0).any(1).sum())
+    assert short > 0          # nprobe 1 of 8 lists: fewer than 30 documents for some queries
+    assert (f"the IVF8,Flat index found fewer than 30 documents for {short} of 5 queries"
+            in capsys.readouterr().out)
+
+
+def test_several_models_need_no_tag_and_a_path_with_a_comma_is_one_model(tmp_path):
+    corpus = write(tmp_path / "corpus.jsonl", "".join(json.dumps({"text": " ".join(["cells protein gene"] * n)}) + "\n"
+                                                      for n in (20, 25, 30)))
+    a, b = _tiny_init(tmp_path / "a" / "encoder"), _tiny_init(tmp_path / "b" / "encoder")
+    curves = evaluate.main(evaluate.Config(model=f"{a},{b}", cls_by_length=True, corpus=str(corpus),
+                                           out_dir=str(tmp_path / "fig")))
+    assert list(curves) == [("a", "cls"), ("a", "mean"), ("b", "cls"), ("b", "mean")]   # the run folders' names
+    c, d = _tiny_init(tmp_path / "c"), _tiny_init(tmp_path / "d")          # one folder holds both: their paths
+    assert evaluate.model_list(evaluate.Config(model=f"{c},{d}", tsne="auto")) == [(c, c), (d, d)]
+    comma = _tiny_init(tmp_path / "x,y" / "encoder")
+    assert evaluate.model_list(evaluate.Config(model=comma)) == [(comma, "x,y")]   # it exists: one model
+    evaluate.main(evaluate.Config(model=comma, dataset=str(tiny_beir(tmp_path / "beir")), depth=10))
+    assert (tmp_path / "x,y" / "eval-test" / "run.trec").is_file()
+
+
+def test_vectors_dir_without_posix_fallocate_as_on_macos(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    encoder = finetune.Encoder(finetune.Config(**TINY))
+    texts, cpu = _toy_texts(), torch.device("cpu")
+    ref = evaluate.encode(encoder, "cls", _tokenizer(), texts, 24, 8, cpu)
+    monkeypatch.delattr(os, "posix_fallocate")
+    mem = evaluate.encode(encoder, "cls", _tokenizer(), texts, 24, 8, cpu, path=tmp_path / "docs.npy")
+    np.testing.assert_array_equal(mem, ref.astype(np.float16))       # the .npy header and every row intact
+
+
+def test_peak_memory_reads_ru_maxrss_in_bytes_on_macos(monkeypatch):
+    import resource
+
+    import benchmark
+    monkeypatch.setattr(resource, "getrusage", lambda who: types.SimpleNamespace(ru_maxrss=3 * 2**30))  # macOS: bytes
+    monkeypatch.setattr(sys, "platform", "darwin")
+    no_proc = types.SimpleNamespace(read_text=lambda: (_ for _ in ()).throw(FileNotFoundError("/proc")))
+    monkeypatch.setattr(benchmark, "Path", lambda path: no_proc)                                   # macOS: no /proc
+    assert run.peak_memory_mb(torch.device("cpu")) == benchmark.peak_rss_mib() == 3072
+    monkeypatch.setattr(sys, "platform", "linux")                                                  # Linux: KiB
+    assert run.peak_memory_mb(torch.device("cpu")) == 3 * 2**20
+
+
+def test_apple_silicon_is_told_once_why_its_gpu_is_not_used(monkeypatch, capsys):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    for platform, lines in (("linux", 0), ("darwin", 1)):
+        monkeypatch.setattr(sys, "platform", platform)
+        if hasattr(run.say_mps_is_not_used, "cache_clear"):
+            run.say_mps_is_not_used.cache_clear()
+        for _ in range(2):                               # finetune.py --pretrain parses the method's flags too
+            run.parse_config(evaluate.Config, ["--split", "dev"])
+        said = re.findall(r"^note: .*MPS.* not used.*$", capsys.readouterr().out, re.MULTILINE)
+        assert len(said) == lines, (platform, said)
+
+
+def test_a_hung_child_of_the_study_or_the_benchmark_is_killed_and_named(tmp_path, monkeypatch):
+    import benchmark
+    import study
+    hang = tmp_path / "hang.py"
+    hang.write_text("import time\ntime.sleep(120)\n")
+    t0 = time.time()
+    with pytest.raises(RuntimeError) as stopped:
+        study.run_stage([PY, str(hang)], tmp_path / "stage.log", hours=1 / 3600)
+    assert re.fullmatch(rf"stage still running after 0m01s, taken for hung and killed \(--stage_hours\): "
+                        rf"{re.escape(PY)} {re.escape(str(hang))} \(its output: {re.escape(str(tmp_path))}/stage.log\)",
+                        str(stopped.value)), str(stopped.value)
+    with pytest.raises(RuntimeError, match=rf"still running after 0m01s, taken for hung and killed: .*{hang.name}"):
+        benchmark.in_fresh_process(hang, hours=1 / 3600)
+    fake_git = tmp_path / "bin" / "git"                       # a git that never answers (a lock, a dead mount)
+    fake_git.parent.mkdir()
+    fake_git.write_text(f"#!{PY}\nimport time\ntime.sleep(120)\n")
+    fake_git.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_git.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(run, "GIT_TIMEOUT_S", 1, raising=False)
+    for git_state in (study.git_state, evaluate.git_state, lambda: benchmark.machine("x")):
+        with pytest.raises(data.DataError, match=r"^git rev-parse (--short )?HEAD: no answer in 1 s; killed"):
+            git_state()
+    assert time.time() - t0 < 15
+
+
+@contextlib.contextmanager
+def read_only(folder):
+    """The folder cannot be written: chmod; as root, who writes anywhere, os.access says so (what the code asks),
+    and the test checks that nothing was written."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        try:
+            yield
+        finally:
+            folder.chmod(0o755)
+        return
+    real_access = os.access
+
+    def access(path, mode, **kw):
+        return False if mode & os.W_OK and Path(path).resolve() == folder.resolve() else real_access(path, mode, **kw)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(os, "access", access)
+        yield
+
+
+def test_a_complete_token_cache_next_to_a_read_only_corpus_is_read_as_it_is(tmp_path, small_cache_corpus):
+    built = data.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
+    before = folder_bytes(built.folder)
+    with read_only(tmp_path):
+        windows = data.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
+        assert windows.folder == built.folder and [windows[i] for i in range(5)] == [built[i] for i in range(5)]
+        with pytest.raises(data.DataError, match=r"read-only\), and no complete one is there; pass --cache_dir DIR"):
+            data.token_windows(small_cache_corpus, data.VOCAB, 128, verbose=False)    # these windows were never cut
+    assert folder_bytes(built.folder) == before
+
+
+def test_pretrain_on_a_read_only_corpus_stops_before_any_work_naming_a_flag_that_works(tmp_path):
+    beir, out = _scifact_subset(tmp_path / "ro" / "beir", n_train=8, n_test=4, n_other=20), tmp_path / "run"
+    flags = ["--pretrain", "costa", "--pretrain_steps", "1", "--init", _tiny_init(tmp_path / "tiny"), "--baseline",
+             "false", "--dataset", str(beir), "--steps", "1", "--batch_size", "4", "--passage_len", "64",
+             "--out_dir", str(out)]
+    before = folder_bytes(beir)
+    with read_only(beir):
+        with pytest.raises(data.DataError, match=r'read-only\), and no complete one is there; pass --pretrain_args '
+                                                 r'"--cache_dir DIR"$'):
+            finetune.main(flags + ["--pretrain_args", "--batch_size 4 --max_len 64"])
+        assert not out.exists()                                          # no zero-shot row, no fine-tuning
+        finetune.main(flags + ["--pretrain_args", f"--batch_size 4 --max_len 64 --cache_dir {tmp_path / 'cache'}"])
+    assert (out / "pretrain" / "done.json").is_file() and list((tmp_path / "cache").glob("corpus.jsonl.gz.tokens-*"))
+    assert folder_bytes(beir) == before
