@@ -454,12 +454,11 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
               f"sampled + {(global_batch - 1) * (1 + c.n_negatives)} in-batch (known positives of the query "
               f"are left out of the softmax)", flush=True)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    loader = torch.utils.data.DataLoader(
-        TrainBatches(sc, examples, doc_texts, tokenizer, rank, world), batch_size=None, num_workers=c.workers,
-        sampler=range(start_step * c.grad_accum, sc.steps * c.grad_accum), generator=torch.Generator())
+    batches = run.batches(TrainBatches(sc, examples, doc_texts, tokenizer, rank, world), c.workers,
+                          range(start_step * c.grad_accum, sc.steps * c.grad_accum))
     autocast = run.autocast_bf16(device, c.bf16)
     progress = run.Progress(sc, start_step, is_rank0)
-    batches, saved, step = iter(loader), start_step, start_step
+    saved, step = start_step, start_step
     model.train()
     with run.stops_cleanly(lambda: (step, saved, sc.out_dir)):    # Ctrl-C, SIGTERM: one line, then --resume
         for step in range(start_step + 1, sc.steps + 1):

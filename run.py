@@ -7,6 +7,7 @@ extends TrainConfig (the shared flags), and its train(c) calls from here, in thi
   resolve_schedule  1. --epochs -> steps; the batch split checked again (resolve_batch, as in start_run)
   make_optimizer    1. the papers' Adam with warm-up; new heads first under --head_warmup
   TrainingRun       2. resume, run folder, log, checkpoints, --halt_at, a clean stop; the loop calls its methods
+  batches           2. the method's batches from the resumed step on, built ahead by --workers processes
   autocast_bf16     2. bf16 autocast where the device computes bf16 natively
 Then what they use: 3. progress lines, 4. resume, 5. run folders, 6. checkpoints, 7. Hugging Face folders and
 the starting checkpoints, 8. the command line, 9. signals, 10. exit lines. It imports data.py, never a method file.
@@ -312,6 +313,22 @@ def stop_if_not_finite(grad_norm, step, c, last_saved=0):
                 "no checkpoint was written")
         raise data.DataError(f"step {step}: the loss is not finite (gradient norm {float(grad_norm)}); stopped "
                              f"without saving; {kept}")
+
+
+def batches(dataset, workers, micro_steps):
+    """dataset[i] for each micro-step i of the range (from the resumed step on), built ahead by `workers`
+    processes. The loader has its own generator: the global RNG (dropout) resumes exactly."""
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers, sampler=micro_steps,
+                                         generator=torch.Generator(), worker_init_fn=_leave_sigterm_to_the_run)
+    return iter(loader)
+
+
+def _leave_sigterm_to_the_run(worker_id):
+    """In each data-loader worker. Slurm and systemd send SIGTERM to the whole process group: the run acts on
+    it (it ends the step, checkpoints, then shuts its workers down), so the worker only takes note; the next
+    SIGTERM (the loader's own terminate()) ends it. torch's handler would end it at once."""
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: signal.signal(signal.SIGTERM, signal.SIG_DFL))
 
 
 def autocast_bf16(device, enabled=True):

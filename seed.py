@@ -343,11 +343,9 @@ def train(c):
     # Each rank trains on its own slice of every global batch (data.batch_indices); DDP averages the
     # gradients over the ranks (SEED's losses are per text: nothing to gather).
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    loader = torch.utils.data.DataLoader(
-        Batches(c, windows, rank, world), batch_size=None, num_workers=c.workers,
-        sampler=range(training.start_step * c.grad_accum, c.steps * c.grad_accum),
-        generator=torch.Generator())  # its own generator: the global RNG (dropout) resumes exactly
-    autocast, batches = run.autocast_bf16(device, c.bf16), iter(loader)
+    batches = run.batches(Batches(c, windows, rank, world), c.workers,      # --workers processes build them ahead,
+                          range(training.start_step * c.grad_accum, c.steps * c.grad_accum))  # from the resumed step
+    autocast = run.autocast_bf16(device, c.bf16)
     with training.stops_cleanly():                               # Ctrl-C, SIGTERM: one line, then --resume
         for step in range(training.start_step + 1, c.steps + 1):
             for micro in range(c.grad_accum):
