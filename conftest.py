@@ -1,7 +1,9 @@
 """Helpers shared by test_losses.py and test_pipeline.py: the BERT tokenizer, and running a function
 on two gloo processes (the check that a 2-process run equals one process holding both halves)."""
+import contextlib
 import datetime
 import os
+import signal
 
 import pytest
 import torch
@@ -14,6 +16,36 @@ import run
 # The suite is the CPU suite that CI runs, and it runs the same on a GPU machine: its torchrun tests start
 # 2 processes, which NCCL would refuse on one GPU. The GPU path is measured by benchmark.py --gpu.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+# Every test under a bound: a hang is a failed test with the traceback of where it waited, not a suite that
+# never ends. The longest test takes about 3 minutes on a 2-core machine that other jobs share.
+TEST_TIMEOUT_S = int(os.environ.get("TEST_TIMEOUT_S", "900"))
+
+
+@contextlib.contextmanager
+def _bounded(item, phase):
+    """SIGALRM raises in the main thread whatever it waits on (a join, a pipe, a lock, a sleep)."""
+    def ran_over(signum, frame):
+        raise TimeoutError(f"{item.nodeid}: {phase} ran over {TEST_TIMEOUT_S} s (TEST_TIMEOUT_S, conftest.py)")
+    previous = signal.signal(signal.SIGALRM, ran_over)
+    signal.alarm(TEST_TIMEOUT_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _bounded(item, "its setup"):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _bounded(item, "the test"):
+        return (yield)
 
 
 @pytest.fixture(autouse=True)

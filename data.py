@@ -640,6 +640,7 @@ def encode_texts(tokenizer, texts, max_len):
 TOKEN_CACHE_VERSION = 2      # 2: the manifest records each file's size, time and CRC-32 (1 recorded none)
 CACHE_WAIT_S = 6 * 3600      # how long ranks > 0 wait for rank 0 to build a cache before giving up
 WORKER_SILENCE_S = 600       # a tokenizing worker that gives nothing back this long is stuck: named, stopped
+CACHE_STALL_S = 2 * WORKER_SILENCE_S   # ranks > 0 give up when rank 0's cache folder is unchanged this long
 TOKEN_FILES = ("tokens.bin", "word_starts.bin", "doc_offsets.npy")   # what the manifest vouches for
 CRC_EVERY_USE_BYTES = 1 << 30   # files up to this total have their CRC-32s checked on every use
 UNOWNED_TEMP_S = 3600        # a temporary whose name has no PID is stale when unwritten this long
@@ -1053,22 +1054,36 @@ class TokenWindows:
         self.__init__(*state)
 
 
-def rank0_builds(ready, build, rank, what):
-    """Rank 0 runs build() unless ready(); the other ranks wait until ready() (polling a file: no
-    collective, so it works before or without a process group), at most CACHE_WAIT_S seconds."""
-    import time
+def rank0_builds(ready, build, rank, what, watch=None):
+    """Rank 0 runs build() unless ready(); the other ranks wait until ready() (polling a file: no collective,
+    so it works before or without a process group), at most CACHE_WAIT_S seconds, and, given the folder rank 0
+    writes as it builds (watch), at most CACHE_STALL_S after its last change: a stalled rank 0 is named."""
     if rank == 0:
         if not ready():
             build()
         return
     t0 = last = time.time()
     while not ready():
-        if time.time() - t0 > CACHE_WAIT_S:
-            raise DataError(f"rank {rank}: waited {CACHE_WAIT_S} s for rank 0 to build {what}; did rank 0 fail?")
+        changed = _last_change(watch, t0)
+        if time.time() - t0 > CACHE_WAIT_S or time.time() - changed > CACHE_STALL_S:
+            quiet = f"; nothing in {watch} changed for {time.time() - changed:.0f} s" if watch else ""
+            raise DataError(f"rank {rank}: waited {time.time() - t0:.0f} s for rank 0 to build {what}{quiet}; "
+                            f"did rank 0 fail or hang? Its output says")
         if time.time() - last > 60:
             last = time.time()
             print(f"rank {rank}: waiting for rank 0 to build {what} ({last - t0:.0f} s)", flush=True)
         time.sleep(1)
+
+
+def _last_change(folder, since):
+    """The newest modification time of a file in folder (temporaries too), or `since`."""
+    times = [since]
+    for path in Path(folder).iterdir() if folder and Path(folder).is_dir() else ():
+        try:
+            times.append(path.stat().st_mtime)
+        except FileNotFoundError:                  # renamed or removed meanwhile
+            pass
+    return max(times)
 
 
 def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbose=True):
@@ -1081,7 +1096,7 @@ def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbo
         remove_dead_temporaries(folder, verbose)
     rank0_builds(lambda: _is_ready(_cache_problem(folder, signature), folder, "rebuilding it", rank == 0),
                  lambda: build_token_cache(corpus, vocab, folder, workers, verbose=verbose), rank,
-                 f"the token cache {folder}")
+                 f"the token cache {folder}", folder)
     rank0_builds(lambda: _is_ready(_windows_problem(folder, max_len), folder, "cutting the windows again", rank == 0),
                  lambda: _write_windows(folder, max_len), rank, str(folder / f"windows-L{max_len}.npy"))
     tokenizer = load_tokenizer(vocab)

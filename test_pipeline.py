@@ -262,6 +262,19 @@ def test_other_ranks_wait_for_rank0_and_give_up_with_a_clear_error(monkeypatch):
         data.rank0_builds(lambda: False, lambda: None, 1, "the cache")
 
 
+def test_other_ranks_name_a_rank0_whose_cache_folder_stopped_changing(tmp_path, monkeypatch):
+    """Under torchrun the other ranks wait for rank 0's build; a rank 0 that writes nothing for CACHE_STALL_S is
+    named (its folder, how long), not waited on for CACHE_WAIT_S (6 hours)."""
+    (tmp_path / ".tokens.bin.123@host.tmp").write_bytes(b"x")
+    os.utime(tmp_path / ".tokens.bin.123@host.tmp", (time.time() - 30, time.time() - 30))
+    monkeypatch.setattr(data, "CACHE_STALL_S", 2)
+    t0 = time.time()
+    with pytest.raises(data.DataError, match=rf"rank 1: waited \d+ s for rank 0 to build the cache; nothing in "
+                                             rf"{re.escape(str(tmp_path))} changed for \d+ s; did rank 0 fail or hang"):
+        data.rank0_builds(lambda: False, lambda: None, 1, "the cache", tmp_path)
+    assert time.time() - t0 < 10
+
+
 def test_token_cache_in_cache_dir_when_the_corpus_folder_is_read_only(tmp_path, small_cache_corpus):
     if os.geteuid() == 0:    # root writes anywhere: simulate the read-only folder
         real_access = os.access
@@ -3122,6 +3135,18 @@ def test_a_process_group_sigterm_with_data_loader_workers_saves_and_stops_with_o
                         r"continue with --resume", stderr.strip().splitlines()[-1])
     assert last and "DataLoader" not in stderr, stderr
     assert run.load_training_state(out / "state.pt")["step"] == int(last[2])
+
+
+def test_a_test_that_hangs_fails_with_its_traceback_and_the_suite_goes_on(tmp_path):
+    """conftest.py bounds every test (TEST_TIMEOUT_S): a hang is a red test that says where it waited."""
+    write(tmp_path / "test_hang.py", "import time\n\ndef test_hangs():\n    time.sleep(600)\n\n"
+                                     "def test_next():\n    pass\n")
+    result = subprocess.run([PY, "-m", "pytest", "-q", "-p", "conftest", "--rootdir", str(tmp_path),
+                             str(tmp_path / "test_hang.py")], cwd=HERE, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "TEST_TIMEOUT_S": "2", "PYTHONPATH": str(HERE)})
+    assert result.returncode == 1 and "1 failed, 1 passed" in result.stdout, result.stdout + result.stderr
+    assert "test_hang.py::test_hangs: the test ran over 2 s (TEST_TIMEOUT_S, conftest.py)" in result.stdout
+    assert "time.sleep(600)" in result.stdout                   # the line it waited on
 
 
 def test_the_next_build_removes_the_temporaries_of_a_killed_build(tmp_path, wiki_texts):
