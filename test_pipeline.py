@@ -3149,6 +3149,41 @@ def test_a_test_that_hangs_fails_with_its_traceback_and_the_suite_goes_on(tmp_pa
     assert "time.sleep(600)" in result.stdout                   # the line it waited on
 
 
+@pytest.mark.parametrize("stop, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_a_stop_during_the_token_cache_build_inside_finetune_is_one_line_and_keeps_no_cache(tmp_path, stop, code):
+    """finetune.py --pretrain builds the cache in its own process, its stop handlers installed: SIGTERM (to the
+    whole group, as Slurm sends it) or Ctrl-C mid-build ends it with one line, and no half-built cache stays."""
+    import signal
+    beir, started = _scifact_subset(tmp_path / "beir", n_train=8, n_test=4, n_other=20), tmp_path / "started"
+    code_text = ("import pathlib, runpy, sys, time, data\n"                   # a worker that is surely mid-chunk
+                 "def slow(texts):\n"
+                 f"    pathlib.Path({str(started)!r}).touch()\n"
+                 "    time.sleep(600)\n"
+                 "data._tokenize_chunk = slow\n"
+                 "sys.argv = ['finetune.py', *sys.argv[1:]]\n"
+                 "runpy.run_path('finetune.py', run_name='__main__')\n")
+    flags = ["--pretrain", "costa", "--pretrain_steps", "1", "--init", _tiny_init(tmp_path / "tiny"), "--baseline",
+             "false", "--dataset", str(beir), "--steps", "1", "--batch_size", "4", "--passage_len", "64",
+             "--pretrain_args", f"--batch_size 4 --max_len 64 --prep_workers 1 --cache_dir {tmp_path / 'cache'}",
+             "--out_dir", str(tmp_path / "run")]
+    proc = subprocess.Popen([PY, "-c", code_text, *flags], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
+    try:
+        deadline = time.time() + 240
+        while not started.exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        os.killpg(proc.pid, getattr(signal, stop))
+        _, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert started.exists() and proc.returncode == code, err
+    what = "terminated (SIGTERM)" if stop == "SIGTERM" else "interrupted"
+    assert err.strip() == f"{what}; continue with --resume (each stage from its last checkpoint)", err
+    assert not list((tmp_path / "cache").glob("*"))                   # the half-built cache is gone
+
+
 def test_the_next_build_removes_the_temporaries_of_a_killed_build(tmp_path, wiki_texts):
     import signal
     corpus = write(tmp_path / "wiki.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in wiki_texts))
