@@ -39,7 +39,6 @@ import gc
 import importlib
 import io
 import json
-import resource
 import shlex
 import subprocess
 import sys
@@ -69,11 +68,16 @@ ST_NDCG_RESULTS = ROOT / "results" / "st-ndcg"   # st_ndcg.py's rows there (comm
 
 
 # Measurement helpers ------------------------------------------------------------------------------
-def in_fresh_process(script, *argv, env=None):
+def in_fresh_process(script, *argv, env=None, hours=6.0):
     """Run `python script *argv` in a new process (so that its peak RSS is its own) and return the JSON
-    of its last stdout line; RuntimeError with its last stderr line if it fails."""
-    result = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, env=env,
-                            check=False)
+    of its last stdout line; RuntimeError with its last stderr line if it fails. A measurement takes
+    minutes: one still running after `hours` is taken for hung, killed and named (RuntimeError too)."""
+    cmd = [sys.executable, str(script), *map(str, argv)]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, timeout=hours * 3600)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"still running after {data.format_seconds(hours * 3600)}, taken for hung and killed: "
+                           f"{shlex.join(cmd)}") from None
     if result.returncode:
         raise RuntimeError((result.stderr.strip().splitlines() or ["?"])[-1])
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -95,7 +99,7 @@ def peak_rss_mib():
     try:
         return int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0]) / 1024
     except (OSError, IndexError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return run.max_rss_mib()
 
 
 def cpu_bf16():

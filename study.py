@@ -81,12 +81,13 @@ class Config:
     allow_mixed: bool = False     # make one table from rows of several codes or settings (refused otherwise)
     report_only: bool = False     # print the table from the rows there are (a study part-way), run nothing
     quick: bool = False           # tiny end-to-end check: a tiny model on a SciFact subset, seconds per run
+    stage_hours: float = 24.0     # a stage still running after this is taken for hung: killed, named, the study stops
     preset: str = ""              # (no preset; the shared parser knows this field)
 
 
 ARMS = {"none": None, "mlm": ("costa", "--gwc_weight 0"), **{m: (m, "") for m in run.METHODS}}   # arm -> (script, flags)
 FLAG_RULES = {"pretrain_steps": ">= 1", "pretrain_lr": "> 0", "dev_queries": ">= 1", "query_len": ">= 3",
-              "passage_len": ">= 3", "resamples": ">= 100",
+              "passage_len": ">= 3", "resamples": ">= 100", "stage_hours": "> 0",
               "arms": f"names from {{{', '.join(ARMS)}}}", "vector": "one of {cls, mean}",
               "similarity": "one of {dot, cos} or empty", "curve_arms": f"names from {{{', '.join(ARMS)}}} or empty"}
 REPORTED = ("NDCG@10", "MRR@10", "Recall@100")       # what the rows keep per query
@@ -192,13 +193,18 @@ def provenance(c, arm):
 # ----------------------------------------------------------------------------------------------
 # Stages: each its own process, its output in a log file next to its outputs
 # ----------------------------------------------------------------------------------------------
-def run_stage(cmd, log_path):
+def run_stage(cmd, log_path, hours):
     """Run one stage (pre-train, evaluate, fine-tune) as `sys.executable script.py ...`; its output goes
-    to log_path. Returns (command line, seconds). A failed stage stops the study with its last lines."""
+    to log_path. Returns (command line, seconds). A failed stage stops the study with its last lines; one
+    still running after `hours` (--stage_hours) is killed and stops it with one line naming it."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with open(log_path, "w", encoding="utf-8") as log:
-        code = subprocess.run(cmd, cwd=HERE, stdout=log, stderr=subprocess.STDOUT).returncode
+        try:
+            code = subprocess.run(cmd, cwd=HERE, stdout=log, stderr=subprocess.STDOUT, timeout=hours * 3600).returncode
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"stage still running after {data.format_seconds(hours * 3600)}, taken for hung and "
+                               f"killed (--stage_hours): {shlex.join(cmd)} (its output: {log_path})") from None
     if code:
         tail = "\n".join(log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-15:])
         raise RuntimeError(f"stage failed (exit {code}): {shlex.join(cmd)}\n--- {log_path} (last lines)\n{tail}")
@@ -240,7 +246,8 @@ def pretrained_encoder(c, arm, seed, record):
     done = folder / "study-done.json"
     marker = {"command": shlex.join(cmd), "code": code_hash(scripts_of(arm))}
     if not (done.is_file() and json.loads(done.read_text()) == marker):
-        record["commands"]["pretrain"], record["seconds"]["pretrain"] = run_stage(cmd, folder.parent / "pretrain.log")
+        record["commands"]["pretrain"], record["seconds"]["pretrain"] = run_stage(cmd, folder.parent / "pretrain.log",
+                                                                                  c.stage_hours)
         data.atomic_write_json(done, marker)
     record["commands"].setdefault("pretrain", shlex.join(cmd))
     record["pretrain_log"] = last_log_line(folder)
@@ -256,7 +263,7 @@ def zero_shot(c, arm, seed, encoder, row):
            "--tag", f"{arm}-zero-shot", *retriever_flags(c)]
     marker = {"command": shlex.join(cmd), "code": code_hash(scripts_of(arm))}
     if not ((out / "study-done.json").is_file() and json.loads((out / "study-done.json").read_text()) == marker):
-        row["seconds"]["zero_shot"] = run_stage(cmd, out / "log.txt")[1]
+        row["seconds"]["zero_shot"] = run_stage(cmd, out / "log.txt", c.stage_hours)[1]
         data.atomic_write_json(out / "study-done.json", marker)
     row["commands"]["zero_shot"] = shlex.join(cmd)
     return {split: read_metrics(out / f"eval-{split}")[0] for split in ("dev", "test")}
@@ -273,11 +280,11 @@ def run_one(c, arm, seed, n_queries=0, steps=0):
     if not n_queries:
         row["zero_shot"] = zero_shot(c, arm, seed, encoder, row)
         if ARMS[arm] and seed == numbers(c.seeds)[0]:
-            row["gradients"] = gradients_in_subprocess(ARMS[arm][0], Path(encoder).parent, row)
+            row["gradients"] = gradients_in_subprocess(ARMS[arm][0], Path(encoder).parent, row, c.stage_hours)
     cmd = ([sys.executable, "finetune.py", "--init", encoder, "--seed", str(seed), "--out_dir", str(folder / "finetune"),
             "--overwrite", *retriever_flags(c)] + shlex.split(c.finetune_args)
            + (["--n_queries", str(n_queries), "--steps", str(steps)] if n_queries else []))
-    row["commands"]["finetune"], row["seconds"]["finetune"] = run_stage(cmd, folder / "finetune.log")
+    row["commands"]["finetune"], row["seconds"]["finetune"] = run_stage(cmd, folder / "finetune.log", c.stage_hours)
     row["finetune_steps"] = json.loads((folder / "finetune" / "stage1" / "config.json").read_text())["steps"]
     row["n_train"] = int(re.search(r"stage1: (\d+) queries", (folder / "finetune.log").read_text()).group(1))
     row["metrics"], row["per_query"] = {}, {}
@@ -320,11 +327,11 @@ def gradient_norms(method, pretrain_folder, n_batches=4):
     return rows
 
 
-def gradients_in_subprocess(method, folder, row):
+def gradients_in_subprocess(method, folder, row, hours):
     cmd = [sys.executable, "-c", "import json, sys, study; print(json.dumps(study.gradient_norms(sys.argv[1], sys.argv[2])))",
            method, str(folder)]
     log = Path(folder).parent / "gradients.log"
-    row["commands"]["gradients"], row["seconds"]["gradients"] = run_stage(cmd, log)
+    row["commands"]["gradients"], row["seconds"]["gradients"] = run_stage(cmd, log, hours)
     return json.loads(log.read_text().strip().splitlines()[-1])
 
 
@@ -706,7 +713,7 @@ def quick_setup(c):
                 f"{q}\t{d}\t{g}\n" for q, docs in qr.items() for d, g in docs.items()))
         make_init = ("import sys, torch, run, finetune; torch.manual_seed(0); run.save_pretrained(finetune.Encoder("
                      "finetune.Config(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, dropout=0.0)), sys.argv[1])")
-        subprocess.run([sys.executable, "-c", make_init, str(init)], cwd=HERE, check=True)
+        run_stage([sys.executable, "-c", make_init, str(init)], root / "tiny-bert.log", c.stage_hours)
     return dataclasses.replace(c, **QUICK, init=str(init), dataset=str(beir))
 
 
