@@ -868,10 +868,24 @@ def _close_pool(pool, folder):
     pool.join()
 
 
+def _stop_pool(pool, bound=10):
+    """Pool.terminate(), waited on at most `bound` seconds: its first step takes the task queue's lock, which a
+    worker killed while it waited for a task (a SIGTERM to the whole process group) holds for ever. Then the
+    workers are killed, and the stuck call is left to the process's end."""
+    import threading
+    stopper = threading.Thread(target=pool.terminate, daemon=True)
+    stopper.start()
+    stopper.join(bound)
+    if stopper.is_alive():
+        for worker in pool._pool:
+            worker.kill()
+
+
 def _stuck_line(pool, folder):
     pids = ", ".join(str(worker.pid) for worker in pool._pool if worker.is_alive())
     return (f"token cache {folder}: the tokenizing workers (pids {pids}) gave nothing back for {WORKER_SILENCE_S} s; "
-            f"they were stopped and no half-built cache is kept. Run the command again (--prep_workers 1: one worker)")
+            f"they were stopped and no half-built cache is kept. Run the command again (pre-training: --prep_workers 1 "
+            f"tokenizes in one worker)")
 
 
 def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, verbose=True):
@@ -920,7 +934,7 @@ def _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, v
                     progress.add(n_chars)
                 _close_pool(pool, folder)           # every worker ended (terminate() is for errors only)
             finally:
-                pool.terminate()                    # after an error; nothing left to do after _close_pool
+                _stop_pool(pool)                    # after an error; nothing left to do after _close_pool
         if n_tokens == 0:
             raise DataError(f"{corpus}: empty corpus (no non-blank document)" if len(lengths) == 1 else
                             f"{corpus}: every document tokenized to nothing")

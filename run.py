@@ -325,8 +325,8 @@ def batches(dataset, workers, micro_steps):
 
 def _leave_sigterm_to_the_run(worker_id):
     """In each data-loader worker. Slurm and systemd send SIGTERM to the whole process group: the run acts on
-    it (it ends the step, checkpoints, then shuts its workers down), so the worker only takes note; the next
-    SIGTERM (the loader's own terminate()) ends it. torch's handler would end it at once."""
+    it (it ends the step, checkpoints, then shuts its workers down), so the worker only takes note; a second
+    SIGTERM (the loader's terminate() of a worker slow to leave) ends it. torch's handler would end it at once."""
     import signal
     signal.signal(signal.SIGTERM, lambda *_: signal.signal(signal.SIGTERM, signal.SIG_DFL))
 
@@ -1030,7 +1030,7 @@ class Terminated(Interrupted):          # SIGTERM, what a cluster scheduler send
     code = 143
 
 
-STOP_SIGNALS = {"int": [], "term": [], "holding": []}
+STOP_SIGNALS = {"int": [], "term": [], "holding": [], "child_watch": []}
 
 
 @contextlib.contextmanager
@@ -1069,11 +1069,11 @@ def catch_stop_signals(defer_term=False):
         STOP_SIGNALS["term"].append(signum)
         if not defer_term:
             raise Terminated
-        # Slurm and systemd send SIGTERM to the whole process group: it ended the data-loader workers too (torch's
-        # handler in them). Their deaths are this signal, not a failure to raise mid-step, mid-checkpoint or when
-        # the stopped loop's loader shuts down: torch's SIGCHLD handler stays aside while this process ends.
-        if hasattr(signal, "SIGCHLD"):
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        # Slurm and systemd send SIGTERM to the whole process group. A data-loader worker that met it before it
+        # could leave it to the run (run.batches) has died of it: no failure to raise mid-step or mid-checkpoint.
+        # torch's SIGCHLD handler stays aside until the stopped loop's loader is shut down (run_command_line).
+        if hasattr(signal, "SIGCHLD") and not STOP_SIGNALS["child_watch"]:
+            STOP_SIGNALS["child_watch"].append(signal.signal(signal.SIGCHLD, signal.SIG_DFL))
     if before[signal.SIGINT] is signal.default_int_handler:
         signal.signal(signal.SIGINT, on_ctrl_c)
     if before[signal.SIGTERM] in (signal.SIG_DFL, None) or getattr(before[signal.SIGTERM], "__name__", "") == "on_term":
@@ -1084,6 +1084,13 @@ def catch_stop_signals(defer_term=False):
             if handler is not None:
                 signal.signal(s, handler)
     return restore
+
+
+def watch_children_again():
+    """torch's SIGCHLD handler back where a SIGTERM set it aside (catch_stop_signals)."""
+    import signal
+    while STOP_SIGNALS["child_watch"]:
+        signal.signal(signal.SIGCHLD, STOP_SIGNALS["child_watch"].pop())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1121,8 +1128,9 @@ def run_command_line(run, interrupted="interrupted before the first step; nothin
         code = getattr(e, "code", 130)
         line = str(e) or (interrupted if code == 130 else interrupted.replace("interrupted", "terminated (SIGTERM)"))
     finally:
+        gc.collect()        # a stopped train()'s data loader shuts its workers down now, not at the exit
+        watch_children_again()
         restore()
-    gc.collect()            # the stopped train()'s data loader shuts its workers down now, not at the exit
     exit_with(line, code)   # one line (rank 0 only under torchrun), the process group left, no traceback
 
 

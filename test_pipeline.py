@@ -2439,7 +2439,7 @@ def test_ctrl_c_during_a_checkpoint_finishes_it_and_names_it(tmp_path, small_cor
 def test_catch_stop_signals_records_them_and_puts_the_old_handlers_back():
     import signal
     outer = signal.signal(signal.SIGINT, signal.default_int_handler)   # as Python starts from a terminal
-    term_before = signal.getsignal(signal.SIGTERM)
+    term_before, chld_before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGCHLD)
     try:
         restore = run.catch_stop_signals(defer_term=True)             # as the training loop installs them
         assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
@@ -2451,7 +2451,9 @@ def test_catch_stop_signals_records_them_and_puts_the_old_handlers_back():
         with pytest.raises(KeyboardInterrupt):                         # and raised again after the hold
             signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
         signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)         # deferred to the end of the step
-        assert run.STOP_SIGNALS["term"] == [signal.SIGTERM]
+        assert run.STOP_SIGNALS["term"] == [signal.SIGTERM] and signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
+        run.watch_children_again()
+        assert signal.getsignal(signal.SIGCHLD) == chld_before
         restore()
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         assert signal.getsignal(signal.SIGTERM) is term_before
@@ -2462,6 +2464,7 @@ def test_catch_stop_signals_records_them_and_puts_the_old_handlers_back():
     finally:
         signal.signal(signal.SIGINT, outer)   # a suite started with nohup ... & ignores SIGINT
         signal.signal(signal.SIGTERM, term_before)
+        run.watch_children_again()            # torch's SIGCHLD handler, which the deferred SIGTERM set aside
 
 
 def test_bad_files_give_one_line_not_a_traceback(tmp_path):
@@ -3099,7 +3102,7 @@ def test_a_stuck_tokenizing_worker_is_named_and_the_build_stops_keeping_nothing(
     line = str(stopped.value)
     assert re.fullmatch(rf"token cache {re.escape(str(tmp_path / 'cache'))}: the tokenizing workers \(pids \d+, \d+\) "
                         r"gave nothing back for 1 s; they were stopped and no half-built cache is kept\. Run the "
-                        r"command again \(--prep_workers 1: one worker\)", line), line
+                        r"command again \(pre-training: --prep_workers 1 tokenizes in one worker\)", line), line
     assert time.time() - t0 < 60 and not (tmp_path / "cache").exists()
 
 
@@ -3152,7 +3155,9 @@ def test_a_test_that_hangs_fails_with_its_traceback_and_the_suite_goes_on(tmp_pa
 @pytest.mark.parametrize("stop, code", [("SIGTERM", 143), ("SIGINT", 130)])
 def test_a_stop_during_the_token_cache_build_inside_finetune_is_one_line_and_keeps_no_cache(tmp_path, stop, code):
     """finetune.py --pretrain builds the cache in its own process, its stop handlers installed: SIGTERM (to the
-    whole group, as Slurm sends it) or Ctrl-C mid-build ends it with one line, and no half-built cache stays."""
+    whole group, as Slurm sends it) or Ctrl-C mid-build ends it with one line, and no half-built cache stays.
+    Of the 2 workers one waits for a task, holding the task queue's lock: the group's SIGTERM kills it so, and
+    Pool.terminate() then waited for that lock for ever."""
     import signal
     beir, started = _scifact_subset(tmp_path / "beir", n_train=8, n_test=4, n_other=20), tmp_path / "started"
     code_text = ("import pathlib, runpy, sys, time, data\n"                   # a worker that is surely mid-chunk
@@ -3164,7 +3169,7 @@ def test_a_stop_during_the_token_cache_build_inside_finetune_is_one_line_and_kee
                  "runpy.run_path('finetune.py', run_name='__main__')\n")
     flags = ["--pretrain", "costa", "--pretrain_steps", "1", "--init", _tiny_init(tmp_path / "tiny"), "--baseline",
              "false", "--dataset", str(beir), "--steps", "1", "--batch_size", "4", "--passage_len", "64",
-             "--pretrain_args", f"--batch_size 4 --max_len 64 --prep_workers 1 --cache_dir {tmp_path / 'cache'}",
+             "--pretrain_args", f"--batch_size 4 --max_len 64 --prep_workers 2 --cache_dir {tmp_path / 'cache'}",
              "--out_dir", str(tmp_path / "run")]
     proc = subprocess.Popen([PY, "-c", code_text, *flags], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
