@@ -3081,12 +3081,18 @@ def test_token_cache_pools_end_every_time_with_the_stop_handlers_installed(small
     """The hang itself, under a bound: 150 pools created and terminated, then 10 builds. Before the workers
     reset their signals, 3 of 3 such loops of pools hung within 180 cycles (SIGTERM lost, terminate() joined
     a live worker for ever)."""
+    import signal
+    proc = subprocess.Popen([PY, "-c", POOL_CYCLES, str(small_corpus)], cwd=HERE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        result = subprocess.run([PY, "-c", POOL_CYCLES, str(small_corpus)], cwd=HERE, capture_output=True,
-                                text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        _, stderr = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
         pytest.fail("a token-cache pool did not end within 240 s: a worker outlived pool.terminate()")
-    assert result.returncode == 0, result.stderr
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)                # the script and a worker it could not end
+    assert proc.returncode == 0, stderr
 
 
 def _sleep_for_ever(texts):
