@@ -1,0 +1,794 @@
+"""The papers' figures, and each paper's mechanism measured against its own ablation (docs/mechanisms.md),
+on encoders that evaluate.py's retrieval layer loads. The one module besides the training drivers that
+imports method files (cpdae.py's decoder, seed.py's, a run's own PretrainModel): evaluate.py imports none.
+
+What each paper claims or draws, and the function that measures it:
+    COSTA Figure 3   t-SNE of one query and its top 100, relevant marked, a panel per model  plot_tsne
+    COSTA 5.4        relevant documents against BM25's other top 100 (auc, margin)          discrimination
+    CPDAE Table 4    the decoder's word distribution, summed over each word's pieces        word_distribution
+    CPDAE 3.3        z_tilde's share on the common words and on the text's own              cpdae_word_shares
+    SEED 3.2-3.4     the decoder's loss with its own h0 against another text's              seed_decoder_reliance
+    SEED Figure 4    cosine of the decoder's states with h0, by position                    cosine_by_position
+    SEED Figure 5    cosine of random text pairs' vectors, by length                        cls_similarity_by_length
+    every run        each term of its own objective on held-out windows, beside chance      held_out_heads
+
+    python mechanisms.py --model DIR --tsne auto                          # COSTA Figure 3 for one query
+    python mechanisms.py --model minilm,DIR --tsne auto                   # the same, one panel per model, side by side
+    python mechanisms.py --model runs/cpdae/encoder --words "Some text"   # CPDAE Table 4 figure
+    python mechanisms.py --model minilm,runs/seed/encoder --cls_by_length # SEED-Encoder Figure 5, one line per model
+    python mechanisms.py --model A,B --tag on,off --word_shares --corpus T # CPDAE 3.3 per model (docs/mechanisms.md)
+    python mechanisms.py --model A,B --decoder_reliance --corpus T        # SEED h0 swap and Figure 4, one row per model
+    python mechanisms.py --model A,B --discrimination --split test        # COSTA 5.4 over every test query
+    python mechanisms.py --model A,B --heads --corpus HELD_OUT            # each run's own losses on held-out windows
+
+Outputs in out_dir (default: the first model's, as evaluate.py's): the figures as PNG, and each measurement's
+JSON rows, one file a row (write_rows), each with the command that remakes it. The flags are evaluate.py's
+(its Config, for the models' pooling, lengths and the split) and the ones below.
+"""
+import dataclasses
+import importlib
+import math
+import shlex
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import cpdae
+import data
+import evaluate
+import run
+import seed
+from evaluate import (
+    BM25,
+    _pyplot,
+    _save_figure,
+    default_out_dir,
+    encode,
+    evaluate_encoder,
+    git_state,
+    load_eval_split,
+    load_model,
+    model_settings,
+    passage_text,
+    pool,
+    rank_and_world,
+    trec_order,
+    trec_tag,
+)
+
+
+# ==============================================================================================
+# Config
+# ==============================================================================================
+@dataclass
+class Config(evaluate.Config):
+    tsne: str = ""                # query id for the COSTA Figure 3 t-SNE, or "auto" (most relevant documents, a hit for every model)
+    words: str = ""               # text for the CPDAE Table 4 figure (needs the CPDAE decoder)
+    cls_by_length: bool = False   # SEED-Encoder Figure 5: cosine of random text pairs of the corpus by length, no retrieval
+    decoder: str = ""             # folder with cpdae.py's decoder.safetensors; "" = the model folder
+    word_shares: bool = False     # CPDAE 3.3: z_tilde's share on common words and on the text's own; JSON rows
+    decoder_reliance: bool = False  # SEED 3.2-3.4: decoder loss with its own h0 against another text's, Figure 4; JSON rows
+    discrimination: bool = False  # COSTA 5.4: relevant documents against the other top 100, every query; JSON rows
+    heads: bool = False           # each run's own objective (every loss term, accuracy, chance) on --corpus's windows; JSON rows
+    n_texts: int = 1000           # --word_shares, --decoder_reliance, --heads: a fixed sample of this many texts (--heads: windows)
+    n_common: int = 100           # --word_shares: the common words, the tokens of lowest IDF in the run's pre-training corpus
+
+
+# The domain of each numeric flag of its own, checked by run.parse_config before any work (evaluate.py's too).
+FLAG_RULES = {**evaluate.FLAG_RULES, "n_texts": ">= 2", "n_common": ">= 1"}
+FIGURES = ("tsne", "words", "cls_by_length")   # the figures' flags (MECHANISMS: the measurements')
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures (matplotlib, Agg backend)
+# ---------------------------------------------------------------------------------------------
+def plot_tsne(panels, path, title="", seed=0):
+    """COSTA Figure 3: t-SNE of one query and its candidates, the relevant ones marked, one panel per
+    encoder side by side. panels: [(panel title, query vector (H,), candidate vectors (K, H), relevant
+    (K,) bool)]. Each panel is a t-SNE of its own, so compare how the points group, not the axes.
+    Returns each panel's (K + 1, 2) coordinates, query first."""
+    from sklearn.manifold import TSNE
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 5.4), squeeze=False, layout="constrained")
+    coords = []
+    for ax, (name, query_vec, doc_vecs, relevant) in zip(axes[0], panels):
+        points = np.vstack([np.asarray(query_vec, np.float32)[None], np.asarray(doc_vecs, np.float32)])  # (K+1, H)
+        relevant = np.asarray(relevant, dtype=bool)
+        perplexity = min(30.0, (len(points) - 1) / 3.0)  # must stay below the number of points
+        tsne = TSNE(n_components=2, perplexity=perplexity, init="pca", random_state=seed, method="exact")  # ~100 points
+        xy = tsne.fit_transform(points)                                                 # (K+1, 2)
+        ax.scatter(*xy[1:][~relevant].T, s=14, c="#9e9e9e", label="candidate")
+        ax.scatter(*xy[1:][relevant].T, s=60, c="#d62728", marker="o", label="relevant")
+        ax.scatter(*xy[:1].T, s=200, c="#1f77b4", marker="*", label="query")
+        ax.set(xticks=[], yticks=[], xlabel="t-SNE dimension 1", ylabel="t-SNE dimension 2", title=name)
+        coords.append(xy)
+    axes[0][0].legend(loc="best", fontsize=8)
+    fig.suptitle(title)
+    _save_figure(fig, path)
+    return coords
+
+
+@torch.no_grad()
+def cls_similarity_by_length(encoder, tokenizer, texts, lengths=(32, 64, 128, 256, 512), n_pairs=200, seed=0,
+                             batch_size=16, pooling="cls"):
+    """SEED-Encoder section 4.6.2 / Figure 5: mean cosine similarity of the [CLS] vectors of random pairs of
+    different texts, each cut to exactly `length` tokens ([CLS] + length-2 pieces + [SEP]). A
+    collapsed encoder (Optimus in Figure 1b) gives values near 1 for long texts. Returns {length: cos}.
+    Only texts with >= length-2 pieces take part at a length; a length with < 2 of them is left out.
+    pooling: the vector compared, "cls" (the paper's) or "mean" (pool())."""
+    cls_id, sep_id = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    pieces = [e.ids for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+    device, was_training = next(encoder.parameters()).device, encoder.training
+    encoder.eval()
+    generator = torch.Generator().manual_seed(seed)
+    result = {}
+    for length in lengths:
+        eligible = [ids for ids in pieces if len(ids) >= length - 2]
+        if len(eligible) < 2:
+            continue
+        first = torch.randint(len(eligible), (n_pairs,), generator=generator)            # (P,)
+        second = (first + torch.randint(1, len(eligible), (n_pairs,), generator=generator)) % len(eligible)
+        used = torch.cat([first, second]).unique()                                       # (U,) sorted
+        rows = torch.tensor([[cls_id] + eligible[i][:length - 2] + [sep_id] for i in used.tolist()])  # (U, len)
+        vectors = []
+        for chunk in rows.split(batch_size):
+            ids = chunk.to(device)
+            mask = torch.ones_like(ids)
+            vectors.append(pool(encoder(ids, mask), mask, pooling).float().cpu())       # (b, H)
+        vectors = torch.cat(vectors)                                                     # (U, H)
+        a, b = vectors[torch.searchsorted(used, first)], vectors[torch.searchsorted(used, second)]  # (P, H)
+        result[length] = F.cosine_similarity(a, b, dim=-1).mean().item()
+    encoder.train(was_training)
+    return result
+
+
+def plot_cls_by_length(curves, path, title=""):
+    """SEED-Encoder Figure 5 (and Figure 1b): the mean cosine similarity of random pairs of texts against
+    their length, one line per model and vector. curves: {(model label, "cls" or "mean"): {length: cos}}
+    (cls_similarity_by_length); a model keeps its colour, [CLS] is solid and the mean dashed."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    colors = {m: f"C{i}" for i, m in enumerate(dict.fromkeys(m for m, _ in curves))}
+    for (model, vector), values in curves.items():
+        label = f"{model}: {'[CLS]' if vector == 'cls' else 'mean'} vector"
+        ax.plot(list(values), list(values.values()), marker="o", color=colors[model],
+                linestyle="-" if vector == "cls" else "--", label=label)
+    lengths = sorted({n for values in curves.values() for n in values})
+    ax.set_xscale("log", base=2)
+    lowest = min(min(values.values()) for values in curves.values())
+    ax.set(xticks=lengths, xticklabels=[str(n) for n in lengths], ylim=(min(0.0, lowest), 1.0), title=title,
+           xlabel="text length (tokens, [CLS] and [SEP] included)", ylabel="mean cosine of random text pairs")
+    ax.minorticks_off()
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save_figure(fig, path)
+
+
+def word_probabilities(probs, text, tokenizer):
+    """CPDAE Table 4: each whole word of `text` with the summed normalised probability of its
+    WordPiece pieces. probs: (V,) normalised word distribution (z~ = sigmoid(z) / sum).
+    Returns [(word as written in text, value, start offset)] in text order."""
+    probs = np.asarray(probs, dtype=np.float64)
+    enc = tokenizer.encode(text, add_special_tokens=False)
+    words = {}  # word index -> [start, end, value]
+    for token_id, word, (start, end) in zip(enc.ids, enc.word_ids, enc.offsets):
+        if word is None:
+            continue
+        entry = words.setdefault(word, [start, end, 0.0])
+        entry[1] = max(entry[1], end)
+        entry[2] += float(probs[token_id])
+    return [(text[s:e], v, s) for s, e, v in (words[w] for w in sorted(words))]
+
+
+def plot_word_distribution(probs, text, tokenizer, path, vmax=None, width_in=8.0, cmap="Reds"):
+    """Shade each whole word of `text` by the summed probability of its pieces (CPDAE Table 4).
+    vmax: value of the darkest shade (the paper's legend tops at 0.5); None -> the largest word
+    value, because with a 30,522-word vocabulary a small model's values are often far below 0.5."""
+    import matplotlib.colors as mcolors
+
+    plt = _pyplot()
+    words = word_probabilities(probs, text, tokenizer)
+    top = vmax if vmax is not None else max([v for _, v, _ in words] + [1e-12])
+    norm = mcolors.Normalize(vmin=0.0, vmax=top)
+    colors = plt.get_cmap(cmap)
+    font, line_h, margin = 11, 0.32, 0.15  # points, inches, inches
+
+    # Lay words out in inches: measure each word with a throwaway renderer, wrap at width_in.
+    probe = plt.figure(figsize=(width_in, 1))
+    renderer = probe.canvas.get_renderer()
+    positions, x, line = [], margin, 0
+    prev_end = None
+    for word, value, start in words:
+        t = probe.text(0, 0, word, fontsize=font)
+        w = t.get_window_extent(renderer).width / probe.dpi + 2 * 1.5 / 72  # text + bbox padding
+        gap = 0.07 if prev_end is not None and start > prev_end else 0.0  # keep "word," together
+        if x + gap + w > width_in - margin and x > margin:
+            x, line, gap = margin, line + 1, 0.0
+        positions.append((x + gap, line))
+        x += gap + w
+        prev_end = start + len(word)
+    plt.close(probe)
+
+    height = 2 * margin + (line + 1) * line_h + 0.6  # text plus a colour bar
+    fig = plt.figure(figsize=(width_in, height))
+    for (word, value, _), (x, ln) in zip(words, positions):
+        shade = colors(norm(value))
+        dark = norm(value) > 0.6
+        fig.text(x / width_in, 1 - (margin + (ln + 0.5) * line_h) / height, word, fontsize=font,
+                 va="center", color="white" if dark else "black",
+                 bbox=dict(facecolor=shade, edgecolor="none", pad=1.5))
+    bar = fig.add_axes([margin / width_in, 0.25 / height, 0.5, 0.12 / height])
+    fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=colors), cax=bar, orientation="horizontal")
+    bar.set_xlabel("summed normalised probability of the word's pieces", fontsize=8)
+    bar.tick_params(labelsize=7)
+    _save_figure(fig, path)
+    return words
+
+
+# ---------------------------------------------------------------------------------------------
+# CPDAE decoder (cpdae.py) for the word-distribution figure
+# ---------------------------------------------------------------------------------------------
+def word_distribution(encoder, decoder, tokenizer, text, max_len, device, bottleneck="cls"):
+    """CPDAE eq. 2-3 and 3.2.2, by cpdae.word_distribution itself: z~ = sigmoid(decoder(h_cls)) / sum,
+    the (V,) word distribution of `text`. bottleneck: the vector the decoder was trained on (cpdae.py
+    --bottleneck): [CLS] (the paper's) or the mean of the output tokens."""
+    ids, mask = data.encode_texts(tokenizer, [text], max_len)                          # (1, L)
+    ids, mask = ids.to(device), mask.to(device)
+    encoder.eval()
+    decoder.eval()
+    with torch.no_grad():
+        h_cls = pool(encoder(ids, mask), mask, bottleneck)                              # (1, H)
+        return cpdae.word_distribution(decoder(h_cls))[0].cpu().numpy()               # (V,)
+
+
+def trained_bottleneck(folder):
+    """The --bottleneck a pre-training run trained, from its config.json beside the encoder folder; "cls"
+    when there is none (the papers')."""
+    run_config = Path(folder).parent / "config.json"
+    return data.read_json(run_config).get("bottleneck", "cls") if run_config.is_file() else "cls"
+
+
+def load_cpdae_decoder(folder):
+    """cpdae.py's MLP decoder from {folder}/decoder.safetensors (cpdae.py saves it beside the encoder)."""
+    if not (Path(folder) / "decoder.safetensors").is_file():
+        raise data.DataError(f"{Path(folder) / 'decoder.safetensors'}: not found; the word-distribution figure "
+                             f"needs an encoder folder written by cpdae.py (or --decoder FOLDER)")
+    return cpdae.Decoder.from_pretrained(folder)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mechanisms: each paper's claim measured directly, to set against its own ablation
+# ---------------------------------------------------------------------------------------------
+def held_out_sample(texts, n, seed=0):
+    """A fixed sample of n of the texts (all of them when there are fewer) in a fixed random order, numpy
+    default_rng(seed): every model and arm of a comparison reads the same texts, and neighbours (between
+    whom --decoder_reliance swaps h0) are unrelated texts, not a file's consecutive ones."""
+    order = np.random.default_rng(seed).permutation(len(texts))[:n]
+    return [texts[i] for i in order]
+
+
+def common_token_ids(idf, n, special_ids):
+    """CPDAE section 3.3's common words S: the n tokens of lowest IDF (cpdae.cached_idf over the
+    corpus the decoder was pre-trained on, the table IDF-REC weighs by), i.e. found in the most texts;
+    special tokens never. Section 3.3's argument is about words that "appear in almost every document"
+    of the training batches with the same high probability: the training corpus's document frequency
+    says which those are. z_tilde is over WordPiece tokens, and a stopword list of English words
+    would miss the punctuation and pieces ("," "." "##s") that take its mass. idf (V,) -> (n,) sorted ids."""
+    idf = np.asarray(idf, dtype=np.float64).copy()
+    idf[list(special_ids)] = np.inf
+    order = np.lexsort((np.arange(len(idf)), idf))          # lowest IDF first, ties by the lower id
+    return np.sort(order[:n])
+
+
+def word_shares(probs, bag, common):
+    """CPDAE section 3.3, measured per text: the mass of its word distribution z_tilde on the common
+    words, sum_{j in S} z~_j, and on the text's representative words (in the text, not common),
+    sum_{j in text \\ S} z~_j; beside each, the same share under a uniform z_tilde (|S| / V and
+    |text \\ S| / V), the level a decoder that knows nothing reaches. Contrastive pre-training should
+    lower the first and raise the second (claims 1 and 2). probs (N, V) rows summing to 1; bag (N, V)
+    0/1, the text's tokens (cpdae.bag_of_words: never a special token); common (V,) bool.
+    -> {name: (N,) per text}."""
+    probs, bag, common = probs.float(), bag.bool(), common.bool()
+    representative = bag & ~common                                                   # (N, V)
+    vocab = probs.shape[1]
+    return {"common": probs[:, common].sum(1), "representative": (probs * representative).sum(1),
+            "common_uniform": torch.full((len(probs),), common.sum().item() / vocab),
+            "representative_uniform": representative.sum(1).float() / vocab}
+
+
+@torch.no_grad()
+def cpdae_word_shares(encoder, decoder, tokenizer, texts, common_ids, max_len, bottleneck="cls", batch_size=32):
+    """word_shares averaged over the texts: each text (unmasked, cut to max_len) encoded, its vector
+    (bottleneck: the one the decoder was trained on) through the decoder, z_tilde by
+    cpdae.word_distribution itself. -> {share: mean over texts, "n_texts": N}."""
+    device = next(encoder.parameters()).device
+    encoder.eval()
+    decoder.eval()
+    vocab, special = decoder.out.weight.shape[0], data.special_ids(tokenizer).values()
+    common = torch.zeros(vocab, dtype=torch.bool)
+    common[torch.as_tensor(np.asarray(common_ids), dtype=torch.long)] = True
+    parts = []
+    for start in range(0, len(texts), batch_size):
+        ids, mask = data.encode_texts(tokenizer, texts[start:start + batch_size], max_len)      # (b, L)
+        h = pool(encoder(ids.to(device), mask.to(device)), mask.to(device), bottleneck)        # (b, H)
+        probs = cpdae.word_distribution(decoder(h)).cpu()                                      # (b, V)
+        parts.append(word_shares(probs, cpdae.bag_of_words(ids, vocab, special), common))
+    return {**{k: torch.cat([p[k] for p in parts]).mean().item() for k in parts[0]}, "n_texts": len(texts)}
+
+
+def h0_reliance(decoder, weight, h0, decoder_input, targets):
+    """SEED sections 3.2-3.4, measured: how much the decoder uses h0. Its eq. 9 loss (seed.decoder_loss,
+    summed over the target tokens) with each text's own h0, and with another text's: h0 rolled by one
+    row, so text i gets text i-1's (a permutation with no fixed point; the texts must differ). A
+    decoder that bypasses the encoder, predicting from its own context, loses nothing when h0 is
+    swapped (gap 0); one that reads the text from h0 loses what h0 told it. decoder(input, h0) ->
+    (B, L, H) states; weight (V, H) its output projection; h0 (B, H); decoder_input, targets (B, L)
+    (seed.decoder_inputs_and_targets). -> (own loss sum, other loss sum, target tokens, own states)."""
+    states = decoder(decoder_input, h0)                                                        # (B, L, H)
+    own = seed.decoder_loss(states, weight, targets, "sum")[0]
+    other = seed.decoder_loss(decoder(decoder_input, h0.roll(1, 0)), weight, targets, "sum")[0]
+    return own.item(), other.item(), int(targets.ne(-100).sum()), states
+
+
+def cosine_by_position(states, h0, mask):
+    """SEED Figure 4 for one batch: the cosine between the decoder's last-layer state at each position
+    and the text's h0, summed over the texts that have that position. states (B, L, H); h0 (B, H);
+    mask (B, L) 1 = a real input position. -> (sums (L,), counts (L,))."""
+    mask = mask.float()
+    cos = F.cosine_similarity(states.float(), h0.float()[:, None, :].expand_as(states), dim=-1)   # (B, L)
+    return (cos * mask).sum(0), mask.sum(0)
+
+
+@torch.no_grad()
+def seed_decoder_reliance(encoder, decoder, ids, mask, bottleneck="cls", batch_size=32):
+    """SEED's two measurements over held-out texts (ids, mask (N, L), '[CLS] .. [SEP]' unmasked): the
+    encoder reads each text, the decoder rebuilds it from h0 (h0_reliance), and the cosine of its
+    states with h0 by position (cosine_by_position). The states are WeakDecoder's output, the last
+    layer after its final LayerNorm: what its output projection reads. Batches of near-equal size
+    (at least 2 texts each: the swap needs another text). -> {"loss_own", "loss_other", "gap" (nats
+    per token, other - own), "cosine_by_position" [position 0 = the start symbol, ...], "n_texts",
+    "n_tokens"}."""
+    if len(ids) < 2:
+        raise ValueError(f"--decoder_reliance needs at least 2 texts (h0 is swapped between them); got {len(ids)}")
+    device = next(encoder.parameters()).device
+    encoder.eval()
+    decoder.eval()
+    own = other = 0.0
+    n_tokens, sums, counts = 0, torch.zeros(ids.shape[1] - 1), torch.zeros(ids.shape[1] - 1)
+    for rows in np.array_split(np.arange(len(ids)), math.ceil(len(ids) / batch_size)):
+        batch_ids, batch_mask = ids[rows].to(device), mask[rows].to(device)                    # (b, L)
+        h0 = pool(encoder(batch_ids, batch_mask), batch_mask, bottleneck)                      # (b, H)
+        decoder_input, targets = seed.decoder_inputs_and_targets(batch_ids, batch_mask)        # (b, L-1)
+        o, x, n, states = h0_reliance(decoder, decoder.word_embedding[0].weight, h0, decoder_input, targets)
+        s, k = cosine_by_position(states, h0, batch_mask[:, :-1])                              # (L-1,)
+        own, other, n_tokens, sums, counts = own + o, other + x, n_tokens + n, sums + s.cpu(), counts + k.cpu()
+    return {"loss_own": own / n_tokens, "loss_other": other / n_tokens, "gap": (other - own) / n_tokens,
+            "cosine_by_position": (sums / counts.clamp_min(1))[counts > 0].tolist(), "n_texts": len(ids),
+            "n_tokens": n_tokens}
+
+
+def load_seed_decoder(folder, encoder):
+    """seed.py's weak decoder, from the state.pt of the run whose encoder folder is `folder` (seed.py
+    keeps its decoder only there), its output projection tied to `encoder`'s word embedding, as in
+    training. -> (decoder, the run's seed.Config)."""
+    path = Path(folder).resolve().parent / "state.pt"
+    if run_config(folder).get("script") != "seed.py":
+        raise data.DataError(f"{folder}: not the encoder of a seed.py run (no {path.parent / 'config.json'} "
+                             f"naming seed.py); --decoder_reliance needs SEED's decoder")
+    state = run.load_training_state(path)
+    names = {f.name for f in dataclasses.fields(seed.Config)}
+    c = seed.Config(**{k: v for k, v in state["config"].items() if k in names})
+    decoder = seed.WeakDecoder(c, encoder.embeddings.word)
+    decoder.load_state_dict({k.removeprefix("decoder."): v for k, v in state["model"].items() if k.startswith("decoder.")})
+    return decoder.to(next(encoder.parameters()).device), c
+
+
+def separation(query_vec, doc_vecs, relevant):
+    """COSTA section 5.4 / Figure 3 as numbers for one query: how far its relevant documents sit from
+    it against its other candidates, in cosine (the geometry Figure 3 draws, whatever the vectors'
+    lengths). auc: the fraction of (relevant, other) pairs whose relevant document is the closer
+    (ties count half): 1 = every relevant one closer than every other, 0.5 = no better than chance.
+    margin: (mean cosine of the relevant - mean of the others) / the others' sd (population): how many
+    spreads of the crowd the relevant sit ahead of it; nan when the others' cosines are all equal.
+    query_vec (H,), doc_vecs (K, H), relevant (K,) bool with at least one of each. -> (auc, margin)."""
+    cos = F.cosine_similarity(torch.as_tensor(doc_vecs, dtype=torch.float64),
+                              torch.as_tensor(query_vec, dtype=torch.float64)[None], dim=-1).numpy()   # (K,)
+    relevant = np.asarray(relevant, dtype=bool)
+    if relevant.all() or not relevant.any():
+        raise ValueError("separation needs at least one relevant document and one other")
+    near, far = cos[relevant], cos[~relevant]
+    auc = ((near[:, None] > far[None]).mean() + 0.5 * (near[:, None] == far[None]).mean())
+    spread = far.std()
+    return float(auc), float((near.mean() - far.mean()) / spread) if spread > 0 else math.nan
+
+
+def discrimination(query_vecs, doc_vecs, candidates, relevant):
+    """COSTA's discriminativeness over every query: separation of each query's relevant documents against
+    its other candidates. query_vecs (Q, H), doc_vecs (N, H); candidates and relevant: Q lists of rows of
+    doc_vecs (the relevant ones are added to the candidates). A query whose candidates are all relevant
+    has nothing to be set against: left out (None in per_query). -> {"auc", "margin": means over the
+    queries measured (margin over those where it is defined; None if none), "n_queries" (measured),
+    "n_left_out", "per_query": [(auc, margin or None) or None]}."""
+    per_query = []
+    for q, rows in enumerate(relevant):
+        pool = np.array(sorted(set(candidates[q]) | set(rows)))                                     # (K,)
+        is_relevant = np.isin(pool, rows)                                                          # (K,)
+        per_query.append(separation(query_vecs[q], doc_vecs[pool], is_relevant) if not is_relevant.all() else None)
+    measured = [p for p in per_query if p is not None]
+    margins = [m for _, m in measured if not math.isnan(m)]
+    return {"auc": float(np.mean([a for a, _ in measured])) if measured else None,
+            "margin": float(np.mean(margins)) if margins else None, "n_queries": len(measured),
+            "n_left_out": len(per_query) - len(measured),
+            "per_query": [p and (p[0], None if math.isnan(p[1]) else p[1]) for p in per_query]}
+
+
+def plot_decoder_cosine(curves, path, title=""):
+    """SEED Figure 4: the cosine between the decoder's last-layer state at each position and h0, one
+    line per model (the paper: full attention against the span-2 decoder). curves: {model label:
+    [cosine at position 0, 1, ...]} (seed_decoder_reliance's "cosine_by_position")."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for model, values in curves.items():
+        ax.plot(range(len(values)), values, label=model)
+    lowest = min([0.0] + [min(v) for v in curves.values() if v])
+    ax.set(xlabel="decoder position (0 = the start symbol, beside [CLS])", ylabel="cosine(decoder state, h0)",
+           ylim=(lowest, 1.0), title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save_figure(fig, path)
+
+
+def run_config(folder):
+    """The config.json of the pre-training run whose encoder folder is `folder` ({} for a model no run of
+    ours wrote: MiniLM, a hub id)."""
+    path = Path(folder).resolve().parent / "config.json"
+    return data.read_json(path) if path.is_file() else {}
+
+
+def command_line(c):
+    """The command that remakes c: `python mechanisms.py` and every flag that differs from its default."""
+    flags = []
+    for f in dataclasses.fields(Config):
+        value = getattr(c, f.name)
+        if value != f.default:
+            flags += [f"--{f.name}"] + ([] if value is True else [str(value).lower() if value is False else str(value)])
+    return shlex.join(["python", "mechanisms.py", *flags])
+
+
+def mechanism_row(c, measure, model, tag, numbers):
+    """One JSON row of a mechanism measurement: the measure, the run (method: the script that trained it;
+    arm: --tag, else the run folder's name; seed: its --seed; null for a model no run of ours trained),
+    the code (commit, dirty), the command that remakes it, the model folder, then the numbers."""
+    config = run_config(model)
+    commit, dirty = git_state()
+    return {"measure": measure, "method": Path(config["script"]).stem if "script" in config else None, "arm": tag,
+            "seed": config.get("seed"), "commit": commit, "dirty": dirty, "command": command_line(c),
+            "model": str(model), **numbers}
+
+
+def write_rows(out_dir, measure, rows):
+    """Each row to {out_dir}/{measure}-{arm}-seed{seed}.json ({measure}-{arm}.json for a model without a
+    run; -step{step} added for a --heads row), atomically, one file a row: an arm's other seeds and steps
+    and the other arms' rows stay as they are."""
+    for row in rows:
+        seed = "" if row["seed"] is None else f"-seed{row['seed']}"
+        step = f"-step{row['step']}" if measure == "heads" else ""
+        data.atomic_write_json(Path(out_dir) / f"{measure}-{trec_tag(row['arm'])}{seed}{step}.json", row)
+
+
+def held_out_texts(c, model):
+    """The texts of --word_shares and --decoder_reliance: --corpus, else the dataset's corpus.jsonl,
+    sampled (held_out_sample, --n_texts). -> (texts, whether they are held out: not the corpus the run
+    pre-trained on)."""
+    path = Path(c.corpus or data.find_file(c.dataset, "corpus.jsonl")).resolve()
+    trained_on = run_config(model).get("corpus")
+    texts = held_out_sample(data.read_pretraining_texts(path), c.n_texts)
+    return texts, not (trained_on and Path(trained_on).resolve() == path)
+
+
+def word_shares_command(c, device):
+    """--word_shares: CPDAE's claim (section 3.3) for every model of --model (cpdae.py encoder folders,
+    each with its decoder): word_shares over the held-out texts, the common words the --n_common of
+    lowest IDF in the run's own pre-training corpus (common_token_ids). One row per model."""
+    rows = []
+    for model, tag in model_list(c):
+        m = model_settings(c, model, tag)
+        encoder, tokenizer = load_model(m, device)
+        config = run_config(m.model)
+        if config.get("script") != "cpdae.py":
+            raise data.DataError(f"{m.model}: not the encoder of a cpdae.py run (no config.json beside it naming "
+                                 f"cpdae.py); --word_shares needs the run's corpus for its common words")
+        decoder = load_cpdae_decoder(m.model).to(device)
+        windows = data.token_windows(config["corpus"], config["vocab"], config["max_len"], 0, config.get("cache_dir", ""))
+        common = common_token_ids(cpdae.cached_idf(windows, decoder.out.weight.shape[0], 0).numpy(), c.n_common,
+                                  data.special_ids(tokenizer).values())
+        texts, held_out = held_out_texts(c, m.model)
+        numbers = cpdae_word_shares(encoder, decoder, tokenizer, texts, common, config["max_len"], config.get("bottleneck", "cls"))
+        rows.append(mechanism_row(c, "word_shares", m.model, tag, {**numbers, "held_out": held_out, "n_common": c.n_common,
+                                                                   "common_words": [tokenizer.id_to_token(int(i)) for i in common]}))
+        print(f"{tag}: z_tilde on the {c.n_common} common words {numbers['common']:.4f} (uniform "
+              f"{numbers['common_uniform']:.4f}), on the text's own other words {numbers['representative']:.4f} "
+              f"(uniform {numbers['representative_uniform']:.4f}), {len(texts)} texts", flush=True)
+    return rows
+
+
+def decoder_reliance_command(c, out_dir, device):
+    """--decoder_reliance: SEED's claim (sections 3.2-3.4, Figures 4-5) for every model of --model
+    (seed.py encoder folders; their decoders from state.pt): seed_decoder_reliance over the held-out
+    texts cut to the run's --max_len, Figure 5's random-pair cosine by length, and Figure 4, one line
+    per model, to decoder_cosine.png. One row per model."""
+    rows, curves = [], {}
+    for model, tag in model_list(c):
+        m = model_settings(c, model, tag)
+        encoder, tokenizer = load_model(m, device)
+        decoder, run_c = load_seed_decoder(m.model, encoder)
+        texts, held_out = held_out_texts(c, m.model)
+        ids, mask = data.encode_texts(tokenizer, texts, run_c.max_len)                        # (N, L)
+        numbers = seed_decoder_reliance(encoder, decoder, ids, mask, run_c.bottleneck)
+        lengths = [n for n in (32, 64, 128, 256, 512) if n <= encoder.config.max_position]
+        numbers["cosine_by_length"] = cls_similarity_by_length(encoder, tokenizer, texts, lengths, pooling=run_c.bottleneck)
+        rows.append(mechanism_row(c, "decoder_reliance", m.model, tag, {**numbers, "held_out": held_out,
+                                                                        "dec_span": run_c.dec_span}))
+        curves[f"{tag} (span {run_c.dec_span or 'full'})"] = numbers["cosine_by_position"]
+        print(f"{tag}: decoder loss {numbers['loss_own']:.3f} with its own h0, {numbers['loss_other']:.3f} with "
+              f"another text's (gap {numbers['gap']:.3f} nats/token), {len(texts)} texts", flush=True)
+    path = Path(out_dir) / "decoder_cosine.png"
+    plot_decoder_cosine(curves, path, "SEED-Encoder Figure 4: decoder states against h0, by position")
+    print(f"cosine of the decoder's states with h0 by position: {path}")
+    return rows
+
+
+CANDIDATES = 100   # --discrimination: each query's candidates, BM25's top 100 (Figure 3 draws a top 100)
+
+
+def discrimination_command(c, split, device):
+    """--discrimination: COSTA's claim (section 5.4, Figure 3) for every model of --model on every judged
+    query of the split with a relevant document: discrimination of its relevant documents against the
+    other candidates of BM25's top 100 (--k1, --b), the same documents for every model, so that arms
+    are set side by side on one pool and a model blind to relevance sits at auc 0.5 (against its own
+    top 100 a relevant document it misses would lose every pair, and chance would be near 0). Plus the
+    random-pair cosine by length of the corpus's texts (Figure 5's curve). The model's own pooling. One
+    row per model."""
+    corpus, queries, qrels = load_eval_split(c, split)
+    doc_ids = list(corpus)
+    row_of = {d: i for i, d in enumerate(doc_ids)}
+    qids = [q for q in sorted(qrels) if any(g > 0 and d in row_of for d, g in qrels[q].items())]
+    doc_texts = [passage_text(corpus[d]) for d in doc_ids]
+    scores, top = BM25(doc_texts, c.k1, c.b).search([queries[q] for q in qids], CANDIDATES)        # (Q, 100)
+    candidates = [top[i][scores[i] > 0].tolist() for i in range(len(qids))]                      # as BM25's run
+    relevant = [[row_of[d] for d, g in qrels[q].items() if g > 0 and d in row_of] for q in qids]
+    used = sorted({r for rows in candidates + relevant for r in rows})       # only these documents are encoded
+    place = {r: i for i, r in enumerate(used)}
+    candidates, relevant = ([[place[r] for r in rows] for rows in lists] for lists in (candidates, relevant))
+    rows = []
+    for model, tag in model_list(c):
+        m = model_settings(c, model, tag)
+        encoder, tokenizer = load_model(m, device)
+        args = (m.encode_batch, device, m.bf16, m.similarity)
+        doc_vecs = encode(encoder, m.pooling, tokenizer, [doc_texts[r] for r in used], m.passage_len, *args)  # (U, H)
+        query_vecs = encode(encoder, m.pooling, tokenizer, [queries[q] for q in qids], m.query_len, *args)    # (Q, H)
+        numbers = discrimination(query_vecs, doc_vecs, candidates, relevant)
+        numbers["per_query"] = dict(zip(qids, numbers["per_query"]))
+        lengths = [n for n in (32, 64, 128, 256, 512) if n <= encoder.config.max_position]
+        numbers["cosine_by_length"] = cls_similarity_by_length(encoder, tokenizer, doc_texts, lengths, pooling=m.pooling)
+        rows.append(mechanism_row(c, "discrimination", m.model, tag, {**numbers, "split": split,
+                                                                      "candidates": f"bm25 top {CANDIDATES}"}))
+        print(f"{tag}: relevant closer than BM25's other top-{CANDIDATES} candidates in {numbers['auc'] or math.nan:.3f} "
+              f"of the pairs, {numbers['margin'] or math.nan:.2f} sd ahead, over {numbers['n_queries']} queries "
+              f"({numbers['n_left_out']} without another candidate)", flush=True)
+    return rows
+
+
+def held_out_heads(folder, corpus, n_windows, device="cpu"):
+    """Each term of a pre-training run's own objective on the windows of `corpus`, with what it logs
+    (each accuracy X_acc beside its trivial baseline X_chance): the run's PretrainModel rebuilt from
+    its state.pt, its own Batches (masks, views, spans as in training; the run's --seed and --batch_size,
+    on which a contrastive chance depends, for one process) over n_windows // batch_size batches of them,
+    dropout off, in fp32 (training ran under run.autocast_bf16: its logged losses differ by bf16's
+    rounding). The pilot's curve of a head against the step, and the check that a head trained past
+    chance on windows it never saw. -> {name: mean over the batches}."""
+    state = run.load_training_state(Path(folder).resolve().parent / "state.pt")
+    module = importlib.import_module(Path(run_config(folder)["script"]).stem)
+    names = {f.name for f in dataclasses.fields(module.Config)}
+    c = module.Config(**{k: v for k, v in state["config"].items() if k in names})
+    c = dataclasses.replace(c, init="", grad_accum=1, steps=max(1, n_windows // c.batch_size))
+    trained_on = data.token_windows(c.corpus, c.vocab, c.max_len, 0, c.cache_dir)
+    idf = {"idf": module.cached_idf(trained_on, c.vocab_size, 0)} if getattr(c, "idf_rec", False) else {}
+    model = module.PretrainModel(c, module.Encoder(c), frequent_token=data.most_frequent_token(trained_on), **idf)
+    model.load_state_dict(state["model"])
+    model.to(device).eval()
+    windows = data.token_windows(corpus, c.vocab, c.max_len, 0, "")
+    batches = module.Batches(c, windows, 0, 1)
+    sums = {}
+    with torch.no_grad():
+        for i in range(len(batches)):
+            terms, metrics = model.terms({k: v.to(device) for k, v in batches[i].items()})
+            for name, value in {**terms, **metrics}.items():
+                sums[name] = sums.get(name, 0.0) + float(value)
+    return {"step": state["step"], "steps": state["config"]["steps"],
+            "n_windows": len(batches) * c.batch_size,
+            **{name: total / len(batches) for name, total in sums.items()}}
+
+
+def heads_command(c, device):
+    """--heads: held_out_heads for every model of --model (encoder folders of our pre-training runs) on
+    the windows of --corpus, and Figure 5's random-pair cosine by length of its texts (the run's
+    bottleneck vector), so every arm, decoder or none, has that curve on the same texts. One row per model."""
+    rows = []
+    for model, tag in model_list(c):
+        m = model_settings(c, model, tag)
+        if not c.corpus:
+            raise ValueError("--heads: give --corpus, the held-out text whose windows the heads are measured on")
+        if "script" not in run_config(m.model):
+            raise data.DataError(f"{m.model}: not the encoder of one of our pre-training runs (no config.json beside "
+                                 f"it naming its script); --heads needs the run's state.pt")
+        encoder, tokenizer = load_model(m, device)
+        texts, held_out = held_out_texts(c, m.model)
+        numbers = held_out_heads(m.model, c.corpus, c.n_texts, device)
+        lengths = [n for n in (32, 64, 128, 256, 512) if n <= encoder.config.max_position]
+        numbers["cosine_by_length"] = cls_similarity_by_length(encoder, tokenizer, texts, lengths,
+                                                               pooling=trained_bottleneck(m.model))
+        rows.append(mechanism_row(c, "heads", m.model, tag, {**numbers, "held_out": held_out}))
+        print(f"{tag} at step {numbers['step']}: " + ", ".join(
+            f"{k} {v:.4f}" for k, v in numbers.items() if isinstance(v, float)), flush=True)
+    return rows
+
+
+MECHANISMS = ("word_shares", "decoder_reliance", "discrimination", "heads")   # the mechanism measurements' flags
+
+
+def mechanisms_command(c, split, out_dir, device):
+    """--word_shares, --decoder_reliance, --discrimination (any of them together): each measure's rows
+    for every model of --model, written to the out_dir (write_rows). -> {measure: rows}."""
+    commands = {"word_shares": lambda: word_shares_command(c, device),
+                "decoder_reliance": lambda: decoder_reliance_command(c, out_dir, device),
+                "discrimination": lambda: discrimination_command(c, split, device),
+                "heads": lambda: heads_command(c, device)}
+    result = {}
+    for measure in MECHANISMS:
+        if getattr(c, measure):
+            result[measure] = commands[measure]()
+            write_rows(out_dir, measure, result[measure])
+            print(f"{measure}: {len(result[measure])} row(s) in {out_dir}")
+    return result
+
+
+# ==============================================================================================
+# Command line
+# ==============================================================================================
+def pick_tsne_query(runs, qrels):
+    """The query with the most relevant documents (in the qrels; ties: the first by id) among those with
+    a relevant document in the top 100 and at least 10 candidates in every run of runs (one per model)."""
+    def shown(run, qid):
+        top = [d for d, _ in trec_order(run.get(qid, {}))[:100]]
+        return len(top) >= 10 and any(qrels[qid].get(d, 0) > 0 for d in top)
+
+    for qid in sorted(qrels, key=lambda q: (-sum(g > 0 for g in qrels[q].values()), q)):
+        if all(shown(run, qid) for run in runs):
+            return qid
+    raise data.DataError("--tsne auto: no query has a relevant document in the top 100 of every model")
+
+
+def tsne_panel(encoder, tokenizer, corpus, queries, qrels, run, qid, c, device, tag):
+    """One panel of plot_tsne: (title, query vector (H,), vectors of its top 100 in run (K, H), relevant (K,))."""
+    top = [d for d, _ in trec_order(run[qid])[:100]]
+    vecs = encode(encoder, c.pooling, tokenizer, [passage_text(corpus[d]) for d in top], c.passage_len,
+                  c.encode_batch, device, c.bf16, c.similarity)                               # (K, H)
+    qvec = encode(encoder, c.pooling, tokenizer, [queries[qid]], c.query_len, 1, device, c.bf16, c.similarity)[0]
+    relevant = [qrels[qid].get(d, 0) > 0 for d in top]
+    ranks = ", ".join(str(i + 1) for i, r in enumerate(relevant) if r)
+    title = f"{tag}\ntop {len(top)}, {sum(relevant)} relevant" + (f" (rank {ranks})" if ranks else "")
+    return title, qvec, vecs, relevant
+
+
+def tsne_command(c, split, device):
+    """--tsne: evaluate every model of --model on the split, then COSTA Figure 3 for one query (--tsne ID,
+    or "auto": pick_tsne_query over every model's run), one panel per model with its own top 100. One
+    model's run goes to the out_dir, several models' to out_dir/{tag without spaces}; the figure,
+    tsne-{qid}.png, to the out_dir. Returns the first model's (means, per_query) on rank 0, else None."""
+    models = model_list(c)
+    out_dir = default_out_dir(dataclasses.replace(c, model=models[0][0]))
+    corpus, queries, qrels = load_eval_split(c, split)
+    evaluated = []
+    for model, tag in models:
+        m = model_settings(c, model, tag)
+        encoder, tokenizer = load_model(m, device)
+        name = "".join(tag.split()).replace("/", "--")           # the tag without spaces: the TREC tag and folder
+        folder = out_dir if len(models) == 1 else out_dir / name
+        result = evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, folder, m, device, name, c.depth)
+        evaluated.append((m, encoder, tokenizer, data.read_run(folder / "run.trec") if result else None, result))
+    if rank_and_world()[0] != 0:
+        return None
+    qid = pick_tsne_query([run for *_, run, _ in evaluated], qrels) if c.tsne == "auto" else c.tsne
+    if qid not in qrels:
+        raise data.DataError(f"--tsne {qid}: no such query id in the qrels of this split")
+    panels = [tsne_panel(encoder, tokenizer, corpus, queries, qrels, run, qid, m, device, m.tag)
+              for m, encoder, tokenizer, run, _ in evaluated]
+    path = out_dir / f"tsne-{qid}.png"
+    plot_tsne(panels, path, title=textwrap.fill(f'COSTA Figure 3, query {qid}: "{queries[qid]}"', 110))
+    print(f"t-SNE of query {qid} and its top 100, {len(panels)} model(s): {path}")
+    return evaluated[0][-1]
+
+
+def cls_by_length_command(c, device):
+    """--cls_by_length: SEED-Encoder Figure 5 for every model of --model on the texts of the corpus (--corpus,
+    else the dataset's corpus.jsonl): 200 random pairs per length, the same for every model, lengths 32 to
+    512 within the model's positions, the [CLS] and the mean vector. Writes cls_by_length.png and .json to
+    the out_dir (default: the first model's), prints the values. Returns {(tag, vector): {length: cos}}."""
+    models = model_list(c)
+    out_dir = default_out_dir(dataclasses.replace(c, model=models[0][0]))
+    corpus = c.corpus or data.find_file(c.dataset, "corpus.jsonl")
+    texts = data.read_pretraining_texts(corpus)
+    curves = {}
+    for model, tag in models:
+        m = model_settings(c, model, tag)
+        encoder, tokenizer = load_model(m, device)
+        lengths = [n for n in (32, 64, 128, 256, 512) if n <= encoder.config.max_position]
+        for vector in ("cls", "mean"):
+            curves[tag, vector] = cls_similarity_by_length(encoder, tokenizer, texts, lengths, pooling=vector)
+            print(f"{tag}, {vector}: " + ", ".join(f"{n} {v:.3f}" for n, v in curves[tag, vector].items()), flush=True)
+    title = f"SEED-Encoder Figure 5: random pairs of {Path(c.corpus or c.dataset).name} texts, 200 per length"
+    plot_cls_by_length(curves, out_dir / "cls_by_length.png", title)
+    data.atomic_write_json(out_dir / "cls_by_length.json", [{"model": tag, "vector": vector, "cosine": values}
+                                                            for (tag, vector), values in curves.items()])
+    print(f"cosine of random text pairs by length: {out_dir / 'cls_by_length.png'}")
+    return curves
+
+
+
+def words_command(c, out_dir, device):
+    """--words: CPDAE Table 4 for the text, the word distribution of the decoder (--decoder, else the model
+    folder's) as words.png in the out_dir; prints each word's value."""
+    c = evaluate.resolve_retriever(dataclasses.replace(c, model=run.resolve_model(c.model)))  # 'minilm' -> a folder
+    encoder, tokenizer = load_model(c, device)
+    decoder = load_cpdae_decoder(c.decoder or c.model).to(device)
+    bottleneck = trained_bottleneck(c.decoder or c.model)
+    probs = word_distribution(encoder, decoder, tokenizer, c.words, c.passage_len, device, bottleneck)
+    path = out_dir / "words.png"
+    words = plot_word_distribution(probs, c.words, tokenizer, path)
+    print(" ".join(f"{w}:{v:.3g}" for w, v, _ in words))
+    print(f"word distribution: {path}")
+
+
+def model_list(c):
+    """evaluate.model_list: several models with the figures that compare them and the measurements."""
+    return evaluate.model_list(c, several=bool(c.tsne or c.cls_by_length or any(getattr(c, m) for m in MECHANISMS)))
+
+
+def main(c):
+    names = evaluate.split_names(c, ("corpus", "compare", "tsne", "words", "discrimination"))
+    if not any(getattr(c, flag) for flag in FIGURES + MECHANISMS):
+        raise ValueError("give a figure (--tsne, --words, --cls_by_length) or a measurement (--word_shares, "
+                         "--decoder_reliance, --discrimination, --heads); evaluate.py evaluates a retriever")
+    if c.bm25 or c.compare or not c.model:
+        raise ValueError("give --model FOLDER (a saved encoder; several, comma-separated); --bm25 and --compare "
+                         "are evaluate.py's")
+    out_dir = default_out_dir(dataclasses.replace(c, model=model_list(c)[0][0]))   # before 'minilm' is a folder
+    rank, _, device = evaluate.setup_distributed()
+    evaluate.hold_out_dirs([out_dir])
+    try:
+        return run_commands(c, names[0], out_dir, rank, device)
+    finally:
+        run.release_run_folder(out_dir)
+
+
+def run_commands(c, split, out_dir, rank, device):
+    """main's work, in the folder it holds: the measurements, else a figure (--cls_by_length, --tsne, --words)."""
+    if any(getattr(c, m) for m in MECHANISMS):
+        return mechanisms_command(c, split, out_dir, device) if rank == 0 else None
+    if c.cls_by_length:
+        return cls_by_length_command(c, device) if rank == 0 else None
+    if c.tsne:
+        return tsne_command(c, split, device)
+    return words_command(c, out_dir, device) if rank == 0 else None
+
+
+if __name__ == "__main__":
+    run.run_command_line(lambda: main(run.parse_config(Config, sys.argv[1:], __doc__, rules=FLAG_RULES)),
+                         interrupted="interrupted; run it again to evaluate")
