@@ -640,6 +640,7 @@ def test_shared_blocks_are_identical_across_files():
             assert other == text, f"{name}: shared block '{block}' differs from {first}"
     assert {"encoder", "distributed"} <= set(carriers["evaluate.py"])  # the retrieval layer's (finetune.py imports it)
     assert "finetune.py" not in carriers                                 # no copies: it imports evaluate.py's
+    assert "mechanisms.py" not in carriers                               # nor does mechanisms.py
 
 
 def test_method_files_read_in_one_sitting():
@@ -808,12 +809,26 @@ def test_evaluate_imports_nothing_from_finetune():
     assert result.stdout.strip() == "False", result.stderr
 
 
+def test_evaluate_imports_no_method_file():
+    """evaluate.py is retrieval, metrics, statistics and runs: it imports no method file, at its top or inside
+    a function, by name or by importlib (mechanisms.py is the one module besides the drivers that does)."""
+    tree = ast.parse((HERE / "evaluate.py").read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names} | {node.module.split(".")[0] for node in ast.walk(tree)
+                                             if isinstance(node, ast.ImportFrom) and node.module}
+    assert not imported & set(run.METHODS), sorted(imported & set(run.METHODS))
+    dynamic = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+               and ast.unparse(node.func).split(".")[-1] in ("import_module", "__import__")]
+    assert not dynamic, f"evaluate.py imports a module by name at line(s) {dynamic}"
+
+
 def test_data_imports_no_module_of_ours_and_run_only_data():
     """The shared modules' arrows: data.py (text and tokens) imports none of ours; run.py (the run) only
     data. And their budgets: each reads in a sitting, what a method needs at its top. (They grew by what makes
     every process end: the token cache's pool under bounds, the data-loader workers under a group's SIGTERM.)"""
     assert len((HERE / "data.py").read_text().splitlines()) <= 1215
     assert len((HERE / "run.py").read_text().splitlines()) <= 1130
+    assert len((HERE / "evaluate.py").read_text().splitlines()) <= 1250   # retrieval, metrics, statistics, runs
     ours = {path.stem for path in HERE.glob("*.py")}
     for name, allowed in (("data", set()), ("run", {"data"})):
         tree = ast.parse((HERE / f"{name}.py").read_text())
@@ -823,7 +838,7 @@ def test_data_imports_no_module_of_ours_and_run_only_data():
         assert imported & ours <= allowed, (name, imported & ours)
 
 
-@pytest.mark.parametrize("script", [*METHOD_FILES, "finetune.py", "evaluate.py"])
+@pytest.mark.parametrize("script", [*METHOD_FILES, "finetune.py", "evaluate.py", "mechanisms.py"])
 def test_help_prints_the_docstring_and_every_field(script):
     result = subprocess.run([PY, str(HERE / script), "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
