@@ -28,6 +28,7 @@ import costa
 import data
 import evaluate
 import finetune
+import mechanisms
 import run
 
 HERE = Path(__file__).resolve().parent
@@ -1063,7 +1064,7 @@ def test_word_probabilities_sum_pieces():
     enc = tok.encode(text, add_special_tokens=False)  # nano ##tech ##nology raises issues .
     probs = np.zeros(30522)
     probs[enc.ids] = np.arange(1, len(enc.ids) + 1) / 100.0
-    words = evaluate.word_probabilities(probs, text, tok)
+    words = mechanisms.word_probabilities(probs, text, tok)
     assert [w for w, _, _ in words] == ["Nanotechnology", "raises", "issues", "."]
     assert words[0][1] == pytest.approx(0.01 + 0.02 + 0.03)
     assert words[1][1] == pytest.approx(0.04)
@@ -1072,12 +1073,12 @@ def test_word_probabilities_sum_pieces():
 def test_figures_are_written(tmp_path):
     rng = np.random.default_rng(0)
     panels = [(name, rng.standard_normal(8), rng.standard_normal((30, 8)), np.arange(30) < 2) for name in "ab"]
-    coords = evaluate.plot_tsne(panels, tmp_path / "tsne.png", title="q")
+    coords = mechanisms.plot_tsne(panels, tmp_path / "tsne.png", title="q")
     assert [xy.shape for xy in coords] == [(31, 2), (31, 2)]
     probs = rng.random(30522)
     probs /= probs.sum()
-    evaluate.plot_word_distribution(probs, "Nanotechnology raises many of the same issues " * 6,
-                                    _tokenizer(), tmp_path / "words.png")
+    mechanisms.plot_word_distribution(probs, "Nanotechnology raises many of the same issues " * 6,
+                                      _tokenizer(), tmp_path / "words.png")
     for name in ("tsne.png", "words.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
@@ -1109,17 +1110,17 @@ class MeanEmbeddingEncoder(torch.nn.Module):
 def test_cls_similarity_by_length():
     texts = [" ".join(str(1 + (7 * i + j) % 90) for j in range(n)) for i, n in enumerate([40, 40, 40, 10, 10])]
     encoder = MeanEmbeddingEncoder()
-    result = evaluate.cls_similarity_by_length(encoder, FakeTokenizer(), texts, lengths=(8, 32, 64), n_pairs=20, seed=1)
+    result = mechanisms.cls_similarity_by_length(encoder, FakeTokenizer(), texts, lengths=(8, 32, 64), n_pairs=20, seed=1)
     assert set(result) == {8, 32}  # no two texts have 62 pieces
     assert encoder.lengths == {8, 32}  # every sequence truncated to exactly the length
     assert all(-1.0 <= v <= 1.0 for v in result.values())
     # three identical texts: every pair has cosine 1
-    same = evaluate.cls_similarity_by_length(encoder, FakeTokenizer(), [texts[0]] * 3, lengths=(16,), n_pairs=5)
+    same = mechanisms.cls_similarity_by_length(encoder, FakeTokenizer(), [texts[0]] * 3, lengths=(16,), n_pairs=5)
     assert abs(same[16] - 1.0) < 1e-6
-    assert result == evaluate.cls_similarity_by_length(encoder, FakeTokenizer(), texts, lengths=(8, 32, 64), n_pairs=20, seed=1)
+    assert result == mechanisms.cls_similarity_by_length(encoder, FakeTokenizer(), texts, lengths=(8, 32, 64), n_pairs=20, seed=1)
     # every position holds the same vector here, so the mean of the tokens is the [CLS] vector
-    mean = evaluate.cls_similarity_by_length(encoder, FakeTokenizer(), texts, lengths=(8, 32, 64), n_pairs=20, seed=1,
-                                             pooling="mean")
+    mean = mechanisms.cls_similarity_by_length(encoder, FakeTokenizer(), texts, lengths=(8, 32, 64), n_pairs=20, seed=1,
+                                               pooling="mean")
     assert mean == pytest.approx(result)
 
 
@@ -1133,18 +1134,18 @@ def test_cls_by_length_and_side_by_side_tsne_one_line_or_panel_per_model(tmp_pat
     torch.manual_seed(1)
     run.save_pretrained(finetune.Encoder(finetune.Config(**TINY)), tmp_path / "b")
     models = f"{a},{tmp_path / 'b'}"
-    curves = evaluate.main(evaluate.Config(model=models, tag="A,B", cls_by_length=True, corpus=str(corpus),
-                                           out_dir=str(tmp_path / "fig")))
+    curves = mechanisms.main(mechanisms.Config(model=models, tag="A,B", cls_by_length=True, corpus=str(corpus),
+                                               out_dir=str(tmp_path / "fig")))
     assert list(curves) == [("A", "cls"), ("A", "mean"), ("B", "cls"), ("B", "mean")]
     assert all(list(values) == [32, 64, 128] for values in curves.values())   # no text is 254 pieces long
     texts = data.read_pretraining_texts(corpus)
-    assert curves["B", "cls"] == evaluate.cls_similarity_by_length(evaluate.load_encoder(tmp_path / "b"), _tokenizer(),
-                                                                   texts, (32, 64, 128))
+    assert curves["B", "cls"] == mechanisms.cls_similarity_by_length(evaluate.load_encoder(tmp_path / "b"), _tokenizer(),
+                                                                     texts, (32, 64, 128))
     saved = json.loads((tmp_path / "fig" / "cls_by_length.json").read_text())
     assert [(r["model"], r["vector"]) for r in saved] == list(curves)
     beir = tiny_beir(tmp_path / "beir")
     mean_cos = dict(pooling="mean", similarity="cos", dataset=str(beir), depth=10)
-    result = evaluate.main(evaluate.Config(model=models, tag="A,B b", tsne="q1", out_dir=str(tmp_path / "fig"), **mean_cos))
+    result = mechanisms.main(mechanisms.Config(model=models, tag="A,B b", tsne="q1", out_dir=str(tmp_path / "fig"), **mean_cos))
     assert set(result[1]) == {"q1", "q2"}
     assert (tmp_path / "fig" / "A" / "run.trec").is_file() and (tmp_path / "fig" / "Bb" / "run.trec").is_file()
     for name in ("cls_by_length.png", "tsne-q1.png"):
@@ -1153,7 +1154,7 @@ def test_cls_by_length_and_side_by_side_tsne_one_line_or_panel_per_model(tmp_pat
         evaluate.main(evaluate.Config(model=models, dataset=str(beir)))
     for tag in ("A", "A,A"):
         with pytest.raises(ValueError, match="one tag per model"):
-            evaluate.main(evaluate.Config(model=models, tag=tag, cls_by_length=True, corpus=str(corpus)))
+            mechanisms.main(mechanisms.Config(model=models, tag=tag, cls_by_length=True, corpus=str(corpus)))
 
 
 # ------------------------------------------------------------------ negatives
@@ -1382,9 +1383,9 @@ def test_several_splits_share_one_encoding_of_the_corpus(tmp_path, monkeypatch):
         assert alone[0] == both[split][0] and len(alone[1]) == (4 if split == "dev" else 16)
         assert (tmp_path / "both" / f"eval-{split}" / "run.trec").read_bytes() == (tmp_path / split / "run.trec").read_bytes()
     assert len(calls) == 3
-    for bad in (dict(split="dev,test", tsne="auto"), dict(split=" , ")):
+    for module, bad in ((mechanisms, dict(split="dev,test", tsne="auto")), (evaluate, dict(split=" , "))):
         with pytest.raises(ValueError, match="--split"):
-            evaluate.main(evaluate.Config(**{**flags, **bad}))
+            module.main(module.Config(**{**flags, **bad}))
 
 
 def test_finetune_evaluates_dev_and_test_on_one_encoding_of_the_corpus(tmp_path, monkeypatch):
@@ -1575,20 +1576,20 @@ def test_word_distribution_figure_from_a_cpdae_folder(tmp_path):
     decoder = cpdae.Decoder(TINY["hidden_size"], TINY["vocab_size"])
     run.save_tensors(tmp_path / "enc" / "decoder.safetensors", decoder.state_dict())
     text = "Nanotechnology raises many of the same issues as any new technology."
-    probs = evaluate.word_distribution(evaluate.load_encoder(tmp_path / "enc"), decoder, _tokenizer(), text, 64,
-                                       torch.device("cpu"))
+    probs = mechanisms.word_distribution(evaluate.load_encoder(tmp_path / "enc"), decoder, _tokenizer(), text, 64,
+                                         torch.device("cpu"))
     assert probs.shape == (30522,) and probs.sum() == pytest.approx(1.0, abs=1e-5) and (probs > 0).all()
-    assert evaluate.trained_bottleneck(tmp_path / "enc") == "cls"   # no run config beside it: the paper's
+    assert mechanisms.trained_bottleneck(tmp_path / "enc") == "cls"   # no run config beside it: the paper's
     (tmp_path / "config.json").write_text(json.dumps({"bottleneck": "mean"}))   # cpdae.py --bottleneck mean's run
-    assert evaluate.trained_bottleneck(tmp_path / "enc") == "mean"
-    mean = evaluate.word_distribution(evaluate.load_encoder(tmp_path / "enc"), decoder, _tokenizer(), text, 64,
-                                      torch.device("cpu"), "mean")
+    assert mechanisms.trained_bottleneck(tmp_path / "enc") == "mean"
+    mean = mechanisms.word_distribution(evaluate.load_encoder(tmp_path / "enc"), decoder, _tokenizer(), text, 64,
+                                        torch.device("cpu"), "mean")
     assert not np.allclose(mean, probs)
-    evaluate.main(evaluate.Config(model=str(tmp_path / "enc"), words=text, out_dir=str(tmp_path / "fig")))
+    mechanisms.main(mechanisms.Config(model=str(tmp_path / "enc"), words=text, out_dir=str(tmp_path / "fig")))
     assert (tmp_path / "fig" / "words.png").read_bytes()[:4] == b"\x89PNG"
     run.save_pretrained(encoder, tmp_path / "plain")   # an encoder without a CPDAE decoder: a clear error
     with pytest.raises(data.DataError, match="decoder.safetensors: not found"):
-        evaluate.main(evaluate.Config(model=str(tmp_path / "plain"), words=text))
+        mechanisms.main(mechanisms.Config(model=str(tmp_path / "plain"), words=text))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1596,28 +1597,28 @@ def test_word_distribution_figure_from_a_cpdae_folder(tmp_path):
 # ----------------------------------------------------------------------------------------------
 def test_common_words_are_the_lowest_idf_tokens_never_a_special_one():
     idf = np.array([0.1, 3.0, 1.0, 0.5, 2.0, 1.0, 9.0])           # id 0 and 3 special; 2 and 5 tie
-    assert evaluate.common_token_ids(idf, 3, [0, 3]).tolist() == [2, 4, 5]
-    assert evaluate.common_token_ids(idf, 2, [0, 3]).tolist() == [2, 5]   # the tie goes to the lower id
+    assert mechanisms.common_token_ids(idf, 3, [0, 3]).tolist() == [2, 4, 5]
+    assert mechanisms.common_token_ids(idf, 2, [0, 3]).tolist() == [2, 5]   # the tie goes to the lower id
 
 
 def test_held_out_sample_is_fixed_and_shuffled():
     texts = [f"t{i}" for i in range(50)]
-    sample = evaluate.held_out_sample(texts, 10)
-    assert sample == evaluate.held_out_sample(texts, 10) and len(set(sample)) == 10 and sample != sorted(sample)
-    assert sorted(evaluate.held_out_sample(texts, 99)) == sorted(texts)
+    sample = mechanisms.held_out_sample(texts, 10)
+    assert sample == mechanisms.held_out_sample(texts, 10) and len(set(sample)) == 10 and sample != sorted(sample)
+    assert sorted(mechanisms.held_out_sample(texts, 99)) == sorted(texts)
 
 
 def test_word_shares_known_answers():
     common = torch.tensor([True, True, False, False, False, False])
     bag = torch.tensor([[0, 1, 1, 1, 0, 0], [0, 0, 0, 0, 1, 0]])    # text 0: words 1 2 3; text 1: word 4
     probs = torch.tensor([[1.0, 0, 0, 0, 0, 0], [1 / 6] * 6])       # all on a common word; uniform
-    shares = evaluate.word_shares(probs, bag, common)
+    shares = mechanisms.word_shares(probs, bag, common)
     assert shares["common"].tolist() == pytest.approx([1.0, 2 / 6])
     assert shares["representative"].tolist() == pytest.approx([0.0, 1 / 6])   # word 1 is common: not the text's own
     assert shares["common_uniform"].tolist() == pytest.approx([2 / 6, 2 / 6])
     assert shares["representative_uniform"].tolist() == pytest.approx([2 / 6, 1 / 6])
     on_own = torch.tensor([[0, 0, 0.5, 0.5, 0, 0], [0, 0, 0, 0, 1.0, 0]])      # all on the text's own words
-    assert evaluate.word_shares(on_own, bag, common)["representative"].tolist() == pytest.approx([1.0, 1.0])
+    assert mechanisms.word_shares(on_own, bag, common)["representative"].tolist() == pytest.approx([1.0, 1.0])
 
 
 def _fake_run(folder, script, config, model, extra=None):
@@ -1646,17 +1647,17 @@ def test_word_shares_of_a_decoder_that_knows_nothing_is_the_uniform_level(tmp_pa
     torch.nn.init.zeros_(model.decoder.out.bias)
     save = lambda enc: run.save_tensors(enc / "decoder.safetensors", model.decoder.state_dict())
     folder = _fake_run(tmp_path / "cpdae", "cpdae.py", c, model, save)
-    rows = evaluate.main(evaluate.Config(model=folder, tag="cl on", word_shares=True, corpus=str(corpus), n_texts=8,
-                                         n_common=10, out_dir=str(tmp_path / "out")))["word_shares"]
+    rows = mechanisms.main(mechanisms.Config(model=folder, tag="cl on", word_shares=True, corpus=str(corpus), n_texts=8,
+                                             n_common=10, out_dir=str(tmp_path / "out")))["word_shares"]
     row = rows[0]
     assert row["common"] == pytest.approx(10 / 30522) and row["common"] == pytest.approx(row["common_uniform"])
     assert row["representative"] == pytest.approx(row["representative_uniform"]) and row["representative"] > 0
     assert {"the", ",", "."} <= set(row["common_words"]) and len(row["common_words"]) == 10
     assert (row["method"], row["arm"], row["seed"], row["n_texts"], row["held_out"]) == ("cpdae", "cl on", 0, 8, False)
-    assert row["command"].startswith("python evaluate.py --model ") and "--word_shares --n_texts 8" in row["command"]
+    assert row["command"].startswith("python mechanisms.py --model ") and "--word_shares --n_texts 8" in row["command"]
     assert json.loads((tmp_path / "out" / "word_shares-cl-on-seed0.json").read_text()) == row
     with pytest.raises(data.DataError, match="not the encoder of a cpdae.py run"):
-        evaluate.main(evaluate.Config(model=_tiny_init(tmp_path / "plain"), word_shares=True, corpus=str(corpus)))
+        mechanisms.main(mechanisms.Config(model=_tiny_init(tmp_path / "plain"), word_shares=True, corpus=str(corpus)))
 
 
 def test_h0_reliance_known_gaps():
@@ -1666,11 +1667,11 @@ def test_h0_reliance_known_gaps():
     ids = torch.tensor([[1] * 4, [2] * 4, [3] * 4])                                 # text i: token i+1 repeated
     h0 = a * torch.eye(vocab)[ids[:, 0]]                                            # (3, 5)
     reads_h0 = lambda inputs, h: h[:, None, :].expand(-1, inputs.shape[1], -1)
-    own, other, n, _ = evaluate.h0_reliance(reads_h0, torch.eye(vocab), h0, ids, ids)
+    own, other, n, _ = mechanisms.h0_reliance(reads_h0, torch.eye(vocab), h0, ids, ids)
     assert n == 12 and own / n == pytest.approx(math.log(1 + (vocab - 1) * math.exp(-a)), rel=1e-5)
     assert (other - own) / n == pytest.approx(a, rel=1e-5)
     ignores_h0 = lambda inputs, h: torch.eye(vocab)[inputs]
-    own, other, _, _ = evaluate.h0_reliance(ignores_h0, torch.eye(vocab), h0, ids, ids)
+    own, other, _, _ = mechanisms.h0_reliance(ignores_h0, torch.eye(vocab), h0, ids, ids)
     assert own == other
 
 
@@ -1678,7 +1679,7 @@ def test_cosine_by_position_known_values():
     h0 = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
     states = torch.stack([torch.stack([h0[0], torch.tensor([0.0, 5.0]), -h0[0]]),      # 1, 0, -1
                           torch.stack([h0[1], 3 * h0[1], torch.tensor([9.0, 9.0])])])   # 1, 1, (padding)
-    sums, counts = evaluate.cosine_by_position(states, h0, torch.tensor([[1, 1, 1], [1, 1, 0]]))
+    sums, counts = mechanisms.cosine_by_position(states, h0, torch.tensor([[1, 1, 1], [1, 1, 0]]))
     assert (sums / counts).tolist() == pytest.approx([1.0, 0.5, -1.0]) and counts.tolist() == [2, 2, 1]
 
 
@@ -1701,8 +1702,8 @@ def test_decoder_reliance_from_seed_runs_zero_gap_when_h0_is_ignored(tmp_path, w
     corpus = tmp_path / "held_out.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in wiki_texts))
     weak, strong = _seed_run(tmp_path / "weak", 2), _seed_run(tmp_path / "strong", 0, ignore_h0=True)
-    rows = evaluate.main(evaluate.Config(model=f"{weak},{strong}", tag="weak,strong", decoder_reliance=True,
-                                         corpus=str(corpus), n_texts=5, out_dir=str(tmp_path / "out")))["decoder_reliance"]
+    rows = mechanisms.main(mechanisms.Config(model=f"{weak},{strong}", tag="weak,strong", decoder_reliance=True,
+                                             corpus=str(corpus), n_texts=5, out_dir=str(tmp_path / "out")))["decoder_reliance"]
     assert [(r["arm"], r["dec_span"], r["method"], r["held_out"]) for r in rows] == [
         ("weak", 2, "seed", True), ("strong", 0, "seed", True)]
     assert rows[1]["gap"] == 0.0 and rows[1]["loss_own"] == rows[1]["loss_other"]
@@ -1713,7 +1714,7 @@ def test_decoder_reliance_from_seed_runs_zero_gap_when_h0_is_ignored(tmp_path, w
     assert {p.name for p in (tmp_path / "out").glob("*.json")} == {"decoder_reliance-weak-seed0.json",
                                                                  "decoder_reliance-strong-seed0.json"}
     with pytest.raises(data.DataError, match="not the encoder of a seed.py run"):
-        evaluate.main(evaluate.Config(model=_tiny_init(tmp_path / "plain"), decoder_reliance=True, corpus=str(corpus)))
+        mechanisms.main(mechanisms.Config(model=_tiny_init(tmp_path / "plain"), decoder_reliance=True, corpus=str(corpus)))
 
 
 def test_heads_rebuild_the_runs_objective_and_a_unigram_head_sits_at_chance(tmp_path, wiki_texts):
@@ -1730,8 +1731,8 @@ def test_heads_rebuild_the_runs_objective_and_a_unigram_head_sits_at_chance(tmp_
     with torch.no_grad():
         model.encoder.mlm_head.bias[frequent] = 1e4                  # argmax = the most frequent token, always
     encoder = _fake_run(tmp_path / "run", "costa.py", c, model)
-    rows = evaluate.main(evaluate.Config(model=encoder, tag="unigram", heads=True, corpus=str(held_out), n_texts=8,
-                                         out_dir=str(tmp_path / "out")))["heads"]
+    rows = mechanisms.main(mechanisms.Config(model=encoder, tag="unigram", heads=True, corpus=str(held_out), n_texts=8,
+                                             out_dir=str(tmp_path / "out")))["heads"]
     assert [(r["arm"], r["method"], r["step"], r["n_windows"], r["held_out"]) for r in rows] == [
         ("unigram", "costa", 0, 8, True)]
     assert rows[0]["mlm_acc"] == rows[0]["mlm_chance"] > 0
@@ -1744,29 +1745,29 @@ def test_heads_rebuild_the_runs_objective_and_a_unigram_head_sits_at_chance(tmp_
     assert set(rows[0]["cosine_by_length"]) == {32, 64, 128, 256, 512}
     assert [p.name for p in (tmp_path / "out").glob("*.json")] == ["heads-unigram-seed0-step0.json"]
     with pytest.raises(data.DataError, match="not the encoder of one of our pre-training runs"):
-        evaluate.main(evaluate.Config(model=_tiny_init(tmp_path / "plain"), heads=True, corpus=str(held_out)))
+        mechanisms.main(mechanisms.Config(model=_tiny_init(tmp_path / "plain"), heads=True, corpus=str(held_out)))
 
 
 def test_separation_known_values():
     at = lambda cos: [cos, math.sqrt(1 - cos * cos)]                 # a unit vector at that cosine to (1, 0)
     query, others = [1.0, 0.0], [at(0.1), at(0.3)]                   # mean 0.2, population sd 0.1
-    assert evaluate.separation(query, [at(0.5)] + others, [True, False, False]) == pytest.approx((1.0, 3.0))
-    assert evaluate.separation(query, [at(0.0)] + others, [True, False, False]) == pytest.approx((0.0, -2.0))
-    assert evaluate.separation(query, [at(0.3)] + others, [True, False, False])[0] == pytest.approx(0.75)  # a tie: half
-    assert math.isnan(evaluate.separation(query, [at(0.5), at(0.2), at(0.2)], [True, False, False])[1])
+    assert mechanisms.separation(query, [at(0.5)] + others, [True, False, False]) == pytest.approx((1.0, 3.0))
+    assert mechanisms.separation(query, [at(0.0)] + others, [True, False, False]) == pytest.approx((0.0, -2.0))
+    assert mechanisms.separation(query, [at(0.3)] + others, [True, False, False])[0] == pytest.approx(0.75)  # a tie: half
+    assert math.isnan(mechanisms.separation(query, [at(0.5), at(0.2), at(0.2)], [True, False, False])[1])
 
 
 def test_discrimination_known_values_and_chance_for_a_blind_encoder():
     docs = np.array([[1.0, 0.0], [0.8, 0.6], [0.6, 0.8], [-1.0, 0.0]], np.float32)
     queries = np.array([[1.0, 0.0], [1.0, 0.0]], np.float32)
-    result = evaluate.discrimination(queries, docs, [[1, 2], [0, 1, 2]], [[0], [3]])  # q1's relevant: the farthest
+    result = mechanisms.discrimination(queries, docs, [[1, 2], [0, 1, 2]], [[0], [3]])  # q1's relevant: the farthest
     # q0: relevant at cosine 1, others 0.8 and 0.6 (mean 0.7, sd 0.1); q1: relevant at -1, others 1, 0.8, 0.6
     assert result["per_query"] == [(1.0, pytest.approx(3.0)), (0.0, pytest.approx(-1.8 / math.sqrt(0.08 / 3)))]
     assert result["auc"] == pytest.approx(0.5) and (result["n_queries"], result["n_left_out"]) == (2, 0)
-    assert evaluate.discrimination(queries, docs, [[0], [1, 2]], [[0], [1]])["per_query"][0] is None  # only relevant
+    assert mechanisms.discrimination(queries, docs, [[0], [1, 2]], [[0], [1]])["per_query"][0] is None  # only relevant
     rng = np.random.default_rng(0)                      # vectors that know nothing of relevance: auc near 0.5
-    blind = evaluate.discrimination(rng.standard_normal((20, 16)), rng.standard_normal((400, 16)),
-                                    [list(range(400))] * 20, [list(range(q * 10, q * 10 + 10)) for q in range(20)])
+    blind = mechanisms.discrimination(rng.standard_normal((20, 16)), rng.standard_normal((400, 16)),
+                                      [list(range(400))] * 20, [list(range(q * 10, q * 10 + 10)) for q in range(20)])
     assert abs(blind["auc"] - 0.5) < 0.05 and abs(blind["margin"]) < 0.3
 
 
@@ -1774,16 +1775,16 @@ def test_discrimination_command_one_row_per_model(tmp_path):
     texts = {"d1": "apples are red", "d2": "bananas are yellow", "d3": "red and yellow grapes", "d4": "plums"}
     beir = tiny_beir(tmp_path / "beir", corpus_lines=[json.dumps({"_id": d, "text": t}) for d, t in texts.items()])
     models = f"{_tiny_init(tmp_path / 'a')},{_tiny_init(tmp_path / 'b')}"
-    rows = evaluate.main(evaluate.Config(model=models, tag="costa,mlm", discrimination=True, dataset=str(beir),
-                                         out_dir=str(tmp_path / "out")))["discrimination"]
+    rows = mechanisms.main(mechanisms.Config(model=models, tag="costa,mlm", discrimination=True, dataset=str(beir),
+                                             out_dir=str(tmp_path / "out")))["discrimination"]
     assert [(r["arm"], r["method"], r["seed"], r["n_queries"], r["n_left_out"], r["split"]) for r in rows] == [
         ("costa", None, None, 2, 0, "test"), ("mlm", None, None, 2, 0, "test")]   # d3 is each query's other candidate
     assert set(rows[0]["per_query"]) == {"q1", "q2"} and rows[0]["auc"] in (0.0, 0.5, 1.0)
     assert rows[0]["candidates"] == "bm25 top 100"
     assert rows[0]["auc"] == rows[1]["auc"]                           # the same weights: the same numbers
     assert (tmp_path / "out" / "discrimination-costa.json").is_file()
-    assert evaluate.command_line(evaluate.Config(model="m", discrimination=True, n_texts=5)) == \
-        "python evaluate.py --model m --discrimination --n_texts 5"
+    assert mechanisms.command_line(mechanisms.Config(model="m", discrimination=True, n_texts=5)) == \
+        "python mechanisms.py --model m --discrimination --n_texts 5"
 
 
 def test_compare_command_and_one_line_errors(tmp_path, capsys):
@@ -3495,11 +3496,11 @@ def test_several_models_need_no_tag_and_a_path_with_a_comma_is_one_model(tmp_pat
     corpus = write(tmp_path / "corpus.jsonl", "".join(json.dumps({"text": " ".join(["cells protein gene"] * n)}) + "\n"
                                                       for n in (20, 25, 30)))
     a, b = _tiny_init(tmp_path / "a" / "encoder"), _tiny_init(tmp_path / "b" / "encoder")
-    curves = evaluate.main(evaluate.Config(model=f"{a},{b}", cls_by_length=True, corpus=str(corpus),
-                                           out_dir=str(tmp_path / "fig")))
+    curves = mechanisms.main(mechanisms.Config(model=f"{a},{b}", cls_by_length=True, corpus=str(corpus),
+                                               out_dir=str(tmp_path / "fig")))
     assert list(curves) == [("a", "cls"), ("a", "mean"), ("b", "cls"), ("b", "mean")]   # the run folders' names
     c, d = _tiny_init(tmp_path / "c"), _tiny_init(tmp_path / "d")          # one folder holds both: their paths
-    assert evaluate.model_list(evaluate.Config(model=f"{c},{d}", tsne="auto")) == [(c, c), (d, d)]
+    assert mechanisms.model_list(mechanisms.Config(model=f"{c},{d}", tsne="auto")) == [(c, c), (d, d)]
     comma = _tiny_init(tmp_path / "x,y" / "encoder")
     assert evaluate.model_list(evaluate.Config(model=comma)) == [(comma, "x,y")]   # it exists: one model
     evaluate.main(evaluate.Config(model=comma, dataset=str(tiny_beir(tmp_path / "beir")), depth=10))
