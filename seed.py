@@ -9,7 +9,7 @@ has to carry the text. The paper's equations and the functions:
               the restricted span and the shifted text                 window_mask, decoder_inputs_and_targets,
               the decoder that reads only [CLS]                        WeakDecoder
     eq. 10    L = L_MLM + L_dec                                        PretrainModel.terms (L_MLM: mlm_loss)
-    Figure 5  [CLS] cosine of random text pairs by length               evaluate.py --cls_by_length
+    Figure 5  [CLS] cosine of random text pairs by length               mechanisms.py --cls_by_length
 
 It has costa.py's skeleton section for section, with COSTA's own parts (spans, projector, eq. 8)
 swapped for the weak decoder: `diff costa.py seed.py` shows that swap. The run machinery (run
@@ -24,7 +24,7 @@ departure from the paper is said where it happens, tagged with its key; docs/dep
 
 The encoder is written to {out_dir}/encoder as a Hugging Face BERT folder for finetune.py; the decoder
 lives only in {out_dir}/state.pt (the training state). Figure 5 for it and an MLM-only encoder
-(`python costa.py --gwc_weight 0`): `python evaluate.py --model A,B --cls_by_length`.
+(`python costa.py --gwc_weight 0`): `python mechanisms.py --model A,B --cls_by_length`.
 """
 import contextlib
 import os

@@ -33,7 +33,7 @@ RETRIEVER=(--pooling mean --similarity cos --query_len 64 --passage_len 128)   #
 #    --pretrain_args "--bottleneck mean --head_warmup 20 --head_lr 20 --gwc_sim cos", finetune.pretrain).
 step costa "$PY" costa.py "${PRETRAIN[@]}" --bottleneck mean "${LEVERS[@]}" --gwc_sim cos --out_dir "$RUNS/costa"
 rm -rf "$RUNS/tsne"
-step tsne "$PY" evaluate.py --model "minilm,$RUNS/costa/encoder" --tag "MiniLM,MiniLM + COSTA" --tsne auto \
+step tsne "$PY" mechanisms.py --model "minilm,$RUNS/costa/encoder" --tag "MiniLM,MiniLM + COSTA" --tsne auto \
     --split test "${RETRIEVER[@]}" --out_dir "$RUNS/tsne"
 cp "$RUNS"/tsne/tsne-*.png "$FIGS/costa_tsne.png"
 
@@ -43,14 +43,14 @@ step cpdae "$PY" cpdae.py "${PRETRAIN[@]}" --bottleneck mean "${LEVERS[@]}" --re
     --out_dir "$RUNS/cpdae"
 TEXT="Nanotechnology raises many of the same issues as any new technology, including concerns about the toxicity \
 and environmental impact of nanomaterials, and their potential effects on global economics, as well as speculation"
-step words "$PY" evaluate.py --model "$RUNS/cpdae/encoder" --words "$TEXT" --out_dir "$RUNS/words"
+step words "$PY" mechanisms.py --model "$RUNS/cpdae/encoder" --words "$TEXT" --out_dir "$RUNS/words"
 cp "$RUNS/words/words.png" "$FIGS/cpdae_words.png"
 
 # 3. SEED-Encoder Figure 5: the study's seed arm (its decoder reads the mean) and the same with the
 #    paper's [CLS] bottleneck (study.py --vector cls), against MiniLM, on the SciFact corpus's texts.
 step seed "$PY" seed.py "${PRETRAIN[@]}" --bottleneck mean "${LEVERS[@]}" --dec_weight 8 --out_dir "$RUNS/seed"
 step seed-cls "$PY" seed.py "${PRETRAIN[@]}" --bottleneck cls "${LEVERS[@]}" --dec_weight 8 --out_dir "$RUNS/seed-cls"
-step cls_by_length "$PY" evaluate.py --model "minilm,$RUNS/seed/encoder,$RUNS/seed-cls/encoder" \
+step cls_by_length "$PY" mechanisms.py --model "minilm,$RUNS/seed/encoder,$RUNS/seed-cls/encoder" \
     --tag "MiniLM,MiniLM + SEED (mean bottleneck),MiniLM + SEED ([CLS] bottleneck)" --cls_by_length \
     --dataset data/scifact --out_dir "$RUNS/cls_by_length"
 cp "$RUNS/cls_by_length/cls_by_length.png" "$FIGS/seed_cls_by_length.png"

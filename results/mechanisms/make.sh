@@ -7,7 +7,7 @@
 # own 8,192-token WordPiece vocabulary, SEED-Encoder's own setting (from scratch, Wikipedia) at CPU size;
 # the other 1/5 of the articles is held out: every measure reads it (or SciFact's test split), never the
 # texts trained on. Seed 0 is the pilot: its run stops every PILOT_EVERY steps for its heads' held-out
-# losses (evaluate.py --heads), the curves that say whether STEPS is enough (docs/mechanisms.md); then the
+# losses (mechanisms.py --heads), the curves that say whether STEPS is enough (docs/mechanisms.md); then the
 # check: the cheaper pairs (COSTA, CPDAE) again at twice the steps, seed 0, their heads and claims.
 # Run from the repository root: bash results/mechanisms/make.sh (PYTHON=... picks the interpreter).
 # A run whose rows are in results/mechanisms/rows is not trained again: on a fresh clone this command
@@ -72,7 +72,7 @@ train() {   # train ARM SEED [HALT]: the run, continued from its checkpoint if i
     [ "$(step_of "$folder")" -ge "$target" ] || { echo "$folder: did not reach step $target (see $folder.log)"; exit 1; }
 }
 
-models() {   # models SEED ARM...: evaluate.py's --model and --tag for these arms' encoders at this seed
+models() {   # models SEED ARM...: mechanisms.py's --model and --tag for these arms' encoders at this seed
     local seed=$1 models="" tags="" arm
     shift
     for arm in "$@"; do models+="${models:+,}$RUNS/$arm-seed$seed/encoder"; tags+="${tags:+,}$arm"; done
@@ -81,24 +81,24 @@ models() {   # models SEED ARM...: evaluate.py's --model and --tag for these arm
 
 heads() {   # heads SEED ARM...: each run's own losses on the held-out windows, at its checkpoint's step
     # shellcheck disable=SC2046
-    "$PY" evaluate.py $(models "$@") --heads --corpus "$HELD_OUT" --out_dir "$ROWS"
+    "$PY" mechanisms.py $(models "$@") --heads --corpus "$HELD_OUT" --out_dir "$ROWS"
 }
 
 word_shares() {   # word_shares SEED [-x2]: CPDAE's claim
     # shellcheck disable=SC2046
-    "$PY" evaluate.py $(models "$1" "cpdae-cl${2:-}" "cpdae-nocl${2:-}") --word_shares --corpus "$HELD_OUT" --out_dir "$ROWS"
+    "$PY" mechanisms.py $(models "$1" "cpdae-cl${2:-}" "cpdae-nocl${2:-}") --word_shares --corpus "$HELD_OUT" --out_dir "$ROWS"
 }
 
 discrimination() {   # discrimination SEED ARM...: COSTA's claim, on SciFact's test split
     # shellcheck disable=SC2046
-    "$PY" evaluate.py $(models "$@") --discrimination --dataset data/scifact --split test \
+    "$PY" mechanisms.py $(models "$@") --discrimination --dataset data/scifact --split test \
         --pooling cls --query_len 64 --passage_len 128 --out_dir "$ROWS"
 }
 
 measure() {   # measure SEED: each claim's rows
     word_shares "$1"
     # shellcheck disable=SC2046
-    "$PY" evaluate.py $(models "$1" seed-weak seed-strong) --decoder_reliance --corpus "$HELD_OUT" --out_dir "$ROWS"
+    "$PY" mechanisms.py $(models "$1" seed-weak seed-strong) --decoder_reliance --corpus "$HELD_OUT" --out_dir "$ROWS"
     rm -f "$ROWS/decoder_cosine.png"   # one seed's; report.py draws the mean over the seeds
     discrimination "$1" costa mlm seed-weak
 }
@@ -157,7 +157,7 @@ if [ ! -f "$OUT/cpdae_words-cl.png" ] || [ ! -f "$OUT/cpdae_words-nocl.png" ]; t
     TEXT="Nanotechnology raises many of the same issues as any new technology, including concerns about the toxicity \
 and environmental impact of nanomaterials, and their potential effects on global economics, as well as speculation"
     for arm in cpdae-cl cpdae-nocl; do
-        "$PY" evaluate.py --model "$RUNS/$arm-seed${SEEDS[0]}/encoder" --words "$TEXT" --out_dir "$RUNS/words-$arm"
+        "$PY" mechanisms.py --model "$RUNS/$arm-seed${SEEDS[0]}/encoder" --words "$TEXT" --out_dir "$RUNS/words-$arm"
         cp "$RUNS/words-$arm/words.png" "$OUT/cpdae_words-${arm#cpdae-}.png"
     done
 fi
