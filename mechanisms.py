@@ -31,7 +31,10 @@ import math
 import shlex
 import sys
 import textwrap
+import time
+import zlib
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -76,11 +79,30 @@ class Config(evaluate.Config):
     discrimination: bool = False  # COSTA 5.4: relevant documents against the other top 100, every query; JSON rows
     heads: bool = False           # each run's own objective (every loss term, accuracy, chance) on --corpus's windows; JSON rows
     n_texts: int = 1000           # --word_shares, --decoder_reliance, --heads: a fixed sample of this many texts (--heads: windows)
-    n_common: int = 100           # --word_shares: the common words, the tokens of lowest IDF in the run's pre-training corpus
+    n_common: int = 100           # --word_shares, --frozen cpdae: the common words, the tokens of lowest IDF in the run's pre-training corpus
+    # --frozen: train only a paper's decoder on a frozen --model's vectors (decoder-side claims; JSON rows)
+    frozen: str = ""              # "cpdae" (section 3.3: the MLP decoder) or "seed" (3.2-3.4, Figure 4: the weak decoder)
+    train_corpus: str = ""        # --frozen: the texts whose windows the decoder trains on
+    dev_corpus: str = ""          # --frozen: held-out texts where settings are chosen (--corpus: where claims are judged)
+    frozen_cache: str = "runs/frozen-vectors"  # --frozen: the encoder's vectors of each corpus's windows, computed once
+    max_len: int = 128            # --frozen: window length, [CLS] and [SEP] included
+    seed: int = 0                 # --frozen: the trial's seed (decoder init, batch order, dropout)
+    steps: int = 600              # --frozen: decoder steps
+    eval_every: int = 100         # --frozen: held-out measures every this many steps (and at the end)
+    batch_size: int = 16          # --frozen: windows a step (CPDAE's m: each with its two masked views)
+    lr: float = 1e-3              # --frozen: AdamW's lr after WARMUP_STEPS of linear warm-up, then constant
+    cl_weight: float = 0.1        # --frozen cpdae: lambda of eq. 6 (0 = "w/o CL")
+    cl_tau: float = 1.0           # --frozen cpdae: eq. 5's s = -JS / tau (1 = the paper's)
+    rec_reduction: str = "sum"    # --frozen cpdae: eq. 4 over the vocabulary, "sum" (the paper's) or "mean"
+    dec_span: int = 2             # --frozen seed: the decoder's attention span (2 = the paper's weak one; 0 = full causal)
+    dec_layers: int = 3           # --frozen seed: decoder blocks (the paper's 3)
 
 
 # The domain of each numeric flag of its own, checked by run.parse_config before any work (evaluate.py's too).
-FLAG_RULES = {**evaluate.FLAG_RULES, "n_texts": ">= 2", "n_common": ">= 1"}
+FLAG_RULES = {**evaluate.FLAG_RULES, "n_texts": ">= 2", "n_common": ">= 1", "frozen": "one of {cpdae, seed} or empty",
+              "max_len": ">= 8", "steps": ">= 1", "eval_every": ">= 1", "batch_size": ">= 2", "lr": "> 0",
+              "cl_weight": ">= 0", "cl_tau": "> 0", "rec_reduction": "one of {sum, mean}", "dec_span": ">= 0",
+              "dec_layers": ">= 1"}
 FIGURES = ("tsne", "words", "cls_by_length")   # the figures' flags (MECHANISMS: the measurements')
 
 
@@ -659,6 +681,280 @@ def mechanisms_command(c, split, out_dir, device):
     return result
 
 
+# ---------------------------------------------------------------------------------------------
+# The decoder-side claims on a frozen real encoder (CPDAE 3.3; SEED 3.2-3.4 and Figure 4)
+# ---------------------------------------------------------------------------------------------
+# Both claims are about what a decoder does with the text vector: CPDAE's MLP turns it into a word
+# distribution, SEED's weak decoder rebuilds the text from it. Their precondition is a vector that holds the
+# text, which a small encoder trained from scratch here never gave (docs/mechanisms.md). So the encoder is a
+# real one (--model minilm), frozen: its vectors of every window are computed once, and only the paper's
+# decoder trains, through the method file's own functions (cpdae.reconstruction_loss, contrastive_loss,
+# js_similarity; seed.WeakDecoder, decoder_loss), against its ablation, five seeds in minutes each.
+WARMUP_STEPS = 50   # --frozen: linear warm-up, then a constant lr: a run's state at step s is a run of s steps
+TABLE4_TEXT = ("Nanotechnology raises many of the same issues as any new technology, including concerns about the "
+               "toxicity and environmental impact of nanomaterials, and their potential effects on global economics, "
+               "as well as speculation")   # CPDAE Table 4's figure, drawn from each --frozen cpdae row
+
+
+@torch.no_grad()
+def frozen_vectors(encoder, windows, pooling, mask_seed=0, batch=64):
+    """The windows' ids and the frozen encoder's vectors of each: "plain" (the unmasked text: a text's word
+    distribution at test time) and two independently masked views, "view1" and "view2" (BERT's 15 % masks, as
+    the methods' encoders read them in training: CPDAE's two views, SEED's h0 from view1). The masks are drawn
+    once (mask_seed), the same for every trial. -> {name: tensor}, one row per window."""
+    special = windows.special
+    ids, mask = data.pad_batch([windows[i].input_ids for i in range(len(windows))])            # (N, L)
+    maskable = mask.bool() & (ids != special["cls"]) & (ids != special["sep"])
+    generator = torch.Generator().manual_seed(mask_seed)
+    views = [data.mask_tokens(ids, maskable, encoder.config.vocab_size, special["mask"], generator)[0]
+             for _ in range(2)]                                                              # (N, L) each
+    encoder.eval()
+    out = {"ids": ids, "mask": mask}
+    for name, source in (("plain", ids), ("view1", views[0]), ("view2", views[1])):
+        parts = []
+        for rows in torch.arange(len(ids)).split(batch):
+            with run.autocast_bf16(torch.device("cpu")):
+                hidden = encoder(source[rows], mask[rows])                                     # (b, L, H)
+            parts.append(pool(hidden.float(), mask[rows], pooling))                            # (b, H)
+        out[name] = torch.cat(parts)                                                           # (N, H)
+    return out
+
+
+def cached_frozen_vectors(c, corpus, encoder):
+    """frozen_vectors of corpus's windows (--max_len), computed once per model, corpus and length and kept in
+    --frozen_cache (a few MB), so that every trial and seed reads the same vectors."""
+    windows = data.token_windows(corpus, c.vocab or data.VOCAB, c.max_len, 0, "")
+    key = zlib.crc32(f"{Path(c.model).resolve()}|{data.corpus_signature(corpus, c.vocab or data.VOCAB)}|"
+                     f"{c.max_len}|{c.pooling}".encode())
+    path = Path(c.frozen_cache) / f"{Path(corpus).stem}-L{c.max_len}-{key:08x}.safetensors"
+    if path.is_file():
+        return run.load_tensors(path)
+    start = time.time()
+    vectors = frozen_vectors(encoder, windows, c.pooling)
+    run.save_tensors(path, vectors)
+    print(f"{corpus}: {len(windows):,} windows, the frozen encoder's vectors of each (plain and two masked views) in "
+          f"{time.time() - start:.0f} s, kept in {path}", flush=True)
+    return vectors
+
+
+def df_log_odds(ids, vocab_size, special):
+    """CPDAE's constant predictor: every text gets the same logits, the log-odds of each word's document
+    frequency in the training windows (smoothed by half a window, so every logit is finite). The reference a
+    decoder that reads its text must beat. ids (N, L) -> ((V,) logits, (V,) document frequency)."""
+    df = cpdae.bag_of_words(ids, vocab_size, special).sum(0)                                   # (V,) windows
+    p = (df + 0.5) / (len(ids) + 1)                                                            # (V,)
+    return torch.log(p) - torch.log1p(-p), df
+
+
+def cpdae_step(decoder, view1, view2, bag, c):
+    """Eq. 6 without L_MLM (the encoder is frozen: L_MLM is a constant): L_REC of both views' word
+    distributions against the text's bag of words, + lambda L_CL between the views (eq. 5, s = -JS / tau).
+    view1, view2 (m, H); bag (m, V). -> (loss, {"rec", "cl", "cl_acc"}, logits (2m, V))."""
+    logits = decoder(torch.cat([view1, view2]))                                                # (2m, V) eq. 2
+    rec = cpdae.reconstruction_loss(logits, bag.repeat(2, 1), None, c.rec_reduction)           # eq. 4
+    similarity = partial(cpdae.js_similarity, chunk_size=8, tau=c.cl_tau)
+    cl, accuracy = cpdae.contrastive_loss(*cpdae.word_distribution(logits).chunk(2), similarity)  # eq. 5
+    loss = rec + c.cl_weight * cl if c.cl_weight else rec                                      # eq. 6
+    return loss, {"rec": rec, "cl": cl, "cl_acc": accuracy}, logits
+
+
+def cpdae_gradient_ratio(logits, bag, c):
+    """How hard L_CL pulls against L_REC where both act, the decoder's output z: |dL_CL/dz| / |dL_REC/dz|
+    (Frobenius norms; L_REC with --rec_reduction, L_CL with --cl_tau, unweighted: lambda times it is the
+    contrastive term's push on z against the reconstruction's). logits (2m, V) [views 1; views 2], bag (m, V)."""
+    z = logits.detach().requires_grad_()                                                       # (2m, V)
+    rec = cpdae.reconstruction_loss(z, bag.repeat(2, 1), None, c.rec_reduction)
+    cl, _ = cpdae.contrastive_loss(*cpdae.word_distribution(z).chunk(2),
+                                   partial(cpdae.js_similarity, chunk_size=8, tau=c.cl_tau))
+    return float(torch.autograd.grad(cl, z)[0].norm() / torch.autograd.grad(rec, z)[0].norm())
+
+
+def cpdae_measures(decoder, held, constant, common, special, c):
+    """CPDAE's gates and section 3.3's measures on held-out windows, in batches of m (--batch_size): L_REC
+    (eq. 4 summed, as printed) beside the constant predictor's; L_CL and its accuracy (chance 1 / (2m - 1));
+    cpdae_gradient_ratio; and the shares of each unmasked text's word distribution on the common words and on
+    its own other words (word_shares), the constant predictor's beside them. -> {name: mean over batches}."""
+    decoder.eval()
+    m, sums = c.batch_size, {}
+    batches = [rows for rows in torch.arange(len(held["ids"])).split(m) if len(rows) == m]
+    for rows in batches:
+        bag = cpdae.bag_of_words(held["ids"][rows], len(constant), special)                    # (m, V)
+        with torch.no_grad():
+            _, parts, logits = cpdae_step(decoder, held["view1"][rows], held["view2"][rows], bag,
+                                          dataclasses.replace(c, rec_reduction="sum"))
+            text = cpdae.word_distribution(decoder(held["plain"][rows]))                       # (m, V)
+            numbers = {**parts, "rec_constant": cpdae.reconstruction_loss(constant.expand(m, -1), bag)}
+            for prefix, probs in (("", text), ("constant_", cpdae.word_distribution(constant.expand(m, -1)))):
+                numbers.update({prefix + k: v.mean() for k, v in word_shares(probs, bag, common).items()})
+        numbers["grad_cl_over_rec"] = cpdae_gradient_ratio(logits, bag, c)
+        for name, value in numbers.items():
+            sums[name] = sums.get(name, 0.0) + float(value)
+    return {**{k: v / len(batches) for k, v in sums.items()}, "cl_chance": 1 / (2 * m - 1), "n_windows": len(batches) * m}
+
+
+def seed_decoder(c, encoder):
+    """SEED's weak decoder (seed.WeakDecoder, --dec_layers blocks, span --dec_span: 2 = the paper's weak one,
+    0 = full causal, the "strong" one) at the frozen encoder's sizes, its output projection the encoder's word
+    embedding, tied as in training and frozen with it."""
+    e = encoder.config
+    sizes = dict(hidden_size=e.hidden_size, num_heads=e.num_heads, ffn_size=e.ffn_size, vocab_size=e.vocab_size,
+                 layer_norm_eps=e.layer_norm_eps, max_position=c.max_len)
+    return seed.WeakDecoder(seed.Config(dec_span=c.dec_span, dec_layers=c.dec_layers, **sizes), encoder.embeddings.word)
+
+
+def seed_token_losses(decoder, h0, ids, mask):
+    """Eq. 9's loss of each target token with each text's own h0 and with another text's (h0 rolled by one row:
+    text i gets text i-1's), and the cosine of the decoder's last-layer state with h0 (Figure 4), each a (B, L-1)
+    grid, 0 where there is no target. h0 (B, H); ids, mask (B, L) the unmasked windows. -> (own, other, cosine,
+    kept)."""
+    decoder_input, targets = seed.decoder_inputs_and_targets(ids, mask)                       # (B, L-1)
+    weight = decoder.word_embedding[0].weight                                                 # (V, H)
+    kept = targets != -100                                                                    # (B, L-1)
+
+    def per_token(h):
+        states = decoder(decoder_input, h)                                                    # (B, L-1, H)
+        logits = (states @ weight.T).float()                                                  # (B, L-1, V)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets), states
+
+    own, states = per_token(h0)
+    other, _ = per_token(h0.roll(1, 0))
+    cosine = F.cosine_similarity(states.float(), h0.float()[:, None, :].expand_as(states), dim=-1)  # (B, L-1)
+    return own * kept, other * kept, cosine * kept, kept
+
+
+def slope(curve, first=1):
+    """The least-squares slope of a curve over its positions from `first` on, per 100 positions."""
+    y = np.asarray(curve[first:], dtype=np.float64)
+    return float(np.polyfit(np.arange(first, first + len(y)), y, 1)[0] * 100)
+
+
+@torch.no_grad()
+def seed_measures(decoder, held, unigram, batch=16):
+    """SEED's gates and measures on held-out windows: the decoder's loss with its own h0 (view1's vector) and
+    with another text's, per token and by position (the h0-swap gap: the causal form of Figure 4), the cosine
+    of its states with h0 by position (Figure 4 as drawn), each curve's slope over t >= 1 (per 100 positions),
+    and the unigram model's loss (unigram: (V,) log-probabilities of the training tokens)."""
+    decoder.eval()
+    sums = {k: torch.zeros(held["ids"].shape[1] - 1, dtype=torch.float64) for k in ("own", "other", "cosine", "n")}
+    for rows in torch.arange(len(held["ids"])).split(batch):
+        with run.autocast_bf16(torch.device("cpu")):   # as in training: the (B, L, V) logits' matmul in bf16
+            grids = seed_token_losses(decoder, held["view1"][rows], held["ids"][rows], held["mask"][rows])
+        for name, grid in zip(("own", "other", "cosine", "n"), grids):
+            sums[name] += grid.double().sum(0)                                               # (L-1,)
+    present, n = sums["n"] > 0, sums["n"].clamp_min(1)
+    gap = ((sums["other"] - sums["own"]) / n)[present].tolist()
+    cosine = (sums["cosine"] / n)[present].tolist()
+    targets = seed.decoder_inputs_and_targets(held["ids"], held["mask"])[1]
+    tokens = float(sums["n"].sum())
+    return {"loss_own": float(sums["own"].sum()) / tokens, "loss_other": float(sums["other"].sum()) / tokens,
+            "gap": float((sums["other"] - sums["own"]).sum()) / tokens,
+            "unigram": float(-unigram[targets[targets != -100]].mean()), "gap_slope": slope(gap),
+            "cosine_slope": slope(cosine), "gap_by_position": gap, "cosine_by_position": cosine,
+            "n_windows": len(held["ids"]), "n_tokens": int(tokens)}
+
+
+def unigram_log_probs(ids, mask, vocab_size):
+    """The unigram model of the training windows' decoder targets (every token after [CLS]), add-one smoothed:
+    SEED's floor, the loss of a decoder that reads neither h0 nor its context. -> (V,) log-probabilities."""
+    counts = torch.bincount(ids[:, 1:][mask[:, 1:] == 1], minlength=vocab_size).double() + 1   # (V,)
+    return torch.log(counts / counts.sum())
+
+
+def frozen_trial(c, encoder, tokenizer, train, held):
+    """--frozen cpdae or seed: the paper's decoder (and nothing else) trained on the frozen vectors of the
+    training windows, --batch_size windows a step for --steps steps, AdamW at --lr after WARMUP_STEPS of linear
+    warm-up, clip 1; every --eval_every steps its measures on each held-out split. -> [{step, split: measures}]."""
+    torch.manual_seed(c.seed)
+    order = np.random.default_rng(c.seed)
+    special, vocab = list(data.special_ids(tokenizer).values()), encoder.config.vocab_size
+    if c.frozen == "cpdae":
+        constant, df = df_log_odds(train["ids"], vocab, special)
+        common = torch.zeros(vocab, dtype=torch.bool)
+        common[torch.as_tensor(common_token_ids(-df.numpy(), c.n_common, special))] = True   # the most frequent
+        decoder = cpdae.Decoder(encoder.config.hidden_size, vocab, encoder.config.layer_norm_eps)
+        with torch.no_grad():   # Departure (frozen-df-bias): from BERT's init (bias 0) L_REC stays near |V| ln 2
+            decoder.out.bias.copy_(constant)                  # for hundreds of steps; start at the constant predictor
+
+        def step_loss(rows):
+            bag = cpdae.bag_of_words(train["ids"][rows], vocab, special)                       # (m, V)
+            return cpdae_step(decoder, train["view1"][rows], train["view2"][rows], bag, c)[0]
+
+        def measure(split):
+            return cpdae_measures(decoder, split, constant, common, special, c)
+    else:
+        unigram = unigram_log_probs(train["ids"], train["mask"], vocab)
+        decoder = seed_decoder(c, encoder)
+
+        def step_loss(rows):
+            decoder_input, targets = seed.decoder_inputs_and_targets(train["ids"][rows], train["mask"][rows])
+            states = decoder(decoder_input, train["view1"][rows])                              # (b, L-1, H)
+            # every position, padding ignored by its -100 target: one shape a step (a varying count of kept
+            # positions makes oneDNN compile a bf16 kernel per shape on CPUs, most of a step's time)
+            return seed.decoder_loss(states, decoder.word_embedding[0].weight, targets)[0]
+
+        def measure(split):
+            return seed_measures(decoder, split, unigram)
+    params = [p for p in decoder.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=c.lr, weight_decay=0.01)
+    curve, start = [], time.time()
+    for step in range(1, c.steps + 1):
+        decoder.train()
+        for group in optimizer.param_groups:
+            group["lr"] = c.lr * min(1.0, step / WARMUP_STEPS)
+        with run.autocast_bf16(torch.device("cpu")):
+            loss = step_loss(torch.as_tensor(order.choice(len(train["ids"]), c.batch_size, replace=False)))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        if step % c.eval_every == 0 or step == c.steps:
+            curve.append({"step": step, "train_loss": loss.item(), **{name: measure(split) for name, split in held.items()}})
+            print(f"{c.tag} seed {c.seed} step {step}/{c.steps}: train loss {loss.item():.4f}; " + "; ".join(
+                f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in curve[-1][name].items() if isinstance(v, float))
+                for name in held) + f" ({time.time() - start:.0f} s)", flush=True)
+    if c.frozen == "cpdae":   # Table 4's text, for the figure with and without CL
+        ids, mask = data.encode_texts(tokenizer, [TABLE4_TEXT], c.max_len)
+        with torch.no_grad():
+            decoder.eval()
+            probs = cpdae.word_distribution(decoder(pool(encoder(ids, mask), mask, c.pooling)))[0]
+        curve[-1]["table4_words"] = word_probabilities(probs.numpy(), TABLE4_TEXT, tokenizer)
+    return curve
+
+
+def held_out_windows(vectors, n, batch_size, corpus):
+    """A fixed sample of n of the held-out windows (held_out_sample's order: neighbours, between whom SEED's h0
+    is swapped, come from unrelated places), in whole batches of batch_size. {name: (N, ...)} -> the same, n rows."""
+    rows = held_out_sample(list(range(len(vectors["ids"]))), n)
+    rows = torch.tensor(rows[:len(rows) // batch_size * batch_size], dtype=torch.long)
+    if len(rows) < batch_size:
+        raise data.DataError(f"{corpus}: {len(vectors['ids'])} windows, fewer than one batch (--batch_size {batch_size})")
+    return {name: tensor[rows] for name, tensor in vectors.items()}
+
+
+def frozen_command(c, out_dir, device):
+    """--frozen: frozen_trial of --model's vectors (--train_corpus to train on; --dev_corpus, where the pilot
+    chooses, and --corpus, where the claims are judged, held out), one row: {measure}-{tag}-seed{seed}.json."""
+    if device.type != "cpu":
+        raise ValueError("--frozen runs on the CPU (its vectors and the decoders are small)")
+    m = model_settings(c, c.model, c.tag or Path(c.model).name)
+    encoder, tokenizer = load_model(m, device)
+    encoder.requires_grad_(False)   # frozen: only the decoder trains (SEED's tied output projection included)
+    c = dataclasses.replace(c, pooling=m.pooling, tag=m.tag)
+    train = cached_frozen_vectors(c, c.train_corpus, encoder)
+    held = {name: held_out_windows(cached_frozen_vectors(c, corpus, encoder), c.n_texts, c.batch_size, corpus)
+            for name, corpus in (("dev", c.dev_corpus), ("test", c.corpus))}
+    start = time.time()
+    curve = frozen_trial(c, encoder, tokenizer, train, held)
+    settings = {k: getattr(c, k) for k in ("max_len", "pooling", "steps", "eval_every", "batch_size", "lr", "n_texts",
+                                           *(("cl_weight", "cl_tau", "rec_reduction", "n_common") if c.frozen == "cpdae"
+                                             else ("dec_span", "dec_layers")))}
+    row = mechanism_row(c, f"frozen_{c.frozen}", c.model, c.tag, {"settings": settings, "curve": curve,
+                                                                  "seconds": round(time.time() - start)})
+    row["seed"] = c.seed
+    write_rows(out_dir, row["measure"], [row])
+    return [row]
+
+
 # ==============================================================================================
 # Command line
 # ==============================================================================================
@@ -763,9 +1059,11 @@ def model_list(c):
 
 def main(c):
     names = evaluate.split_names(c, ("corpus", "compare", "tsne", "words", "discrimination"))
-    if not any(getattr(c, flag) for flag in FIGURES + MECHANISMS):
+    if not any(getattr(c, flag) for flag in FIGURES + MECHANISMS + ("frozen",)):
         raise ValueError("give a figure (--tsne, --words, --cls_by_length) or a measurement (--word_shares, "
-                         "--decoder_reliance, --discrimination, --heads); evaluate.py evaluates a retriever")
+                         "--decoder_reliance, --discrimination, --heads, --frozen); evaluate.py evaluates a retriever")
+    if c.frozen and not (c.train_corpus and c.dev_corpus and c.corpus):
+        raise ValueError("--frozen: give --train_corpus (trained on), --dev_corpus and --corpus (held out)")
     if c.bm25 or c.compare or not c.model:
         raise ValueError("give --model FOLDER (a saved encoder; several, comma-separated); --bm25 and --compare "
                          "are evaluate.py's")
@@ -780,6 +1078,8 @@ def main(c):
 
 def run_commands(c, split, out_dir, rank, device):
     """main's work, in the folder it holds: the measurements, else a figure (--cls_by_length, --tsne, --words)."""
+    if c.frozen:
+        return frozen_command(c, out_dir, device) if rank == 0 else None
     if any(getattr(c, m) for m in MECHANISMS):
         return mechanisms_command(c, split, out_dir, device) if rank == 0 else None
     if c.cls_by_length:

@@ -1,165 +1,154 @@
 #!/usr/bin/env bash
-# Each paper's mechanism against its own ablation (docs/mechanisms.md): six arms, three seeds, one regime.
-#   costa / mlm                COSTA and the same run with --gwc_weight 0 (MLM only)
-#   seed-weak / seed-strong    SEED-Encoder (span-2 decoder) and the same with --dec_span 0 (full causal)
-#   cpdae-cl / cpdae-nocl      CPDAE and the same with --cl_weight 0 (Table 2's "w/o CL")
-# The regime: a small BERT (2 layers, H 128) from scratch on 4/5 of the bundled Wikipedia slice, with its
-# own 8,192-token WordPiece vocabulary, SEED-Encoder's own setting (from scratch, Wikipedia) at CPU size;
-# the other 1/5 of the articles is held out: every measure reads it (or SciFact's test split), never the
-# texts trained on. Seed 0 is the pilot: its run stops every PILOT_EVERY steps for its heads' held-out
-# losses (mechanisms.py --heads), the curves that say whether STEPS is enough (docs/mechanisms.md); then the
-# check: the cheaper pairs (COSTA, CPDAE) again at twice the steps, seed 0, their heads and claims.
-# Run from the repository root: bash results/mechanisms/make.sh (PYTHON=... picks the interpreter).
-# A run whose rows are in results/mechanisms/rows is not trained again: on a fresh clone this command
-# only reprints the tables and figures from the committed rows (report.py). About 80 minutes on 2 CPU cores.
+# Each paper's mechanism against its own ablation, where its precondition holds: results/mechanisms/plan.md says
+# what runs, where, with how many seeds, the gates and the tests; report.py applies it to the rows.
+#   decoder side, all-MiniLM-L6-v2 frozen (mechanisms.py --frozen):
+#     cpdae-cl-VARIANT / cpdae-nocl-REDUCTION   CPDAE's MLP decoder with and without L_CL (section 3.3)
+#     seed-weak / seed-strong                   SEED's decoder, span 2 and full causal (sections 3.2-3.4, Figure 4)
+#   encoder side, MiniLM pre-trained further on wiki-train, then fine-tuned on SciFact:
+#     costa / mlm / seed                        costa.py, costa.py --gwc_weight 0, seed.py (Figure 5; COSTA 5.4)
+# Run from the repository root: bash results/mechanisms/make.sh (PYTHON=... picks the interpreter). It resumes:
+# a row in results/mechanisms/rows is never made again, a pre-training run continues from its checkpoint. On a
+# fresh clone, with every row committed, it only reprints table.md and the figures (report.py).
 set -euo pipefail
 export PYTHONUNBUFFERED=1   # progress lines reach the log as they come
 PY=${PYTHON:-python}
 RUNS=runs/mechanisms
 OUT=results/mechanisms
 ROWS=$OUT/rows
-STEPS=600
-PILOT_EVERY=100
-SEEDS=(0 1 2)
-ARMS=(costa mlm seed-weak seed-strong cpdae-cl cpdae-nocl)
-declare -A SCRIPT=([costa]=costa.py [mlm]=costa.py [seed-weak]=seed.py [seed-strong]=seed.py)
-declare -A FLAGS=([costa]="" [mlm]="--gwc_weight 0" [seed-weak]="" [seed-strong]="--dec_span 0")
-# CPDAE's pilot (seed 0, STEPS, on the held-out windows): with the paper's temperature (1) -JS / tau spans
-# [-0.69, 0] and L_CL cannot leave ln(2m - 1); the study's levers are tried beside it, and the variant
-# whose CL head is the most accurate on held-out windows is CPDAE's arm (its ablation adds --cl_weight 0).
-declare -A CPDAE_PILOT=([cpdae-paper]="" [cpdae-tau0.02]="--cl_tau 0.02"
-                        [cpdae-mean-tau0.02]="--rec_reduction mean --cl_tau 0.02")
-for variant in "${!CPDAE_PILOT[@]}"; do SCRIPT[$variant]=cpdae.py; FLAGS[$variant]=${CPDAE_PILOT[$variant]}; done
-HELD_OUT=$RUNS/wiki-heldout.jsonl
-mkdir -p "$RUNS" "$ROWS"
+CPDAE_SEEDS=(0 1 2 3 4)
+SEED_SEEDS=(0 1 2)
+ENCODER_SEEDS=(0 1 2)
+# CPDAE's pilot variants, in order of distance from the paper's weights (plan.md)
+declare -A CPDAE_FLAGS=([paper]="--rec_reduction sum --cl_tau 1" [mean]="--rec_reduction mean --cl_tau 1"
+                        [mean-tau]="--rec_reduction mean --cl_tau 0.02")
+CPDAE_ORDER=(paper mean mean-tau)
 
-have_rows() {   # have_rows SEED: every row of this seed is committed
-    local seed=$1 arm
-    for arm in "${ARMS[@]}"; do [ -f "$ROWS/heads-$arm-seed$seed-step$STEPS.json" ] || return 1; done
-    for arm in cpdae-cl cpdae-nocl; do [ -f "$ROWS/word_shares-$arm-seed$seed.json" ] || return 1; done
-    for arm in seed-weak seed-strong; do [ -f "$ROWS/decoder_reliance-$arm-seed$seed.json" ] || return 1; done
-    for arm in costa mlm seed-weak; do [ -f "$ROWS/discrimination-$arm-seed$seed.json" ] || return 1; done
-}
-
-prepare() {   # the split by article (every 5th held out) and the vocabulary of the training part
-    [ -f "$HELD_OUT" ] && [ -f "$RUNS/vocab.txt" ] && return
+prepare() {   # the split by article: train (i % 5 != 4), dev (i % 10 == 4), test (i % 10 == 9)
+    [ -f "$RUNS/wiki-test.jsonl" ] && return
+    mkdir -p "$RUNS"
     "$PY" -c "
 import gzip, sys
 lines = gzip.open('data/wiki.jsonl.gz', 'rt', encoding='utf-8').read().splitlines(keepends=True)
-open(sys.argv[1], 'w').writelines(l for i, l in enumerate(lines) if i % 5 != 4)
-open(sys.argv[2], 'w').writelines(l for i, l in enumerate(lines) if i % 5 == 4)
-print(f'{len(lines)} articles: {sum(i % 5 != 4 for i in range(len(lines)))} to train on, '
-      f'{sum(i % 5 == 4 for i in range(len(lines)))} held out')" "$RUNS/wiki-train.jsonl" "$HELD_OUT"
-    "$PY" data.py "$RUNS/wiki-train.jsonl" "$RUNS/vocab.txt" 8192
+for name, keep in (('train', lambda i: i % 5 != 4), ('dev', lambda i: i % 10 == 4), ('test', lambda i: i % 10 == 9)):
+    open(f'{sys.argv[1]}/wiki-{name}.jsonl', 'w').writelines(l for i, l in enumerate(lines) if keep(i))
+    print(name, sum(keep(i) for i in range(len(lines))), 'articles')" "$RUNS"
 }
+
+frozen() {   # frozen KIND TAG SEED STEPS EVAL_EVERY FLAGS...: one decoder trial's row (skipped when it is there)
+    local kind=$1 tag=$2 seed=$3 steps=$4 every=$5
+    shift 5
+    [ -f "$ROWS/frozen_$kind-$tag-seed$seed.json" ] && return 0
+    prepare
+    echo "== $kind $tag seed $seed: $(date -u +%H:%M:%S)"
+    "$PY" mechanisms.py --model minilm --frozen "$kind" --tag "$tag" --seed "$seed" --steps "$steps" \
+        --eval_every "$every" --n_texts 384 --train_corpus "$RUNS/wiki-train.jsonl" --dev_corpus "$RUNS/wiki-dev.jsonl" \
+        --corpus "$RUNS/wiki-test.jsonl" --frozen_cache "$RUNS/vectors" --out_dir "$ROWS" "$@"
+}
+
+choice() {   # choice WHAT: report.py applies plan.md's rule to the pilot's rows and prints what it chose
+    "$PY" "$OUT/report.py" "$OUT" --choose "$1"
+}
+
+# CPDAE: the pilot (seed 0, every variant, measured every 100 steps), then the chosen variant and its ablation
+for variant in "${CPDAE_ORDER[@]}"; do
+    # shellcheck disable=SC2086
+    frozen cpdae "cpdae-cl-$variant" 0 600 100 ${CPDAE_FLAGS[$variant]}
+done
+variant=$(choice cpdae)
+echo "== CPDAE: variant '$variant' (plan.md's rule on the pilot's dev rows)"
+if [ "$variant" != none ]; then
+    reduction=$(echo "${CPDAE_FLAGS[$variant]}" | awk '{print $2}')
+    for seed in "${CPDAE_SEEDS[@]}"; do
+        # shellcheck disable=SC2086
+        frozen cpdae "cpdae-cl-$variant" "$seed" 600 600 ${CPDAE_FLAGS[$variant]}
+        frozen cpdae "cpdae-nocl-$reduction" "$seed" 600 600 --rec_reduction "$reduction" --cl_weight 0
+    done
+fi
+
+# SEED's decoders: the pilot (seed 0, 600 steps, measured every 100), then the other seeds at the chosen step
+frozen seed seed-weak 0 600 100 --dec_span 2
+frozen seed seed-strong 0 600 100 --dec_span 0
+steps=$(choice seed)
+echo "== SEED: step '$steps' (plan.md's rule on the pilot's dev rows)"
+if [ "$steps" != none ]; then
+    for seed in "${SEED_SEEDS[@]:1}"; do
+        frozen seed seed-weak "$seed" "$steps" "$steps" --dec_span 2
+        frozen seed seed-strong "$seed" "$steps" "$steps" --dec_span 0
+    done
+fi
+
+# The encoder side: continued pre-training from MiniLM (command 1's settings) on wiki-train
+declare -A SCRIPT=([costa]=costa.py [mlm]=costa.py [seed]=seed.py)
+declare -A FLAGS=([costa]="--gwc_sim cos" [mlm]="--gwc_weight 0" [seed]="")
 
 step_of() {   # the step of a run folder's checkpoint (0 without one)
     [ -f "$1/state.pt" ] || { echo 0; return; }
     "$PY" -c "import sys, run; print(run.load_training_state(sys.argv[1])['step'])" "$1/state.pt"
 }
 
-train() {   # train ARM SEED [HALT]: the run, continued from its checkpoint if it has one (ARM-x2: 2 x STEPS)
-    local arm=${1%-x2} seed=$2 halt=${3:-0} folder=$RUNS/$1-seed$2 steps=$STEPS start=--overwrite target
-    [ "$1" != "$arm" ] && steps=$((2 * STEPS))
+pretrain() {   # pretrain ARM SEED STEPS [HALT [PREFIX]]: the run, continued from its checkpoint if it has one
+    local arm=$1 seed=$2 steps=$3 halt=${4:-0} folder=$RUNS/${5:-enc}-$1-seed$2 start=--overwrite target
     target=$([ "$halt" = 0 ] && echo "$steps" || echo "$halt")
-    [ "$(step_of "$folder")" -ge "$target" ] && return 0   # there already (a resume would run past --halt_at)
+    [ "$(step_of "$folder")" -ge "$target" ] && return 0
     [ -f "$folder/state.pt" ] && start=--resume
+    prepare
+    echo "== pre-training $arm seed $seed to step $target: $(date -u +%H:%M:%S)"
     # shellcheck disable=SC2086
-    "$PY" "${SCRIPT[$arm]}" --corpus "$RUNS/wiki-train.jsonl" --vocab "$RUNS/vocab.txt" --vocab_size 8192 \
-        --max_len 128 --max_position 128 --hidden_size 128 --num_layers 2 --num_heads 2 --ffn_size 512 \
-        --steps $steps --save_every $PILOT_EVERY --seed "$seed" ${FLAGS[$arm]} --halt_at "$halt" \
-        --out_dir "$folder" $start 2>&1 | tee -a "$folder.log" | grep -v "^step " || true
+    "$PY" "${SCRIPT[$arm]}" --init minilm --corpus "$RUNS/wiki-train.jsonl" --lr 5e-5 --steps "$steps" \
+        --bottleneck mean --head_warmup 20 --head_lr 20 ${FLAGS[$arm]} --save_every 100 --seed "$seed" \
+        --halt_at "$halt" --out_dir "$folder" $start 2>&1 | tee -a "$folder.log" | grep -v "^step " || true
     [ "$(step_of "$folder")" -ge "$target" ] || { echo "$folder: did not reach step $target (see $folder.log)"; exit 1; }
 }
 
-models() {   # models SEED ARM...: mechanisms.py's --model and --tag for these arms' encoders at this seed
-    local seed=$1 models="" tags="" arm
-    shift
-    for arm in "$@"; do models+="${models:+,}$RUNS/$arm-seed$seed/encoder"; tags+="${tags:+,}$arm"; done
-    echo "--model $models --tag $tags"
+heads() {   # heads SPLIT SEED ARM...: each run's own heads on the split's windows, and its random-pair cosine
+    local split=$1 seed=$2 models="" tags="" arm
+    shift 2
+    for arm in "$@"; do models+="${models:+,}$RUNS/enc-$arm-seed$seed/encoder"; tags+="${tags:+,}$arm"; done
+    "$PY" mechanisms.py --model "$models" --tag "$tags" --heads --corpus "$RUNS/wiki-$split.jsonl" --n_texts 384 \
+        --out_dir "$ROWS/heads-$split"
 }
 
-heads() {   # heads SEED ARM...: each run's own losses on the held-out windows, at its checkpoint's step
-    # shellcheck disable=SC2046
-    "$PY" mechanisms.py $(models "$@") --heads --corpus "$HELD_OUT" --out_dir "$ROWS"
+finetuned() {   # finetuned ARM SEED: fine-tune the pre-trained encoder as command 1 does; its dev and test rows
+    local ft=$RUNS/ft-$1-seed$2 row=$ROWS/finetune-$1-seed$2.json
+    [ -f "$row" ] && return 0
+    [ -f "$ft/eval-dev/metrics.json" ] || "$PY" finetune.py --init "$RUNS/enc-$1-seed$2/encoder" --lr 2e-4 \
+        --dev_queries 150 --seed "$2" --out_dir "$ft" --overwrite 2>&1 | grep -v "^step " || true
+    "$PY" -c "
+import json, sys, data, evaluate
+ft, arm, seed, row = sys.argv[1:5]
+commit, dirty = evaluate.git_state()
+means = {split: json.load(open(f'{ft}/eval-{split}/metrics.json'))['means'] for split in ('dev', 'test')}
+data.atomic_write_json(row, {'measure': 'finetune', 'arm': arm, 'seed': int(seed), 'commit': commit, 'dirty': dirty,
+    'command': f'python finetune.py --init {sys.argv[5]} --lr 2e-4 --dev_queries 150 --seed {seed}', **means})
+" "$ft" "$1" "$2" "$row" "$RUNS/enc-$1-seed$2/encoder"
 }
 
-word_shares() {   # word_shares SEED [-x2]: CPDAE's claim
-    # shellcheck disable=SC2046
-    "$PY" mechanisms.py $(models "$1" "cpdae-cl${2:-}" "cpdae-nocl${2:-}") --word_shares --corpus "$HELD_OUT" --out_dir "$ROWS"
-}
-
-discrimination() {   # discrimination SEED ARM...: COSTA's claim, on SciFact's test split
-    # shellcheck disable=SC2046
-    "$PY" mechanisms.py $(models "$@") --discrimination --dataset data/scifact --split test \
-        --pooling cls --query_len 64 --passage_len 128 --out_dir "$ROWS"
-}
-
-measure() {   # measure SEED: each claim's rows
-    word_shares "$1"
-    # shellcheck disable=SC2046
-    "$PY" mechanisms.py $(models "$1" seed-weak seed-strong) --decoder_reliance --corpus "$HELD_OUT" --out_dir "$ROWS"
-    rm -f "$ROWS/decoder_cosine.png"   # one seed's; report.py draws the mean over the seeds
-    discrimination "$1" costa mlm seed-weak
-}
-
-# CPDAE's pilot, then its two arms with the variant chosen
-for variant in cpdae-paper cpdae-tau0.02 cpdae-mean-tau0.02; do
-    [ -f "$ROWS/heads-$variant-seed${SEEDS[0]}-step$STEPS.json" ] && continue
-    prepare
-    echo "== $variant seed ${SEEDS[0]}: $(date -u +%H:%M:%S)"
-    train "$variant" "${SEEDS[0]}"
-    heads "${SEEDS[0]}" "$variant"
-done
-CHOSEN=$("$PY" -c "
-import json, sys
-rows = [json.load(open(f'{sys.argv[1]}/heads-{v}-seed{sys.argv[2]}-step{sys.argv[3]}.json')) for v in sys.argv[4:]]
-print(max(rows, key=lambda r: r['cl_acc'])['arm'])" "$ROWS" "${SEEDS[0]}" "$STEPS" cpdae-paper cpdae-tau0.02 cpdae-mean-tau0.02)
-echo "== CPDAE: $CHOSEN (flags: ${CPDAE_PILOT[$CHOSEN]:-none}), the most accurate CL head on the held-out windows"
-SCRIPT[cpdae-cl]=cpdae.py; FLAGS[cpdae-cl]=${CPDAE_PILOT[$CHOSEN]}
-SCRIPT[cpdae-nocl]=cpdae.py; FLAGS[cpdae-nocl]="${CPDAE_PILOT[$CHOSEN]} --cl_weight 0"
-
-for seed in "${SEEDS[@]}"; do
-    have_rows "$seed" && continue
-    prepare
-    for arm in "${ARMS[@]}"; do
-        echo "== $arm seed $seed: $(date -u +%H:%M:%S)"
-        if [ "$seed" = "${SEEDS[0]}" ]; then   # the pilot: held-out heads every PILOT_EVERY steps
-            for ((halt = PILOT_EVERY; halt < STEPS; halt += PILOT_EVERY)); do
-                [ -f "$ROWS/heads-$arm-seed$seed-step$halt.json" ] && continue
-                [ "$(step_of "$RUNS/$arm-seed$seed")" -le "$halt" ] || { echo "$arm: past step $halt"; exit 1; }
-                train "$arm" "$seed" "$halt"
-                heads "$seed" "$arm"
-            done
-        fi
-        train "$arm" "$seed"
+# the pilot: COSTA and MLM-only at seed 0, 200 steps, their heads on dev at 100 and 200
+for halt in 100 200; do
+    for arm in costa mlm; do
+        [ -f "$ROWS/heads-dev/heads-pilot-$arm-seed0-step$halt.json" ] && continue
+        pretrain "$arm" 0 200 "$halt" pilot
+        "$PY" mechanisms.py --model "$RUNS/pilot-$arm-seed0/encoder" --tag "pilot-$arm" --heads \
+            --corpus "$RUNS/wiki-dev.jsonl" --n_texts 384 --out_dir "$ROWS/heads-dev"
     done
-    heads "$seed" "${ARMS[@]}"
-    measure "$seed"
 done
-
-# The check of STEPS: COSTA and CPDAE, both arms, seed 0, at twice the steps (SEED's pair, the costliest
-# by far, is not: docs/mechanisms.md gives its pilot curve instead).
-if [ ! -f "$ROWS/discrimination-mlm-x2-seed${SEEDS[0]}.json" ]; then
-    prepare
-    for arm in costa-x2 mlm-x2 cpdae-cl-x2 cpdae-nocl-x2; do
-        echo "== $arm seed ${SEEDS[0]}: $(date -u +%H:%M:%S)"
-        train "$arm" "${SEEDS[0]}"
-    done
-    heads "${SEEDS[0]}" costa-x2 mlm-x2 cpdae-cl-x2 cpdae-nocl-x2
-    word_shares "${SEEDS[0]}" -x2
-    discrimination "${SEEDS[0]}" costa-x2 mlm-x2
-fi
-
-# CPDAE's Table 4 text with and without CL (seed 0); it needs the models. (COSTA's Figure 3 is not drawn:
-# pick_tsne_query's rule, a query with a relevant document in every model's top 100, finds none here.)
-if [ ! -f "$OUT/cpdae_words-cl.png" ] || [ ! -f "$OUT/cpdae_words-nocl.png" ]; then
-    TEXT="Nanotechnology raises many of the same issues as any new technology, including concerns about the toxicity \
-and environmental impact of nanomaterials, and their potential effects on global economics, as well as speculation"
-    for arm in cpdae-cl cpdae-nocl; do
-        "$PY" mechanisms.py --model "$RUNS/$arm-seed${SEEDS[0]}/encoder" --words "$TEXT" --out_dir "$RUNS/words-$arm"
-        cp "$RUNS/words-$arm/words.png" "$OUT/cpdae_words-${arm#cpdae-}.png"
+steps=$(choice encoder)
+echo "== the encoder side: $steps steps (plan.md's rule on the pilot's dev rows)"
+if [ "$steps" != none ]; then
+    for seed in "${ENCODER_SEEDS[@]}"; do
+        [ -f "$ROWS/discrimination-seed-seed$seed.json" ] && continue
+        for arm in costa mlm seed; do
+            if [ "$seed" = 0 ] && [ "$steps" = 200 ] && [ "$arm" != seed ] && [ ! -e "$RUNS/enc-$arm-seed0" ]; then
+                ln -s "pilot-$arm-seed0" "$RUNS/enc-$arm-seed0"   # the pilot's run is that run
+            fi
+            pretrain "$arm" "$seed" "$steps"
+            [ -f "$ROWS/heads-dev/heads-$arm-seed$seed-step$steps.json" ] || heads dev "$seed" "$arm"
+            [ -f "$ROWS/heads-test/heads-$arm-seed$seed-step$steps.json" ] || heads test "$seed" "$arm"
+            finetuned "$arm" "$seed"
+        done
+        "$PY" mechanisms.py --model "$RUNS/ft-costa-seed$seed/encoder,$RUNS/ft-mlm-seed$seed/encoder,$RUNS/ft-seed-seed$seed/encoder" \
+            --tag costa,mlm,seed --discrimination --dataset data/scifact --split test --out_dir "$ROWS"
     done
 fi
 
-"$PY" "$OUT/report.py" "$OUT"   # the tables (table.md) and the figures from the rows
+"$PY" "$OUT/report.py" "$OUT"   # table.md and the figures from the rows
