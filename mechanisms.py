@@ -212,10 +212,14 @@ def plot_word_distribution(probs, text, tokenizer, path, vmax=None, width_in=8.0
     """Shade each whole word of `text` by the summed probability of its pieces (CPDAE Table 4).
     vmax: value of the darkest shade (the paper's legend tops at 0.5); None -> the largest word
     value, because with a 30,522-word vocabulary a small model's values are often far below 0.5."""
+    return plot_words(word_probabilities(probs, text, tokenizer), path, vmax, width_in, cmap)
+
+
+def plot_words(words, path, vmax=None, width_in=8.0, cmap="Reds"):
+    """plot_word_distribution's figure from word_probabilities' [(word, value, start)] (a row keeps those)."""
     import matplotlib.colors as mcolors
 
     plt = _pyplot()
-    words = word_probabilities(probs, text, tokenizer)
     top = vmax if vmax is not None else max([v for _, v, _ in words] + [1e-12])
     norm = mcolors.Normalize(vmin=0.0, vmax=top)
     colors = plt.get_cmap(cmap)

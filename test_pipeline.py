@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import gzip
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -1681,6 +1682,96 @@ def test_cosine_by_position_known_values():
                           torch.stack([h0[1], 3 * h0[1], torch.tensor([9.0, 9.0])])])   # 1, 1, (padding)
     sums, counts = mechanisms.cosine_by_position(states, h0, torch.tensor([[1, 1, 1], [1, 1, 0]]))
     assert (sums / counts).tolist() == pytest.approx([1.0, 0.5, -1.0]) and counts.tolist() == [2, 2, 1]
+
+
+def _frozen_corpora(tmp_path, wiki_texts):
+    paths = {}
+    for name, texts in (("train", wiki_texts[:4]), ("dev", wiki_texts[4:6]), ("test", wiki_texts[6:8])):
+        paths[name] = tmp_path / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return {"train_corpus": str(paths["train"]), "dev_corpus": str(paths["dev"]), "corpus": str(paths["test"])}
+
+
+def test_a_frozen_cpdae_trial_starts_at_the_constant_predictor_and_writes_one_row(tmp_path, wiki_texts, capsys):
+    """--frozen cpdae: the decoder's output bias starts at the training windows' document-frequency log-odds, so
+    after one step at a negligible lr its held-out L_REC is the constant predictor's (from bias 0 it would be near
+    |V| ln 2 = 21,156); the row holds each held-out split at every --eval_every step, the settings and the Table 4
+    words; the encoder's vectors are computed once (a second trial reads them from --frozen_cache)."""
+    flags = dict(model=_tiny_init(tmp_path / "enc"), frozen="cpdae", tag="cl", max_len=32, batch_size=4, n_texts=8,
+                 frozen_cache=str(tmp_path / "cache"), out_dir=str(tmp_path / "rows"), **_frozen_corpora(tmp_path, wiki_texts))
+    row = mechanisms.main(mechanisms.Config(steps=1, eval_every=1, lr=1e-12, **flags))[0]
+    dev = row["curve"][0]["dev"]
+    assert dev["rec"] == pytest.approx(dev["rec_constant"], rel=0.02) and dev["rec_constant"] < 1000
+    assert dev["common"] == pytest.approx(dev["constant_common"], rel=0.05)
+    assert "kept in" in capsys.readouterr().out
+    row = mechanisms.main(mechanisms.Config(steps=3, eval_every=2, cl_weight=0, seed=1, **flags))[0]
+    assert "kept in" not in capsys.readouterr().out                                 # the vectors, read again
+    assert [point["step"] for point in row["curve"]] == [2, 3] and set(row["curve"][0]) >= {"dev", "test"}
+    assert row["settings"]["cl_weight"] == 0 and row["seed"] == 1 and row["measure"] == "frozen_cpdae"
+    assert [w for w, _, _ in row["curve"][-1]["table4_words"]][:2] == ["Nanotechnology", "raises"]
+    assert json.loads((tmp_path / "rows" / "frozen_cpdae-cl-seed1.json").read_text()) == json.loads(json.dumps(row))
+
+
+def test_seed_measures_no_gap_when_h0_is_cut_off_and_slopes_of_a_line():
+    """The h0-swap gap is 0 at every position for a decoder whose cross-attention output is zero, and not for one
+    that reads h0; slope() is per 100 positions, fitted from position 1."""
+    import seed
+
+    assert mechanisms.slope([9.0, 0.0, 2.0, 4.0, 6.0]) == pytest.approx(200.0)
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(50, 16)
+    c = seed.Config(hidden_size=16, num_heads=2, ffn_size=32, vocab_size=50, max_position=12, dec_span=0, dropout=0.0)
+    decoder = seed.WeakDecoder(c, embedding)
+    held = {"ids": torch.randint(5, 50, (6, 12)), "mask": torch.ones(6, 12, dtype=torch.long), "view1": torch.randn(6, 16)}
+    unigram = torch.full((50,), -math.log(50))
+    reads = mechanisms.seed_measures(decoder, held, unigram, batch=3)
+    assert abs(reads["gap"]) > 1e-4 and len(reads["gap_by_position"]) == 11 and reads["unigram"] == pytest.approx(math.log(50))
+    for block in decoder.blocks:
+        torch.nn.init.zeros_(block.cross_out.weight)
+        torch.nn.init.zeros_(block.cross_out.bias)
+    cut = mechanisms.seed_measures(decoder, held, unigram, batch=3)
+    assert cut["gap"] == pytest.approx(0.0, abs=1e-6) and max(map(abs, cut["gap_by_position"])) < 1e-5
+
+
+def test_cpdae_gradient_ratio_scales_as_the_weights_do():
+    """Eq. 4 averaged over |V| instead of summed makes L_REC's gradient |V| times smaller, tau 0.5 L_CL's about
+    twice larger: the ratio moves by exactly |V|, and grows with 1 / tau."""
+    torch.manual_seed(0)
+    logits, bag = torch.randn(8, 40), (torch.rand(4, 40) < 0.2).float()
+    ratio = {(r, t): mechanisms.cpdae_gradient_ratio(logits, bag, mechanisms.Config(rec_reduction=r, cl_tau=t))
+             for r in ("sum", "mean") for t in (1.0, 0.5)}
+    assert ratio["mean", 1.0] == pytest.approx(40 * ratio["sum", 1.0], rel=1e-4)
+    assert ratio["sum", 0.5] > 1.5 * ratio["sum", 1.0]
+
+
+def _report():
+    spec = importlib.util.spec_from_file_location("mechanisms_report", HERE / "results" / "mechanisms" / "report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_mechanisms_report_holm_and_the_pilots_rules(tmp_path):
+    """Holm's adjusted p-values (known values, monotone in the raw order); the CPDAE pilot waits for every row,
+    takes the first variant whose gates hold on dev, and says none when none does."""
+    report = _report()
+    assert report.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    rows = tmp_path / "rows"
+    rows.mkdir()
+
+    def pilot(variant, rec, acc, ratio):
+        dev = {"rec": rec, "rec_constant": 100.0, "cl_acc": acc, "cl_chance": 1 / 31, "grad_cl_over_rec": ratio}
+        data.atomic_write_json(rows / f"frozen_cpdae-cpdae-cl-{variant}-seed0.json",
+                               {"settings": {"cl_weight": 0.1}, "curve": [{"step": 600, "dev": dev}]})
+    pilot("paper", 90.0, 0.9, 1e-4)                         # the gradient gate fails
+    assert report.choose_cpdae(tmp_path) == "pending"
+    pilot("mean", 90.0, 0.9, 3.0)
+    pilot("mean-tau", 90.0, 0.9, 30.0)
+    assert report.choose_cpdae(tmp_path) == "mean"
+    pilot("mean", 99.5, 0.9, 3.0)                           # L_REC not 1 % below the constant predictor's
+    assert report.choose_cpdae(tmp_path) == "mean-tau"
+    pilot("mean-tau", 90.0, 0.2, 30.0)                      # contrastive accuracy 6.2 x chance
+    assert report.choose_cpdae(tmp_path) == "none"
 
 
 def _seed_run(folder, dec_span, ignore_h0=False):

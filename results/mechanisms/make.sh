@@ -46,7 +46,10 @@ frozen() {   # frozen KIND TAG SEED STEPS EVAL_EVERY FLAGS...: one decoder trial
 }
 
 choice() {   # choice WHAT: report.py applies plan.md's rule to the pilot's rows and prints what it chose
-    "$PY" "$OUT/report.py" "$OUT" --choose "$1"
+    local chosen
+    chosen=$("$PY" "$OUT/report.py" "$OUT" --choose "$1")
+    [ "$chosen" = pending ] && { echo "$1: the pilot's rows are not all there" >&2; exit 1; }
+    echo "$chosen"
 }
 
 # CPDAE: the pilot (seed 0, every variant, measured every 100 steps), then the chosen variant and its ablation

@@ -77,7 +77,9 @@ def choose_cpdae(folder):
     for variant in CPDAE_ORDER:
         row = read_row(folder, f"frozen_cpdae-cpdae-cl-{variant}-seed0")
         point = at_step(row, CPDAE_STEPS)
-        if point and all(holds for *_, holds in cpdae_gates(point["dev"], None, row["settings"]["cl_weight"])):
+        if not point:
+            return "pending"
+        if all(holds for *_, holds in cpdae_gates(point["dev"], None, row["settings"]["cl_weight"])):
             return variant
     return "none"
 
@@ -87,7 +89,9 @@ def choose_seed(folder):
     weak, strong = (read_row(folder, f"frozen_seed-seed-{arm}-seed0") for arm in ("weak", "strong"))
     for step in SEED_STEPS:
         a, b = at_step(weak, step), at_step(strong, step)
-        if a and b and all(holds for *_, holds in seed_gates(a["dev"], b["dev"])):
+        if not (a and b):
+            return "pending"
+        if all(holds for *_, holds in seed_gates(a["dev"], b["dev"])):
             return step
     return "none"
 
@@ -96,7 +100,9 @@ def choose_encoder(folder):
     """The first pilot step (100, 200) at which COSTA's and MLM-only's gates hold on dev (seed 0)."""
     for step in ENCODER_STEPS:
         costa, mlm = (read_row(folder, f"heads-dev/heads-pilot-{arm}-seed0-step{step}") for arm in ("costa", "mlm"))
-        if costa and mlm and all(holds for *_, holds in encoder_gates(costa, mlm)):
+        if not (costa and mlm):
+            return "pending"
+        if all(holds for *_, holds in encoder_gates(costa, mlm)):
             return step
     return "none"
 
@@ -132,11 +138,314 @@ def detectable(n, sd, alpha, power=0.8):
     return (stats.t.ppf(1 - alpha, n - 1) + stats.t.ppf(power, n - 1)) * sd / np.sqrt(n)
 
 
+# ---------------------------------------------------------------------------------------------
+# What the rows hold, claim by claim (None where make.sh has not written them yet)
+# ---------------------------------------------------------------------------------------------
+def cpdae_rows(folder):
+    """{"variant", "cl": {seed: row}, "nocl": {seed: row}, "step"} of the chosen CPDAE variant, or None."""
+    variant = choose_cpdae(folder)
+    if variant in ("none", "pending"):
+        return None
+    cl = read_row(folder, f"frozen_cpdae-cpdae-cl-{variant}-seed0")
+    reduction = cl["settings"]["rec_reduction"]
+    arms = {"cl": f"cpdae-cl-{variant}", "nocl": f"cpdae-nocl-{reduction}"}
+    rows = {k: {s: r for s in CPDAE_SEEDS if (r := read_row(folder, f"frozen_cpdae-{arm}-seed{s}"))}
+            for k, arm in arms.items()}
+    return {"variant": variant, "arms": arms, "step": CPDAE_STEPS, "cl_weight": cl["settings"]["cl_weight"], **rows}
+
+
+def seed_rows(folder):
+    """{"weak": {seed: row}, "strong": {seed: row}, "step"} at the step the pilot chose, or None."""
+    step = choose_seed(folder)
+    if step in ("none", "pending"):
+        return None
+    return {"step": step, **{k: {s: r for s in SEED_SEEDS if (r := read_row(folder, f"frozen_seed-seed-{k}-seed{s}"))}
+                             for k in ("weak", "strong")}}
+
+
+def encoder_rows(folder):
+    """{"step", arm: {seed: {"heads_dev", "heads_test", "finetune", "discrimination"}}} or None."""
+    step = choose_encoder(folder)
+    if step in ("none", "pending"):
+        return None
+    names = {"heads_dev": "heads-dev/heads-{arm}-seed{s}-step{step}", "heads_test": "heads-test/heads-{arm}-seed{s}-step{step}",
+             "finetune": "finetune-{arm}-seed{s}", "discrimination": "discrimination-{arm}-seed{s}"}
+    return {"step": step, **{arm: {s: {k: read_row(folder, n.format(arm=arm, s=s, step=step)) for k, n in names.items()}
+                                   for s in ENCODER_SEEDS} for arm in ("costa", "mlm", "seed")}}
+
+
+def values(rows, split, key, step):
+    """{seed: rows[seed]'s measure `key` on `split` at `step`} over the seeds that have it."""
+    out = {}
+    for s, row in rows.items():
+        point = at_step(row, step)
+        if point and key in point[split]:
+            out[s] = point[split][key]
+    return out
+
+
+def mean_dict(dicts):
+    """The mean over seeds of each number of a list of measure dicts (curves averaged position by position)."""
+    keys = [k for k, v in dicts[0].items() if isinstance(v, (int, float))]
+    return {k: float(np.mean([d[k] for d in dicts])) for k in keys}
+
+
+def fmt(x):
+    return "-" if x is None else f"{x:.4g}"
+
+
+def mean_sd(v):
+    v = np.asarray(list(v), dtype=float)
+    return "-" if len(v) == 0 else f"{v.mean():.4g} ± {(v.std(ddof=1) if len(v) > 1 else 0.0):.2g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Gates at the chosen step (dev, mean over seeds) and the primary family
+# ---------------------------------------------------------------------------------------------
+def all_gates(folder):
+    """{claim group: [(what, value, threshold, holds)]}; a group with no rows yet: []. Pilot choices that found
+    nothing give the pilot's own gates at its last step, so the failed values are printed."""
+    gates = {}
+    c = cpdae_rows(folder)
+    if c and c["cl"] and c["nocl"]:
+        dev = {k: mean_dict([at_step(r, c["step"])["dev"] for r in c[k].values()]) for k in ("cl", "nocl")}
+        gates["cpdae"] = cpdae_gates(dev["cl"], dev["nocl"], c["cl_weight"])
+    elif choose_cpdae(folder) == "none":   # the variant nearest the paper's weights: its failed gates
+        row = read_row(folder, f"frozen_cpdae-cpdae-cl-{CPDAE_ORDER[0]}-seed0")
+        gates["cpdae"] = cpdae_gates(at_step(row, CPDAE_STEPS)["dev"], None, row["settings"]["cl_weight"])
+    sd = seed_rows(folder)
+    if sd and sd["weak"] and sd["strong"]:
+        dev = {k: mean_dict([at_step(r, sd["step"])["dev"] for r in sd[k].values()]) for k in ("weak", "strong")}
+        gates["seed"] = seed_gates(dev["weak"], dev["strong"])
+    elif choose_seed(folder) == "none":   # the pilot's last step: its failed gates
+        weak, strong = (read_row(folder, f"frozen_seed-seed-{arm}-seed0") for arm in ("weak", "strong"))
+        gates["seed"] = seed_gates(weak["curve"][-1]["dev"], strong["curve"][-1]["dev"])
+    e = encoder_rows(folder)
+    if e:
+        heads = {arm: [r["heads_dev"] for r in e[arm].values() if r["heads_dev"]] for arm in ("costa", "mlm", "seed")}
+        if heads["costa"] and heads["mlm"]:
+            gates["encoder"] = encoder_gates(mean_dict(heads["costa"]), mean_dict(heads["mlm"]))
+        if heads["seed"]:
+            h = mean_dict(heads["seed"])
+            gates.setdefault("encoder", []).append(("SEED: decoder accuracy / most frequent token's",
+                                                    h["dec_acc"] / h["dec_chance"], ">= 2", h["dec_acc"] >= 2 * h["dec_chance"]))
+        for arm in ("costa", "mlm", "seed"):
+            ndcg = [r["finetune"]["dev"]["NDCG@10"] for r in e[arm].values() if r["finetune"]]
+            if ndcg:
+                gates.setdefault("costa", []).append((f"{arm}, fine-tuned: SciFact dev nDCG@10", float(np.mean(ndcg)),
+                                                      f">= {NDCG_FLOOR}", float(np.mean(ndcg)) >= NDCG_FLOOR))
+    elif choose_encoder(folder) == "none":   # the pilot's last step: its failed gates
+        costa, mlm = (read_row(folder, f"heads-dev/heads-pilot-{arm}-seed0-step{ENCODER_STEPS[-1]}") for arm in ("costa", "mlm"))
+        gates["encoder"] = encoder_gates(costa, mlm)
+    return gates
+
+
+def primary(folder):
+    """The plan's 8 tests: [(number, paper, measure, group of gates, sign, {seed: arm}, {seed: ablation})]."""
+    c, sd, e = cpdae_rows(folder), seed_rows(folder), encoder_rows(folder)
+    empty = {}
+
+    def cp(key):
+        return (values(c["cl"], "test", key, c["step"]), values(c["nocl"], "test", key, c["step"])) if c else (empty, empty)
+
+    def sp(key):
+        return (values(sd["weak"], "test", key, sd["step"]), values(sd["strong"], "test", key, sd["step"])) if sd else (empty, empty)
+
+    def enc(arm, kind, pick):
+        return {s: pick(r[kind]) for s, r in e[arm].items() if r[kind]} if e else empty
+
+    def cosine128(row):
+        return row["cosine_by_length"]["128"] if "128" in row["cosine_by_length"] else row["cosine_by_length"][128]
+
+    return [(1, "CPDAE 3.3", "z~ on the common words, CL - no CL", "cpdae", -1, *cp("common")),
+            (2, "CPDAE 3.3", "z~ on the text's own other words, CL - no CL", "cpdae", +1, *cp("representative")),
+            (3, "SEED 3.4", "h0-swap gap (nats/token), weak - strong", "seed", +1, *sp("gap")),
+            (4, "SEED Fig. 4", "slope of the h0-swap gap by position (/100 positions), weak - strong", "seed", +1,
+             *sp("gap_slope")),
+            (5, "SEED Fig. 4", "slope of cos(state, h0) by position (/100 positions), weak - strong", "seed", +1,
+             *sp("cosine_slope")),
+            (6, "SEED Fig. 5", "random test pairs' cosine at 128 tokens, SEED - MLM-only", "encoder", -1,
+             enc("seed", "heads_test", cosine128), enc("mlm", "heads_test", cosine128)),
+            (7, "COSTA 5.4", "AUC after fine-tuning (SciFact test), COSTA - MLM-only", "costa", +1,
+             enc("costa", "discrimination", lambda r: r["auc"]), enc("mlm", "discrimination", lambda r: r["auc"])),
+            (8, "COSTA 5.4", "AUC after fine-tuning (SciFact test), COSTA - SEED", "costa", +1,
+             enc("costa", "discrimination", lambda r: r["auc"]), enc("seed", "discrimination", lambda r: r["auc"]))]
+
+
+GATE_GROUPS = {"cpdae": ("cpdae",), "seed": ("seed",), "encoder": ("encoder",), "costa": ("encoder", "costa")}
+
+
+def verdicts(folder):
+    """Each primary test with its p, Holm's adjusted p over all 8 (a test not run: p = 1) and its verdict."""
+    gates = all_gates(folder)
+    tests = []
+    for number, paper, what, group, sign, arm, ablation in primary(folder):
+        failed = [g for name in GATE_GROUPS[group] for g in gates.get(name, []) if not g[3]]
+        ran = bool(set(arm) & set(ablation)) and not failed and all(gates.get(n) for n in GATE_GROUPS[group])
+        diffs, p = paired_test(arm, ablation, sign) if ran else (np.array([]), 1.0)
+        tests.append({"number": number, "paper": paper, "what": what, "sign": sign, "diffs": diffs, "p": p,
+                      "failed": failed, "ran": ran, "has_rows": bool(set(arm) & set(ablation))})
+    for test, adjusted in zip(tests, holm([t["p"] for t in tests])):
+        test["holm"] = adjusted
+        if test["failed"]:
+            what, value, threshold, _ = test["failed"][0]
+            test["verdict"] = f"not testable in this regime (gate: {what} {value:.3g}, needs {threshold})"
+        elif not test["ran"]:
+            test["verdict"] = "no rows yet (make.sh has not reached it)"
+        else:
+            test["verdict"] = "shown" if adjusted < 0.05 else "not shown"
+    return tests, gates
+
+
+# ---------------------------------------------------------------------------------------------
+# table.md
+# ---------------------------------------------------------------------------------------------
+def write_table(folder, tests, gates):
+    commits = sorted({json.loads(f.read_text())["commit"][:7] for f in Path(folder, "rows").rglob("*.json")})
+    lines = ["# Mechanisms: each claim where its precondition holds", "",
+             (f"Written by `python results/mechanisms/report.py results/mechanisms` from `rows/`, which `bash "
+              f"results/mechanisms/make.sh` wrote (each row holds the command that remakes it; code: {', '.join(commits)}). "
+              "The rules, gates and tests are [plan.md](plan.md)'s, committed before the rows. Values: mean ± sd over "
+              "the seeds; a difference is arm - ablation, paired by seed."), "",
+             "## The primary tests (test split; one-sided paired t-tests over seeds; Holm-Bonferroni over all 8)", "",
+             ("| # | paper | measure | difference | seeds | in the claimed direction | p | Holm p | smallest detectable "
+              "(Holm's strictest / 0.05) | verdict |"), "|---|---|---|---|---|---|---|---|---|---|"]
+    for t in tests:
+        d, n = t["diffs"], len(t["diffs"])
+        sd = d.std(ddof=1) if n > 1 else float("nan")
+        agree = int(np.sum(np.sign(d) == t["sign"]))
+        mde = f"{detectable(n, sd, 0.05 / len(tests)):.2g} / {detectable(n, sd, 0.05):.2g}" if n > 1 else "-"
+        lines.append(f"| {t['number']} | {t['paper']} | {t['what']} ({'>' if t['sign'] > 0 else '<'} 0) | "
+                     f"{mean_sd(d)} | {n} | {agree if n else '-'} | {fmt(t['p']) if n else '-'} | "
+                     f"{fmt(t['holm']) if n else '-'} | {mde} | **{t['verdict']}** |")
+    lines += ["", "## The gates (dev split; at the chosen step, mean over the seeds)", "",
+              "| claim | gate | value | threshold | holds |", "|---|---|---|---|---|"]
+    for group, rows in gates.items():
+        lines += [f"| {group} | {what} | {value:.4g} | {threshold} | {'yes' if holds else '**no**'} |"
+                  for what, value, threshold, holds in rows]
+    return lines + pilot_tables(folder) + exploratory_tables(folder)
+
+
+def pilot_tables(folder):
+    lines = ["", "## The pilot's choices (seed 0, dev split; plan.md's rules)", "",
+             f"CPDAE's weights, at step {CPDAE_STEPS} (chosen: **{choose_cpdae(folder)}**):", "",
+             "| variant | flags | L_REC / constant | contrastive accuracy / chance | lambda x gradient ratio | gates hold |",
+             "|---|---|---|---|---|---|"]
+    for variant in CPDAE_ORDER:
+        row = read_row(folder, f"frozen_cpdae-cpdae-cl-{variant}-seed0")
+        if row:
+            st, g = row["settings"], cpdae_gates(at_step(row, CPDAE_STEPS)["dev"], None, row["settings"]["cl_weight"])
+            lines.append(f"| {variant} | lambda {st['cl_weight']}, tau {st['cl_tau']}, eq. 4 {st['rec_reduction']} | "
+                         + " | ".join(f"{v:.4g}" for _, v, _, _ in g) + f" | {'yes' if all(h for *_, h in g) else 'no'} |")
+    lines += ["", f"SEED's steps (chosen: **{choose_seed(folder)}**):", "",
+              "| step | weak: loss | strong: loss | unigram | weak: gap / loss | gates hold |", "|---|---|---|---|---|---|"]
+    weak, strong = (read_row(folder, f"frozen_seed-seed-{arm}-seed0") for arm in ("weak", "strong"))
+    for step in SEED_STEPS:
+        a, b = at_step(weak, step), at_step(strong, step)
+        if a and b:
+            w, g = a["dev"], seed_gates(a["dev"], b["dev"])
+            lines.append(f"| {step} | {w['loss_own']:.4f} | {b['dev']['loss_own']:.4f} | {w['unigram']:.4f} | "
+                         f"{w['gap'] / w['loss_own']:.4f} | {'yes' if all(h for *_, h in g) else 'no'} |")
+    lines += ["", f"The encoder side's steps (chosen: **{choose_encoder(folder)}**):", "",
+              "| step | COSTA: group-wise accuracy / chance | MLM-only: MLM accuracy / chance | gates hold |", "|---|---|---|---|"]
+    for step in ENCODER_STEPS:
+        costa, mlm = (read_row(folder, f"heads-dev/heads-pilot-{arm}-seed0-step{step}") for arm in ("costa", "mlm"))
+        if costa and mlm:
+            g = encoder_gates(costa, mlm)
+            lines.append(f"| {step} | {g[0][1]:.4g} | {g[1][1]:.4g} | {'yes' if all(h for *_, h in g) else 'no'} |")
+    return lines
+
+
+def exploratory_tables(folder):
+    lines = ["", "## Exploratory (test split; not corrected, not judged)", ""]
+    c = cpdae_rows(folder)
+    if c and c["cl"]:
+        keys = ("common", "representative", "constant_common", "constant_representative", "rec", "rec_constant", "cl_acc")
+        lines += [f"CPDAE, variant {c['variant']}, step {c['step']}:", "", "| arm | " + " | ".join(keys) + " |",
+                  "|---|" + "---|" * len(keys)]
+        for k in ("cl", "nocl"):
+            lines.append(f"| {c['arms'][k]} | " + " | ".join(mean_sd(values(c[k], 'test', key, c['step']).values())
+                                                          for key in keys) + " |")
+        lines.append("")
+    sd = seed_rows(folder)
+    if sd and sd["weak"]:
+        keys = ("loss_own", "loss_other", "gap", "gap_slope", "cosine_slope", "unigram")
+        lines += [(f"SEED's decoders, step {sd['step']} (the gap in the first and last quarter of the positions: "
+                   "gap_first, gap_last):"), "", "| decoder | " + " | ".join(keys) + " | gap_first | gap_last |",
+                  "|---|" + "---|" * (len(keys) + 2)]
+        for k in ("weak", "strong"):
+            quarters = [(np.mean(at_step(r, sd["step"])["test"]["gap_by_position"][:32]),
+                         np.mean(at_step(r, sd["step"])["test"]["gap_by_position"][-32:])) for r in sd[k].values()]
+            lines.append(f"| {k} | " + " | ".join(mean_sd(values(sd[k], 'test', key, sd['step']).values()) for key in keys)
+                         + f" | {mean_sd(q[0] for q in quarters)} | {mean_sd(q[1] for q in quarters)} |")
+        lines.append("")
+    e = encoder_rows(folder)
+    if e:
+        lines += [f"The encoder side, {e['step']} steps of continued pre-training:", "",
+                  "| arm | cosine 32 | cosine 64 | cosine 128 | AUC | margin | nDCG@10 dev | nDCG@10 test |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for arm in ("costa", "mlm", "seed"):
+            rs = [r for r in e[arm].values()]
+            cos = [mean_sd(r["heads_test"]["cosine_by_length"][str(n)] for r in rs if r["heads_test"]) for n in (32, 64, 128)]
+            disc = [mean_sd(r["discrimination"][k] for r in rs if r["discrimination"]) for k in ("auc", "margin")]
+            ndcg = [mean_sd(r["finetune"][split]["NDCG@10"] for r in rs if r["finetune"]) for split in ("dev", "test")]
+            lines.append(f"| {arm} | " + " | ".join(cos + disc + ndcg) + " |")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# The figures
+# ---------------------------------------------------------------------------------------------
+def draw_figures(folder):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import mechanisms  # the repository's: its plotting helpers
+
+    plt = mechanisms._pyplot()
+    c, sd = cpdae_rows(folder), seed_rows(folder)
+    if c and c["cl"] and c["nocl"]:
+        fig, axes = plt.subplots(1, 2, figsize=(8, 3.6), layout="constrained")
+        for ax, key, title in zip(axes, ("common", "representative"), ("on the 100 most frequent tokens",
+                                                                        "on the text's own other words")):
+            for x, k in enumerate(("cl", "nocl")):
+                v = list(values(c[k], "test", key, c["step"]).values())
+                ax.scatter([x] * len(v), v, color=f"C{x}", zorder=3)
+            constant = np.mean(list(values(c["cl"], "test", f"constant_{key}", c["step"]).values()))
+            ax.axhline(constant, color="grey", linestyle="--", label="constant predictor")
+            ax.set(xticks=[0, 1], xticklabels=["with CL", "without CL"], xlim=(-0.5, 1.5), title=f"z~ {title}",
+                   ylabel="share of z~ (test windows)")
+            ax.legend(fontsize=8)
+        fig.suptitle(f"CPDAE 3.3 on a frozen MiniLM ({c['variant']}; each dot a seed)")
+        mechanisms._save_figure(fig, Path(folder, "cpdae_shares.png"))
+        for k, name in (("cl", "cl"), ("nocl", "nocl")):
+            if 0 in c[k] and "table4_words" in c[k][0]["curve"][-1]:
+                mechanisms.plot_words(c[k][0]["curve"][-1]["table4_words"], Path(folder, f"cpdae_words-{name}.png"))
+    if sd and sd["weak"] and sd["strong"]:
+        fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True, layout="constrained")
+        for col, (k, title) in enumerate((("strong", "(a) full attention"), ("weak", "(b) attention span 2"))):
+            for row, (key, label) in enumerate((("cosine_by_position", "cos(decoder state, h0)"),
+                                                ("gap_by_position", "h0-swap gap (nats/token)"))):
+                ax = axes[row][col]
+                curves = [at_step(r, sd["step"])["test"][key] for r in sd[k].values()]
+                for curve in curves:
+                    ax.plot(curve, color="C0", alpha=0.3, linewidth=0.8)
+                ax.plot(np.mean(curves, axis=0), color="C0", linewidth=2)
+                ax.axhline(0, color="grey", linewidth=0.5)
+                ax.set(title=f"{title}: {label}", ylabel=label)
+                if row == 1:
+                    ax.set_xlabel("decoder position (0 = the start symbol)")
+        fig.suptitle(f"SEED Figure 4 on a frozen MiniLM, step {sd['step']} (thin: a seed; thick: their mean)")
+        mechanisms._save_figure(fig, Path(folder, "seed_figure4.png"))
+
+
 def main(folder, argv):
     if argv[:1] == ["--choose"]:
         print(CHOICES[argv[1]](folder))
         return
-    raise SystemExit("the tables: not written yet")
+    tests, gates = verdicts(folder)
+    lines = write_table(folder, tests, gates)
+    Path(folder, "table.md").write_text("\n".join(lines) + "\n")
+    draw_figures(folder)
+    print(f"{Path(folder, 'table.md')}: {len(lines)} lines")
 
 
 if __name__ == "__main__":
