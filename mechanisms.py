@@ -714,13 +714,17 @@ def frozen_vectors(encoder, windows, pooling, mask_seed=0, batch=64):
              for _ in range(2)]                                                              # (N, L) each
     encoder.eval()
     out = {"ids": ids, "mask": mask}
-    for name, source in (("plain", ids), ("view1", views[0]), ("view2", views[1])):
+    start = time.time()
+    for done, (name, source) in enumerate((("plain", ids), ("view1", views[0]), ("view2", views[1])), 1):
         parts = []
         for rows in torch.arange(len(ids)).split(batch):
             with run.autocast_bf16(torch.device("cpu")):
                 hidden = encoder(source[rows], mask[rows])                                     # (b, L, H)
             parts.append(pool(hidden.float(), mask[rows], pooling))                            # (b, H)
         out[name] = torch.cat(parts)                                                           # (N, H)
+        elapsed = time.time() - start
+        print(f"  {name}: {len(ids):,} windows encoded ({done * len(ids) / elapsed:.0f} windows/s; about "
+              f"{elapsed / done * (3 - done):.0f} s to go)", flush=True)
     return out
 
 
