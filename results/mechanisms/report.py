@@ -435,6 +435,64 @@ def draw_figures(folder):
                     ax.set_xlabel("decoder position (0 = the start symbol)")
         fig.suptitle(f"SEED Figure 4 on a frozen MiniLM, step {sd['step']} (thin: a seed; thick: their mean)")
         mechanisms._save_figure(fig, Path(folder, "seed_figure4.png"))
+    draw_encoder_side(folder, plt, mechanisms)
+    draw_pilot(folder, plt, mechanisms)
+
+
+def draw_encoder_side(folder, plt, mechanisms):
+    """SEED Figure 5 and COSTA's random-pair curve (test texts, by length) beside COSTA 5.4's AUC, seeds as dots."""
+    e = encoder_rows(folder)
+    if not e:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
+    for i, arm in enumerate(("costa", "mlm", "seed")):
+        rows = [r["heads_test"] for r in e[arm].values() if r["heads_test"]]
+        if rows:
+            lengths = sorted(int(n) for n in rows[0]["cosine_by_length"])
+            curves = np.array([[r["cosine_by_length"][str(n)] for n in lengths] for r in rows])
+            left.plot(lengths, curves.mean(0), color=f"C{i}", marker="o", label=arm)
+            for curve in curves:
+                left.scatter(lengths, curve, color=f"C{i}", s=10, alpha=0.5)
+        auc = [r["discrimination"]["auc"] for r in e[arm].values() if r["discrimination"]]
+        right.scatter([i] * len(auc), auc, color=f"C{i}", zorder=3)
+    left.set(xscale="log", xlabel="text length (tokens)", ylabel="mean cosine of random test-text pairs",
+             title=f"SEED Figure 5 / COSTA: random pairs, {e['step']} steps from MiniLM")
+    left.set_xticks([32, 64, 128], ["32", "64", "128"])
+    left.minorticks_off()
+    left.legend(fontsize=8)
+    right.axhline(0.5, color="grey", linestyle="--", label="chance")
+    right.set(xticks=[0, 1, 2], xticklabels=["costa", "mlm", "seed"], xlim=(-0.5, 2.5), ylabel="AUC",
+              title="COSTA 5.4 after fine-tuning: relevant vs BM25's top 100")
+    right.legend(fontsize=8)
+    mechanisms._save_figure(fig, Path(folder, "encoder_side.png"))
+
+
+def draw_pilot(folder, plt, mechanisms):
+    """The pilot's dev curves: SEED's two decoders against the unigram model; CPDAE's variants' gates by step."""
+    weak, strong = (read_row(folder, f"frozen_seed-seed-{arm}-seed0") for arm in ("weak", "strong"))
+    variants = {v: r for v in CPDAE_ORDER if (r := read_row(folder, f"frozen_cpdae-cpdae-cl-{v}-seed0"))}
+    if not (weak and strong) and not variants:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), layout="constrained")
+    if weak and strong:
+        for row, label in ((weak, "weak (span 2)"), (strong, "strong (full causal)")):
+            axes[0].plot([p["step"] for p in row["curve"]], [p["dev"]["loss_own"] for p in row["curve"]], marker="o",
+                         label=label)
+        axes[0].axhline(weak["curve"][-1]["dev"]["unigram"], color="grey", linestyle="--", label="unigram")
+        axes[0].set(xlabel="step", ylabel="dev loss (nats/token)", title="SEED's decoders (seed 0)")
+        axes[0].legend(fontsize=8)
+    for name, row in variants.items():
+        steps = [p["step"] for p in row["curve"]]
+        axes[1].plot(steps, [p["dev"]["rec"] / p["dev"]["rec_constant"] for p in row["curve"]], marker="o", label=name)
+        axes[2].plot(steps, [row["settings"]["cl_weight"] * p["dev"]["grad_cl_over_rec"] for p in row["curve"]],
+                     marker="o", label=name)
+    axes[1].axhline(0.99, color="grey", linestyle="--", label="gate")
+    axes[1].set(xlabel="step", ylabel="L_REC / constant predictor's", title="CPDAE's variants: reconstruction (dev)")
+    axes[2].axhline(0.1, color="grey", linestyle="--", label="gate")
+    axes[2].set(xlabel="step", yscale="log", ylabel="lambda |dL_CL/dz| / |dL_REC/dz|", title="CPDAE: L_CL's pull (dev)")
+    for ax in axes[1:]:
+        ax.legend(fontsize=8)
+    mechanisms._save_figure(fig, Path(folder, "pilot.png"))
 
 
 def main(folder, argv):
