@@ -741,15 +741,18 @@ def test_readme_study_table_is_results_study_table():
 
 
 def test_results_mechanisms_reprint_from_their_rows_and_the_pages_quote_them(tmp_path):
-    """results/mechanisms/report.py trains and measures nothing: from a copy of the committed rows it writes
-    table.md as committed (the same figures' names beside it); every table row and every verdict line that
-    the README's figures section and docs/mechanisms.md give is a line of that table.md."""
-    folder = HERE / "results" / "mechanisms"
-    shutil.copytree(folder / "rows", tmp_path / "rows")
-    subprocess.run([PY, str(folder / "report.py"), str(tmp_path)], check=True, capture_output=True, timeout=300)
-    table = (folder / "table.md").read_text()
-    assert (tmp_path / "table.md").read_text() == table
-    assert {p.name for p in tmp_path.glob("*.png")} <= {p.name for p in folder.glob("*.png")}
+    """results/mechanisms/report.py (and from-scratch/report.py) train and measure nothing: from a copy of the
+    committed rows each writes its table.md as committed (the same figures' names beside it); every table row
+    and every verdict line that the README's figures section and docs/mechanisms.md give is a line of a table.md."""
+    tables = []
+    for folder in (HERE / "results" / "mechanisms", HERE / "results" / "mechanisms" / "from-scratch"):
+        copy = tmp_path / folder.name
+        shutil.copytree(folder / "rows", copy / "rows")
+        subprocess.run([PY, str(folder / "report.py"), str(copy)], check=True, capture_output=True, timeout=300)
+        tables.append((folder / "table.md").read_text())
+        assert (copy / "table.md").read_text() == tables[-1]
+        assert {p.name for p in copy.glob("*.png")} <= {p.name for p in folder.glob("*.png")}
+    table = "\n".join(tables)
     readme = (HERE / "README.md").read_text()
     figures = readme[readme.index("## Figures"):readme.index("## The study, in brief")]
     docs = (HERE / "docs" / "mechanisms.md").read_text()
@@ -1763,14 +1766,16 @@ def test_mechanisms_report_holm_and_the_pilots_rules(tmp_path):
         dev = {"rec": rec, "rec_constant": 100.0, "cl_acc": acc, "cl_chance": 1 / 31, "grad_cl_over_rec": ratio}
         data.atomic_write_json(rows / f"frozen_cpdae-cpdae-cl-{variant}-seed0.json",
                                {"settings": {"cl_weight": 0.1}, "curve": [{"step": 600, "dev": dev}]})
+    assert report.CPDAE_ORDER[0] == "paper"
     pilot("paper", 90.0, 0.9, 1e-4)                         # the gradient gate fails
     assert report.choose_cpdae(tmp_path) == "pending"
-    pilot("mean", 90.0, 0.9, 3.0)
-    pilot("mean-tau", 90.0, 0.9, 30.0)
-    assert report.choose_cpdae(tmp_path) == "mean"
-    pilot("mean", 99.5, 0.9, 3.0)                           # L_REC not 1 % below the constant predictor's
-    assert report.choose_cpdae(tmp_path) == "mean-tau"
-    pilot("mean-tau", 90.0, 0.2, 30.0)                      # contrastive accuracy 6.2 x chance
+    for variant in report.CPDAE_ORDER[1:]:
+        pilot(variant, 90.0, 0.9, 3.0)
+    assert report.choose_cpdae(tmp_path) == report.CPDAE_ORDER[1]
+    pilot(report.CPDAE_ORDER[1], 99.5, 0.9, 3.0)            # L_REC not 1 % below the constant predictor's
+    assert report.choose_cpdae(tmp_path) == report.CPDAE_ORDER[2]
+    for variant in report.CPDAE_ORDER[2:]:
+        pilot(variant, 90.0, 0.2, 3.0)                      # contrastive accuracy 6.2 x chance
     assert report.choose_cpdae(tmp_path) == "none"
 
 

@@ -19,9 +19,10 @@ CPDAE_SEEDS=(0 1 2 3 4)
 SEED_SEEDS=(0 1 2)
 ENCODER_SEEDS=(0 1 2)
 # CPDAE's pilot variants, in order of distance from the paper's weights (plan.md)
-declare -A CPDAE_FLAGS=([paper]="--rec_reduction sum --cl_tau 1" [mean]="--rec_reduction mean --cl_tau 1"
+declare -A CPDAE_FLAGS=([paper]="--rec_reduction sum --cl_tau 1" [mean-l0.003]="--rec_reduction mean --cl_weight 0.003"
+                        [mean-l0.01]="--rec_reduction mean --cl_weight 0.01" [mean]="--rec_reduction mean --cl_tau 1"
                         [mean-tau]="--rec_reduction mean --cl_tau 0.02")
-CPDAE_ORDER=(paper mean mean-tau)
+CPDAE_ORDER=(paper mean-l0.003 mean-l0.01 mean mean-tau)
 
 prepare() {   # the split by article: train (i % 5 != 4), dev (i % 10 == 4), test (i % 10 == 9)
     [ -f "$RUNS/wiki-test.jsonl" ] && return

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
-CPDAE_ORDER = ("paper", "mean", "mean-tau")    # the pilot's variants, nearest the paper's weights first (plan.md)
+CPDAE_ORDER = ("paper", "mean-l0.003", "mean-l0.01", "mean", "mean-tau")   # the pilot's variants, nearest the paper's first
 CPDAE_STEPS, SEED_STEPS, ENCODER_STEPS = 600, range(100, 601, 100), (100, 200)
 CPDAE_SEEDS, SEED_SEEDS, ENCODER_SEEDS = range(5), range(3), range(3)
 NDCG_FLOOR = 0.7252   # command 1's fine-tuned MiniLM on SciFact dev (0.7452, results/quickstart/rows) - 0.02
