@@ -693,7 +693,7 @@ def mechanisms_command(c, split, out_dir, device):
 # text, which a small encoder trained from scratch here never gave (docs/mechanisms.md). So the encoder is a
 # real one (--model minilm), frozen: its vectors of every window are computed once, and only the paper's
 # decoder trains, through the method file's own functions (cpdae.reconstruction_loss, contrastive_loss,
-# js_similarity; seed.WeakDecoder, decoder_loss), against its ablation, five seeds in minutes each.
+# js_similarity; seed.WeakDecoder, decoder_loss), against its ablation, over several seeds.
 WARMUP_STEPS = 50   # --frozen: linear warm-up, then a constant lr: a run's state at step s is a run of s steps
 TABLE4_TEXT = ("Nanotechnology raises many of the same issues as any new technology, including concerns about the "
                "toxicity and environmental impact of nanomaterials, and their potential effects on global economics, "
@@ -730,7 +730,7 @@ def frozen_vectors(encoder, windows, pooling, mask_seed=0, batch=64):
 
 def cached_frozen_vectors(c, corpus, encoder):
     """frozen_vectors of corpus's windows (--max_len), computed once per model, corpus and length and kept in
-    --frozen_cache (a few MB), so that every trial and seed reads the same vectors."""
+    --frozen_cache (tens of MB), so that every trial and seed reads the same vectors."""
     windows = data.token_windows(corpus, c.vocab or data.VOCAB, c.max_len, 0, "")
     key = zlib.crc32(f"{Path(c.model).resolve()}|{data.corpus_signature(corpus, c.vocab or data.VOCAB)}|"
                      f"{c.max_len}|{c.pooling}".encode())

@@ -44,7 +44,7 @@ def cpdae_gates(cl, nocl, cl_weight):
                       "<= 0.99", nocl["rec"] <= 0.99 * nocl["rec_constant"]))
     gates += [("CL arm: contrastive accuracy / chance", cl["cl_acc"] / cl["cl_chance"], ">= 10",
                cl["cl_acc"] >= 10 * cl["cl_chance"]),
-              ("CL arm: lambda |dL_CL/dz| / |dL_REC/dz|", cl_weight * cl["grad_cl_over_rec"], ">= 0.1",
+              ("CL arm: lambda x norm(dL_CL/dz) / norm(dL_REC/dz)", cl_weight * cl["grad_cl_over_rec"], ">= 0.1",
                cl_weight * cl["grad_cl_over_rec"] >= 0.1)]
     return gates
 
@@ -273,6 +273,7 @@ def primary(folder):
 
 
 GATE_GROUPS = {"cpdae": ("cpdae",), "seed": ("seed",), "encoder": ("encoder",), "costa": ("encoder", "costa")}
+PLANNED_SEEDS = {"cpdae": CPDAE_SEEDS, "seed": SEED_SEEDS, "encoder": ENCODER_SEEDS, "costa": ENCODER_SEEDS}
 
 
 def verdicts(folder):
@@ -281,17 +282,20 @@ def verdicts(folder):
     tests = []
     for number, paper, what, group, sign, arm, ablation in primary(folder):
         failed = [g for name in GATE_GROUPS[group] for g in gates.get(name, []) if not g[3]]
-        ran = bool(set(arm) & set(ablation)) and not failed and all(gates.get(n) for n in GATE_GROUPS[group])
+        complete = set(PLANNED_SEEDS[group]) <= set(arm) & set(ablation)   # judged once every planned seed is in
+        ran = complete and not failed and all(gates.get(n) for n in GATE_GROUPS[group])
         diffs, p = paired_test(arm, ablation, sign) if ran else (np.array([]), 1.0)
         tests.append({"number": number, "paper": paper, "what": what, "sign": sign, "diffs": diffs, "p": p,
-                      "failed": failed, "ran": ran, "has_rows": bool(set(arm) & set(ablation))})
+                      "failed": failed, "ran": ran, "seeds_in": len(set(arm) & set(ablation)),
+                      "planned": len(PLANNED_SEEDS[group])})
     for test, adjusted in zip(tests, holm([t["p"] for t in tests])):
         test["holm"] = adjusted
         if test["failed"]:
             what, value, threshold, _ = test["failed"][0]
             test["verdict"] = f"not testable in this regime (gate: {what} {value:.3g}, needs {threshold})"
         elif not test["ran"]:
-            test["verdict"] = "no rows yet (make.sh has not reached it)"
+            test["verdict"] = (f"not judged yet: the rows of {test['seeds_in']} of its {test['planned']} seeds "
+                               f"(bash results/mechanisms/make.sh goes on from there)")
         else:
             test["verdict"] = "shown" if adjusted < 0.05 else "not shown"
     return tests, gates
@@ -323,6 +327,9 @@ def write_table(folder, tests, gates):
     for group, rows in gates.items():
         lines += [f"| {group} | {what} | {value:.4g} | {threshold} | {'yes' if holds else '**no**'} |"
                   for what, value, threshold, holds in rows]
+    seconds = [json.loads(f.read_text())["seconds"] for f in Path(folder, "rows").glob("frozen_*.json")]
+    lines += ["", (f"The {len(seconds)} frozen-encoder trials' training and measuring took {sum(seconds):,} s on the "
+                   "machine that wrote them (each row's `seconds`), besides the vectors, computed once.")]
     return lines + pilot_tables(folder) + exploratory_tables(folder)
 
 
