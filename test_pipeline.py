@@ -1759,6 +1759,8 @@ def test_mechanisms_report_holm_and_the_pilots_rules(tmp_path):
     takes the first variant whose gates hold on dev, and says none when none does."""
     report = _report()
     assert report.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert report.detectable(5, 1.0, 0.05 / 8) == pytest.approx(2.48, abs=0.01)   # the noncentral t's, not 2.35
+    assert report.detectable(3, 2.0, 0.05) == pytest.approx(2 * 2.30, abs=0.02)
     rows = tmp_path / "rows"
     rows.mkdir()
 

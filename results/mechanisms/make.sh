@@ -115,19 +115,20 @@ heads() {   # heads SPLIT SEED ARM...: each run's own heads on the split's windo
 finetuned() {   # finetuned ARM SEED: fine-tune the pre-trained encoder as command 1 does; its dev and test rows
     local ft=$RUNS/ft-$1-seed$2 row=$ROWS/finetune-$1-seed$2.json
     [ -f "$row" ] && return 0
-    [ -f "$ft/eval-dev/metrics.json" ] || "$PY" finetune.py --init "$RUNS/enc-$1-seed$2/encoder" --lr 2e-4 \
+    [ -f "$ft/eval-test/metrics.json" ] || "$PY" finetune.py --init "$RUNS/enc-$1-seed$2/encoder" --lr 2e-4 \
         --dev_queries 150 --seed "$2" --out_dir "$ft" --overwrite 2>&1 | grep -v "^step " || true
     "$PY" -c "
 import json, sys, data, evaluate
 ft, arm, seed, row = sys.argv[1:5]
 commit, dirty = evaluate.git_state()
-means = {split: json.load(open(f'{ft}/eval-{split}/metrics.json'))['means'] for split in ('dev', 'test')}
+means = {split: json.load(open(f'{ft}/eval-{split}/metrics.json'))['metrics'] for split in ('dev', 'test')}
 data.atomic_write_json(row, {'measure': 'finetune', 'arm': arm, 'seed': int(seed), 'commit': commit, 'dirty': dirty,
     'command': f'python finetune.py --init {sys.argv[5]} --lr 2e-4 --dev_queries 150 --seed {seed}', **means})
 " "$ft" "$1" "$2" "$row" "$RUNS/enc-$1-seed$2/encoder"
 }
 
-# the pilot: COSTA and MLM-only at seed 0, 200 steps, their heads on dev at 100 and 200
+# the pilot: COSTA and MLM-only at seed 0 on the 200-step schedule, their heads on dev at 100, then (unless the
+# gates hold there, and the pilot's runs stop at S = 100) at 200
 for halt in 100 200; do
     for arm in costa mlm; do
         [ -f "$ROWS/heads-dev/heads-pilot-$arm-seed0-step$halt.json" ] && continue
@@ -135,6 +136,7 @@ for halt in 100 200; do
         "$PY" mechanisms.py --model "$RUNS/pilot-$arm-seed0/encoder" --tag "pilot-$arm" --heads \
             --corpus "$RUNS/wiki-dev.jsonl" --n_texts 384 --out_dir "$ROWS/heads-dev"
     done
+    [ "$("$PY" "$OUT/report.py" "$OUT" --choose encoder)" = 100 ] && break
 done
 steps=$(choice encoder)
 echo "== the encoder side: $steps steps (plan.md's rule on the pilot's dev rows)"
@@ -142,10 +144,10 @@ if [ "$steps" != none ]; then
     for seed in "${ENCODER_SEEDS[@]}"; do
         [ -f "$ROWS/discrimination-seed-seed$seed.json" ] && continue
         for arm in costa mlm seed; do
-            if [ "$seed" = 0 ] && [ "$steps" = 200 ] && [ "$arm" != seed ] && [ ! -e "$RUNS/enc-$arm-seed0" ]; then
-                ln -s "pilot-$arm-seed0" "$RUNS/enc-$arm-seed0"   # the pilot's run is that run
+            if [ "$seed" = 0 ] && [ "$arm" != seed ] && [ ! -e "$RUNS/enc-$arm-seed0" ]; then
+                ln -s "pilot-$arm-seed0" "$RUNS/enc-$arm-seed0"   # the pilot's run is that run (stopped at S)
             fi
-            pretrain "$arm" "$seed" "$steps"
+            pretrain "$arm" "$seed" 200 "$steps"   # plan.md: a 200-step schedule, stopped at S
             [ -f "$ROWS/heads-dev/heads-$arm-seed$seed-step$steps.json" ] || heads dev "$seed" "$arm"
             [ -f "$ROWS/heads-test/heads-$arm-seed$seed-step$steps.json" ] || heads test "$seed" "$arm"
             finetuned "$arm" "$seed"

@@ -13,12 +13,12 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-from scipy import stats
+from scipy import optimize, stats
 
 CPDAE_ORDER = ("paper", "mean-l0.003", "mean-l0.01", "mean", "mean-tau")   # the pilot's variants, nearest the paper's first
 CPDAE_STEPS, SEED_STEPS, ENCODER_STEPS = 600, range(100, 601, 100), (100, 200)
 CPDAE_SEEDS, SEED_SEEDS, ENCODER_SEEDS = range(5), range(3), range(3)
-NDCG_FLOOR = 0.7252   # command 1's fine-tuned MiniLM on SciFact dev (0.7452, results/quickstart/rows) - 0.02
+NDCG_FLOOR = 0.7252   # command 1's fine-tuned MiniLM on SciFact dev (0.7452: quickstart/rows/no-pretrain/eval-dev) - 0.02
 
 
 def read_row(folder, name):
@@ -134,8 +134,12 @@ def holm(pvalues):
 
 
 def detectable(n, sd, alpha, power=0.8):
-    """The smallest true mean difference a one-sided paired t-test over n seeds finds with this power at alpha."""
-    return (stats.t.ppf(1 - alpha, n - 1) + stats.t.ppf(power, n - 1)) * sd / np.sqrt(n)
+    """The smallest true mean difference a one-sided paired t-test over n seeds finds with this power at alpha:
+    the effect d (in sd) at which the noncentral t (df n - 1, noncentrality d sqrt(n)) passes the critical value
+    with probability `power`."""
+    critical = stats.t.ppf(1 - alpha, n - 1)
+    d = optimize.brentq(lambda d: stats.nct.sf(critical, n - 1, d * np.sqrt(n)) - power, 1e-6, 100.0)
+    return d * sd
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,28 +207,29 @@ def mean_sd(v):
 # Gates at the chosen step (dev, mean over seeds) and the primary family
 # ---------------------------------------------------------------------------------------------
 def all_gates(folder):
-    """{claim group: [(what, value, threshold, holds)]}; a group with no rows yet: []. Pilot choices that found
-    nothing give the pilot's own gates at its last step, so the failed values are printed."""
-    gates = {}
+    """({claim group: [(what, value, threshold, holds)]}, {claim group: the seeds averaged}); a group with no rows
+    yet is absent. A pilot that found nothing gives its own gates (seed 0), so the failed values are printed."""
+    gates, seeds = {}, {}
     c = cpdae_rows(folder)
     if c and c["cl"] and c["nocl"]:
         dev = {k: mean_dict([at_step(r, c["step"])["dev"] for r in c[k].values()]) for k in ("cl", "nocl")}
-        gates["cpdae"] = cpdae_gates(dev["cl"], dev["nocl"], c["cl_weight"])
+        gates["cpdae"], seeds["cpdae"] = cpdae_gates(dev["cl"], dev["nocl"], c["cl_weight"]), len(set(c["cl"]) & set(c["nocl"]))
     elif choose_cpdae(folder) == "none":   # the variant nearest the paper's weights: its failed gates
         row = read_row(folder, f"frozen_cpdae-cpdae-cl-{CPDAE_ORDER[0]}-seed0")
-        gates["cpdae"] = cpdae_gates(at_step(row, CPDAE_STEPS)["dev"], None, row["settings"]["cl_weight"])
+        gates["cpdae"], seeds["cpdae"] = cpdae_gates(at_step(row, CPDAE_STEPS)["dev"], None, row["settings"]["cl_weight"]), 1
     sd = seed_rows(folder)
     if sd and sd["weak"] and sd["strong"]:
         dev = {k: mean_dict([at_step(r, sd["step"])["dev"] for r in sd[k].values()]) for k in ("weak", "strong")}
-        gates["seed"] = seed_gates(dev["weak"], dev["strong"])
+        gates["seed"], seeds["seed"] = seed_gates(dev["weak"], dev["strong"]), len(set(sd["weak"]) & set(sd["strong"]))
     elif choose_seed(folder) == "none":   # the pilot's last step: its failed gates
         weak, strong = (read_row(folder, f"frozen_seed-seed-{arm}-seed0") for arm in ("weak", "strong"))
-        gates["seed"] = seed_gates(weak["curve"][-1]["dev"], strong["curve"][-1]["dev"])
+        gates["seed"], seeds["seed"] = seed_gates(weak["curve"][-1]["dev"], strong["curve"][-1]["dev"]), 1
     e = encoder_rows(folder)
     if e:
         heads = {arm: [r["heads_dev"] for r in e[arm].values() if r["heads_dev"]] for arm in ("costa", "mlm", "seed")}
         if heads["costa"] and heads["mlm"]:
             gates["encoder"] = encoder_gates(mean_dict(heads["costa"]), mean_dict(heads["mlm"]))
+            seeds["encoder"] = min(len(heads["costa"]), len(heads["mlm"]))
         if heads["seed"]:
             h = mean_dict(heads["seed"])
             gates.setdefault("encoder", []).append(("SEED: decoder accuracy / most frequent token's",
@@ -232,12 +237,13 @@ def all_gates(folder):
         for arm in ("costa", "mlm", "seed"):
             ndcg = [r["finetune"]["dev"]["NDCG@10"] for r in e[arm].values() if r["finetune"]]
             if ndcg:
+                seeds["costa"] = min(seeds.get("costa", len(ndcg)), len(ndcg))
                 gates.setdefault("costa", []).append((f"{arm}, fine-tuned: SciFact dev nDCG@10", float(np.mean(ndcg)),
                                                       f">= {NDCG_FLOOR}", float(np.mean(ndcg)) >= NDCG_FLOOR))
     elif choose_encoder(folder) == "none":   # the pilot's last step: its failed gates
         costa, mlm = (read_row(folder, f"heads-dev/heads-pilot-{arm}-seed0-step{ENCODER_STEPS[-1]}") for arm in ("costa", "mlm"))
-        gates["encoder"] = encoder_gates(costa, mlm)
-    return gates
+        gates["encoder"], seeds["encoder"] = encoder_gates(costa, mlm), 1
+    return gates, seeds
 
 
 def primary(folder):
@@ -278,7 +284,7 @@ PLANNED_SEEDS = {"cpdae": CPDAE_SEEDS, "seed": SEED_SEEDS, "encoder": ENCODER_SE
 
 def verdicts(folder):
     """Each primary test with its p, Holm's adjusted p over all 8 (a test not run: p = 1) and its verdict."""
-    gates = all_gates(folder)
+    gates, seeds = all_gates(folder)
     tests = []
     for number, paper, what, group, sign, arm, ablation in primary(folder):
         failed = [g for name in GATE_GROUPS[group] for g in gates.get(name, []) if not g[3]]
@@ -290,21 +296,23 @@ def verdicts(folder):
                       "planned": len(PLANNED_SEEDS[group])})
     for test, adjusted in zip(tests, holm([t["p"] for t in tests])):
         test["holm"] = adjusted
-        if test["failed"]:
+        if test["seeds_in"] < test["planned"]:
+            test["verdict"] = (f"not judged yet: the rows of {test['seeds_in']} of its {test['planned']} seeds "
+                               f"(bash results/mechanisms/make.sh goes on from there)")
+        elif test["failed"]:
             what, value, threshold, _ = test["failed"][0]
             test["verdict"] = f"not testable in this regime (gate: {what} {value:.3g}, needs {threshold})"
         elif not test["ran"]:
-            test["verdict"] = (f"not judged yet: the rows of {test['seeds_in']} of its {test['planned']} seeds "
-                               f"(bash results/mechanisms/make.sh goes on from there)")
+            test["verdict"] = "not judged yet: its gates have no rows"
         else:
             test["verdict"] = "shown" if adjusted < 0.05 else "not shown"
-    return tests, gates
+    return tests, gates, seeds
 
 
 # ---------------------------------------------------------------------------------------------
 # table.md
 # ---------------------------------------------------------------------------------------------
-def write_table(folder, tests, gates):
+def write_table(folder, tests, gates, seeds):
     commits = sorted({json.loads(f.read_text())["commit"][:7] for f in Path(folder, "rows").rglob("*.json")})
     lines = ["# Mechanisms: each claim where its precondition holds", "",
              (f"Written by `python results/mechanisms/report.py results/mechanisms` from `rows/`, which `bash "
@@ -322,10 +330,11 @@ def write_table(folder, tests, gates):
         lines.append(f"| {t['number']} | {t['paper']} | {t['what']} ({'>' if t['sign'] > 0 else '<'} 0) | "
                      f"{mean_sd(d)} | {n} | {agree if n else '-'} | {fmt(t['p']) if n else '-'} | "
                      f"{fmt(t['holm']) if n else '-'} | {mde} | **{t['verdict']}** |")
-    lines += ["", "## The gates (dev split; at the chosen step, mean over the seeds)", "",
-              "| claim | gate | value | threshold | holds |", "|---|---|---|---|---|"]
+    lines += ["", "## The gates (dev split; at the chosen step, mean over the seeds in)", "",
+              "| claim | gate | seeds | value | threshold | holds |", "|---|---|---|---|---|---|"]
     for group, rows in gates.items():
-        lines += [f"| {group} | {what} | {value:.4g} | {threshold} | {'yes' if holds else '**no**'} |"
+        planned = len(PLANNED_SEEDS[group])
+        lines += [f"| {group} | {what} | {seeds[group]} of {planned} | {value:.4g} | {threshold} | {'yes' if holds else '**no**'} |"
                   for what, value, threshold, holds in rows]
     seconds = [json.loads(f.read_text())["seconds"] for f in Path(folder, "rows").glob("frozen_*.json")]
     lines += ["", (f"The {len(seconds)} frozen-encoder trials' training and measuring took {sum(seconds):,} s on the "
@@ -377,11 +386,11 @@ def exploratory_tables(folder):
     sd = seed_rows(folder)
     if sd and sd["weak"]:
         keys = ("loss_own", "loss_other", "gap", "gap_slope", "cosine_slope", "unigram")
-        lines += [(f"SEED's decoders, step {sd['step']} (the gap in the first and last quarter of the positions: "
+        lines += [(f"SEED's decoders, step {sd['step']} (the gap in the first and last 32 positions from t = 1: "
                    "gap_first, gap_last):"), "", "| decoder | " + " | ".join(keys) + " | gap_first | gap_last |",
                   "|---|" + "---|" * (len(keys) + 2)]
         for k in ("weak", "strong"):
-            quarters = [(np.mean(at_step(r, sd["step"])["test"]["gap_by_position"][:32]),
+            quarters = [(np.mean(at_step(r, sd["step"])["test"]["gap_by_position"][1:33]),
                          np.mean(at_step(r, sd["step"])["test"]["gap_by_position"][-32:])) for r in sd[k].values()]
             lines.append(f"| {k} | " + " | ".join(mean_sd(values(sd[k], 'test', key, sd['step']).values()) for key in keys)
                          + f" | {mean_sd(q[0] for q in quarters)} | {mean_sd(q[1] for q in quarters)} |")
@@ -413,9 +422,11 @@ def draw_figures(folder):
         fig, axes = plt.subplots(1, 2, figsize=(8, 3.6), layout="constrained")
         for ax, key, title in zip(axes, ("common", "representative"), ("on the 100 most frequent tokens",
                                                                         "on the text's own other words")):
+            pairs = {k: values(c[k], "test", key, c["step"]) for k in ("cl", "nocl")}
+            for seed in set(pairs["cl"]) & set(pairs["nocl"]):   # a seed's two arms joined
+                ax.plot([0, 1], [pairs["cl"][seed], pairs["nocl"][seed]], color="grey", linewidth=0.6)
             for x, k in enumerate(("cl", "nocl")):
-                v = list(values(c[k], "test", key, c["step"]).values())
-                ax.scatter([x] * len(v), v, color=f"C{x}", zorder=3)
+                ax.scatter([x] * len(pairs[k]), list(pairs[k].values()), color=f"C{x}", zorder=3)
             constant = np.mean(list(values(c["cl"], "test", f"constant_{key}", c["step"]).values()))
             ax.axhline(constant, color="grey", linestyle="--", label="constant predictor")
             ax.set(xticks=[0, 1], xticklabels=["with CL", "without CL"], xlim=(-0.5, 1.5), title=f"z~ {title}",
@@ -423,9 +434,10 @@ def draw_figures(folder):
             ax.legend(fontsize=8)
         fig.suptitle(f"CPDAE 3.3 on a frozen MiniLM ({c['variant']}; each dot a seed)")
         mechanisms._save_figure(fig, Path(folder, "cpdae_shares.png"))
-        for k, name in (("cl", "cl"), ("nocl", "nocl")):
-            if 0 in c[k] and "table4_words" in c[k][0]["curve"][-1]:
-                mechanisms.plot_words(c[k][0]["curve"][-1]["table4_words"], Path(folder, f"cpdae_words-{name}.png"))
+        words = {k: c[k][0]["curve"][-1]["table4_words"] for k in ("cl", "nocl") if 0 in c[k]}
+        top = max(v for ws in words.values() for _, v, _ in ws)   # one colour scale: the two figures compare
+        for k, ws in words.items():
+            mechanisms.plot_words(ws, Path(folder, f"cpdae_words-{k}.png"), vmax=top)
     if sd and sd["weak"] and sd["strong"]:
         fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True, layout="constrained")
         for col, (k, title) in enumerate((("strong", "(a) full attention"), ("weak", "(b) attention span 2"))):
@@ -506,8 +518,8 @@ def main(folder, argv):
     if argv[:1] == ["--choose"]:
         print(CHOICES[argv[1]](folder))
         return
-    tests, gates = verdicts(folder)
-    lines = write_table(folder, tests, gates)
+    tests, gates, seeds = verdicts(folder)
+    lines = write_table(folder, tests, gates, seeds)
     Path(folder, "table.md").write_text("\n".join(lines) + "\n")
     draw_figures(folder)
     print(f"{Path(folder, 'table.md')}: {len(lines)} lines")
