@@ -1099,4 +1099,4 @@ def run_commands(c, split, out_dir, rank, device):
 
 if __name__ == "__main__":
     run.run_command_line(lambda: main(run.parse_config(Config, sys.argv[1:], __doc__, rules=FLAG_RULES)),
-                         interrupted="interrupted; run it again to evaluate")
+                         interrupted="interrupted; run it again to measure (a --frozen trial starts over)")
