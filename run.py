@@ -900,9 +900,8 @@ BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "n
 
 
 def parse_config(Config, argv, doc="", preset=None, rules=None):
-    """A script's Config from '--field value' flags ('--flag' alone for a bool), each checked before any
-    work: its type, its domain (rules: FLAG_RULES), --preset paper (preset). --help prints doc and Config's
-    source. A bad flag exits with one line 'error: ...'."""
+    """A script's Config from '--field value' flags ('--flag' alone for a bool), each checked before any work: its
+    type, its domain (rules: FLAG_RULES), --preset paper (preset). --help prints doc and Config's source."""
     if argv[:1] in (["-h"], ["--help"]):               # the docstring, then every field with its comment
         try:
             sources = [inspect.getsource(k) for k in Config.__mro__[::-1] if dataclasses.is_dataclass(k)]
@@ -1087,10 +1086,13 @@ def run_command_line(run, interrupted="interrupted before the first step; nothin
     except KeyboardInterrupt as e:
         code = getattr(e, "code", 130)
         line = str(e) or (interrupted if code == 130 else interrupted.replace("interrupted", "terminated (SIGTERM)"))
-    finally:
+    finally:   # a SIGTERM meanwhile (torchrun stopping this rank after another's error) waits for the restored handler
+        late = []
+        signal.signal(signal.SIGTERM, lambda signum, frame: late.append(signum))
         gc.collect()        # a stopped train()'s data loader shuts its workers down now, not at the exit
         watch_children_again()
         restore()
+        late and os.kill(os.getpid(), signal.SIGTERM)
     exit_with(line, code)   # one line (rank 0 only under torchrun), the process group left, no traceback
 
 
