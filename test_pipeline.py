@@ -16,8 +16,8 @@ import re
 import shutil
 import signal
 import subprocess
-import textwrap
 import sys
+import textwrap
 import time
 import types
 from pathlib import Path
