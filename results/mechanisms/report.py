@@ -108,6 +108,7 @@ def choose_encoder(folder):
 
 
 CHOICES = {"cpdae": choose_cpdae, "seed": choose_seed, "encoder": choose_encoder}
+PILOT_RULE = CHOICES   # a gate group whose pilot found nothing: its claims are not testable, whatever the seeds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,10 +294,15 @@ def verdicts(folder):
         diffs, p = paired_test(arm, ablation, sign) if ran else (np.array([]), 1.0)
         tests.append({"number": number, "paper": paper, "what": what, "sign": sign, "diffs": diffs, "p": p,
                       "failed": failed, "ran": ran, "seeds_in": len(set(arm) & set(ablation)),
+                      "pilot_found_none": any(PILOT_RULE[name](folder) == "none" for name in GATE_GROUPS[group]
+                                              if name in PILOT_RULE),
                       "planned": len(PLANNED_SEEDS[group])})
     for test, adjusted in zip(tests, holm([t["p"] for t in tests])):
         test["holm"] = adjusted
-        if test["seeds_in"] < test["planned"]:
+        if test["failed"] and test["pilot_found_none"]:   # the pilot's rule found no regime: no seed will change it
+            what, value, threshold, _ = test["failed"][0]
+            test["verdict"] = f"not testable in this regime (gate: {what} {value:.3g}, needs {threshold})"
+        elif test["seeds_in"] < test["planned"]:
             test["verdict"] = (f"not judged yet: the rows of {test['seeds_in']} of its {test['planned']} seeds "
                                f"(bash results/mechanisms/make.sh goes on from there)")
         elif test["failed"]:
@@ -438,9 +444,14 @@ def draw_figures(folder):
         top = max(v for ws in words.values() for _, v, _ in ws)   # one colour scale: the two figures compare
         for k, ws in words.items():
             mechanisms.plot_words(ws, Path(folder, f"cpdae_words-{k}.png"), vmax=top)
+    title = "SEED Figure 4 on a frozen MiniLM, step {step} (thin: a seed; thick: their mean)"
+    if not sd and choose_seed(folder) == "none":   # the pilot's seed 0 at its last step, its gate failed: still drawn
+        pilot = {k: {0: read_row(folder, f"frozen_seed-seed-{k}-seed0")} for k in ("weak", "strong")}
+        sd = {"step": pilot["weak"][0]["curve"][-1]["step"], **pilot}
+        title = "SEED Figure 4 on a frozen MiniLM: the pilot, seed 0, step {step} (not judged: a gate failed)"
     if sd and sd["weak"] and sd["strong"]:
         fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True, layout="constrained")
-        for col, (k, title) in enumerate((("strong", "(a) full attention"), ("weak", "(b) attention span 2"))):
+        for col, (k, panel) in enumerate((("strong", "(a) full attention"), ("weak", "(b) attention span 2"))):
             for row, (key, label) in enumerate((("cosine_by_position", "cos(decoder state, h0)"),
                                                 ("gap_by_position", "h0-swap gap (nats/token)"))):
                 ax = axes[row][col]
@@ -449,10 +460,10 @@ def draw_figures(folder):
                     ax.plot(curve, color="C0", alpha=0.3, linewidth=0.8)
                 ax.plot(np.mean(curves, axis=0), color="C0", linewidth=2)
                 ax.axhline(0, color="grey", linewidth=0.5)
-                ax.set(title=f"{title}: {label}", ylabel=label)
+                ax.set(title=f"{panel}: {label}", ylabel=label)
                 if row == 1:
                     ax.set_xlabel("decoder position (0 = the start symbol)")
-        fig.suptitle(f"SEED Figure 4 on a frozen MiniLM, step {sd['step']} (thin: a seed; thick: their mean)")
+        fig.suptitle(title.format(step=sd["step"]))
         mechanisms._save_figure(fig, Path(folder, "seed_figure4.png"))
     draw_encoder_side(folder, plt, mechanisms)
     draw_pilot(folder, plt, mechanisms)
