@@ -144,7 +144,7 @@ if [ "$steps" != none ]; then
     for seed in "${ENCODER_SEEDS[@]}"; do
         [ -f "$ROWS/discrimination-seed-seed$seed.json" ] && continue
         for arm in costa mlm seed; do
-            if [ "$seed" = 0 ] && [ "$arm" != seed ] && [ ! -e "$RUNS/enc-$arm-seed0" ]; then
+            if [ "$seed" = 0 ] && [ "$arm" != seed ] && [ -d "$RUNS/pilot-$arm-seed0" ] && [ ! -e "$RUNS/enc-$arm-seed0" ]; then
                 ln -s "pilot-$arm-seed0" "$RUNS/enc-$arm-seed0"   # the pilot's run is that run (stopped at S)
             fi
             pretrain "$arm" "$seed" 200 "$steps"   # plan.md: a 200-step schedule, stopped at S
