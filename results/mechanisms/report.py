@@ -470,11 +470,13 @@ def draw_figures(folder):
 
 
 def draw_encoder_side(folder, plt, mechanisms):
-    """SEED Figure 5 and COSTA's random-pair curve (test texts, by length) beside COSTA 5.4's AUC, seeds as dots."""
+    """SEED Figure 5 and COSTA's random-pair curve (test texts, by length) beside COSTA 5.4's AUC and its paired
+    differences (tests 7 and 8), seeds as dots."""
     e = encoder_rows(folder)
     if not e:
         return
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(14, 4), layout="constrained")
+    lengths, auc = [32, 64, 128], {}
     for i, arm in enumerate(("costa", "mlm", "seed")):
         rows = [r["heads_test"] for r in e[arm].values() if r["heads_test"]]
         if rows:
@@ -483,16 +485,23 @@ def draw_encoder_side(folder, plt, mechanisms):
             left.plot(lengths, curves.mean(0), color=f"C{i}", marker="o", label=arm)
             for curve in curves:
                 left.scatter(lengths, curve, color=f"C{i}", s=10, alpha=0.5)
-        auc = [r["discrimination"]["auc"] for r in e[arm].values() if r["discrimination"]]
-        right.scatter([i] * len(auc), auc, color=f"C{i}", zorder=3)
+        auc[arm] = {s: r["discrimination"]["auc"] for s, r in e[arm].items() if r["discrimination"]}
+        middle.scatter([i] * len(auc[arm]), list(auc[arm].values()), color=f"C{i}", zorder=3)
     left.set(xscale="log", xlabel="text length (tokens)", ylabel="mean cosine of random test-text pairs",
-             title=f"SEED Figure 5 / COSTA: random pairs, {e['step']} steps from MiniLM")
-    left.set_xticks([32, 64, 128], ["32", "64", "128"])
+             title=f"SEED Fig. 5 / COSTA: random pairs, {e['step']} steps from MiniLM")
+    left.set_xticks(lengths, [str(n) for n in lengths])
     left.minorticks_off()
     left.legend(fontsize=8)
-    right.axhline(0.5, color="grey", linestyle="--", label="chance")
-    right.set(xticks=[0, 1, 2], xticklabels=["costa", "mlm", "seed"], xlim=(-0.5, 2.5), ylabel="AUC",
-              title="COSTA 5.4 after fine-tuning: relevant vs BM25's top 100")
+    middle.axhline(0.5, color="grey", linestyle="--", label="chance")
+    middle.set(xticks=[0, 1, 2], xticklabels=["costa", "mlm", "seed"], xlim=(-0.5, 2.5), ylabel="AUC",
+               title="COSTA 5.4 after fine-tuning (SciFact test)")
+    middle.legend(fontsize=8)
+    for x, ablation in enumerate(("mlm", "seed")):   # tests 7 and 8: COSTA - ablation, paired by seed
+        diffs = [auc["costa"][s] - auc[ablation][s] for s in set(auc["costa"]) & set(auc[ablation])]
+        right.scatter([x] * len(diffs), diffs, color=f"C{x + 1}", zorder=3)
+    right.axhline(0, color="grey", linestyle="--", label="no difference")
+    right.set(xticks=[0, 1], xticklabels=["costa - mlm", "costa - seed"], xlim=(-0.5, 1.5),
+              ylabel="AUC difference (a dot per seed)", title="COSTA 5.4: against its ablations")
     right.legend(fontsize=8)
     mechanisms._save_figure(fig, Path(folder, "encoder_side.png"))
 
