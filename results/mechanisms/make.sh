@@ -12,6 +12,7 @@
 set -euo pipefail
 export PYTHONUNBUFFERED=1   # progress lines reach the log as they come
 PY=${PYTHON:-python}
+echo "== make.sh started: $(date -u +%H:%M:%S)"   # its time on a machine: from here to its last line
 RUNS=runs/mechanisms
 OUT=results/mechanisms
 ROWS=$OUT/rows
@@ -115,6 +116,7 @@ heads() {   # heads SPLIT SEED ARM...: each run's own heads on the split's windo
 finetuned() {   # finetuned ARM SEED: fine-tune the pre-trained encoder as command 1 does; its dev and test rows
     local ft=$RUNS/ft-$1-seed$2 row=$ROWS/finetune-$1-seed$2.json
     [ -f "$row" ] && return 0
+    echo "== fine-tuning $1 seed $2: $(date -u +%H:%M:%S)"
     [ -f "$ft/eval-test/metrics.json" ] || "$PY" finetune.py --init "$RUNS/enc-$1-seed$2/encoder" --lr 2e-4 \
         --dev_queries 150 --seed "$2" --out_dir "$ft" --overwrite 2>&1 | grep -v "^step " || true
     "$PY" -c "
@@ -158,3 +160,4 @@ if [ "$steps" != none ]; then
 fi
 
 "$PY" "$OUT/report.py" "$OUT"   # table.md and the figures from the rows
+echo "== make.sh ended: $(date -u +%H:%M:%S)"
