@@ -9,6 +9,7 @@
 # Run from the repository root: bash results/mechanisms/make.sh (PYTHON=... picks the interpreter). It resumes:
 # a row in results/mechanisms/rows is never made again, a pre-training run continues from its checkpoint. On a
 # fresh clone, with every row committed, it only reprints table.md and the figures (report.py).
+# Its budget: at most 4 hours on 2 CPU cores (what it printed on one: results/mechanisms/output.txt).
 set -euo pipefail
 export PYTHONUNBUFFERED=1   # progress lines reach the log as they come
 PY=${PYTHON:-python}

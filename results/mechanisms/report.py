@@ -190,7 +190,7 @@ def values(rows, split, key, step):
 
 
 def mean_dict(dicts):
-    """The mean over seeds of each number of a list of measure dicts (curves averaged position by position)."""
+    """The mean over seeds of each number of a list of measure dicts (lists, such as curves, are left out)."""
     keys = [k for k, v in dicts[0].items() if isinstance(v, (int, float))]
     return {k: float(np.mean([d[k] for d in dicts])) for k in keys}
 
@@ -232,6 +232,7 @@ def all_gates(folder):
             gates["encoder"] = encoder_gates(mean_dict(heads["costa"]), mean_dict(heads["mlm"]))
             seeds["encoder"] = min(len(heads["costa"]), len(heads["mlm"]))
         if heads["seed"]:
+            seeds["encoder"] = min(seeds.get("encoder", len(heads["seed"])), len(heads["seed"]))
             h = mean_dict(heads["seed"])
             gates.setdefault("encoder", []).append(("SEED: decoder accuracy / most frequent token's",
                                                     h["dec_acc"] / h["dec_chance"], ">= 2", h["dec_acc"] >= 2 * h["dec_chance"]))
@@ -289,14 +290,16 @@ def verdicts(folder):
     tests = []
     for number, paper, what, group, sign, arm, ablation in primary(folder):
         failed = [g for name in GATE_GROUPS[group] for g in gates.get(name, []) if not g[3]]
-        complete = set(PLANNED_SEEDS[group]) <= set(arm) & set(ablation)   # judged once every planned seed is in
+        planned = len(PLANNED_SEEDS[group])   # judged once every planned seed is in, on both arms and every gate
+        complete = (set(PLANNED_SEEDS[group]) <= set(arm) & set(ablation)
+                    and all(seeds.get(name, 0) >= planned for name in GATE_GROUPS[group]))
         ran = complete and not failed and all(gates.get(n) for n in GATE_GROUPS[group])
         diffs, p = paired_test(arm, ablation, sign) if ran else (np.array([]), 1.0)
         tests.append({"number": number, "paper": paper, "what": what, "sign": sign, "diffs": diffs, "p": p,
                       "failed": failed, "ran": ran, "seeds_in": len(set(arm) & set(ablation)),
                       "pilot_found_none": any(PILOT_RULE[name](folder) == "none" for name in GATE_GROUPS[group]
                                               if name in PILOT_RULE),
-                      "planned": len(PLANNED_SEEDS[group])})
+                      "planned": planned})
     for test, adjusted in zip(tests, holm([t["p"] for t in tests])):
         test["holm"] = adjusted
         if test["failed"] and test["pilot_found_none"]:   # the pilot's rule found no regime: no seed will change it
@@ -309,7 +312,7 @@ def verdicts(folder):
             what, value, threshold, _ = test["failed"][0]
             test["verdict"] = f"not testable in this regime (gate: {what} {value:.3g}, needs {threshold})"
         elif not test["ran"]:
-            test["verdict"] = "not judged yet: its gates have no rows"
+            test["verdict"] = "not judged yet: its gates' rows are not all in"
         else:
             test["verdict"] = "shown" if adjusted < 0.05 else "not shown"
     return tests, gates, seeds
@@ -323,7 +326,7 @@ def write_table(folder, tests, gates, seeds):
     lines = ["# Mechanisms: each claim where its precondition holds", "",
              (f"Written by `python results/mechanisms/report.py results/mechanisms` from `rows/`, which `bash "
               f"results/mechanisms/make.sh` wrote (each row holds the command that remakes it; code: {', '.join(commits)}). "
-              "The rules, gates and tests are [plan.md](plan.md)'s, committed before the rows. Values: mean ± sd over "
+              "The rules, gates and tests are [plan.md](plan.md)'s, committed before the rows it judges. Values: mean ± sd over "
               "the seeds; a difference is arm - ablation, paired by seed."), "",
              "## The primary tests (test split; one-sided paired t-tests over seeds; Holm-Bonferroni over all 8)", "",
              ("| # | paper | measure | difference | seeds | in the claimed direction | p | Holm p | smallest detectable "
