@@ -1783,6 +1783,43 @@ def test_mechanisms_report_holm_and_the_pilots_rules(tmp_path):
     assert report.choose_cpdae(tmp_path) == "none"
 
 
+def test_mechanisms_report_judges_the_encoder_side_only_with_every_seed_and_gate(tmp_path):
+    """Tests 6-8 from the encoder side's rows: "not judged yet" while one planned seed's row of a gate (SEED's
+    fine-tuned nDCG) is missing, though both arms of test 7 have every seed; then judged, in the claimed direction;
+    a fine-tuned arm below command 1's level makes tests 7 and 8 not testable, and test 6 (its gates hold) stays."""
+    report = _report()
+    rows = tmp_path / "rows"
+    heads = {"costa": {"gwc_acc": 0.5, "gwc_chance": 0.03}, "mlm": {"mlm_acc": 0.16, "mlm_chance": 0.05},
+             "seed": {"dec_acc": 0.14, "dec_chance": 0.05}}
+    for arm in ("costa", "mlm"):
+        data.atomic_write_json(rows / "heads-dev" / f"heads-pilot-{arm}-seed0-step100.json", heads[arm])
+    assert report.choose_encoder(tmp_path) == 100
+    auc, cosine = {"costa": 0.96, "mlm": 0.955, "seed": 0.954}, {"costa": 0.2, "mlm": 0.3, "seed": 0.28}
+
+    def write(arm, s, ndcg=0.74):
+        wiggle = 0.001 * s * (s - 1)   # paired differences that vary over the seeds
+        data.atomic_write_json(rows / "heads-dev" / f"heads-{arm}-seed{s}-step100.json", heads[arm])
+        data.atomic_write_json(rows / "heads-test" / f"heads-{arm}-seed{s}-step100.json",
+                               {"cosine_by_length": {"128": cosine[arm] + wiggle}})
+        data.atomic_write_json(rows / f"finetune-{arm}-seed{s}.json", {"dev": {"NDCG@10": ndcg}})
+        data.atomic_write_json(rows / f"discrimination-{arm}-seed{s}.json", {"auc": auc[arm] + wiggle / 3})
+    for s in report.ENCODER_SEEDS:
+        for arm in ("costa", "mlm", "seed"):
+            write(arm, s)
+    last = max(report.ENCODER_SEEDS)
+    (rows / f"finetune-seed-seed{last}.json").unlink()
+    tests = {t["number"]: t for t in report.verdicts(tmp_path)[0]}
+    assert tests[7]["verdict"].startswith("not judged yet") and tests[7]["p"] == 1.0
+    write("seed", last)
+    tests = {t["number"]: t for t in report.verdicts(tmp_path)[0]}
+    assert all(tests[n]["ran"] and tests[n]["p"] < 0.05 for n in (6, 7, 8))
+    assert tests[6]["diffs"].mean() == pytest.approx(cosine["seed"] - cosine["mlm"])
+    write("mlm", 0, ndcg=0.60)   # the mean over the seeds below 0.7252: COSTA 5.4's gate fails
+    tests = {t["number"]: t for t in report.verdicts(tmp_path)[0]}
+    assert tests[7]["verdict"].startswith("not testable") and tests[8]["verdict"].startswith("not testable")
+    assert tests[6]["ran"]
+
+
 def _seed_run(folder, dec_span, ignore_h0=False):
     import seed
 
