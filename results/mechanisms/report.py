@@ -108,7 +108,6 @@ def choose_encoder(folder):
 
 
 CHOICES = {"cpdae": choose_cpdae, "seed": choose_seed, "encoder": choose_encoder}
-PILOT_RULE = CHOICES   # a gate group whose pilot found nothing: its claims are not testable, whatever the seeds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,20 +296,18 @@ def verdicts(folder):
         diffs, p = paired_test(arm, ablation, sign) if ran else (np.array([]), 1.0)
         tests.append({"number": number, "paper": paper, "what": what, "sign": sign, "diffs": diffs, "p": p,
                       "failed": failed, "ran": ran, "seeds_in": len(set(arm) & set(ablation)),
-                      "pilot_found_none": any(PILOT_RULE[name](folder) == "none" for name in GATE_GROUPS[group]
-                                              if name in PILOT_RULE),
+                      # a gate group whose pilot found nothing: its claims are not testable, whatever the seeds
+                      "pilot_found_none": any(CHOICES[name](folder) == "none" for name in GATE_GROUPS[group]
+                                              if name in CHOICES),
                       "planned": planned})
     for test, adjusted in zip(tests, holm([t["p"] for t in tests])):
         test["holm"] = adjusted
-        if test["failed"] and test["pilot_found_none"]:   # the pilot's rule found no regime: no seed will change it
+        if test["failed"] and (test["pilot_found_none"] or test["seeds_in"] >= test["planned"]):
             what, value, threshold, _ = test["failed"][0]
             test["verdict"] = f"not testable in this regime (gate: {what} {value:.3g}, needs {threshold})"
         elif test["seeds_in"] < test["planned"]:
             test["verdict"] = (f"not judged yet: the rows of {test['seeds_in']} of its {test['planned']} seeds "
                                f"(bash results/mechanisms/make.sh goes on from there)")
-        elif test["failed"]:
-            what, value, threshold, _ = test["failed"][0]
-            test["verdict"] = f"not testable in this regime (gate: {what} {value:.3g}, needs {threshold})"
         elif not test["ran"]:
             test["verdict"] = "not judged yet: its gates' rows are not all in"
         else:
