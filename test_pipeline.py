@@ -424,7 +424,7 @@ def test_hf_folder_round_trip_and_bin_checkpoints(tmp_path):
     ours = costa.Encoder(tiny_config(dropout=0.0)).eval()
     run.save_pretrained(ours, tmp_path / "enc")
     assert {p.name for p in (tmp_path / "enc").iterdir()} == {
-        "config.json", "model.safetensors", "vocab.txt", "tokenizer_config.json"}
+        "config.json", "model.safetensors", "model.safetensors.sha256", "vocab.txt", "tokenizer_config.json"}
     hf = transformers.AutoModel.from_pretrained(tmp_path / "enc").eval()
     ids, mask = random_inputs()
     with torch.no_grad():
