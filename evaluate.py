@@ -15,6 +15,7 @@ Outputs in out_dir: run.trec (qid Q0 docid rank score tag) and metrics.json (mea
 timings). The encoder is the shared BERT block (the same bytes as costa.py's, at the end of this file),
 so any Hugging Face BERT folder loads.
 """
+import contextlib
 import dataclasses
 import math
 import os
@@ -941,16 +942,22 @@ def main(c):
         return compare_command(c)
     if not c.bm25 and not c.model:
         raise ValueError("give --model FOLDER (a saved encoder) or --bm25")
+    if c.bm25 and c.vocab:
+        raise ValueError(f"--vocab {c.vocab} is not used by --bm25 (it splits words itself); drop --vocab")
     if c.model:
         model_list(c)   # one model: several go with mechanisms.py's figures and measurements
     rank, _, device = setup_distributed()
     out_dirs = output_folders(c, names)            # before 'minilm' becomes a folder
-    hold_out_dirs(out_dirs)
+    new = sorted({p for f in out_dirs for p in (f, *f.absolute().parents) if not p.exists()}, key=lambda p: -len(p.parts))
     try:
+        hold_out_dirs(out_dirs)
         return run_commands(c, names, out_dirs, rank, device)
     finally:
         for folder in out_dirs:
             run.release_run_folder(folder)
+        for folder in new if rank == 0 else []:    # a refused run leaves no folder it made (deepest first;
+            with contextlib.suppress(OSError):     # one with files in it stays)
+                folder.rmdir()
 
 
 def output_folders(c, names):
@@ -1015,10 +1022,14 @@ def model_settings(c, model, tag):
 
 
 def load_model(c, device):
-    """(encoder, tokenizer) of c.model, checked against c's lengths."""
+    """(encoder, tokenizer) of c.model, checked against c's lengths and its vocabulary's size."""
     encoder = load_encoder(c.model).to(device)
     check_lengths(c, encoder.config.max_position)
-    return encoder, data.load_tokenizer(resolve_vocab(c))
+    vocab = resolve_vocab(c)
+    if Path(vocab).is_file() and data.vocab_size_of(vocab) != encoder.config.vocab_size:   # (missing: load_tokenizer)
+        raise data.DataError(f"{vocab}: {data.vocab_size_of(vocab)} entries, but the model {c.model} has vocab_size "
+                             f"{encoder.config.vocab_size}")
+    return encoder, data.load_tokenizer(vocab)
 
 
 def split_names(c, one_split=("corpus", "compare")):

@@ -392,9 +392,11 @@ def keep_log_until(path, step):
 
 def chance_lines(means):
     """'X: accuracy a, chance b, ratio a/b' for every logged accuracy X_acc that has its baseline X_chance
-    (the accuracy of a trivial guess: the most frequent token, or a random candidate)."""
+    (the accuracy of a trivial guess: the most frequent token, or a random candidate); a chance of 0 has no ratio."""
+    def ratio(accuracy, chance):
+        return f"{accuracy / chance:.2f}" if chance > 0 else "n/a"
     return [f"{k[:-4]}: accuracy {v:.4f}, chance {means[k[:-4] + '_chance']:.4f}, "
-            f"ratio {v / max(means[k[:-4] + '_chance'], 1e-12):.2f}" for k, v in means.items()
+            f"ratio {ratio(v, means[k[:-4] + '_chance'])}" for k, v in means.items()
             if k.endswith("_acc") and k[:-4] + "_chance" in means]
 
 
