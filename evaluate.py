@@ -17,6 +17,7 @@ so any Hugging Face BERT folder loads.
 """
 import contextlib
 import dataclasses
+import datetime
 import math
 import os
 import sys
@@ -1206,9 +1207,10 @@ class Encoder(nn.Module):
 
 
 # --- shared: begin distributed ---
-def setup_distributed():
+def setup_distributed(timeout_s=600.0):
     """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
-    CPU. Plain `python x.py` runs one process. Returns (rank, world, device)."""
+    CPU. Plain `python x.py` runs one process. A rank that waits timeout_s for the others at a collective
+    ends the job (torch's default for gloo is 30 minutes). Returns (rank, world, device)."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -1219,7 +1221,8 @@ def setup_distributed():
     device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)   # NCCL bound to its GPU
+    dist.init_process_group(backend, device_id=device if backend == "nccl" else None,   # NCCL bound to its GPU
+                            timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -21,6 +21,7 @@ import inspect
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -76,6 +77,7 @@ class TrainConfig:
     workers: int = 0              # data-loader worker processes building batches
     cache_dir: str = ""           # token cache folder ("" = next to the corpus; see token_windows)
     prep_workers: int = 0         # processes tokenizing the corpus into the cache, first run only (0 = all cores)
+    dist_timeout: float = 600.0   # torchrun: seconds a rank waits for the others at a collective before the job ends
     # --- bookkeeping
     out_dir: str = "runs/run"     # checkpoints, config.json and log.jsonl go here (each method sets its own)
     log_every: int = 10           # steps between progress lines
@@ -89,7 +91,8 @@ class TrainConfig:
     # The fields that may change on --resume (from the next step): how and where, not what; every other
     # field is frozen, a new one too until its Config lists it. (out_dir: a moved run resumes where it is.)
     RESUMABLE: ClassVar[tuple] = ("steps", "epochs", "lr", "weight_decay", "warmup", "clip", "bf16", "workers", "log_every",
-                                  "save_every", "preset", "cache_dir", "prep_workers", "out_dir", "new_corpus")
+                                  "save_every", "preset", "cache_dir", "prep_workers", "out_dir", "new_corpus",
+                                  "dist_timeout")
 
 
 # The domain of each shared flag, checked by parse_config before any work (a method adds its own).
@@ -100,7 +103,7 @@ TRAIN_RULES = {
     "epochs": ">= 0", "batch_size": ">= 1", "global_batch": ">= 0", "grad_accum": ">= 1", "lr": "> 0", "clip": "> 0",
     "weight_decay": ">= 0", "warmup": "in [0, 1]", "mask_prob": "in [0, 1]", "workers": ">= 0", "log_every": ">= 1",
     "save_every": ">= 1", "halt_at": ">= 0", "prep_workers": ">= 0", "head_warmup": ">= 0", "head_lr": "> 0",
-    "bottleneck": "one of {cls, mean}"}
+    "bottleneck": "one of {cls, mean}", "dist_timeout": "> 0"}
 
 
 def start_run(c, world):
@@ -282,10 +285,12 @@ def stops_cleanly(where):
     try:
         yield
     except (KeyboardInterrupt, RuntimeError) as e:
-        if isinstance(e, RuntimeError) and not STOP_SIGNALS["term"]:
+        if isinstance(e, RuntimeError) and not STOP_SIGNALS["term"] and not timed_out(e):
             raise
         step, saved, folder = where()        # (a RuntimeError after SIGTERM: the next batch's worker had ended)
         last = f"last checkpoint at step {saved} in {folder}" if saved else f"no checkpoint yet in {folder}"
+        if isinstance(e, RuntimeError) and not STOP_SIGNALS["term"]:
+            raise RankTimeout(f"{rank_timeout_line(e)} at step {step}; {last}; continue with --resume") from None
         kind = Interrupted if isinstance(e, KeyboardInterrupt) and not isinstance(e, Terminated) else Terminated
         what = "terminated (SIGTERM)" if kind is Terminated else "interrupted"
         raise kind(f"{what} at step {step}; {last}; continue with --resume") from None
@@ -1093,6 +1098,26 @@ class Terminated(Interrupted):          # SIGTERM, what a cluster scheduler send
     code = 143
 
 
+class RankTimeout(RuntimeError):        # under torchrun, a collective that another rank never joined
+    pass
+
+
+def timed_out(error):
+    """Whether a collective's RuntimeError is its process group's timeout (gloo: 'Timed out waiting 600000ms
+    ...', 'Application timeout caused pair closure'); NCCL's watchdog ends the process itself."""
+    return _distributed() and bool(re.search(r"timed out|timeout", str(error), re.IGNORECASE))
+
+
+def rank_timeout_line(error):
+    """'rank 1 of 2: no answer from rank 0 within the process-group timeout (600 s, --dist_timeout)'."""
+    rank, world = _rank(), torch.distributed.get_world_size()
+    waited = re.search(r"(\d+)\s*ms", str(error))
+    within = f"{int(waited[1]) / 1000:g} s, --dist_timeout" if waited else "--dist_timeout"
+    other = f"rank {1 - rank}" if world == 2 else "another rank"
+    return (f"rank {rank} of {world}: no answer from {other} within the process-group timeout ({within}): it "
+            f"stopped, hung or died; stopped")
+
+
 STOP_SIGNALS = {"int": [], "term": [], "holding": [], "child_watch": []}
 
 
@@ -1186,6 +1211,11 @@ def run_command_line(run, interrupted="interrupted before the first step; nothin
     except KeyboardInterrupt as e:
         code = getattr(e, "code", 130)
         line = str(e) or (interrupted if code == 130 else interrupted.replace("interrupted", "terminated (SIGTERM)"))
+    except RuntimeError as e:   # a collective another rank never joined: this rank says so and leaves at once
+        if not (isinstance(e, RankTimeout) or timed_out(e)):
+            raise
+        print(f"error: {e if isinstance(e, RankTimeout) else rank_timeout_line(e)}", file=sys.stderr, flush=True)
+        os._exit(1)             # no teardown: it would wait on the rank that does not answer
     finally:   # a SIGTERM meanwhile (torchrun stopping this rank after another's error) waits for the restored handler
         late = []
         signal.signal(signal.SIGTERM, lambda signum, frame: late.append(signum))
