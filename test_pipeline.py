@@ -3818,9 +3818,12 @@ def test_a_damaged_model_or_decoder_is_one_line_naming_the_file(tmp_path, how):
            "emptied": r"not a readable safetensors file \(empty\)",
            "flipped": r"sha256 \w{16}\.\.\. is not the \w{16}\.\.\. that model.safetensors.sha256 recorded"}[how]
     assert re.match(rf"error: {re.escape(str(init / 'model.safetensors'))}: {why}", line), line
+    with pytest.raises(data.DataError, match=rf"^{re.escape(str(init / 'model.safetensors'))}: {why}"):
+        costa.train(costa.Config(init=str(init), out_dir=str(tmp_path / "costa")))   # --init, before any work
     with pytest.raises(data.DataError, match=rf"^{re.escape(str(init / 'decoder.safetensors'))}: "):
         mechanisms.load_cpdae_decoder(init)                                  # the mechanisms' reader
     assert folder_bytes(tmp_path) == before and not (tmp_path / "run" / "eval-test").exists()  # nothing written
+    assert not (tmp_path / "costa").exists()
 
 
 @pytest.mark.parametrize("where", ["word row", "position row"])
