@@ -1109,13 +1109,13 @@ def timed_out(error):
 
 
 def rank_timeout_line(error):
-    """'rank 1 of 2: no answer from rank 0 within the process-group timeout (600 s, --dist_timeout)'."""
+    """'rank 1 of 2: no answer from rank 0 within the process-group timeout (600 s, --dist_timeout; ...)'."""
     rank, world = _rank(), torch.distributed.get_world_size()
     waited = re.search(r"(\d+)\s*ms", str(error))
     within = f"{int(waited[1]) / 1000:g} s, --dist_timeout" if waited else "--dist_timeout"
     other = f"rank {1 - rank}" if world == 2 else "another rank"
-    return (f"rank {rank} of {world}: no answer from {other} within the process-group timeout ({within}): it "
-            f"stopped, hung or died; stopped")
+    return (f"rank {rank} of {world}: no answer from {other} within the process-group timeout ({within}; it "
+            f"stopped, hung or died); the job ends")
 
 
 STOP_SIGNALS = {"int": [], "term": [], "holding": [], "child_watch": []}

@@ -3947,5 +3947,5 @@ def test_a_rank_that_stops_answering_ends_the_job_within_dist_timeout(tmp_path):
         ranks[0].wait()
     assert ranks[1].returncode == 1
     assert err.strip().splitlines()[-1] == (
-        "error: rank 1 of 2: no answer from rank 0 within the process-group timeout (3 s, --dist_timeout): it stopped, "
-        "hung or died; stopped at step 6; last checkpoint at step 5 in runs/x; continue with --resume"), err
+        "error: rank 1 of 2: no answer from rank 0 within the process-group timeout (3 s, --dist_timeout; it stopped, "
+        "hung or died); the job ends at step 6; last checkpoint at step 5 in runs/x; continue with --resume"), err
