@@ -30,6 +30,7 @@ and 6; Table 4 keeps 12 spans per text, so 3 granularities take T = 4.)
 The encoder is written to {out_dir}/encoder as a Hugging Face BERT folder for finetune.py.
 """
 import contextlib
+import datetime
 import itertools
 import os
 import sys
@@ -371,7 +372,7 @@ def train(c):
     """Pre-train with COSTA. Every check comes first (flags when parsed; here the run folder, --init,
     the vocabulary, the batch arithmetic, the corpus), then the steps. The method (PretrainModel,
     Batches) and the distributed steps are here; each piece of run machinery is one call into run.py."""
-    rank, world, device = setup_distributed()                    # torchrun: one process per device
+    rank, world, device = setup_distributed(c.dist_timeout)      # torchrun: one process per device
     torch.manual_seed(c.seed)                                    # the encoder's and the heads' init
     c = run.start_run(c, world)                                  # --init found, run folder free, batch split
     encoder = run.init_encoder(Encoder, c)                       # random, or the --init checkpoint
@@ -554,9 +555,10 @@ class Encoder(nn.Module):
 
 
 # --- shared: begin distributed ---
-def setup_distributed():
+def setup_distributed(timeout_s=600.0):
     """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
-    CPU. Plain `python x.py` runs one process. Returns (rank, world, device)."""
+    CPU. Plain `python x.py` runs one process. A rank that waits timeout_s for the others at a collective
+    ends the job (torch's default for gloo is 30 minutes). Returns (rank, world, device)."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -567,7 +569,8 @@ def setup_distributed():
     device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)   # NCCL bound to its GPU
+    dist.init_process_group(backend, device_id=device if backend == "nccl" else None,   # NCCL bound to its GPU
+                            timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -15,7 +15,9 @@ Outputs in out_dir: run.trec (qid Q0 docid rank score tag) and metrics.json (mea
 timings). The encoder is the shared BERT block (the same bytes as costa.py's, at the end of this file),
 so any Hugging Face BERT folder loads.
 """
+import contextlib
 import dataclasses
+import datetime
 import math
 import os
 import sys
@@ -941,16 +943,22 @@ def main(c):
         return compare_command(c)
     if not c.bm25 and not c.model:
         raise ValueError("give --model FOLDER (a saved encoder) or --bm25")
+    if c.bm25 and c.vocab:
+        raise ValueError(f"--vocab {c.vocab} is not used by --bm25 (it splits words itself); drop --vocab")
     if c.model:
         model_list(c)   # one model: several go with mechanisms.py's figures and measurements
     rank, _, device = setup_distributed()
     out_dirs = output_folders(c, names)            # before 'minilm' becomes a folder
-    hold_out_dirs(out_dirs)
+    new = sorted({p for f in out_dirs for p in (f, *f.absolute().parents) if not p.exists()}, key=lambda p: -len(p.parts))
     try:
+        hold_out_dirs(out_dirs)
         return run_commands(c, names, out_dirs, rank, device)
     finally:
         for folder in out_dirs:
             run.release_run_folder(folder)
+        for folder in new if rank == 0 else []:    # a refused run leaves no folder it made (deepest first;
+            with contextlib.suppress(OSError):     # one with files in it stays)
+                folder.rmdir()
 
 
 def output_folders(c, names):
@@ -1015,10 +1023,14 @@ def model_settings(c, model, tag):
 
 
 def load_model(c, device):
-    """(encoder, tokenizer) of c.model, checked against c's lengths."""
+    """(encoder, tokenizer) of c.model, checked against c's lengths and its vocabulary's size."""
     encoder = load_encoder(c.model).to(device)
     check_lengths(c, encoder.config.max_position)
-    return encoder, data.load_tokenizer(resolve_vocab(c))
+    vocab = resolve_vocab(c)
+    if Path(vocab).is_file() and data.vocab_size_of(vocab) != encoder.config.vocab_size:   # (missing: load_tokenizer)
+        raise data.DataError(f"{vocab}: {data.vocab_size_of(vocab)} entries, but the model {c.model} has vocab_size "
+                             f"{encoder.config.vocab_size}")
+    return encoder, data.load_tokenizer(vocab)
 
 
 def split_names(c, one_split=("corpus", "compare")):
@@ -1195,9 +1207,10 @@ class Encoder(nn.Module):
 
 
 # --- shared: begin distributed ---
-def setup_distributed():
+def setup_distributed(timeout_s=600.0):
     """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
-    CPU. Plain `python x.py` runs one process. Returns (rank, world, device)."""
+    CPU. Plain `python x.py` runs one process. A rank that waits timeout_s for the others at a collective
+    ends the job (torch's default for gloo is 30 minutes). Returns (rank, world, device)."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -1208,7 +1221,8 @@ def setup_distributed():
     device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)   # NCCL bound to its GPU
+    dist.init_process_group(backend, device_id=device if backend == "nccl" else None,   # NCCL bound to its GPU
+                            timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -64,7 +64,7 @@ class Config:
     eval_qrels: str = ""          # explicit evaluation qrels; "" with explicit files = no evaluation
     train_split: str = "train"    # qrels/{train_split}.tsv: training queries and their positives
     eval_split: str = "test"      # evaluated at the end with evaluate.py's metrics ("" = skip)
-    vocab: str = str(data.VOCAB)  # WordPiece vocab.txt, used when the init folder has none
+    vocab: str = str(data.VOCAB)  # WordPiece vocab.txt; not given: the init folder's if it has one, else this
     query_len: int = 64           # query tokens incl. [CLS]/[SEP] (papers: 32 for MS MARCO; SciFact's claims reach 62)
     passage_len: int = 128        # passage tokens incl. [CLS]/[SEP] (papers: 128; documents 512)
     n_queries: int = 0            # low-resource setting: train on this many random training queries (0 = all)
@@ -501,9 +501,9 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
 
 
 def tokenizer_vocab(c):
-    """The init folder's vocab.txt when it has one (it matches the embedding), else c.vocab."""
-    own = Path(c.init) / "vocab.txt" if c.init else None
-    return str(own) if own and own.is_file() else c.vocab
+    """--vocab when given, else the init folder's vocab.txt (it matches the embedding), else BERT's: as the
+    pre-training scripts (run.run_vocab); train() checks it against the encoder."""
+    return run.run_vocab(c)
 
 
 def train(c, name=""):

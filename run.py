@@ -21,6 +21,7 @@ import inspect
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -76,6 +77,7 @@ class TrainConfig:
     workers: int = 0              # data-loader worker processes building batches
     cache_dir: str = ""           # token cache folder ("" = next to the corpus; see token_windows)
     prep_workers: int = 0         # processes tokenizing the corpus into the cache, first run only (0 = all cores)
+    dist_timeout: float = 600.0   # torchrun: seconds a rank waits for the others at a collective before the job ends
     # --- bookkeeping
     out_dir: str = "runs/run"     # checkpoints, config.json and log.jsonl go here (each method sets its own)
     log_every: int = 10           # steps between progress lines
@@ -89,7 +91,8 @@ class TrainConfig:
     # The fields that may change on --resume (from the next step): how and where, not what; every other
     # field is frozen, a new one too until its Config lists it. (out_dir: a moved run resumes where it is.)
     RESUMABLE: ClassVar[tuple] = ("steps", "epochs", "lr", "weight_decay", "warmup", "clip", "bf16", "workers", "log_every",
-                                  "save_every", "preset", "cache_dir", "prep_workers", "out_dir", "new_corpus")
+                                  "save_every", "preset", "cache_dir", "prep_workers", "out_dir", "new_corpus",
+                                  "dist_timeout")
 
 
 # The domain of each shared flag, checked by parse_config before any work (a method adds its own).
@@ -100,7 +103,7 @@ TRAIN_RULES = {
     "epochs": ">= 0", "batch_size": ">= 1", "global_batch": ">= 0", "grad_accum": ">= 1", "lr": "> 0", "clip": "> 0",
     "weight_decay": ">= 0", "warmup": "in [0, 1]", "mask_prob": "in [0, 1]", "workers": ">= 0", "log_every": ">= 1",
     "save_every": ">= 1", "halt_at": ">= 0", "prep_workers": ">= 0", "head_warmup": ">= 0", "head_lr": "> 0",
-    "bottleneck": "one of {cls, mean}"}
+    "bottleneck": "one of {cls, mean}", "dist_timeout": "> 0"}
 
 
 def start_run(c, world):
@@ -282,10 +285,12 @@ def stops_cleanly(where):
     try:
         yield
     except (KeyboardInterrupt, RuntimeError) as e:
-        if isinstance(e, RuntimeError) and not STOP_SIGNALS["term"]:
+        if isinstance(e, RuntimeError) and not STOP_SIGNALS["term"] and not timed_out(e):
             raise
         step, saved, folder = where()        # (a RuntimeError after SIGTERM: the next batch's worker had ended)
         last = f"last checkpoint at step {saved} in {folder}" if saved else f"no checkpoint yet in {folder}"
+        if isinstance(e, RuntimeError) and not STOP_SIGNALS["term"]:
+            raise RankTimeout(f"{rank_timeout_line(e)} at step {step}; {last}; continue with --resume") from None
         kind = Interrupted if isinstance(e, KeyboardInterrupt) and not isinstance(e, Terminated) else Terminated
         what = "terminated (SIGTERM)" if kind is Terminated else "interrupted"
         raise kind(f"{what} at step {step}; {last}; continue with --resume") from None
@@ -392,9 +397,11 @@ def keep_log_until(path, step):
 
 def chance_lines(means):
     """'X: accuracy a, chance b, ratio a/b' for every logged accuracy X_acc that has its baseline X_chance
-    (the accuracy of a trivial guess: the most frequent token, or a random candidate)."""
+    (the accuracy of a trivial guess: the most frequent token, or a random candidate); a chance of 0 has no ratio."""
+    def ratio(accuracy, chance):
+        return f"{accuracy / chance:.2f}" if chance > 0 else "n/a"
     return [f"{k[:-4]}: accuracy {v:.4f}, chance {means[k[:-4] + '_chance']:.4f}, "
-            f"ratio {v / max(means[k[:-4] + '_chance'], 1e-12):.2f}" for k, v in means.items()
+            f"ratio {ratio(v, means[k[:-4] + '_chance'])}" for k, v in means.items()
             if k.endswith("_acc") and k[:-4] + "_chance" in means]
 
 
@@ -508,16 +515,18 @@ def check_stream(c, saved, now, step, path):
 
 
 def save_training_state(path, state):
-    """Everything needed to resume (model, optimizer, scheduler, step) in one file (atomic); no
-    RNG state: batches, masks and dropout are functions of (seed, rank, micro-step)."""
+    """Everything needed to resume (model, optimizer, scheduler, step) in one file (atomic; save_checkpoint's
+    commit adds its checksum); no RNG state: batches, masks and dropout are functions of (seed, rank, micro-step)."""
     data.atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
 def load_training_state(path):
-    """The dict save_training_state wrote; a one-line DataError for a missing, empty, truncated or
-    foreign file (torch.load raises many kinds of exception, none naming the file)."""
+    """The dict save_training_state wrote; a one-line DataError for a missing, empty, truncated, damaged (its
+    checksum) or foreign file (torch.load raises many kinds of exception, none naming the file), or one whose
+    weights or optimizer state are not finite (a NaN row no batch reaches would pass a resumed run)."""
     if not Path(path).is_file():
         raise data.DataError(f"{path}: no training state to resume from")
+    check_checksum(path, "resume from a copy of the run, or start again with --overwrite")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 -- EOFError, RuntimeError, UnpicklingError, ...
@@ -525,6 +534,8 @@ def load_training_state(path):
                              f"truncated or not a state.pt; start again with --overwrite") from None
     if not isinstance(state, dict) or not {"step", "model", "optimizer", "scheduler", "config"} <= set(state):
         raise data.DataError(f"{path}: not a training state written by these scripts")
+    check_finite({"model": state["model"], "optimizer": state["optimizer"]}, path, "the checkpoint is damaged; "
+                 "resume from a copy of the run, or start again with --overwrite")
     return state
 
 
@@ -630,6 +641,7 @@ def prepare_run_folder(c):
     finish_checkpoint_switch(out)           # a save cut short by a kill: complete it or drop it
     if c.overwrite:
         (out / "state.pt").unlink(missing_ok=True)
+        checksum_file(out / "state.pt").unlink(missing_ok=True)
         shutil.rmtree(out / "encoder", ignore_errors=True)
 
 
@@ -639,7 +651,10 @@ def prepare_run_folder(c):
 def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved=0, extra_files=None, stream=None):
     """Rank 0 writes the encoder (a Hugging Face folder, plus extra_files(folder)) and the training state for --resume,
     both to temporaries, switched only when both are whole (finish_checkpoint_switch): a kill or a full disk leaves the
-    last checkpoint whole, encoder/ and state.pt of one step. A full disk is one line (disk_full_error)."""
+    last checkpoint whole, encoder/ and state.pt of one step. A full disk is one line (disk_full_error). Weights
+    that are not finite are never saved: every rank stops alike (their weights are the same)."""
+    kept = f"{c.out_dir} keeps its last good checkpoint, step {last_saved}" if last_saved else "no checkpoint was written"
+    check_finite(model.state_dict(), f"step {step}", f"stopped without saving; {kept}")
     if is_rank0:
         out = Path(c.out_dir)
         new_encoder, new_state = out / ".encoder.new", out / ".state.pt.new"
@@ -663,7 +678,7 @@ def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved=0
             if data.is_disk_full(e, out):
                 raise disk_full_error(target, out, last_saved) from None
             raise
-        os.replace(new_state, out / "state.pt")     # the commit: from here on step `step` is the checkpoint
+        replace_checked(new_state, out / "state.pt")    # the commit: from here on step `step` is the checkpoint
         finish_checkpoint_switch(out)
     barrier()   # short: nobody races ahead of a checkpoint being written
 
@@ -701,15 +716,94 @@ def disk_full_error(target, out_dir, last_saved):
 # 7. Hugging Face BERT folders, and the starting checkpoints (a folder, minilm, a hub id)
 # ----------------------------------------------------------------------------------------------
 def save_tensors(path, tensors):
-    """A dict of tensors as safetensors (atomic). Tied tensors are stored once each (cloned)."""
+    """A dict of tensors as safetensors (atomic, its checksum beside it: write_checked). Tied tensors are stored
+    once each (cloned)."""
     from safetensors.torch import save_file
     tensors = {k: v.detach().contiguous().cpu().clone() for k, v in tensors.items()}
-    data.atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    write_checked(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
 
 
-def load_tensors(path):
+def load_tensors(path, fix="the weights cannot be used"):
+    """A safetensors file as {name: tensor}, trusted only once checked: its checksum (check_checksum), its format
+    (a damaged, truncated or empty file is one line naming it) and every value finite (check_finite)."""
     from safetensors.torch import load_file
-    return load_file(str(path))
+    if not Path(path).is_file():
+        raise data.DataError(f"{path}: not found")
+    check_checksum(path, fix)
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:  # noqa: BLE001 -- SafetensorError, OSError, ...: one line, not a traceback
+        why = "empty" if Path(path).stat().st_size == 0 else (str(e).splitlines() or [type(e).__name__])[0]
+        raise data.DataError(f"{path}: not a readable safetensors file ({why}); the file is damaged or truncated; "
+                             f"{fix}") from None
+    check_finite(tensors, path, fix)
+    return tensors
+
+
+def check_finite(tensors, path, fix):
+    """Every floating-point tensor in a (nested) dict finite, else one line naming the first one that is not and
+    how many of its values: a NaN in a row no text uses would pass every run that never looks at it."""
+    for name, t in _named_tensors(tensors):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise data.DataError(f"{path}: {name} holds {bad:,} non-finite value(s) (NaN or inf) of {t.numel():,}; "
+                                 f"{fix}")
+
+
+def _named_tensors(tree, prefix=""):
+    """(dotted name, tensor) for every tensor in nested dicts and lists (a state_dict, an optimizer's)."""
+    if isinstance(tree, torch.Tensor):
+        yield prefix, tree
+    elif isinstance(tree, (dict, list, tuple)):
+        for key, value in (tree.items() if isinstance(tree, dict) else enumerate(tree)):
+            yield from _named_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+
+
+# Checksums: every weight file the project writes (model.safetensors, decoder.safetensors, state.pt) has its
+# sha256 beside it, in NAME.sha256 (the format of sha256sum: `sha256sum -c` checks it), written once the file is
+# whole; a file without one (a hub or MiniLM folder, a run of an older version) is read unchecked.
+def checksum_file(path):
+    return Path(path).with_name(Path(path).name + ".sha256")
+
+
+def listed_checksums(path):
+    sidecar = checksum_file(path)
+    return [line.split()[0] for line in sidecar.read_text().splitlines() if line.strip()] if sidecar.is_file() else []
+
+
+def replace_checked(source, path):
+    """os.replace(source, path), path's checksum file kept true at every moment: before the rename it lists
+    the new digest and the old one, after it the new one alone, so that a kill anywhere leaves it naming
+    what path holds."""
+    path, digest = Path(path), data.sha256_of(source)
+    old = listed_checksums(path)[:1] if path.is_file() else []
+    write_checksums = lambda digests: data.atomic_write_text(checksum_file(path), "".join(
+        f"{d}  {path.name}\n" for d in digests))
+    write_checksums([digest, *old])
+    os.replace(source, path)
+    write_checksums([digest])
+
+
+def write_checked(path, write):
+    """write(a temporary path), then the whole file renamed into place with its checksum (replace_checked),
+    and the folder's permissions (safetensors writes 0600: a colleague given the folder could not read it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = data.temporary_name(path)
+    try:
+        write(tmp)
+        os.chmod(tmp, path.parent.stat().st_mode & 0o666)
+        replace_checked(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def check_checksum(path, fix):
+    """A file whose checksum file lists another digest is damaged: one line. Without one it is not checked."""
+    listed = listed_checksums(path)
+    if listed and (digest := data.sha256_of(path)) not in listed:
+        raise data.DataError(f"{path}: sha256 {digest[:16]}... is not the {listed[0][:16]}... that "
+                             f"{checksum_file(path).name} recorded when it was written: the file is damaged; {fix}")
 
 
 # The scripts' Encoder parameter names -> Hugging Face BertForMaskedLM names (both directions use this
@@ -784,7 +878,7 @@ def load_encoder_folder(folder):
     if (folder / "model.safetensors").is_file():
         state = load_tensors(folder / "model.safetensors")
     elif (folder / "pytorch_model.bin").is_file():
-        state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        state = load_bin(folder / "pytorch_model.bin")
     else:
         raise data.DataError(f"{folder}: neither model.safetensors nor pytorch_model.bin found")
     vocab = folder / "vocab.txt"
@@ -792,6 +886,17 @@ def load_encoder_folder(folder):
         raise data.DataError(f"{vocab}: {data.vocab_size_of(vocab)} entries, but config.json says "
                              f"vocab_size {hf_config.get('vocab_size')}")
     return hf_config, state
+
+
+def load_bin(path):
+    """A pytorch_model.bin read with weights_only=True (no pickled code runs), checked as load_tensors checks."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- EOFError, RuntimeError, UnpicklingError, ...
+        raise data.DataError(f"{path}: not a readable checkpoint ({type(e).__name__}); the file is damaged or "
+                             f"truncated") from None
+    check_finite(state, path, "the checkpoint is damaged")
+    return state
 
 
 def hf_config(c):
@@ -993,6 +1098,26 @@ class Terminated(Interrupted):          # SIGTERM, what a cluster scheduler send
     code = 143
 
 
+class RankTimeout(RuntimeError):        # under torchrun, a collective that another rank never joined
+    pass
+
+
+def timed_out(error):
+    """Whether a collective's RuntimeError is its process group's timeout (gloo: 'Timed out waiting 600000ms
+    ...', 'Application timeout caused pair closure'); NCCL's watchdog ends the process itself."""
+    return _distributed() and bool(re.search(r"timed out|timeout", str(error), re.IGNORECASE))
+
+
+def rank_timeout_line(error):
+    """'rank 1 of 2: no answer from rank 0 within the process-group timeout (600 s, --dist_timeout; ...)'."""
+    rank, world = _rank(), torch.distributed.get_world_size()
+    waited = re.search(r"(\d+)\s*ms", str(error))
+    within = f"{int(waited[1]) / 1000:g} s, --dist_timeout" if waited else "--dist_timeout"
+    other = f"rank {1 - rank}" if world == 2 else "another rank"
+    return (f"rank {rank} of {world}: no answer from {other} within the process-group timeout ({within}; it "
+            f"stopped, hung or died); the job ends")
+
+
 STOP_SIGNALS = {"int": [], "term": [], "holding": [], "child_watch": []}
 
 
@@ -1086,6 +1211,11 @@ def run_command_line(run, interrupted="interrupted before the first step; nothin
     except KeyboardInterrupt as e:
         code = getattr(e, "code", 130)
         line = str(e) or (interrupted if code == 130 else interrupted.replace("interrupted", "terminated (SIGTERM)"))
+    except RuntimeError as e:   # a collective another rank never joined: this rank says so and leaves at once
+        if not (isinstance(e, RankTimeout) or timed_out(e)):
+            raise
+        print(f"error: {e if isinstance(e, RankTimeout) else rank_timeout_line(e)}", file=sys.stderr, flush=True)
+        os._exit(1)             # no teardown: it would wait on the rank that does not answer
     finally:   # a SIGTERM meanwhile (torchrun stopping this rank after another's error) waits for the restored handler
         late = []
         signal.signal(signal.SIGTERM, lambda signum, frame: late.append(signum))

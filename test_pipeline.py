@@ -424,7 +424,7 @@ def test_hf_folder_round_trip_and_bin_checkpoints(tmp_path):
     ours = costa.Encoder(tiny_config(dropout=0.0)).eval()
     run.save_pretrained(ours, tmp_path / "enc")
     assert {p.name for p in (tmp_path / "enc").iterdir()} == {
-        "config.json", "model.safetensors", "vocab.txt", "tokenizer_config.json"}
+        "config.json", "model.safetensors", "model.safetensors.sha256", "vocab.txt", "tokenizer_config.json"}
     hf = transformers.AutoModel.from_pretrained(tmp_path / "enc").eval()
     ids, mask = random_inputs()
     with torch.no_grad():
@@ -3770,3 +3770,182 @@ def test_pretrain_on_a_read_only_corpus_stops_before_any_work_naming_a_flag_that
         finetune.main(flags + ["--pretrain_args", f"--batch_size 4 --max_len 64 --cache_dir {tmp_path / 'cache'}"])
     assert (out / "pretrain" / "done.json").is_file() and list((tmp_path / "cache").glob("corpus.jsonl.gz.tokens-*"))
     assert folder_bytes(beir) == before
+
+
+# ----------------------------------------------------------------------------------------------
+# Every file read is checked before it is trusted: damaged or non-finite weights, checksums,
+# vocabularies, a rank that stops answering
+# ----------------------------------------------------------------------------------------------
+def _one_line_failure(call):
+    """The line run.run_command_line prints for call()'s failure (exit code 1)."""
+    with pytest.raises(SystemExit) as stopped:
+        run.run_command_line(call)
+    assert isinstance(stopped.value.code, str) and "\n" not in stopped.value.code
+    return stopped.value.code
+
+
+def _damage(path, how):
+    """A weight file halved, its header's first byte flipped, emptied, or 200 bytes flipped in its data."""
+    b = bytearray(path.read_bytes())
+    if how == "halved":
+        b = b[:len(b) // 2]
+    elif how == "header":
+        b[10] ^= 0xFF
+    elif how == "emptied":
+        b = bytearray()
+    else:
+        for i in range(len(b) - 400, len(b) - 200):
+            b[i] ^= 0xFF
+    path.write_bytes(bytes(b))
+
+
+@pytest.mark.parametrize("how", ["halved", "header", "emptied", "flipped"])
+def test_a_damaged_model_or_decoder_is_one_line_naming_the_file(tmp_path, how):
+    import cpdae
+    init = Path(_tiny_init(tmp_path / "run" / "encoder"))
+    torch.manual_seed(0)
+    run.save_tensors(init / "decoder.safetensors", cpdae.Decoder(32, 30522, 1e-12).state_dict())
+    assert (init / "model.safetensors.sha256").is_file() and (init / "decoder.safetensors.sha256").is_file()
+    beir = tiny_beir(tmp_path / "beir")
+    for name in ("model.safetensors", "decoder.safetensors"):
+        _damage(init / name, how)
+    if how != "flipped":      # a folder the project did not write (no checksum): its format is still checked
+        (init / "model.safetensors.sha256").unlink()
+    before = folder_bytes(tmp_path)
+    line = _one_line_failure(lambda: evaluate.main(evaluate.Config(model=str(init), dataset=str(beir))))
+    why = {"halved": r"not a readable safetensors file \(.*incomplete metadata.*\); the file is damaged or truncated",
+           "header": r"not a readable safetensors file \(.*invalid UTF-8.*\)",
+           "emptied": r"not a readable safetensors file \(empty\)",
+           "flipped": r"sha256 \w{16}\.\.\. is not the \w{16}\.\.\. that model.safetensors.sha256 recorded"}[how]
+    assert re.match(rf"error: {re.escape(str(init / 'model.safetensors'))}: {why}", line), line
+    with pytest.raises(data.DataError, match=rf"^{re.escape(str(init / 'model.safetensors'))}: {why}"):
+        costa.train(costa.Config(init=str(init), out_dir=str(tmp_path / "costa")))   # --init, before any work
+    with pytest.raises(data.DataError, match=rf"^{re.escape(str(init / 'decoder.safetensors'))}: "):
+        mechanisms.load_cpdae_decoder(init)                                  # the mechanisms' reader
+    assert folder_bytes(tmp_path) == before and not (tmp_path / "run" / "eval-test").exists()  # nothing written
+    assert not (tmp_path / "costa").exists()
+
+
+@pytest.mark.parametrize("where", ["word row", "position row"])
+def test_non_finite_weights_are_named_before_any_work(tmp_path, where):
+    init = Path(_tiny_init(tmp_path / "init"))
+    state = run.load_tensors(init / "model.safetensors")
+    name = "bert.embeddings." + ("word_embeddings.weight" if where == "word row" else "position_embeddings.weight")
+    state[name][5 if where == "word row" else 500] = float("nan") if where == "word row" else float("inf")
+    run.save_tensors(init / "model.safetensors", state)                     # a NaN the checksum vouches for
+    beir, expected = tiny_beir(tmp_path / "beir"), rf"error: {re.escape(str(init / 'model.safetensors'))}: {name} holds 32 non-finite"
+    line = _one_line_failure(lambda: evaluate.main(evaluate.Config(model=str(init), dataset=str(beir))))
+    assert re.match(expected, line), line
+    out = tmp_path / "ft"
+    line = _one_line_failure(lambda: finetune.main(["--init", str(init), "--dataset", str(beir), "--train_split", "test",
+                                                    "--steps", "1", "--out_dir", str(out)]))
+    assert re.match(expected, line) and not out.exists(), line
+
+
+def test_a_damaged_training_state_is_refused_and_non_finite_weights_are_never_saved(tmp_path, small_corpus):
+    _cpdae, c, model, optimizer, scheduler = _tiny_training(tmp_path, small_corpus)
+    out = Path(c.out_dir)
+    run.save_checkpoint(c, model, optimizer, scheduler, 2, True)
+    assert sorted(p.name for p in out.iterdir()) == ["encoder", "state.pt", "state.pt.sha256"]
+    assert run.load_training_state(out / "state.pt")["step"] == 2
+    step2 = folder_bytes(out)
+    with torch.no_grad():
+        model.encoder.embeddings.word.weight[7, :3] = float("nan")
+    with pytest.raises(data.DataError, match=r"^step 4: encoder.embeddings.word.weight holds 3 non-finite value\(s\) .*; "
+                                             rf"stopped without saving; {re.escape(str(out))} keeps its last good "
+                                             r"checkpoint, step 2$"):
+        run.save_checkpoint(c, model, optimizer, scheduler, 4, True, 2)
+    assert folder_bytes(out) == step2
+    _damage(out / "state.pt", "flipped")                                    # 200 bytes in its tensor data
+    with pytest.raises(data.DataError, match=r"state.pt: sha256 \w{16}\.\.\. is not the \w{16}\.\.\. that state.pt.sha256 "
+                                             r"recorded when it was written: the file is damaged"):
+        run.load_training_state(out / "state.pt")
+    nan_state = {"step": 2, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict(), "config": {}}
+    run.save_training_state(tmp_path / "state.pt", nan_state)               # no checksum: finiteness still checked
+    with pytest.raises(data.DataError, match=r"state.pt: model.encoder.embeddings.word.weight holds 3 non-finite"):
+        run.load_training_state(tmp_path / "state.pt")
+
+
+def test_a_checksum_names_what_the_file_holds_at_every_moment_of_a_switch(tmp_path, monkeypatch):
+    path = tmp_path / "w.safetensors"
+    run.save_tensors(path, {"w": torch.zeros(2)})
+    real = os.replace
+
+    def killed_after(src, dst):          # the kill lands right after the file was replaced, before its checksum
+        real(src, dst)
+        if Path(dst) == path:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(os, "replace", killed_after)
+    with pytest.raises(KeyboardInterrupt):
+        run.save_tensors(path, {"w": torch.ones(2)})
+    monkeypatch.undo()
+    assert run.load_tensors(path)["w"].tolist() == [1.0, 1.0]               # the new file, verified
+    assert len(run.listed_checksums(path)) == 2 and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_weight_files_get_the_folders_permissions(tmp_path):
+    folder = tmp_path / "enc"
+    _tiny_init(folder)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == folder.stat().st_mode & 0o666, modes
+
+
+def test_evaluate_checks_vocab_against_the_model_and_leaves_no_folder(tmp_path):
+    init, beir = _tiny_init(tmp_path / "run" / "encoder"), tiny_beir(tmp_path / "beir")
+    lines = data.VOCAB.read_text(encoding="utf-8").splitlines()
+    for n in (30523, 30000):
+        vocab = tmp_path / f"vocab{n}.txt"
+        vocab.write_text("\n".join((lines + ["[extra]"])[:n]) + "\n", encoding="utf-8")
+        c = evaluate.Config(model=init, dataset=str(beir), vocab=str(vocab), out_dir=str(tmp_path / "new" / "eval"))
+        line = _one_line_failure(lambda c=c: evaluate.main(c))
+        assert line == f"error: {vocab}: {n} entries, but the model {init} has vocab_size 30522", line
+        assert not (tmp_path / "new").exists()                              # a refused run leaves no folder it made
+    line = _one_line_failure(lambda: evaluate.main(evaluate.Config(bm25=True, dataset=str(beir), vocab=str(vocab))))
+    assert line.startswith(f"error: --vocab {vocab} is not used by --bm25"), line
+
+
+def test_finetune_uses_an_explicit_vocab_over_the_init_folders(tmp_path):
+    init, vocab = _tiny_init(tmp_path / "init"), tmp_path / "vocab.txt"
+    shutil.copyfile(data.VOCAB, vocab)
+    assert finetune.tokenizer_vocab(finetune.Config(init=init, vocab=str(vocab))) == str(vocab)
+    assert finetune.tokenizer_vocab(finetune.Config(init=init)) == str(Path(init) / "vocab.txt")
+
+
+def test_a_chance_of_zero_has_no_ratio():
+    assert run.chance_lines({"mlm_acc": 0.0, "mlm_chance": 0.0, "cl_acc": 0.5, "cl_chance": 0.25}) == [
+        "mlm: accuracy 0.0000, chance 0.0000, ratio n/a", "cl: accuracy 0.5000, chance 0.2500, ratio 2.00"]
+
+
+RANK_TIMEOUT_SCRIPT = """
+import os, signal, sys, time
+import torch
+import costa, run
+def work():
+    costa.setup_distributed(timeout_s=float(sys.argv[1]))
+    if os.environ["RANK"] == "0":
+        os.kill(os.getpid(), signal.SIGSTOP)                    # rank 0 stops answering
+    with run.stops_cleanly(lambda: (6, 5, "runs/x")):
+        torch.distributed.all_reduce(torch.ones(1))
+run.run_command_line(work)
+"""
+
+
+def test_a_rank_that_stops_answering_ends_the_job_within_dist_timeout(tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(HERE)}
+    ranks = [subprocess.Popen([PY, "-c", RANK_TIMEOUT_SCRIPT, "3"], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]
+    try:
+        _, err = ranks[1].communicate(timeout=90)
+    finally:
+        ranks[0].kill()
+        ranks[0].wait()
+    assert ranks[1].returncode == 1
+    assert err.strip().splitlines()[-1] == (
+        "error: rank 1 of 2: no answer from rank 0 within the process-group timeout (3 s, --dist_timeout; it stopped, "
+        "hung or died); the job ends at step 6; last checkpoint at step 5 in runs/x; continue with --resume"), err
