@@ -917,9 +917,10 @@ def frozen_trial(c, encoder, tokenizer, train, held):
         optimizer.step()
         if step % c.eval_every == 0 or step == c.steps:
             curve.append({"step": step, "train_loss": loss.item(), **{name: measure(split) for name, split in held.items()}})
-            print(f"{c.tag} seed {c.seed} step {step}/{c.steps}: train loss {loss.item():.4f}; " + "; ".join(
-                f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in curve[-1][name].items() if isinstance(v, float))
-                for name in held) + f" ({time.time() - start:.0f} s)", flush=True)
+            # dev only on the screen: a pilot's choices read dev, and nobody choosing sees test (it is in the row)
+            print(f"{c.tag} seed {c.seed} step {step}/{c.steps}: train loss {loss.item():.4f}; dev: " + ", ".join(
+                f"{k} {v:.4g}" for k, v in curve[-1]["dev"].items() if isinstance(v, float))
+                + f"; test: in the row only ({time.time() - start:.0f} s)", flush=True)
     if c.frozen == "cpdae":   # Table 4's text, for the figure with and without CL
         ids, mask = data.encode_texts(tokenizer, [TABLE4_TEXT], c.max_len)
         with torch.no_grad():

@@ -1701,14 +1701,16 @@ def test_a_frozen_cpdae_trial_starts_at_the_constant_predictor_and_writes_one_ro
     """--frozen cpdae: the decoder's output bias starts at the training windows' document-frequency log-odds, so
     after one step at a negligible lr its held-out L_REC is the constant predictor's (from bias 0 it would be near
     |V| ln 2 = 21,156); the row holds each held-out split at every --eval_every step, the settings and the Table 4
-    words; the encoder's vectors are computed once (a second trial reads them from --frozen_cache)."""
+    words; the encoder's vectors are computed once (a second trial reads them from --frozen_cache); its progress
+    lines print dev's measures and nothing of test (a pilot chooses from what it sees)."""
     flags = dict(model=_tiny_init(tmp_path / "enc"), frozen="cpdae", tag="cl", max_len=32, batch_size=4, n_texts=8,
                  frozen_cache=str(tmp_path / "cache"), out_dir=str(tmp_path / "rows"), **_frozen_corpora(tmp_path, wiki_texts))
     row = mechanisms.main(mechanisms.Config(steps=1, eval_every=1, lr=1e-12, **flags))[0]
     dev = row["curve"][0]["dev"]
     assert dev["rec"] == pytest.approx(dev["rec_constant"], rel=0.02) and dev["rec_constant"] < 1000
     assert dev["common"] == pytest.approx(dev["constant_common"], rel=0.05)
-    assert "kept in" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "kept in" in out and "; dev: rec " in out and "test: rec" not in out   # nothing of test on the screen
     row = mechanisms.main(mechanisms.Config(steps=3, eval_every=2, cl_weight=0, seed=1, **flags))[0]
     assert "kept in" not in capsys.readouterr().out                                 # the vectors, read again
     assert [point["step"] for point in row["curve"]] == [2, 3] and set(row["curve"][0]) >= {"dev", "test"}
