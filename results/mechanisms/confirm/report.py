@@ -79,6 +79,19 @@ def arm_rows(folder, spec, arm, split):
     return out
 
 
+def expected_rows(spec):
+    """Every row the plan asks for, as paths under rows/: each arm at each planned seed (an arm that only the
+    lambda series uses: at its seeds), a --heads arm on the gate split and the test split."""
+    tested = {t[k] for t in spec["tests"] for k in ("arm", "ablation")}
+    series_only = set(spec["lambda_series"]["arms"].values()) - tested
+    paths = []
+    for arm, where in spec["arms"].items():
+        seeds = spec["lambda_series"]["seeds"] if arm in series_only else spec["seeds"]
+        splits = (spec["gate_split"], spec["test_split"]) if "{split}" in where["row"] else ("",)
+        paths += [where["row"].format(seed=s, split=split) + ".json" for s in seeds for split in splits]
+    return paths
+
+
 def lookup(row, key, split, step):
     """A row's number: a --frozen row's measure on `split` at `step` (else its setting), a --heads row's
     field (a dotted path: cosine_by_length.128). None when absent."""
@@ -286,6 +299,9 @@ def main(folder, argv=()):
         return 1
     if "--check" in argv:   # make.sh: the plan parses and binds the rows so far
         return 0
+    if "--missing" in argv:   # make.sh: how many of the plan's rows are not there yet
+        print(sum(not (Path(folder) / "rows" / path).is_file() for path in expected_rows(spec)))
+        return 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         text = table(folder, spec, sha, made_under)
@@ -298,5 +314,5 @@ def main(folder, argv=()):
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:
-        sys.exit("usage: python results/mechanisms/confirm/report.py results/mechanisms/confirm [--check]")
+        sys.exit("usage: python results/mechanisms/confirm/report.py results/mechanisms/confirm [--check | --missing]")
     sys.exit(main(sys.argv[1], sys.argv[2:]))
