@@ -165,6 +165,8 @@ def judge(folder, spec):
             g = result["failed"][0]
             result["verdict"] = (f"not testable in this regime (gate: {g[0]['what']}: {g[2]:.4g}, needs "
                                  f"{g[0]['op']} {g[0]['threshold']})")
+        elif holm_p is None:
+            result["verdict"] = "pending (Holm's adjustment waits for the family's other tests)"
         else:
             result["verdict"] = "shown" if holm_p < spec["alpha"] else "not shown"
     return results, gate_rows
