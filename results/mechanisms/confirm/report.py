@@ -265,12 +265,9 @@ def table(folder, spec, sha, made_under):
     return "\n".join(lines) + "\n"
 
 
-def draw_lambda_series(folder, spec, path):
+def draw_lambda_series(folder, spec, path, plt):
     """The dose-response: each AUC against lambda (mean ± sd over the series' seeds), the control arm's and
     chance (0.5) as reference levels."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for ax, key in zip(axes, ("auc_text", "auc_common")):
         xs, means, sds = [], [], []
@@ -284,9 +281,69 @@ def draw_lambda_series(folder, spec, path):
         if control:
             ax.axhline(np.mean(control), color="grey", linestyle="--", label="control, lambda 0.003")
         ax.axhline(0.5, color="black", linewidth=0.5, label="chance")
-        ax.set(xscale="log", xlabel="lambda (eq. 4 averaged; 0.003: about 900x the paper's pull)", ylabel=key)
+        ax.set(xscale="log", xlabel="lambda (eq. 4 averaged; 0.003: ~900x the paper's pull)", ylabel=key)
         ax.legend(fontsize=7)
     fig.suptitle("CPDAE, MiniLM frozen: the text's words under z~ against lambda (test texts)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def mean_curve(folder, spec, arm, key, split):
+    """The mean over the seeds of a list-valued measure (a curve), cut to the shortest seed's. None without rows."""
+    curves = [lookup(row, key, split, spec["step"]) for row in arm_rows(folder, spec, arm, split).values()]
+    curves = [c for c in curves if c]
+    if not curves:
+        return None, 0
+    length = min(len(c) for c in curves)
+    return np.mean([c[:length] for c in curves], axis=0), len(curves)
+
+
+def draw_seed_figure4(folder, spec, path, plt):
+    """SEED's h0-swap gap by position without the [SEP] target (Figure 4's causal form), each decoder's mean over
+    its seeds, with 0 (a decoder that ignores h0) as the reference level."""
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    for arm, label in (("seed-weak", "span 2 (the paper's weak decoder)"), ("seed-strong", "full causal")):
+        curve, n = mean_curve(folder, spec, arm, "gap_by_position_nosep", spec["test_split"])
+        if curve is not None:
+            ax.plot(np.arange(len(curve)), curve, label=f"{label}, {n} seeds")
+    ax.axhline(0, color="black", linewidth=0.5, label="ignores h0")
+    ax.set(xlabel="target position (the final [SEP] left out)", ylabel="h0-swap gap (nats/token)")
+    ax.set_title(f"SEED, MiniLM frozen, step {spec['step']}: the decoder's reliance on h0 by position (test texts)",
+                 fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def draw_figure5(folder, spec, path, plt):
+    """Figure 5: the random-pair cosine of the test texts by length, MLM-only and SEED (mean ± sd over the
+    seeds), with the smallest effect the plan's seeds can detect at Holm's strictest level, drawn below MLM-only
+    at 128 tokens from the observed sd of the difference (its reference, beside 0: unrelated texts)."""
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    for arm, label in (("mlm", "MLM-only (costa.py --gwc_weight 0)"), ("seed", "SEED (span 2)")):
+        rows = arm_rows(folder, spec, arm, spec["test_split"])
+        by_length = [r["cosine_by_length"] for r in rows.values() if "cosine_by_length" in r]
+        if by_length:
+            lengths = sorted(by_length[0], key=int)
+            values = np.array([[c[n] for n in lengths] for c in by_length])
+            ax.errorbar([int(n) for n in lengths], values.mean(0), yerr=values.std(0), marker="o",
+                        label=f"{label}, {len(values)} seeds")
+    test = next(t for t in spec["tests"] if t["measure"].startswith("cosine_by_length"))
+    mlm = term_values(folder, spec, f"{test['ablation']}:{test['measure']}", spec["test_split"])
+    diffs = FIRST.paired_test(term_values(folder, spec, f"{test['arm']}:{test['measure']}", spec["test_split"]),
+                              mlm, -1)[0]
+    if len(diffs) > 1:
+        smallest = FIRST.detectable(len(diffs), float(diffs.std(ddof=1)), spec["alpha"] / len(spec["tests"]))
+        ax.plot([128], [np.mean(list(mlm.values())) - smallest], "k_", markersize=14,
+                label="MLM-only - the smallest detectable effect")
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.set(xscale="log", xlabel="tokens per text", ylabel="cosine of random test-text pairs")
+    ax.set_xticks([32, 64, 128, 256, 512], ["32", "64", "128", "256", "512"])
+    ax.minorticks_off()
+    ax.set_title("SEED Figure 5: MiniLM + 100 steps of continued pre-training (new test texts)", fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -309,7 +366,12 @@ def main(folder, argv=()):
         text = table(folder, spec, sha, made_under)
         (Path(folder) / "table.md").write_text(text)
         if made_under:
-            draw_lambda_series(folder, spec, Path(folder) / "cpdae_lambda.png")
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+            draw_lambda_series(folder, spec, Path(folder) / "cpdae_lambda.png", plt)
+            draw_seed_figure4(folder, spec, Path(folder) / "seed_figure4.png", plt)
+            draw_figure5(folder, spec, Path(folder) / "seed_figure5.png", plt)
     print(f"{Path(folder) / 'table.md'} written")
     return 0
 
