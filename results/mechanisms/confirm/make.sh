@@ -14,12 +14,14 @@
 # encoder's vectors of each seed's mask draw are computed once (runs/mechanisms-confirm/vectors). What it prints
 # while it has rows to make goes to output.txt as well (appended, with times); with every row there (a fresh
 # clone of the finished round) it only reprints table.md and the figures, and writes nothing else.
-# Its budget, from the first round's rows and output.txt on this 2-core machine (in seconds): the vectors of one
-# seed's draw ~435 (wiki-train 351, the new dev and test ~85) x 5 = 2,200; CPDAE 5 x (CL 220 + no CL 160 +
-# control 220) = 3,000; SEED 10 trials of 600 steps: 1,437-2,053 s each in the first round, at most a third of
-# that with the frozen SEED trial's speed-up (<= 5,800); Figure 5 5 x (MLM-only 160 + SEED 540 + heads 150) =
-# 4,250: the primary runs ~4.2 hours, the lambda series 9 x 220 = 2,000 more: ~4.8 hours in all. Without the
-# SEED speed-up its trials take ~17,500 s and the round ~8 hours (the primary rows ~7.5).
+# Its budget, from the first round's rows (`seconds`) and output.txt on this 2-core machine (in seconds): the
+# vectors of one seed's draw ~435 (wiki-train 351, the new dev and test ~85) x 5 = 2,200; CPDAE 5 x (CL 220 +
+# no CL 160 + control 220, each + ~15 for the rank measures) = 3,200; SEED 10 trials of 600 steps: 1,437-2,053 s
+# each in the first round (measured 6 times there, once here), at most a third of that with the frozen SEED
+# trial's speed-up (<= 5,800); Figure 5 5 x (MLM-only 160 + SEED 540 + heads 150) = 4,250: the primary rows
+# ~4.3 hours, the lambda series 9 x 235 = 2,100 more: ~4.9 hours in all, on a machine no one else uses. Without
+# the SEED speed-up its trials take up to ~17,500 s and the round ~8 hours (the primary rows ~7.5): then run it
+# in two sittings (it resumes).
 set -euo pipefail
 export PYTHONUNBUFFERED=1   # progress lines reach the log as they come
 PY=${PYTHON:-python}
