@@ -1892,6 +1892,13 @@ def test_confirm_report_judges_by_its_plan_with_every_seed_the_control_beaten_an
     report.main(beaten)
     assert "CL moves z~ onto the text's own words (tests 1, 2): **not shown**" in (beaten / "table.md").read_text()
 
+    strong = json.loads((beaten / "rows" / "frozen_seed-seed-strong-seed5.json").read_text())
+    strong["curve"][0]["dev"]["loss_other"] = 9.0                   # the full-causal decoder: the worse language model
+    data.atomic_write_json(beaten / "rows" / "frozen_seed-seed-strong-seed5.json", strong)
+    results, _ = report.judge(beaten, plan)
+    assert all(r["verdict"].startswith("not testable") and r["p"] == 1.0 for r in results[4:7])
+    assert results[7]["verdict"] != "pending" and results[0]["verdict"] == "shown"
+
     plan_md = tmp_path / "plan.md"
     plan_md.write_text(plan_md.read_text().replace('"op": "<=", "threshold": 0.99}', '"op": "<=", "threshold": 0.5}'))
     spec, new_sha = report.read_plan(tmp_path)
