@@ -1908,6 +1908,29 @@ def test_confirm_report_judges_by_its_plan_with_every_seed_the_control_beaten_an
     assert report.main(tmp_path) == 1
 
 
+def test_confirm_make_sh_with_every_row_only_reprints_and_stops_on_an_edited_plan(tmp_path):
+    """results/mechanisms/confirm/make.sh in a tree whose rows are all in trains nothing: it writes table.md and
+    the figures and no output.txt (a fresh clone stays clean); with plan.md edited after the rows it stops in one
+    line naming plan.md, before any work."""
+    report = _confirm_report()
+    folder = tmp_path / "results" / "mechanisms" / "confirm"
+    folder.mkdir(parents=True)
+    shutil.copy(HERE / "results" / "mechanisms" / "report.py", folder.parent / "report.py")
+    for name in ("make.sh", "report.py"):
+        shutil.copy(HERE / "results" / "mechanisms" / "confirm" / name, folder / name)
+    _confirm_rows(folder, report)
+    run_make = lambda: subprocess.run(["bash", "results/mechanisms/confirm/make.sh"], cwd=tmp_path, text=True,
+                                      capture_output=True, env={**os.environ, "PYTHON": PY}, timeout=300)
+    done = run_make()
+    assert done.returncode == 0, done.stderr
+    assert (folder / "table.md").is_file() and (folder / "cpdae_lambda.png").is_file()
+    assert not (folder / "output.txt").exists() and not (tmp_path / "runs").exists()
+    (folder / "plan.md").write_text((folder / "plan.md").read_text() + "\nan edit\n")
+    stopped = run_make()
+    assert stopped.returncode == 1 and stopped.stderr.strip().count("\n") == 0
+    assert "plan.md: edited after its rows" in stopped.stderr
+
+
 def test_confirm_measures_read_the_order_of_z_tilde_so_flattening_moves_the_old_share_only():
     """The confirmatory CPDAE measures (rank AUCs) on known cases: 1 when the text's words lead, 0 when they trail,
     1/2 for ties; a flatter z~ (mixed with the uniform, or a temperature on the logits) leaves them unchanged,
