@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from scipy import stats
 
 import cpdae
 import data
@@ -96,13 +97,16 @@ class Config(evaluate.Config):
     rec_reduction: str = "sum"    # --frozen cpdae: eq. 4 over the vocabulary, "sum" (the paper's) or "mean"
     dec_span: int = 2             # --frozen seed: the decoder's attention span (2 = the paper's weak one; 0 = full causal)
     dec_layers: int = 3           # --frozen seed: decoder blocks (the paper's 3)
+    mask_seed: int = 0            # --frozen: the draw of every window's two masked views (0: the first round's one draw)
+    cl_positive: str = "own"      # --frozen cpdae: a view's positive, its text's other view or "other": the control arm
+    confirm: bool = False         # --frozen: the confirmatory round's measures too (rank AUCs, entropy, per text; no-[SEP] slopes)
 
 
 # The domain of each numeric flag of its own, checked by run.parse_config before any work (evaluate.py's too).
 FLAG_RULES = {**evaluate.FLAG_RULES, "n_texts": ">= 2", "n_common": ">= 1", "frozen": "one of {cpdae, seed} or empty",
               "max_len": ">= 8", "steps": ">= 1", "eval_every": ">= 1", "batch_size": ">= 2", "lr": "> 0",
               "cl_weight": ">= 0", "cl_tau": "> 0", "rec_reduction": "one of {sum, mean}", "dec_span": ">= 0",
-              "dec_layers": ">= 1"}
+              "dec_layers": ">= 1", "mask_seed": ">= 0", "cl_positive": "one of {own, other}"}
 FIGURES = ("tsne", "words", "cls_by_length")   # the figures' flags (MECHANISMS: the measurements')
 
 
@@ -734,11 +738,12 @@ def cached_frozen_vectors(c, corpus, encoder):
     windows = data.token_windows(corpus, c.vocab or data.VOCAB, c.max_len, 0, "")
     key = zlib.crc32(f"{Path(c.model).resolve()}|{data.corpus_signature(corpus, c.vocab or data.VOCAB)}|"
                      f"{c.max_len}|{c.pooling}".encode())
-    path = Path(c.frozen_cache) / f"{Path(corpus).stem}-L{c.max_len}-{key:08x}.safetensors"
+    masks = f"-m{c.mask_seed}" if c.mask_seed else ""   # each --mask_seed its own draw of the masked views
+    path = Path(c.frozen_cache) / f"{Path(corpus).stem}-L{c.max_len}-{key:08x}{masks}.safetensors"
     if path.is_file():
         return run.load_tensors(path)
     start = time.time()
-    vectors = frozen_vectors(encoder, windows, c.pooling)
+    vectors = frozen_vectors(encoder, windows, c.pooling, c.mask_seed)
     run.save_tensors(path, vectors)
     print(f"{corpus}: {len(windows):,} windows, the frozen encoder's vectors of each (plain and two masked views) in "
           f"{time.time() - start:.0f} s, kept in {path}", flush=True)
@@ -798,6 +803,80 @@ def cpdae_measures(decoder, held, constant, common, special, c):
         for name, value in numbers.items():
             sums[name] = sums.get(name, 0.0) + float(value)
     return {**{k: v / len(batches) for k, v in sums.items()}, "cl_chance": 1 / (2 * m - 1), "n_windows": len(batches) * m}
+
+
+def other_texts(order, n, rows):
+    """The control arm's second texts: len(rows) training windows drawn (numpy Generator `order`) from the n
+    windows that are not in rows, so no text is in a step twice. rows (m,) -> (m,) long."""
+    rest = np.setdiff1d(np.arange(n), rows.numpy())
+    return torch.as_tensor(order.choice(rest, len(rows), replace=False))
+
+
+def cpdae_control_step(decoder, train, rows, other, bag, vocab, special, c):
+    """The control arm (--cl_positive other): the CL arm's pull with no text identity. Eq. 6 as cpdae_step (the
+    same L_REC, eq. 5 and lambda) on the first views of texts `rows` and the second views of m other texts
+    `other`, each view reconstructing its own text, text i's positive the view of other[i]: L_CL can pull and
+    spread z~ as in the CL arm, but no text's two views meet. bag (m, V) the texts of rows. -> the loss."""
+    logits = decoder(torch.cat([train["view1"][rows], train["view2"][other]]))                 # (2m, V) eq. 2
+    bags = torch.cat([bag, cpdae.bag_of_words(train["ids"][other], vocab, special)])           # (2m, V)
+    rec = cpdae.reconstruction_loss(logits, bags, None, c.rec_reduction)                       # eq. 4
+    similarity = partial(cpdae.js_similarity, chunk_size=8, tau=c.cl_tau)
+    cl, _ = cpdae.contrastive_loss(*cpdae.word_distribution(logits).chunk(2), similarity)     # eq. 5
+    return rec + c.cl_weight * cl                                                              # eq. 6
+
+
+def rank_auc(scores, positive, negative):
+    """Per row, the AUC of its positive entries against its negative ones by score: the chance that a random
+    positive scores above a random negative, ties counting one half (average ranks). It reads only the order
+    of a row's scores, so any increasing map of them (a rescaling, a temperature, a mix with the uniform)
+    leaves it as it is. scores (N, V); positive, negative (N, V) bool, disjoint. -> (N,) float64, nan where a
+    row lacks positives or negatives."""
+    keep = (positive | negative).numpy()
+    values = np.where(keep, scores.double().numpy(), -np.inf)                                  # (N, V) the rest lowest
+    ranks = stats.rankdata(values, axis=1) - (~keep).sum(1, keepdims=True)                     # (N, V) 1.. among kept
+    n_pos, n_neg = positive.sum(1).double().numpy(), negative.sum(1).double().numpy()          # (N,)
+    above = (ranks * positive.numpy()).sum(1) - n_pos * (n_pos + 1) / 2                        # (N,) pairs won
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return torch.as_tensor(np.where((n_pos > 0) & (n_neg > 0), above / (n_pos * n_neg), np.nan))
+
+
+def text_word_measures(logits, bag, common, special):
+    """CPDAE section 3.3 per text in forms a flatter z~ cannot move (the confirmatory round's primary measures),
+    beside numbers that show whether it flattened. The text's words: its tokens not common. auc_text: the AUC
+    of the text's words against the non-common words not in it; auc_common: against the common words (both by
+    z~'s order, read from the logits z, whose order within a text is z~'s). share_noncommon: the text's share
+    of z~'s non-common mass; entropy: of z~ (nats); sigmoid_sum: sum_j sigmoid(z_j), which eq. 3 divides by.
+    logits (N, V); bag (N, V) 0/1 (never a special token); common (V,) bool; special: ids. -> {name: (N,)}."""
+    probs = cpdae.word_distribution(logits)                                                    # (N, V)
+    ordinary = torch.ones(logits.shape[1], dtype=torch.bool)
+    ordinary[list(special)] = False                                                            # (V,)
+    bag, common = bag.bool(), common.bool()
+    own = bag & ~common                                                                        # (N, V)
+    absent = ~bag & ~common & ordinary                                                         # (N, V)
+    return {"auc_text": rank_auc(logits, own, absent),
+            "auc_common": rank_auc(logits, own, common.expand_as(own) & ~own),
+            "share_noncommon": (probs * own).sum(1) / (probs * (~common & ordinary)).sum(1),
+            "entropy": -(probs * torch.log(probs.clamp_min(1e-30))).sum(1),
+            "sigmoid_sum": torch.sigmoid(logits.float()).sum(1)}
+
+
+@torch.no_grad()
+def cpdae_text_measures(decoder, held, common, special, batch_size):
+    """text_word_measures of each held-out window's unmasked text, through the decoder: the mean over the texts
+    of each, and every text's value (name_by_text, 6 digits) for a test across texts. -> {name: ...}."""
+    decoder.eval()
+    parts = {}
+    for rows in torch.arange(len(held["ids"])).split(batch_size):
+        logits = decoder(held["plain"][rows]).float()                                          # (b, V)
+        bag = cpdae.bag_of_words(held["ids"][rows], logits.shape[1], special)                  # (b, V)
+        for name, value in text_word_measures(logits, bag, common, special).items():
+            parts.setdefault(name, []).append(value.double())
+    out = {}
+    for name, chunks in parts.items():
+        value = torch.cat(chunks)                                                              # (N,)
+        out[name] = float(value.nanmean())
+        out[f"{name}_by_text"] = [round(float(v), 6) for v in value]
+    return out
 
 
 def seed_decoder(c, encoder):
@@ -861,6 +940,43 @@ def seed_measures(decoder, held, unigram, batch=16):
             "n_windows": len(held["ids"]), "n_tokens": int(tokens)}
 
 
+@torch.no_grad()
+def seed_confirm_measures(decoder, held, unigram, sep, batch=16):
+    """seed_measures' numbers in one pass, with the confirmatory round's: the slopes of the gap and of the cosine
+    by position with each window's final [SEP] target left out (its gap is about 0, and it sits at the last
+    position of nearly every window: it would bend both curves' ends), and each window's own gap (mean over its
+    targets, [SEP] included, as "gap") for a test across texts. sep: [SEP]'s id."""
+    decoder.eval()
+    names = ("own", "other", "cosine", "n", "gap_nosep", "cosine_nosep", "n_nosep")
+    sums = {k: torch.zeros(held["ids"].shape[1] - 1, dtype=torch.float64) for k in names}
+    gap_by_text = []
+    for rows in torch.arange(len(held["ids"])).split(batch):
+        with run.autocast_bf16(torch.device("cpu")):   # as in training: the (B, L, V) logits' matmul in bf16
+            own, other, cosine, kept = seed_token_losses(decoder, held["view1"][rows], held["ids"][rows],
+                                                         held["mask"][rows])
+        targets = seed.decoder_inputs_and_targets(held["ids"][rows], held["mask"][rows])[1]   # (b, L-1)
+        gap, nosep = (other - own).double(), (kept & (targets != sep)).double()              # (b, L-1)
+        for name, grid in (("own", own), ("other", other), ("cosine", cosine), ("n", kept),
+                           ("gap_nosep", gap * nosep), ("cosine_nosep", cosine.double() * nosep), ("n_nosep", nosep)):
+            sums[name] += grid.double().sum(0)                                                 # (L-1,)
+        gap_by_text += (gap.sum(1) / kept.sum(1).clamp_min(1)).tolist()
+    present, n = sums["n"] > 0, sums["n"].clamp_min(1)
+    kept_nosep, n_nosep = sums["n_nosep"] > 0, sums["n_nosep"].clamp_min(1)
+    gap = ((sums["other"] - sums["own"]) / n)[present].tolist()
+    cosine = (sums["cosine"] / n)[present].tolist()
+    gap_nosep = (sums["gap_nosep"] / n_nosep)[kept_nosep].tolist()
+    cosine_nosep = (sums["cosine_nosep"] / n_nosep)[kept_nosep].tolist()
+    targets = seed.decoder_inputs_and_targets(held["ids"], held["mask"])[1]
+    tokens = float(sums["n"].sum())
+    return {"loss_own": float(sums["own"].sum()) / tokens, "loss_other": float(sums["other"].sum()) / tokens,
+            "gap": float((sums["other"] - sums["own"]).sum()) / tokens,
+            "unigram": float(-unigram[targets[targets != -100]].mean()), "gap_slope": slope(gap),
+            "cosine_slope": slope(cosine), "gap_slope_nosep": slope(gap_nosep),
+            "cosine_slope_nosep": slope(cosine_nosep), "gap_by_position": gap, "cosine_by_position": cosine,
+            "gap_by_position_nosep": gap_nosep, "cosine_by_position_nosep": cosine_nosep,
+            "gap_by_text": [round(v, 6) for v in gap_by_text], "n_windows": len(held["ids"]), "n_tokens": int(tokens)}
+
+
 def unigram_log_probs(ids, mask, vocab_size):
     """The unigram model of the training windows' decoder targets (every token after [CLS]), add-one smoothed:
     SEED's floor, the loss of a decoder that reads neither h0 nor its context. -> (V,) log-probabilities."""
@@ -885,10 +1001,15 @@ def frozen_trial(c, encoder, tokenizer, train, held):
 
         def step_loss(rows):
             bag = cpdae.bag_of_words(train["ids"][rows], vocab, special)                       # (m, V)
+            if c.cl_positive == "other":   # the control arm: the second views are m other texts'
+                return cpdae_control_step(decoder, train, rows, other_texts(order, len(train["ids"]), rows), bag,
+                                          vocab, special, c)
             return cpdae_step(decoder, train["view1"][rows], train["view2"][rows], bag, c)[0]
 
         def measure(split):
-            return cpdae_measures(decoder, split, constant, common, special, c)
+            numbers = cpdae_measures(decoder, split, constant, common, special, c)
+            return {**numbers, **cpdae_text_measures(decoder, split, common, special, c.batch_size)} if c.confirm \
+                else numbers
     else:
         unigram = unigram_log_probs(train["ids"], train["mask"], vocab)
         decoder = seed_decoder(c, encoder)
@@ -901,6 +1022,8 @@ def frozen_trial(c, encoder, tokenizer, train, held):
             return seed.decoder_loss(states, decoder.word_embedding[0].weight, targets)[0]
 
         def measure(split):
+            if c.confirm:   # the same measures, and the slopes without each window's final [SEP] target
+                return seed_confirm_measures(decoder, split, unigram, data.special_ids(tokenizer)["sep"])
             return seed_measures(decoder, split, unigram)
     params = [p for p in decoder.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=c.lr, weight_decay=0.01)
@@ -956,7 +1079,8 @@ def frozen_command(c, out_dir, device):
     curve = frozen_trial(c, encoder, tokenizer, train, held)
     settings = {k: getattr(c, k) for k in ("max_len", "pooling", "steps", "eval_every", "batch_size", "lr", "n_texts",
                                            *(("cl_weight", "cl_tau", "rec_reduction", "n_common") if c.frozen == "cpdae"
-                                             else ("dec_span", "dec_layers")))}
+                                             else ("dec_span", "dec_layers")),
+                                           *(("mask_seed", "cl_positive", "confirm") if c.confirm else ()))}
     row = mechanism_row(c, f"frozen_{c.frozen}", c.model, c.tag, {"settings": settings, "curve": curve,
                                                                   "seconds": round(time.time() - start)})
     row["seed"] = c.seed

@@ -1822,6 +1822,212 @@ def test_mechanisms_report_judges_the_encoder_side_only_with_every_seed_and_gate
     assert tests[6]["ran"]
 
 
+def _confirm_report():
+    spec = importlib.util.spec_from_file_location("confirm_report", HERE / "results" / "mechanisms" / "confirm" / "report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _confirm_rows(folder, report, control_auc=0.86, skip=()):
+    """Synthetic rows of every arm and seed the confirmatory plan asks for (CL's AUCs above no-CL's by 0.05, the
+    control's at control_auc, SEED's and Figure 5's in the claimed direction), stamped with plan.md's sha256."""
+    shutil.copy(HERE / "results" / "mechanisms" / "confirm" / "plan.md", folder / "plan.md")
+    plan, sha = report.read_plan(folder)
+    (folder / "rows").mkdir()
+    (folder / "rows" / "PLAN.sha256").write_text(sha + "\n")
+    rng = np.random.default_rng(0)
+    auc = {"cpdae-cl": 0.9, "cpdae-nocl": 0.85, "cpdae-control": control_auc, "cpdae-l0.001": 0.87,
+           "cpdae-l0.01": 0.88, "cpdae-l0.03": 0.8}
+    for s in plan["seeds"]:
+        for arm, path in plan["arms"].items():
+            if (arm, s) in skip:
+                continue
+            noise = float(rng.normal(0, 0.002))
+            if arm in auc:
+                point = {"rec": 90.0, "rec_constant": 100.0, "grad_cl_over_rec": 30.0, "auc_text": auc[arm] + noise,
+                         "auc_common": auc[arm] - 0.1 + noise, "auc_text_by_text": [auc[arm] + noise] * 4,
+                         "auc_common_by_text": [auc[arm] - 0.1 + noise] * 4}
+            elif arm.startswith("seed-"):
+                weak = arm == "seed-weak"
+                point = {"loss_own": 5.7, "unigram": 7.3, "loss_other": 6.4 if weak else 6.3, "gap": 0.6 + 0.2 * weak
+                         + noise, "gap_slope_nosep": 0.1 * weak + noise, "cosine_slope_nosep": 0.1 * weak + noise}
+            else:
+                for split in ("dev", "test"):
+                    data.atomic_write_json(folder / "rows" / (path["row"].format(seed=s, split=split) + ".json"),
+                                           {"mlm_acc": 0.16, "mlm_chance": 0.05, "dec_acc": 0.14, "dec_chance": 0.05,
+                                            "cosine_by_length": {"128": 0.29 - 0.03 * (arm == "seed") + noise}})
+                continue
+            data.atomic_write_json(folder / "rows" / (path["row"].format(seed=s) + ".json"),
+                                   {"settings": {"cl_weight": 0.003}, "curve": [{"step": 600, "dev": point, "test": point}]})
+    return plan, sha
+
+
+def test_confirm_report_judges_by_its_plan_with_every_seed_the_control_beaten_and_holm_over_its_family(tmp_path):
+    """results/mechanisms/confirm/report.py: with every planned row in, the 8 tests are judged, Holm's adjustment
+    over those 8 only; a test waits for every seed of its arms and gates (a missing control row leaves CPDAE's
+    tests and the Holm column pending); CPDAE's claim needs the control beaten as well as no-CL; a threshold
+    edited in plan.md changes the gate (the report reads the plan); edited after the rows, it is refused."""
+    report = _confirm_report()
+    plan, sha = _confirm_rows(tmp_path, report)
+    results, gates = report.judge(tmp_path, plan)
+    assert len(results) == 8 and all(g[3] for g in gates)
+    assert [r["verdict"] for r in results] == ["shown"] * 8
+    smallest = min(r["p"] for r in results)
+    assert min(r["holm"] for r in results) == pytest.approx(min(1.0, 8 * smallest))    # the family is these 8
+    assert report.main(tmp_path) == 0 and f"`{sha}`" in (tmp_path / "table.md").read_text()
+
+    missing = tmp_path / "miss"
+    missing.mkdir()
+    plan, _ = _confirm_rows(missing, report, skip={("cpdae-control", 9)})
+    results, _ = report.judge(missing, plan)
+    assert [r["state"] for r in results][:5] == ["pending"] * 4 + ["judged"]   # the control's gate lacks seed 9 too
+    assert all(r["holm"] is None for r in results)                                      # not until all are settled
+
+    beaten = tmp_path / "control"
+    beaten.mkdir()
+    plan, _ = _confirm_rows(beaten, report, control_auc=0.95)                            # the control beats CL
+    results, _ = report.judge(beaten, plan)
+    assert results[0]["verdict"] == "shown" and results[1]["verdict"] == "not shown"
+    report.main(beaten)
+    assert "CL moves z~ onto the text's own words (tests 1, 2): **not shown**" in (beaten / "table.md").read_text()
+
+    strong = json.loads((beaten / "rows" / "frozen_seed-seed-strong-seed5.json").read_text())
+    strong["curve"][0]["dev"]["loss_other"] = 9.0                   # the full-causal decoder: the worse language model
+    data.atomic_write_json(beaten / "rows" / "frozen_seed-seed-strong-seed5.json", strong)
+    results, _ = report.judge(beaten, plan)
+    assert all(r["verdict"].startswith("not testable") and r["p"] == 1.0 for r in results[4:7])
+    assert results[7]["verdict"] != "pending" and results[0]["verdict"] == "shown"
+
+    plan_md = tmp_path / "plan.md"
+    plan_md.write_text(plan_md.read_text().replace('"op": "<=", "threshold": 0.99}', '"op": "<=", "threshold": 0.5}'))
+    spec, new_sha = report.read_plan(tmp_path)
+    assert report.gates(tmp_path, spec)[0][3] is False                                 # read from plan.md itself
+    with pytest.raises(report.PlanError, match="plan.md: edited after its rows"):
+        report.check_binding(tmp_path, new_sha)
+    assert report.main(tmp_path) == 1
+
+
+def test_confirm_make_sh_with_every_row_only_reprints_and_stops_on_an_edited_plan(tmp_path):
+    """results/mechanisms/confirm/make.sh in a tree whose rows are all in trains nothing: it writes table.md and
+    the figures and no output.txt (a fresh clone stays clean); with plan.md edited after the rows it stops in one
+    line naming plan.md, before any work."""
+    report = _confirm_report()
+    folder = tmp_path / "results" / "mechanisms" / "confirm"
+    folder.mkdir(parents=True)
+    shutil.copy(HERE / "results" / "mechanisms" / "report.py", folder.parent / "report.py")
+    for name in ("make.sh", "report.py"):
+        shutil.copy(HERE / "results" / "mechanisms" / "confirm" / name, folder / name)
+    _confirm_rows(folder, report)
+    run_make = lambda: subprocess.run(["bash", "results/mechanisms/confirm/make.sh"], cwd=tmp_path, text=True,
+                                      capture_output=True, env={**os.environ, "PYTHON": PY}, timeout=300)
+    done = run_make()
+    assert done.returncode == 0, done.stderr
+    assert (folder / "table.md").is_file() and (folder / "cpdae_lambda.png").is_file()
+    assert not (folder / "output.txt").exists() and not (tmp_path / "runs").exists()
+    (folder / "plan.md").write_text((folder / "plan.md").read_text() + "\nan edit\n")
+    stopped = run_make()
+    assert stopped.returncode == 1 and stopped.stderr.strip().count("\n") == 0
+    assert "plan.md: edited after its rows" in stopped.stderr
+
+
+def test_confirm_measures_read_the_order_of_z_tilde_so_flattening_moves_the_old_share_only():
+    """The confirmatory CPDAE measures (rank AUCs) on known cases: 1 when the text's words lead, 0 when they trail,
+    1/2 for ties; a flatter z~ (mixed with the uniform, or a temperature on the logits) leaves them unchanged,
+    while the first round's share of the text's words, z~'s entropy and the sum of the sigmoids move."""
+    import cpdae
+
+    scores = torch.tensor([[5.0, 4.0, 1.0, 0.0, 9.0], [0.0, 1.0, 4.0, 5.0, 9.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    positive = torch.tensor([[1, 1, 0, 0, 0]] * 3, dtype=torch.bool)
+    negative = torch.tensor([[0, 0, 1, 1, 0]] * 3, dtype=torch.bool)                     # column 4: neither
+    assert mechanisms.rank_auc(scores, positive, negative).tolist() == [1.0, 0.0, 0.5]
+    torch.manual_seed(0)
+    logits = torch.randn(6, 300) * 2
+    bag = (torch.rand(6, 300) < 0.1).float()
+    bag[:, :3] = 0
+    common = torch.zeros(300, dtype=torch.bool)
+    common[3:20] = True
+    special = [0, 1, 2]
+    before = mechanisms.text_word_measures(logits, bag, common, special)
+    hotter = mechanisms.text_word_measures(logits * 0.3, bag, common, special)          # sigmoid's temperature
+    for name in ("auc_text", "auc_common"):
+        assert torch.allclose(before[name], hotter[name]) and 0.2 < before[name].mean() < 0.8
+    assert not torch.allclose(before["entropy"], hotter["entropy"])
+    assert not torch.allclose(before["sigmoid_sum"], hotter["sigmoid_sum"])
+    probs = cpdae.word_distribution(logits)
+    flat = 0.5 * probs + 0.5 / 300                                                       # mixed with the uniform
+    own, absent = bag.bool() & ~common, ~bag.bool() & ~common
+    absent[:, special] = False
+    assert torch.allclose(mechanisms.rank_auc(probs, own, absent), mechanisms.rank_auc(flat, own, absent))
+    old = mechanisms.word_shares(probs, bag, common)["representative"]
+    assert not torch.allclose(old, mechanisms.word_shares(flat, bag, common)["representative"], rtol=0.05)
+
+
+def test_cpdae_control_arm_pairs_each_view_with_another_texts_and_seeds_draw_their_own_masks(tmp_path, wiki_texts):
+    """The control arm's second texts are m others (none of the step's), its loss is L_REC over the 2m views with
+    their own texts' bags plus lambda x eq. 5 with text i's positive the view of other[i]; a --confirm trial of it
+    writes every test text's AUC, and --mask_seed draws (and caches apart) its own masked views."""
+    import cpdae
+
+    torch.manual_seed(0)
+    n, m, vocab = 12, 4, 30
+    train = {"view1": torch.randn(n, 8), "view2": torch.randn(n, 8), "ids": torch.randint(5, vocab, (n, 6))}
+    rows = torch.tensor([0, 3, 5, 7])
+    other = mechanisms.other_texts(np.random.default_rng(0), n, rows)
+    assert len(other) == m and not set(other.tolist()) & set(rows.tolist()) and len(set(other.tolist())) == m
+    decoder = cpdae.Decoder(8, vocab, 1e-12)
+    bag = cpdae.bag_of_words(train["ids"][rows], vocab, [0])
+    c = mechanisms.Config(rec_reduction="mean", cl_weight=0.5)
+    loss = mechanisms.cpdae_control_step(decoder, train, rows, other, bag, vocab, [0], c)
+    logits = decoder(torch.cat([train["view1"][rows], train["view2"][other]]))
+    rec = cpdae.reconstruction_loss(logits, torch.cat([bag, cpdae.bag_of_words(train["ids"][other], vocab, [0])]),
+                                    None, "mean")
+    cl, _ = cpdae.contrastive_loss(*cpdae.word_distribution(logits).chunk(2), cpdae.js_similarity)
+    assert loss.item() == pytest.approx((rec + 0.5 * cl).item(), rel=1e-5)
+    corpora = _frozen_corpora(tmp_path, [text[:700] for text in wiki_texts])   # a few windows each: cheap
+    flags = dict(model=_tiny_init(tmp_path / "enc"), frozen="cpdae", max_len=32, batch_size=4, n_texts=8, steps=1,
+                 frozen_cache=str(tmp_path / "cache"), out_dir=str(tmp_path / "rows"), confirm=True, **corpora)
+    row = mechanisms.main(mechanisms.Config(tag="control", cl_positive="other", mask_seed=5, seed=5, **flags))[0]
+    test = row["curve"][-1]["test"]
+    assert len(test["auc_text_by_text"]) == 8 and 0 <= test["auc_text"] <= 1 and test["entropy"] > 0
+    assert row["settings"]["cl_positive"] == "other" and row["settings"]["mask_seed"] == 5
+    cached = sorted(p.name for p in (tmp_path / "cache").glob("train-*.safetensors"))
+    assert len(cached) == 1 and cached[0].endswith("-m5.safetensors")
+    encoder = evaluate.load_encoder(tmp_path / "enc")
+    windows = data.token_windows(corpora["corpus"], data.VOCAB, 32, 0, "")
+    draws = [mechanisms.frozen_vectors(encoder, windows, "cls", seed) for seed in (0, 5)]
+    assert torch.equal(draws[0]["plain"], draws[1]["plain"]) and not torch.equal(draws[0]["view1"], draws[1]["view1"])
+
+
+def test_seed_confirm_measures_leave_the_sep_target_out_of_the_slopes_only():
+    """seed_confirm_measures gives seed_measures' numbers, and slopes without each window's final [SEP] target:
+    on full windows ending in [SEP] the no-[SEP] curves are one position shorter; the per-text gaps average to
+    the gap; a decoder whose cross-attention output is zero has no gap anywhere."""
+    import seed
+
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(50, 16)
+    c = seed.Config(hidden_size=16, num_heads=2, ffn_size=32, vocab_size=50, max_position=12, dec_span=0, dropout=0.0)
+    decoder = seed.WeakDecoder(c, embedding)
+    ids = torch.randint(5, 50, (6, 12))
+    ids[:, 0], ids[:, -1] = 3, 4                                                          # [CLS] ... [SEP]
+    held = {"ids": ids, "mask": torch.ones(6, 12, dtype=torch.long), "view1": torch.randn(6, 16)}
+    unigram = torch.full((50,), -math.log(50))
+    old = mechanisms.seed_measures(decoder, held, unigram, batch=3)
+    new = mechanisms.seed_confirm_measures(decoder, held, unigram, sep=4, batch=3)
+    for name in ("loss_own", "loss_other", "gap", "unigram", "gap_slope", "cosine_slope"):
+        assert new[name] == pytest.approx(old[name], rel=1e-5, abs=1e-7)
+    assert len(new["gap_by_position_nosep"]) == len(old["gap_by_position"]) - 1 == 10
+    assert new["gap_by_position_nosep"] == pytest.approx(old["gap_by_position"][:-1], abs=1e-6)
+    assert new["gap_slope_nosep"] == pytest.approx(mechanisms.slope(old["gap_by_position"][:-1]), abs=1e-4)
+    assert np.mean(new["gap_by_text"]) == pytest.approx(new["gap"], abs=1e-5) and len(new["gap_by_text"]) == 6
+    for block in decoder.blocks:
+        torch.nn.init.zeros_(block.cross_out.weight)
+        torch.nn.init.zeros_(block.cross_out.bias)
+    cut = mechanisms.seed_confirm_measures(decoder, held, unigram, sep=4, batch=3)
+    assert max(map(abs, cut["gap_by_text"])) < 1e-5 and abs(cut["gap_slope_nosep"]) < 1e-3
+
+
 def _seed_run(folder, dec_span, ignore_h0=False):
     import seed
 
