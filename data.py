@@ -470,11 +470,12 @@ def check_qrels(qrels, queries, corpus, path):
                 raise DataError(f"{path}: document id {docid!r} (query {qid!r}) is not in the corpus")
 
 
-def load_beir(folder, split="test"):
+def load_beir(folder, split="test", corpus=None):
     """A BEIR-layout folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' allowed). Returns (corpus
-    {docid: {"title", "text"}}, queries {qid: text} of the split's judged queries, qrels {qid: {docid: grade}})."""
+    {docid: {"title", "text"}}, queries {qid: text} of the split's judged queries, qrels {qid: {docid: grade}}).
+    corpus: the folder's corpus already read (another split's), used instead of reading it again."""
     qrels_path = find_file(Path(folder) / "qrels", f"{split}.tsv")
-    corpus = read_corpus(find_file(folder, "corpus.jsonl"))
+    corpus = read_corpus(find_file(folder, "corpus.jsonl")) if corpus is None else corpus
     queries = read_queries(find_file(folder, "queries.jsonl"))
     qrels = read_qrels(qrels_path)
     check_qrels(qrels, queries, corpus, qrels_path)

@@ -961,6 +961,47 @@ def test_bm25_matches_term_by_term_formula():
     np.testing.assert_allclose(scores, np.take_along_axis(expected, ids, 1), rtol=1e-5)
 
 
+def test_bm25_sparse_top_k_equals_the_dense_rows_and_scifact_keeps_its_rankings(monkeypatch):
+    """The sparse top-k (large corpora) scores exactly what the dense rows hold and orders ties by document
+    index; SciFact stays on the dense path, so command 1's rankings and negatives keep argpartition's tie
+    order. Seen failing on the old code (no sparse_search) and with the tie rows at the k-th score dropped."""
+    corpus, queries, qrels = data.load_beir(HERE / "data" / "scifact", "test")
+    bm25 = evaluate.BM25([evaluate.passage_text(corpus[d]) for d in corpus])
+    texts = [queries[q] for q in sorted(qrels)]
+    assert bm25.n_docs <= bm25.DENSE_UP_TO
+    dense_scores, dense_ids = bm25.dense_search(texts, 1000)
+    got_scores, got_ids = bm25.search(texts, 1000)
+    np.testing.assert_array_equal(got_ids, dense_ids)                   # SciFact: the old path, bit for bit
+    np.testing.assert_array_equal(got_scores, dense_scores)
+    sparse_scores, sparse_ids = bm25.sparse_search(texts, 1000, postings_per_chunk=50_000)   # several chunks
+    full = bm25.score(texts)                                            # (300, 5183)
+    by_score_then_index = np.lexsort((np.broadcast_to(np.arange(full.shape[1]), full.shape), -full), axis=1)
+    np.testing.assert_array_equal(sparse_ids, by_score_then_index[:, :1000])
+    np.testing.assert_array_equal(sparse_scores, dense_scores)         # the same values, bit for bit
+    monkeypatch.setattr(evaluate.BM25, "DENSE_UP_TO", 1000)
+    np.testing.assert_array_equal(bm25.search(texts[:20], 50)[1], sparse_ids[:20, :50])
+    tiny = evaluate.BM25(["cats sleep", "dogs bark", "cats purr loudly", "birds sing"])
+    scores, ids = tiny.sparse_search(["cats"], 4)                       # two match; the tail: 1, 3 (score 0)
+    assert ids.tolist() == [[0, 2, 1, 3]] and scores[0, 2:].tolist() == [0.0, 0.0] and (scores[0, :2] > 0).all()
+
+
+def _share_worker(rank, world, tmp_path):
+    doc_ids = [f"d{i}" for i in range(6)]
+    if rank == 1:
+        time.sleep(4)                      # a slower BM25 share: longer than the group's 2 s collective timeout
+    ranked = finetune.share_through_files(tmp_path / "negatives_bm25.tsv", {f"q{rank}": [rank, 5]}, doc_ids,
+                                          {d: i for i, d in enumerate(doc_ids)}, tag=7, patience_s=60)
+    torch.save(ranked, tmp_path / f"rank{rank}.pt")
+
+
+def test_bm25_shares_reach_every_rank_without_a_collective_timing_out(tmp_path, run_on_ranks):
+    """Seen failing with all_gather_object in place of the files (gloo's 2 s timeout expires while rank 1
+    still searches)."""
+    r0, r1 = run_on_ranks(2, _share_worker, tmp_path, timeout_s=2)
+    assert r0 == r1 == {"q0": [0, 5], "q1": [1, 5]}
+    assert not list(tmp_path.glob("negatives_bm25.7.part*"))     # rank 0 removed the parts once all had read them
+
+
 # ------------------------------------------------------------------ search
 def test_exact_search_matches_numpy_brute_force():
     rng = np.random.default_rng(0)
