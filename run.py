@@ -43,7 +43,7 @@ METHODS = ("seed", "cpdae", "costa")
 @dataclasses.dataclass
 class TrainConfig:
     # --- data
-    corpus: str = str(data.WIKI)       # pre-training corpus: .txt / .jsonl file or folder ('.gz' ok)
+    corpus: str = str(data.WIKI)       # pre-training corpus: .txt / .jsonl file or folder ('.gz' ok; WikiExtractor's)
     vocab: str = str(data.VOCAB)       # WordPiece vocab.txt (BERT uncased, 30,522 entries)
     max_len: int = 128            # tokens per window incl. [CLS] and [SEP] (the papers: 512)
     # --- model (CPU default is small; --preset paper gives BERT-base)
@@ -76,6 +76,7 @@ class TrainConfig:
     workers: int = 0              # data-loader worker processes building batches
     cache_dir: str = ""           # token cache folder ("" = next to the corpus; see token_windows)
     prep_workers: int = 0         # processes tokenizing the corpus into the cache, first run only (0 = all cores)
+    bad_bytes: str = "stop"       # a corpus line that is not UTF-8: "stop" the run, or "skip" it (counted in one line)
     # --- bookkeeping
     out_dir: str = "runs/run"     # checkpoints, config.json and log.jsonl go here (each method sets its own)
     log_every: int = 10           # steps between progress lines
@@ -100,7 +101,7 @@ TRAIN_RULES = {
     "epochs": ">= 0", "batch_size": ">= 1", "global_batch": ">= 0", "grad_accum": ">= 1", "lr": "> 0", "clip": "> 0",
     "weight_decay": ">= 0", "warmup": "in [0, 1]", "mask_prob": "in [0, 1]", "workers": ">= 0", "log_every": ">= 1",
     "save_every": ">= 1", "halt_at": ">= 0", "prep_workers": ">= 0", "head_warmup": ">= 0", "head_lr": "> 0",
-    "bottleneck": "one of {cls, mean}"}
+    "bottleneck": "one of {cls, mean}", "bad_bytes": "one of {stop, skip}"}
 
 
 def start_run(c, world):
@@ -160,7 +161,8 @@ def run_vocab(c):
 def load_windows(c, rank):
     """The corpus' windows, mapped from its token cache (built by rank 0 on the first run)."""
     t0 = time.time()
-    windows = data.token_windows(c.corpus, c.vocab, c.max_len, rank, c.cache_dir, c.prep_workers, rank == 0)
+    windows = data.token_windows(c.corpus, c.vocab, c.max_len, rank, c.cache_dir, c.prep_workers, rank == 0,
+                                 c.bad_bytes)
     if rank == 0:
         print(f"data: {c.corpus}: {len(windows):,} windows, {windows.n_tokens:,} tokens, mapped from "
               f"{windows.folder} ({time.time() - t0:.1f}s)")

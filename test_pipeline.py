@@ -182,6 +182,32 @@ def test_pretraining_readers(tmp_path):
         data.read_pretraining_texts(tmp_path / "missing.txt")
 
 
+def test_wikiextractor_folders_are_read_recursively_in_both_formats_and_bad_bytes_can_be_skipped(
+        tmp_path, capsys):
+    """WikiExtractor writes text/AA/wiki_00 (no extension), as JSON lines (--json) or <doc> blocks; both read as
+    the same documents, its nested folders too. Seen failing on the old code (the folder read nothing)."""
+    docs = [("Anarchism", "Anarchism is a philosophy.\nIt has a history."), ("Autism", "Autism is a condition.")]
+    as_json = "".join(json.dumps({"id": str(i), "url": "u", "title": t, "text": x}) + "\n"
+                      for i, (t, x) in enumerate(docs))
+    as_doc = "".join(f'<doc id="{i}" url="u" title="{t}">\n{t}\n\n{x}\n</doc>\n' for i, (t, x) in enumerate(docs))
+    write(tmp_path / "json" / "AA" / "wiki_00", as_json)
+    write(tmp_path / "doc" / "AA" / "wiki_00", as_doc)
+    write(tmp_path / "doc" / "AB" / "wiki_01", as_doc)
+    expected = [f"{t}. {x}" for t, x in docs]
+    assert data.read_pretraining_texts(tmp_path / "json") == expected
+    assert data.read_pretraining_texts(tmp_path / "doc") == expected * 2                # AA then AB
+    with pytest.raises(data.DataError, match=r"wiki_02:7: this <doc> has no </doc>"):
+        data.read_pretraining_texts(write(tmp_path / "cut" / "wiki_02", as_doc[:-7]))
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"first doc.\n\nsecond \xff doc.\n\nthird doc.\n")
+    with pytest.raises(data.DataError, match=r"bad\.txt:3: byte 0xff"):
+        data.read_pretraining_texts(bad)                                              # --bad_bytes stop
+    capsys.readouterr()
+    assert data.read_pretraining_texts(bad, bad_bytes="skip") == ["first doc.", "third doc."]
+    assert capsys.readouterr().out == (f"warning: {bad}: skipped 1 lines with bytes that are not UTF-8 "
+                                       f"(--bad_bytes skip; the first at line 3)\n")
+
+
 def test_streaming_reader_splits_plain_text_as_split_on_blank_lines(tmp_path):
     text = "\nfirst\n\n\n\nsecond\n \nstill second\n\n  \n\nthird\r\n\r\nfourth"
     path = write(tmp_path / "odd.txt", text)
@@ -2738,7 +2764,7 @@ def test_silent_inputs_are_refused_or_named(tmp_path, capsys, monkeypatch):
     write(folder / "notes.csv", "id,text\n1,not a document\n")
     assert data.read_pretraining_texts(folder) == ["first document", "second document"]
     assert capsys.readouterr().out == (f"{folder}: skipping notes.csv (a corpus folder reads only .txt, .jsonl, "
-                                       f".txt.gz, .jsonl.gz files)\n")
+                                       f".txt.gz, .jsonl.gz files and WikiExtractor's)\n")
     # A corpus error leaves no empty token cache folder behind.
     empty = write(tmp_path / "empty" / "blank.txt", "\n\n\n")
     with pytest.raises(data.DataError, match="empty corpus"):
