@@ -5,7 +5,9 @@ generated corpora. Each (size, path) runs in a fresh process (the peak RSS is a 
 paths' top-k scores are compared. What it prints is written to results/scale/bm25_bench.md.
 
 The passages and queries are generated: words of a 200,000-word vocabulary drawn with Zipf-like
-frequencies (p ~ 1 / rank^1.1), 56 words a passage and 6 a query on average (MS MARCO's lengths), seeded.
+frequencies (p ~ 1 / rank^1.1), the 318 most frequent being scikit-learn's English stopwords (which BM25
+drops, as the most frequent English words mostly are), 56 words a passage and 6 a query on average (MS
+MARCO's lengths), seeded.
 
     python results/scale/bm25_bench.py 300000,3000000          # what bm25_bench.md holds
     python results/scale/bm25_bench.py 20000 --queries 200     # a quick check
@@ -19,25 +21,30 @@ import time
 from pathlib import Path
 
 import numpy as np
+from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root
 import benchmark
 import evaluate
 
 VOCAB = 200_000
+STOPWORDS = sorted(ENGLISH_STOP_WORDS)   # BM25's tokenizer drops them (318 words)
 
 
 def words(n_texts, mean_len, seed):
     """n_texts generated texts of about mean_len words: Zipf-like word ids spelled as letters."""
     rng = np.random.default_rng(seed)
     p = 1.0 / np.arange(1, VOCAB + 1) ** 1.1
-    letters = np.array(list("qwrtypsdfghjklzxcvbnm"))            # 21 consonants: no word is a stopword
+    letters = np.array(list("qwrtypsdfghjklzxcvbnm"))            # 21 consonants: no made-up word is a stopword
     digits = (np.arange(VOCAB)[:, None] // 21 ** np.arange(5)) % 21                          # (VOCAB, 5)
     spelled = np.array(["".join(row) for row in letters[digits]])  # 'qqqqq', 'wqqqq', ...
-    lengths = rng.poisson(mean_len - 1, n_texts) + 1
-    ids = rng.choice(VOCAB, size=int(lengths.sum()), p=p / p.sum())
-    cuts = np.cumsum(lengths)[:-1]
-    return [" ".join(chunk) for chunk in np.split(spelled[ids], cuts)]
+    spelled[:len(STOPWORDS)] = STOPWORDS                         # the most frequent words are stopwords, as in English
+    texts = []
+    for start in range(0, n_texts, 50_000):                      # in blocks: the word arrays stay small
+        lengths = rng.poisson(mean_len - 1, min(50_000, n_texts - start)) + 1
+        ids = rng.choice(VOCAB, size=int(lengths.sum()), p=p / p.sum())
+        texts += [" ".join(chunk) for chunk in np.split(spelled[ids], np.cumsum(lengths)[:-1])]
+    return texts
 
 
 def peak_mib():
