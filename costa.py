@@ -70,7 +70,7 @@ class Config(run.TrainConfig):
 # (Config's defaults). Silent: the pre-training batch size (we keep --batch_size 32 per rank on its
 # up to 4 GPUs; set --global_batch to fix it), Adam's epsilon (torch's 1e-8), weight decay and clipping.
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=5e-5,
-                    warmup=0.1, epochs=6.0)
+                    warmup=0.1, epochs=6.0, **run.PAPER_RUN)   # PAPER_RUN: workers, checkpoints
 
 
 # The domain of each of COSTA's flags, checked by run.parse_config before any work (with TrainConfig's).

@@ -136,7 +136,8 @@ class Config:
                                   "vectors_dir", "out_dir")
 
 
-PAPER_PRESET = dict(lr=5e-6, batch_size=64, epochs=3.0, hard_epochs=2.0, n_negatives=7, rounds=1, query_len=32)
+PAPER_PRESET = dict(lr=5e-6, batch_size=64, epochs=3.0, hard_epochs=2.0, n_negatives=7, rounds=1, query_len=32,
+                    workers=4, log_every=100, save_every=1000)   # the run's: batches built ahead, checkpoints
 
 
 # The domain of each numeric or choice flag, checked by run.parse_config before any work.

@@ -3052,6 +3052,48 @@ def test_a_non_finite_loss_says_whether_a_checkpoint_is_kept(tmp_path):
         run.stop_if_not_finite(torch.tensor(float("inf")), 120, c, last_saved=100)
 
 
+def test_keep_last_keeps_older_checkpoints_as_hard_links_and_prunes_them(tmp_path):
+    """--keep_last 3: before each save the current checkpoint stays in checkpoints/step-N (no copy), the 2 newest
+    kept. Seen failing on the old code (no keep_previous_checkpoint) and with the prune's count off by one."""
+    for step in (10, 20, 30, 40):
+        if step > 10:
+            run.keep_previous_checkpoint(tmp_path, step - 10, keep_last=3)
+        (tmp_path / "state.pt").unlink(missing_ok=True)               # as save_checkpoint's os.replace does
+        (tmp_path / "encoder").mkdir(exist_ok=True)
+        (tmp_path / "encoder" / "model.safetensors").unlink(missing_ok=True)
+        (tmp_path / "state.pt").write_text(f"state {step}")
+        (tmp_path / "encoder" / "model.safetensors").write_text(f"weights {step}")
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == ["step-20", "step-30"]
+    assert (tmp_path / "checkpoints" / "step-30" / "state.pt").read_text() == "state 30"
+    assert (tmp_path / "checkpoints" / "step-20" / "encoder" / "model.safetensors").read_text() == "weights 20"
+    assert (tmp_path / "state.pt").read_text() == "state 40"
+
+
+def test_on_a_gpu_the_finite_check_waits_for_a_log_step_and_names_the_first_bad_step(tmp_path):
+    """On CUDA the loop syncs with the host only on log and checkpoint steps: a NaN at step 2 is found at step 5
+    (log_every 5), named as step 2, before any checkpoint. Seen failing on the old code (it checked, and synced,
+    at every step: the NaN raised at step 2)."""
+    c = costa.Config(out_dir=str(tmp_path), log_every=5, save_every=100, steps=50)
+    training = types.SimpleNamespace(c=c, device=torch.device("cuda"), saved=0, unchecked=[], step=0)
+    training.waits_on_device = types.MethodType(run.TrainingRun.waits_on_device, training)
+    check = types.MethodType(run.TrainingRun.stop_if_not_finite, training)
+    for step, norm in ((1, 1.0), (2, float("nan")), (3, 2.0), (4, float("inf"))):
+        check(torch.tensor(norm), step)                                # no sync, no stop yet
+    with pytest.raises(data.DataError, match=r"^step 2: the loss is not finite \(gradient norm nan\)"):
+        check(torch.tensor(1.0), 5)
+    assert [training.waits_on_device(s) for s in (99, 100, 50)] == [False, True, True]
+
+
+def test_paper_presets_build_batches_ahead_and_checkpoint_by_the_clock():
+    """Seen failing on the old code (--workers 0, a checkpoint every 100 steps, nothing kept)."""
+    for module in (costa, importlib.import_module("cpdae"), importlib.import_module("seed")):
+        c = run.parse_config(module.Config, ["--preset", "paper"], "", module.PAPER_PRESET, module.FLAG_RULES)
+        assert c.workers >= 1 and c.save_minutes > 0 and c.save_every >= 10_000 and c.keep_last > 1, module
+    c = run.parse_config(finetune.Config, ["--preset", "paper"], "", finetune.PAPER_PRESET, finetune.FLAG_RULES)
+    assert c.workers >= 1 and c.save_every >= 1000
+
+
 # Token cache: it proves itself before use; killed builds' temporaries; dropped and empty documents
 # ----------------------------------------------------------------------------------------------
 def _windows_of(corpus, **kwargs):
