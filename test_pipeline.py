@@ -1330,6 +1330,60 @@ def test_two_process_loss_and_gradients_equal_one_process(tmp_path, loss_name, r
     assert torch.allclose(torch.cat([r0["p_grad"], r1["p_grad"]]), 2 * p.grad, atol=1e-6)
 
 
+def _four_rank_worker(rank, world, tmp_path, text, spans, view1, view2):
+    """COSTA's eq. 8, CPDAE's eq. 5 (JS) and fine-tuning's loss on this rank's quarter of one global batch."""
+    cpdae, out = importlib.import_module("cpdae"), {}
+    n, m = text.shape[0] // world, view1.shape[0] // world
+    local = [t[rank * n:(rank + 1) * n].clone().requires_grad_() for t in (text, spans)]
+    loss, _ = costa.gwc_loss_distributed(*local, 0.1)
+    loss.backward()
+    out["costa"] = (loss.detach(), local[0].grad, local[1].grad)
+    local = [v[rank * m:(rank + 1) * m].clone().requires_grad_() for v in (view1, view2)]
+    loss, _ = cpdae.gathered_contrastive_loss(*map(cpdae.word_distribution, local), cpdae.js_similarity)
+    loss.backward()
+    out["cpdae"] = (loss.detach(), local[0].grad, local[1].grad)
+    model = _tiny_bi_encoder("softmax")
+    loss, _ = model(_local(_toy_batch(n_queries=8), rank, world))
+    loss.backward()
+    out["finetune"] = (loss.detach(), {k: p.grad for k, p in model.named_parameters() if p.grad is not None})
+    torch.save(out, tmp_path / f"rank{rank}.pt")
+
+
+def test_four_processes_equal_one_process_for_every_gathered_loss(tmp_path, run_on_ranks):
+    """4 gloo ranks x 2 texts (or queries) each against one process on all 8: COSTA, CPDAE and fine-tuning, loss
+    and gradients; and each rank's own loss is that of its own texts as the anchors. A wrong direction of the
+    anchors' rotation (roll(+rank n) for roll(-rank n)) leaves the sums over ranks as they are, and with 2 ranks
+    it changes nothing at all; here rank 1 then takes rank 3's texts as anchors (seen failing so in costa.py
+    and in cpdae.py, each alone)."""
+    cpdae, g = importlib.import_module("cpdae"), torch.Generator().manual_seed(3)
+    text, spans = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 3, 6, generator=g, dtype=torch.float64)
+    view1 = torch.randn(8, 30, generator=g, dtype=torch.float64)
+    view2 = view1 + 0.5 * torch.randn(8, 30, generator=g, dtype=torch.float64)
+    ranks = run_on_ranks(4, _four_rank_worker, tmp_path, text, spans, view1, view2)
+    one = {}
+    for name, (a, b), fn in (("costa", (text, spans), lambda a, b: costa.gwc_loss(a, b, 0.1)[0]),
+                             ("cpdae", (view1, view2), lambda a, b: cpdae.contrastive_loss(
+                                 cpdae.word_distribution(a), cpdae.word_distribution(b), cpdae.js_similarity)[0])):
+        a, b = a.clone().requires_grad_(), b.clone().requires_grad_()
+        loss = fn(a, b)
+        one[name] = (loss.detach(), *torch.autograd.grad(loss, (a, b)))
+        torch.testing.assert_close(sum(r[name][0] for r in ranks) / 4, one[name][0])
+        for rank, r in enumerate(ranks):   # its own 2 texts first, as the anchors
+            mine = [x.roll(-2 * rank, dims=0) for x in (a, b)]
+            own = (costa.gwc_loss(*mine, 0.1, n_anchors=2)[0] if name == "costa" else cpdae.contrastive_loss(
+                *map(cpdae.word_distribution, mine), cpdae.js_similarity, n_anchors=2)[0])
+            torch.testing.assert_close(r[name][0], own.detach())
+        for i in (1, 2):   # all_gather's backward sums over the ranks: each rank's rows get 4 x the gradient
+            torch.testing.assert_close(torch.cat([r[name][i] for r in ranks]), 4 * one[name][i])
+    model = _tiny_bi_encoder("softmax")
+    loss, _ = model(_toy_batch(n_queries=8))
+    loss.backward()
+    torch.testing.assert_close(sum(r["finetune"][0] for r in ranks) / 4, loss.detach(), atol=1e-6, rtol=1e-5)
+    for name, p in model.named_parameters():
+        if p.grad is not None:   # DDP averages the ranks' gradients
+            torch.testing.assert_close(sum(r["finetune"][1][name] for r in ranks) / 4, p.grad, atol=1e-5, rtol=1e-4)
+
+
 def test_softmax_loss_by_hand_with_excluded_candidate():
     q = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
     p = torch.tensor([[1.0, 1.0], [2.0, 0.0], [0.0, 1.0], [1.0, -1.0]])
