@@ -376,7 +376,8 @@ class Batches(torch.utils.data.Dataset):
         c = self.c
         rows = data.batch_indices(len(self.windows), c.batch_size, self.rank, self.world, c.seed, micro_step)
         generator = data.batch_generator(c.seed, self.rank, micro_step)
-        ids, attention_mask = data.pad_batch([self.windows[i].input_ids for i in rows])   # (B, L)
+        windows = [self.windows[i] for i in rows]
+        ids, attention_mask = data.pad_batch([w.input_ids for w in windows])   # (B, L)
         maskable = attention_mask.bool() & (ids != self.special["cls"]) & (ids != self.special["sep"])
         masked, labels = data.mask_tokens(ids, maskable, c.vocab_size, self.special["mask"],
                                           generator, c.mask_prob)
@@ -385,10 +386,10 @@ class Batches(torch.utils.data.Dataset):
             step_rng = np.random.default_rng(data.step_seed(c.seed, self.rank, micro_step, "spans"))
             rng = lambda i: step_rng if c.span_resample else np.random.default_rng([c.seed, i])  # per window
             spans = []
-            for i in rows:   # (arrays: the span sampling's numpy steps then need no conversion each)
-                ids, starts = (np.asarray(self.windows[i].input_ids), np.asarray(self.windows[i].word_starts, dtype=bool))
-                spans.append(sample_spans(starts, len(ids), c, rng(i),
-                                          skip_word_mask(ids, starts, self.vocab_tokens, self.word_tables)))
+            for i, w in zip(rows, windows):   # (arrays: the span sampling's numpy steps need no conversion each)
+                tokens, starts = np.asarray(w.input_ids), np.asarray(w.word_starts, dtype=bool)
+                spans.append(sample_spans(starts, len(tokens), c, rng(i),
+                                          skip_word_mask(tokens, starts, self.vocab_tokens, self.word_tables)))
             batch["spans"] = torch.tensor(spans)                                 # (B, S, 2)
         return batch
 
