@@ -390,7 +390,7 @@ class Batches(torch.utils.data.Dataset):
                 tokens, starts = np.asarray(w.input_ids), np.asarray(w.word_starts, dtype=bool)
                 spans.append(sample_spans(starts, len(tokens), c, rng(i),
                                           skip_word_mask(tokens, starts, self.vocab_tokens, self.word_tables)))
-            batch["spans"] = torch.tensor(spans)                                 # (B, S, 2)
+            batch["spans"] = torch.from_numpy(np.array(spans, dtype=np.int64))   # (B, S, 2)
         return batch
 
 
