@@ -264,12 +264,12 @@ class TrainingRun:
 
     def end_of_step(self, step):
         """After the optimizer step: log, checkpoint, and whether to stop (--halt_at; SIGTERM raises).
-        Under torchrun on GPUs the ranks agree on a SIGTERM only on the steps that sync anyway."""
+        On a GPU a SIGTERM is acted on at the next step that syncs anyway (the ranks' agreement is a sync)."""
         c, self.step = self.c, step
         logs = step % c.log_every == 0 or step == c.steps
         if logs:
             self.progress.report(step, self.scheduler.get_last_lr()[0], self.device)
-        if self.world > 1 and not self.waits_on_device(step):
+        if not self.waits_on_device(step):
             return False
         late = c.save_minutes and logs and time.time() - self.saved_at >= c.save_minutes * 60
         due = step % c.save_every == 0 or step == c.steps or step == c.halt_at or (
