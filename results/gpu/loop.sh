@@ -7,7 +7,8 @@
 #   DRY=1 bash results/gpu/loop.sh        # on a CPU: tiny sizes, a few steps: checks that the script works
 set -o pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-./results/gpu/out}
-mkdir -p "$OUT/runs"
+RUNS=/tmp/loop-runs           # the runs (weights, checkpoints) stay on the machine; their logs go to $OUT/runs
+mkdir -p "$OUT/runs" "$RUNS"
 T0=$SECONDS
 say() { echo "[loop.sh $((SECONDS - T0)) s] $*" | tee -a "$OUT/loop.txt"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee "$OUT/env.txt"
@@ -26,9 +27,10 @@ fi
 COMMON="--preset paper --epochs 0 --log_every $LOG --save_every 100000 --cache_dir /tmp/loop-cache $SIZES"
 loop() {   # method, steps, extra flags
   say "$1: $2 steps (timeout $LIMIT s)"
-  timeout -k 5 "$LIMIT" torchrun --standalone --nproc_per_node=1 "$1.py" $COMMON --steps "$2" --out_dir "$OUT/runs/$1" \
+  timeout -k 5 "$LIMIT" torchrun --standalone --nproc_per_node=1 "$1.py" $COMMON --steps "$2" --out_dir "$RUNS/$1" \
     --overwrite $3 2>&1 | grep -v "^token cache\|^data:" | tee "$OUT/$1_loop.txt"
   say "$1: exit ${PIPESTATUS[0]} (124: stopped by the timeout; its logged steps still count)"
+  mkdir -p "$OUT/runs/$1" && cp "$RUNS/$1"/log.jsonl "$RUNS/$1"/config.json "$OUT/runs/$1/"   # not the weights
 }
 loop costa "$COSTA_STEPS" "$BATCH"
 loop cpdae "$CPDAE_STEPS" "$([ -n "$DRY" ] && echo "$GB")"
@@ -36,5 +38,4 @@ loop seed "$SEED_STEPS" "$GB"      # SEED's preset is 256 x 512 a step (66 GiB):
 say "loop against benchmark step (timeout 50 s)"
 timeout -k 5 50 python3 results/gpu/loop_mfu.py "$OUT/runs" $([ -n "$DRY" ] && echo "--steps 2 --warmup 1") 2>&1 \
   | grep -v "^token cache\|^data:" | tee "$OUT/loop_mfu.txt"
-rm -rf "$OUT"/runs/*/encoder "$OUT"/runs/*/state.pt "$OUT"/runs/*/checkpoints   # the weights do not come back
 say "done"
