@@ -1,5 +1,5 @@
 """Helpers shared by test_losses.py and test_pipeline.py: the BERT tokenizer, and running a function
-on two gloo processes (the check that a 2-process run equals one process holding both halves)."""
+on 2 or more gloo processes (the check that an N-process run equals one process holding every part)."""
 import contextlib
 import datetime
 import os
@@ -73,12 +73,12 @@ def tokenizer():
     return data.load_tokenizer()
 
 
-def _init_and_run(rank, world, worker, tmp_path, args):
+def _init_and_run(rank, world, worker, tmp_path, args, timeout_s=120):
     # Rendezvous through a file in tmp_path: no port is picked, released and maybe taken by another
     # process before the ranks bind it. The timeout turns a lost peer into an error, not a hang.
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+                            timeout=datetime.timedelta(seconds=timeout_s))
     try:
         worker(rank, world, tmp_path, *args)
         dist.barrier()   # both ranks leave the last collective before either leaves
@@ -90,14 +90,25 @@ def _init_and_run(rank, world, worker, tmp_path, args):
     os._exit(0)
 
 
+def _run_on_ranks(world, worker, tmp_path, *args, timeout_s=120):
+    """Run worker(rank, world, tmp_path, *args) in `world` gloo processes whose collectives time out after
+    timeout_s; return the objects each rank saved with torch.save(obj, tmp_path / f"rank{rank}.pt"), in
+    rank order."""
+    mp.spawn(_init_and_run, args=(world, worker, tmp_path, args, timeout_s), nprocs=world, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
 def _run_on_two_ranks(worker, tmp_path, *args):
-    """Run worker(rank, world, tmp_path, *args) in 2 gloo processes; return the objects each rank
-    saved with torch.save(obj, tmp_path / f"rank{rank}.pt"), in rank order."""
-    mp.spawn(_init_and_run, args=(2, worker, tmp_path, args), nprocs=2, join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return _run_on_ranks(2, worker, tmp_path, *args)
 
 
 @pytest.fixture
 def run_on_two_ranks():
     """run_on_two_ranks(worker, tmp_path, *args): worker must be a module-level function (it is pickled)."""
     return _run_on_two_ranks
+
+
+@pytest.fixture
+def run_on_ranks():
+    """run_on_ranks(world, worker, tmp_path, *args, timeout_s=120): as run_on_two_ranks on `world` processes."""
+    return _run_on_ranks

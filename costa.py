@@ -31,7 +31,7 @@ The encoder is written to {out_dir}/encoder as a Hugging Face BERT folder for fi
 """
 import contextlib
 import datetime
-import itertools
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -71,7 +71,7 @@ class Config(run.TrainConfig):
 # (Config's defaults). Silent: the pre-training batch size (we keep --batch_size 32 per rank on its
 # up to 4 GPUs; set --global_batch to fix it), Adam's epsilon (torch's 1e-8), weight decay and clipping.
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=5e-5,
-                    warmup=0.1, epochs=6.0)
+                    warmup=0.1, epochs=6.0, **run.PAPER_RUN)   # PAPER_RUN: workers, checkpoints
 
 
 # The domain of each of COSTA's flags, checked by run.parse_config before any work (with TrainConfig's).
@@ -260,6 +260,7 @@ SPAN_LENGTHS = {"phrase": (4, 16), "sentence": (16, 64), "paragraph": (64, 128)}
 GRANULARITIES = ("word", *SPAN_LENGTHS)
 
 
+@functools.cache   # every window's sample_spans reads the flag
 def parse_granularities(text):
     """"word,phrase,sentence,paragraph" -> a list of distinct known names (Table 4 drops one)."""
     names = [g.strip() for g in text.split(",") if g.strip()]
@@ -269,28 +270,53 @@ def parse_granularities(text):
     return names
 
 
-def skip_word_mask(input_ids, word_starts, vocab_tokens):
+def skip_word_mask(input_ids, word_starts, vocab_tokens, tables=None):
     """True at the start of each word that must not be a word-level span: an English stopword
     (scikit-learn's list, checked on the whole word, pieces joined) or a word with no letter or digit.
     Departure (costa-word-punct): the paper filters stopwords only; we also skip words with no letter or
-    digit, since punctuation ("," ".") makes an equally empty positive."""
-    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS  # here: sklearn takes seconds to import
-    mask = [False] * len(input_ids)
-    starts = [i for i, start in enumerate(word_starts) if start] + [len(input_ids)]
-    for start, end in itertools.pairwise(starts):
-        pieces = [vocab_tokens[t] for t in input_ids[start:end]]
-        word = pieces[0] + "".join(p[2:] for p in pieces[1:] if p.startswith("##"))  # not [SEP]
-        mask[start] = word in ENGLISH_STOP_WORDS or not any(ch.isalnum() for ch in word)
+    digit, since punctuation ("," ".") makes an equally empty positive. tables: word_tables(vocab_tokens),
+    made once by the caller: a word is then decided by its first piece, and joined only when it may matter."""
+    skip_alone, is_piece, may_join = tables or word_tables(vocab_tokens)
+    ids, starts = np.asarray(input_ids), np.flatnonzero(word_starts)            # (L,), (W,) word starts
+    ends = np.append(starts[1:], len(ids))                                       # (W,)
+    joined = np.logical_or.reduceat(is_piece[ids], starts) if len(starts) else starts > 0  # (W,) has "##" pieces
+    mask = np.zeros(len(ids), dtype=bool)
+    mask[starts] = skip_alone[ids[starts]] & ~joined                             # one-piece words: the table
+    for start, end in zip(*(x[joined & may_join[ids[starts]]].tolist() for x in (starts, ends))):
+        parts = [vocab_tokens[t] for t in input_ids[start:end]]                  # a word of several pieces
+        word = parts[0] + "".join(p[2:] for p in parts[1:] if p.startswith("##"))  # not [SEP]
+        mask[start] = word in stopwords() or not any(ch.isalnum() for ch in word)
     return mask
 
 
+@functools.cache
+def stopwords():
+    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS  # here: sklearn takes seconds to import
+    return ENGLISH_STOP_WORDS
+
+
+def word_tables(vocab_tokens):
+    """skip_word_mask's tables, (V,) bool each: skip_alone (the entry, as a whole word, is skipped); is_piece
+    (a "##" piece); may_join (a word that starts with it may join its pieces into a skipped word: it has no
+    letter or digit, or it begins a stopword that is no entry, WordPiece taking the longest prefix first)."""
+    index = {token: i for i, token in enumerate(vocab_tokens)}
+    no_alnum = np.array([not any(ch.isalnum() for ch in t) for t in vocab_tokens], dtype=bool)
+    skip_alone = no_alnum | np.array([t in stopwords() for t in vocab_tokens], dtype=bool)
+    may_join = no_alnum.copy()
+    for word in stopwords() - index.keys():
+        prefix = next((word[:k] for k in range(len(word) - 1, 0, -1) if word[:k] in index), None)
+        if prefix:
+            may_join[index[prefix]] = True
+    return skip_alone, np.array([t.startswith("##") for t in vocab_tokens], dtype=bool), may_join
+
+
 def word_spans(word_starts, n_tokens, stopword_mask=None):
-    """Candidate word-level spans [start, end): the whole words between [CLS] and [SEP]."""
+    """Candidate word-level spans [start, end), (n, 2): the whole words between [CLS] and [SEP]."""
     sep = n_tokens - 1
-    starts = [i for i in range(1, sep) if word_starts[i]]
-    words = list(zip(starts, starts[1:] + [sep]))   # a leading "##" run (before starts[0]) is left out
-    content = [w for w in words if stopword_mask is None or not stopword_mask[w[0]]]
-    return content or words or [(1, sep)]           # all stopwords: any word; no word start: the fragment
+    starts = np.flatnonzero(word_starts[1:sep]) + 1
+    words = np.stack([starts, np.append(starts[1:], sep)[:len(starts)]], axis=1)  # (a leading "##" run is left out)
+    content = words if stopword_mask is None else words[~np.asarray(stopword_mask, dtype=bool)[starts]]
+    return content if len(content) else words if len(words) else np.array([[1, sep]])  # all stopwords: any word; no word start: the fragment
 
 
 def sample_spans(word_starts, n_tokens, config, rng, stopword_mask=None):
@@ -318,15 +344,15 @@ def sample_spans(word_starts, n_tokens, config, rng, stopword_mask=None):
     T, spans = config.span_T, []
     for name in parse_granularities(config.granularities):
         if name == "word":
-            words = word_spans(word_starts, n_tokens, stopword_mask)
-            spans += [words[k] for k in rng.integers(len(words), size=T)]
+            words = word_spans(word_starts, n_tokens, stopword_mask)              # (n, 2)
+            spans += map(tuple, words[rng.integers(len(words), size=T)].tolist())
             continue
         l_min, l_max = SPAN_LENGTHS[name]
         p = rng.beta(config.span_alpha, config.span_beta, size=T)              # eq. 1
         lengths = np.minimum(np.rint(l_min + p * (l_max - l_min)).astype(int), body)
         starts = rng.integers(1, n_tokens - lengths)                             # eq. 2: 1 .. n_tokens-1-l
-        spans += list(zip(starts, starts + lengths))                             # eq. 3
-    return [(int(start), int(end)) for start, end in spans]
+        spans += zip(starts.tolist(), (starts + lengths).tolist())               # eq. 3
+    return spans
 
 
 class Batches(torch.utils.data.Dataset):
@@ -342,6 +368,7 @@ class Batches(torch.utils.data.Dataset):
         tokenizer = data.load_tokenizer(c.vocab)
         self.special = data.special_ids(tokenizer)                 # {"cls": 101, "sep": 102, "mask": 103, ...}
         self.vocab_tokens = [tokenizer.id_to_token(i) for i in range(tokenizer.get_vocab_size())]  # to find stopwords
+        self.word_tables = word_tables(self.vocab_tokens)
 
     def __len__(self):
         return self.c.steps * self.c.grad_accum
@@ -350,7 +377,8 @@ class Batches(torch.utils.data.Dataset):
         c = self.c
         rows = data.batch_indices(len(self.windows), c.batch_size, self.rank, self.world, c.seed, micro_step)
         generator = data.batch_generator(c.seed, self.rank, micro_step)
-        ids, attention_mask = data.pad_batch([self.windows[i].input_ids for i in rows])   # (B, L)
+        windows = [self.windows[i] for i in rows]
+        ids, attention_mask = data.pad_batch([w.input_ids for w in windows])   # (B, L)
         maskable = attention_mask.bool() & (ids != self.special["cls"]) & (ids != self.special["sep"])
         masked, labels = data.mask_tokens(ids, maskable, c.vocab_size, self.special["mask"],
                                           generator, c.mask_prob)
@@ -358,10 +386,12 @@ class Batches(torch.utils.data.Dataset):
         if c.gwc_weight:  # spans on the unmasked windows' words; the model sees the masked text
             step_rng = np.random.default_rng(data.step_seed(c.seed, self.rank, micro_step, "spans"))
             rng = lambda i: step_rng if c.span_resample else np.random.default_rng([c.seed, i])  # per window
-            batch["spans"] = torch.tensor([                                      # (B, S, 2)
-                sample_spans(w.word_starts, len(w.input_ids), c, rng(i),
-                             skip_word_mask(w.input_ids, w.word_starts, self.vocab_tokens))
-                for i, w in ((i, self.windows[i]) for i in rows)])
+            spans = []
+            for i, w in zip(rows, windows):   # (arrays: the span sampling's numpy steps need no conversion each)
+                tokens, starts = np.asarray(w.input_ids), np.asarray(w.word_starts, dtype=bool)
+                spans.append(sample_spans(starts, len(tokens), c, rng(i),
+                                          skip_word_mask(tokens, starts, self.vocab_tokens, self.word_tables)))
+            batch["spans"] = torch.from_numpy(np.array(spans, dtype=np.int64))   # (B, S, 2)
         return batch
 
 

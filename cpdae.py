@@ -73,7 +73,7 @@ class Config(run.TrainConfig):
 # (we take 512, BERT's and the same authors' COSTA), Adam's epsilon (torch's 1e-8), the decay after
 # warm-up (linear), weight decay and clipping.
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=5e-5,
-                    warmup=0.1, epochs=3.0, global_batch=64)
+                    warmup=0.1, epochs=3.0, global_batch=64, **run.PAPER_RUN)   # PAPER_RUN: workers, checkpoints
 
 
 # The domain of each of CPDAE's flags, checked by run.parse_config before any work (with TrainConfig's).

@@ -203,19 +203,24 @@ def most_frequent_accuracy(targets, token=None):
 # ----------------------------------------------------------------------------------------------
 # 3. Readers: pre-training text, BEIR, MS MARCO, TREC qrels and run files; a rank's share of a list
 # ----------------------------------------------------------------------------------------------
-def read_lines(path):
+def read_lines(path, bad_bytes="stop"):
     """Yield (line_number, line) of a text file, gunzipping '.gz' transparently. Bad bytes are refused,
     not guessed at: a byte that is not UTF-8 stops the run with the file, line and byte offset; so do a
-    truncated '.gz' and a file named '.gz' that is not gzip. Windows line ends read as '\\n'."""
+    truncated '.gz' and a file named '.gz' that is not gzip. Windows line ends read as '\\n'.
+    bad_bytes="skip" (--bad_bytes skip) drops a line with a bad byte instead, counted in one line per file."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: file not found")
-    gz, number, offset = path.suffix == ".gz", 0, 0
+    gz, number, offset, skipped, first = path.suffix == ".gz", 0, 0, 0, 0
     try:
         with gzip.open(path, "rb") if gz else open(path, "rb") as f:
             for number, raw in enumerate(f, start=1):
-                yield number, _decode(raw, path, number, offset, gz)
+                line = _decode(raw, path, number, offset, gz, skip=bad_bytes == "skip")
                 offset += len(raw)
+                if line is None:
+                    skipped, first = skipped + 1, first or number
+                    continue
+                yield number, line
     except EOFError:
         raise DataError(f"{path}: truncated gzip file (it ends after line {number}, before the "
                         f"end-of-stream marker)") from None
@@ -227,13 +232,18 @@ def read_lines(path):
         raise DataError(f"{path}: corrupt gzip data after line {number}") from None
     except OSError as e:
         raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
+    if skipped:
+        say_once(f"warning: {path}: skipped {skipped:,} lines with bytes that are not UTF-8 (--bad_bytes skip; "
+                 f"the first at line {first})")
 
 
-def _decode(raw, path, number, offset, gz):
-    """One raw line as text, or a DataError naming the file, the line and the bad byte's offset."""
+def _decode(raw, path, number, offset, gz, skip=False):
+    """One raw line as text, or a DataError naming the file, the line and the bad byte's offset (None if skip)."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
+        if skip:
+            return None
         where = f"byte offset {offset + e.start}" + (" of the uncompressed text" if gz else "")
         raise DataError(f"{path}:{number}: byte 0x{raw[e.start]:02x} at {where} is not UTF-8; convert the "
                         f"file to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
@@ -250,9 +260,9 @@ def find_file(folder, name):
     raise DataError(f"{Path(folder) / name}: file not found (nor {name}.gz)")
 
 
-def iter_jsonl(path):
+def iter_jsonl(path, bad_bytes="stop"):
     """Yield (line_number, object) for each non-blank line of a JSONL file."""
-    for number, line in read_lines(path):
+    for number, line in read_lines(path, bad_bytes):
         if not line.strip():
             continue
         try:
@@ -286,30 +296,38 @@ def read_json(path):
         raise DataError(f"{path}:{e.lineno}: malformed JSON ({e.msg})") from None
 
 
-def read_pretraining_texts(path):
-    """Documents for pre-training from a file or a folder of files ('.gz' read transparently):
+def read_pretraining_texts(path, bad_bytes="stop"):
+    """Documents for pre-training from a file or a folder of files, its subfolders too ('.gz' read transparently):
     - '.jsonl': one document per line with a "text" field (WikiExtractor, BEIR corpus), its "title" (if any) in front;
+    - no extension (WikiExtractor's wiki_00, ...): JSON lines if the file starts with '{' (--json), else its
+      '<doc ...>' blocks, whose first line is the title (its default output);
     - anything else: plain text, documents separated by blank lines (BERT's pre-training format)."""
-    texts = list(iter_pretraining_texts(path))
+    texts = list(iter_pretraining_texts(path, bad_bytes))
     if not texts:
         raise DataError(f"{path}: empty corpus (no non-blank document)")
     return texts
 
 
-CORPUS_SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz")   # what a corpus folder's files may be
+CORPUS_SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz")   # what a corpus folder's files may be (and
+# files with no extension that hold WikiExtractor's output: corpus_kind)
 
 
 def corpus_files(path):
-    """The files of a corpus in reading order: the file itself, or a folder's visible .txt / .jsonl files
-    ('.gz' ok), sorted; the other files of a folder are named once (rank 0) and skipped."""
+    """The files of a corpus in reading order: the file itself, or the visible .txt / .jsonl files ('.gz' ok) and
+    WikiExtractor files of a folder and its subfolders, sorted by path; the others are named once (rank 0)
+    and skipped."""
     path = Path(path)
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
-        skipped = [p.name for p in files if not p.name.endswith(CORPUS_SUFFIXES)]
+        files = sorted(p for p in path.rglob("*") if p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        is_read = [p.name.endswith(CORPUS_SUFFIXES) or corpus_kind(p) != "plain" for p in files]
+        read = [p for p, yes in zip(files, is_read) if yes]
+        skipped = [str(p.relative_to(path)) for p, yes in zip(files, is_read) if not yes]
         if skipped:
             shown = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
-            say_once(f"{path}: skipping {shown} (a corpus folder reads only {', '.join(CORPUS_SUFFIXES)} files)")
-        return [p for p in files if p.name.endswith(CORPUS_SUFFIXES)]
+            say_once(f"{path}: skipping {shown} (a corpus folder reads only {', '.join(CORPUS_SUFFIXES)} files "
+                     f"and WikiExtractor's)")
+        return read
     if not path.is_file():
         raise DataError(f"{path}: file not found")
     return [path]
@@ -323,17 +341,31 @@ def say_once(line):
         print(line, flush=True)
 
 
-def iter_pretraining_texts(path):
+def iter_pretraining_texts(path, bad_bytes="stop"):
     """read_pretraining_texts one document at a time (a corpus larger than memory streams through)."""
+    readers = {"jsonl": _jsonl_texts, "doc": _doc_texts, "plain": _plain_texts}
     for file in corpus_files(path):
-        yield from _jsonl_texts(file) if ".jsonl" in file.suffixes else _plain_texts(file)
+        yield from readers[corpus_kind(file)](file, bad_bytes)
 
 
-def _jsonl_texts(file):
+def corpus_kind(file):
+    """How a corpus file is read: "jsonl" (.jsonl, or no extension and starting with '{': WikiExtractor --json),
+    "doc" (no extension, starting with '<doc': WikiExtractor's default), else "plain"."""
+    file = Path(file)
+    if ".jsonl" in file.suffixes:
+        return "jsonl"
+    if file.suffix or not file.is_file():
+        return "plain"
+    with open(file, "rb") as f:
+        head = f.read(4096).lstrip()
+    return "jsonl" if head.startswith(b"{") else "doc" if head.startswith(b"<doc") else "plain"
+
+
+def _jsonl_texts(file, bad_bytes="stop"):
     """A JSONL file's documents. A record whose title and text are only whitespace has nothing to learn
     from: it is left out, and one line (rank 0, once per file and process) says how many were."""
     total, dropped, first = 0, 0, 0
-    for number, obj in iter_jsonl(file):
+    for number, obj in iter_jsonl(file, bad_bytes):
         if not isinstance(obj.get("text"), str):
             raise DataError(f"{file}:{number}: no string field \"text\"")
         title = obj.get("title") or ""
@@ -348,11 +380,31 @@ def _jsonl_texts(file):
                  f"{first}); they are left out")
 
 
-def _plain_texts(file):
+def _doc_texts(file, bad_bytes="stop"):
+    """WikiExtractor's default output: documents between a '<doc id=... title=...>' line and '</doc>', the first
+    line the title; read as its --json output is ("title. text"). A <doc> left open is one line naming it."""
+    start, lines = 0, []
+    for number, line in read_lines(file, bad_bytes):
+        if line.startswith("<doc"):
+            if start:
+                raise DataError(f"{file}:{number}: a <doc> begins before the one at line {start} ended (</doc>)")
+            start, lines = number, []
+        elif line.strip() == "</doc>" and start:
+            title, _, text = "".join(lines).strip().partition("\n")
+            if text.strip() or title:
+                yield f"{title}. {text.strip()}" if text.strip() else title
+            start = 0
+        elif start:
+            lines.append(line)
+    if start:
+        raise DataError(f"{file}:{start}: this <doc> has no </doc> (a file cut short?)")
+
+
+def _plain_texts(file, bad_bytes="stop"):
     """A plain-text file's documents: a line that is just '\n' ends one, the same split as text.split('\n\n').
     Nothing is said of a stretch of whitespace between blank lines: it looks like more blank lines, not a document."""
     lines = []
-    for _, line in itertools.chain(read_lines(file), [(0, "\n")]):
+    for _, line in itertools.chain(read_lines(file, bad_bytes), [(0, "\n")]):
         if line == "\n":
             text = "".join(lines).strip()
             if text:
@@ -470,11 +522,12 @@ def check_qrels(qrels, queries, corpus, path):
                 raise DataError(f"{path}: document id {docid!r} (query {qid!r}) is not in the corpus")
 
 
-def load_beir(folder, split="test"):
+def load_beir(folder, split="test", corpus=None):
     """A BEIR-layout folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' allowed). Returns (corpus
-    {docid: {"title", "text"}}, queries {qid: text} of the split's judged queries, qrels {qid: {docid: grade}})."""
+    {docid: {"title", "text"}}, queries {qid: text} of the split's judged queries, qrels {qid: {docid: grade}}).
+    corpus: the folder's corpus already read (another split's), used instead of reading it again."""
     qrels_path = find_file(Path(folder) / "qrels", f"{split}.tsv")
-    corpus = read_corpus(find_file(folder, "corpus.jsonl"))
+    corpus = read_corpus(find_file(folder, "corpus.jsonl")) if corpus is None else corpus
     queries = read_queries(find_file(folder, "queries.jsonl"))
     qrels = read_qrels(qrels_path)
     check_qrels(qrels, queries, corpus, qrels_path)
@@ -842,7 +895,7 @@ def _stuck_line(pool, folder):
             f"tokenizes in one worker)")
 
 
-def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, verbose=True):
+def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, verbose=True, bad_bytes="stop"):
     """Tokenize the corpus into folder (see above): documents stream through worker processes, their ids appended to the
     files in order as they come back; every file is written under a temporary name and renamed, the manifest last."""
     folder = Path(folder)
@@ -852,7 +905,7 @@ def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, ver
     remove_dead_temporaries(folder, verbose)
     (folder / "manifest.json").unlink(missing_ok=True)    # first: no rank maps the files while they change
     try:
-        _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, verbose)
+        _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, verbose, bad_bytes)
     except BaseException as e:
         if created:                                 # a corpus error (or Ctrl-C) leaves no half-built cache
             shutil.rmtree(folder, ignore_errors=True)
@@ -868,7 +921,7 @@ def cache_bytes_needed(corpus, vocab, chars_per_token=4.0):
     return int(corpus_chars(corpus) / chars_per_token * ((2 if vocab_size_of(vocab) <= 1 << 16 else 4) + 1))
 
 
-def _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, verbose):
+def _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, verbose, bad_bytes="stop"):
     dtype = np.uint16 if vocab_size_of(vocab) <= 1 << 16 else np.uint32
     tmp = {name: temporary_name(folder / name) for name in ("tokens.bin", "word_starts.bin")}
     lengths, n_tokens, over_long, t0 = [np.zeros(1, np.int64)], 0, 0, time.time()
@@ -877,7 +930,7 @@ def _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, v
         with open(tmp["tokens.bin"], "wb") as tok_f, open(tmp["word_starts.bin"], "wb") as ws_f:
             pool = _pool(vocab, workers)
             try:
-                chunks = _chunks(iter_pretraining_texts(corpus), chunk_chars)
+                chunks = _chunks(iter_pretraining_texts(corpus, bad_bytes), chunk_chars)
                 for ids, starts, doc_lengths, n_over_long, n_chars in _results(pool, chunks, folder):
                     tok_f.write(ids.astype(dtype).tobytes())
                     ws_f.write(starts.tobytes())
@@ -1034,7 +1087,7 @@ def _last_change(folder, since):
     return max(times)
 
 
-def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbose=True):
+def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbose=True, bad_bytes="stop"):
     """The pre-training windows of a corpus: built into a token cache on first use (rank 0; the other ranks wait),
     checked on every use (a stale or damaged cache is rebuilt, saying why), then mapped from it: a TokenWindows."""
     folder = token_cache_folder(corpus, vocab, cache_dir, max_len)
@@ -1042,7 +1095,7 @@ def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbo
     if rank == 0 and folder.is_dir():
         remove_dead_temporaries(folder, verbose)
     rank0_builds(lambda: _is_ready(_cache_problem(folder, signature), folder, "rebuilding it", rank == 0),
-                 lambda: build_token_cache(corpus, vocab, folder, workers, verbose=verbose), rank,
+                 lambda: build_token_cache(corpus, vocab, folder, workers, verbose=verbose, bad_bytes=bad_bytes), rank,
                  f"the token cache {folder}", folder)
     rank0_builds(lambda: _is_ready(_windows_problem(folder, max_len), folder, "cutting the windows again", rank == 0),
                  lambda: _write_windows(folder, max_len), rank, str(folder / f"windows-L{max_len}.npy"))

@@ -137,16 +137,18 @@ def passage_text(doc):
     return f"{doc['title']} {doc['text']}".strip() if doc.get("title") else doc["text"]
 
 
-def load_split(c, split, explicit_queries="", explicit_qrels=""):
-    """(corpus, queries, qrels) from the BEIR folder c.dataset, or from explicit files when c.corpus is set."""
+def load_split(c, split, explicit_queries="", explicit_qrels="", corpus=None):
+    """(corpus, queries, qrels) from the BEIR folder c.dataset, or from explicit files when c.corpus is set.
+    corpus: that corpus already read for another split (every split shares it), so it is not read again."""
     if c.corpus:
         if not (explicit_queries and explicit_qrels):
             raise data.DataError(f"{c.corpus}: with an explicit corpus give the queries and qrels files too")
-        corpus, queries = data.read_corpus(c.corpus), data.read_queries(explicit_queries)
+        corpus = data.read_corpus(c.corpus) if corpus is None else corpus
+        queries = data.read_queries(explicit_queries)
         qrels = data.read_qrels(explicit_qrels)
         data.check_qrels(qrels, queries, corpus, explicit_qrels)
         return corpus, {q: queries[q] for q in qrels}, qrels
-    return data.load_beir(c.dataset, split)
+    return data.load_beir(c.dataset, split, corpus)
 
 
 DEV_SEED = 20221   # the dev carve's own seed, apart from every run's --seed: one dev split for all runs
@@ -201,16 +203,49 @@ class BM25:
         weights = tf.copy()
         weights.data = self.idf[tf.indices] * tf.data / (tf.data + norm[rows])  # (nnz,)
         self.weights_t = weights.T.tocsr()  # (T, N): query (M, T) @ weights_t -> (M, N)
-        self.n_docs = n_docs
+        self.n_docs, self.df = n_docs, df
 
     def score(self, query_texts):
         """Dense (M, N) float32 score matrix; use search() for large corpora."""
         q = self.vectorizer.transform(query_texts)  # (M, T) query term counts
         return np.asarray((q @ self.weights_t).todense(), dtype=np.float32)  # (M, N)
 
+    # Up to this many documents the top-k is taken from dense rows, as it always was: numpy's argpartition
+    # then orders equal scores, and that order is what command 1's negatives and rankings were made with.
+    DENSE_UP_TO = 100_000
+
     def search(self, query_texts, k):
         """Top-k documents per query: (scores (M, k) float32, indices (M, k) int64), best first.
-        Documents with score 0 (no query term) fill the tail when fewer than k match."""
+        Documents with score 0 (no query term) fill the tail when fewer than k match. Above DENSE_UP_TO
+        documents the top-k comes from the sparse scores (sparse_search), a cost that grows with the
+        postings of the query's terms, not with the corpus."""
+        if self.n_docs > self.DENSE_UP_TO:
+            return self.sparse_search(query_texts, k)
+        return self.dense_search(query_texts, k)
+
+    def sparse_search(self, query_texts, k, postings_per_chunk=10_000_000):
+        """search() from the sparse (M, N) score matrix: only the documents that share a term with the
+        query are scored; ties go to the lower document index, and the score-0 tail is the lowest
+        indices that did not match. Queries go in chunks of about postings_per_chunk matched postings."""
+        k = min(k, self.n_docs)
+        q = self.vectorizer.transform(query_texts).tocsr()  # (M, T) query term counts
+        cost = np.cumsum((q > 0).astype(np.int64) @ self.df.astype(np.int64))  # (M,) postings up to each query
+        scores, ids = np.zeros((len(query_texts), k), np.float32), np.zeros((len(query_texts), k), np.int64)
+        progress = data.ProgressLine("BM25 search:", len(query_texts), "queries")
+        start = 0
+        while start < len(query_texts):
+            done = cost[start - 1] if start else 0
+            stop = max(start + 1, int(np.searchsorted(cost, done + postings_per_chunk, side="right")))
+            s = (q[start:stop] @ self.weights_t).tocsr()  # (m, N) sparse: the matching documents only
+            for row in range(stop - start):
+                lo, hi = s.indptr[row], s.indptr[row + 1]
+                scores[start + row], ids[start + row] = top_k_sparse(s.data[lo:hi], s.indices[lo:hi], k)
+            progress.add(stop - start)
+            start = stop
+        return scores, ids
+
+    def dense_search(self, query_texts, k):
+        """search() from dense (m, N) score rows: argpartition over every document of every query."""
         k = min(k, self.n_docs)
         chunk = max(1, int(2e7 // max(self.n_docs, 1)))  # bound the dense block to ~80 MB
         all_scores, all_ids = [np.zeros((0, k), np.float32)], [np.zeros((0, k), np.int64)]
@@ -224,6 +259,24 @@ class BM25:
             all_ids.append(np.take_along_axis(top, order, axis=1).astype(np.int64))
             all_scores.append(np.take_along_axis(top_s, order, axis=1))
         return np.concatenate(all_scores), np.concatenate(all_ids)
+
+
+def top_k_sparse(values, docs, k):
+    """The k best of one query's matched documents (values (n,) > 0 at docs (n,)): (scores (k,), ids (k,)),
+    score descending then document index ascending; fewer than k matches are followed by score-0
+    documents, the lowest indices not matched."""
+    if len(values) > k:
+        kth = -np.partition(-values, k - 1)[k - 1]                  # the k-th best score
+        keep = values >= kth                                        # every document tied with it too
+        values, docs = values[keep], docs[keep]
+    order = np.lexsort((docs, -values))[:k]                         # (<= k,) score desc, index asc
+    top_ids, top_scores = docs[order].astype(np.int64), values[order]
+    if len(order) < k:
+        need = k - len(order)
+        fill = np.setdiff1d(np.arange(k), top_ids, assume_unique=True)[:need]  # k indices hold need free ones
+        top_ids = np.concatenate([top_ids, fill])
+        top_scores = np.concatenate([top_scores, np.zeros(need, np.float32)])
+    return top_scores, top_ids
 
 
 # ---------------------------------------------------------------------------------------------

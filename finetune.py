@@ -136,7 +136,8 @@ class Config:
                                   "vectors_dir", "out_dir")
 
 
-PAPER_PRESET = dict(lr=5e-6, batch_size=64, epochs=3.0, hard_epochs=2.0, n_negatives=7, rounds=1, query_len=32)
+PAPER_PRESET = dict(lr=5e-6, batch_size=64, epochs=3.0, hard_epochs=2.0, n_negatives=7, rounds=1, query_len=32,
+                    workers=4, log_every=100, save_every=1000)   # the run's: batches built ahead, checkpoints
 
 
 # The domain of each numeric or choice flag, checked by run.parse_config before any work.
@@ -365,34 +366,61 @@ def write_negatives(path, negatives, doc_ids):
 
 def broadcast_rank0_choice(flag, device):
     """Rank 0's boolean, on every rank (so that all ranks take the same branch around collectives)."""
+    return bool(broadcast_rank0_int(int(flag), device))
+
+
+def broadcast_rank0_int(value, device):
+    """Rank 0's integer, on every rank."""
     if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    t = torch.tensor([int(flag)], device=device)
+        return value
+    t = torch.tensor([value], device=device, dtype=torch.long)
     dist.broadcast(t, 0)
-    return bool(t.item())
+    return int(t.item())
 
 
 def bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, path, device, is_rank0):
     """Stage-1 pools: BM25's top bm25_depth for each training query minus its positives. Every rank
-    builds the index and searches its own share of the queries; the pools are all-gathered (nobody
-    idles in a collective) and rank 0 caches them in `path` for --resume."""
+    builds the index and searches its own share of the queries; the shares are exchanged through files
+    (share_through_files: no collective waits while another rank still searches) and rank 0 caches
+    them in `path` for --resume. --bm25_negatives reads the pools instead (MS MARCO: Tevatron's)."""
     if c.bm25_negatives:
         ranked = read_negatives(c.bm25_negatives, doc_index)
     elif broadcast_rank0_choice(c.resume and path.is_file(), device):
         ranked = read_negatives(path, doc_index)
     else:
         rank, world = rank_and_world()
+        tag = broadcast_rank0_int(int(time.time() * 1000) % 2**40, device)   # this run's part files
+        t0 = time.time()
         mine = [examples[i] for i in data.shard(len(examples), rank, world)]
         _, ids = evaluate.BM25(doc_texts, c.k1, c.b).search([ex.query for ex in mine], c.bm25_depth)
         ranked = {ex.qid: row.tolist() for ex, row in zip(mine, ids)}
         if world > 1:
-            parts = [None] * world
-            dist.all_gather_object(parts, ranked)
-            ranked = {q: r for part in parts for q, r in part.items()}
+            ranked = share_through_files(path, ranked, doc_ids, doc_index, tag, 2 * (time.time() - t0) + 600)
         if is_rank0:
             write_negatives(path, ranked, doc_ids)
     return [ex._replace(negatives=negatives_from_ranking(ranked.get(ex.qid, [])[:c.bm25_depth], ex.positives))
             for ex in examples]
+
+
+def share_through_files(path, ranked, doc_ids, doc_index, tag, patience_s):
+    """Every rank's {qid: ranking} merged, on every rank, through one file per rank beside `path`. A rank
+    that finishes early polls the files instead of sitting in a collective whose timeout could expire
+    while a slower rank still searches; it gives up with one line after patience_s seconds. The
+    barrier comes after every rank has read every file, and rank 0 then removes them."""
+    rank, world = rank_and_world()
+    parts = [path.with_name(f"{path.stem}.{tag}.part{r}-of-{world}{path.suffix}") for r in range(world)]
+    write_negatives(parts[rank], ranked, doc_ids)
+    deadline = time.time() + patience_s
+    while missing := [p for p in parts if not p.is_file()]:
+        if time.time() > deadline:
+            raise data.DataError(f"{missing[0]}: not written by its rank within {patience_s:.0f} s of this one's")
+        time.sleep(1)
+    merged = {q: r for p in parts for q, r in read_negatives(p, doc_index).items()}
+    run.barrier()
+    if rank == 0:
+        for p in parts:
+            p.unlink()
+    return merged
 
 
 def hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc_index, path, device, is_rank0):
@@ -523,8 +551,8 @@ def train(c, name=""):
     tokenizer = data.load_tokenizer(tokenizer_vocab(c))
     corpus, queries, qrels = evaluate.load_split(c, c.train_split, c.queries, c.qrels)
     qrels, dev_qrels = evaluate.carve_dev(qrels, c.dev_queries) if c.dev_queries else (qrels, {})
-    if evaluates(c):                            # a bad test file stops the run now, not after training
-        evaluate.load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
+    # a bad test file stops the run now, not after training; the corpus is read once, here
+    test = evaluate.load_split(c, c.eval_split, c.eval_queries, c.eval_qrels, corpus) if evaluates(c) else None
     doc_ids = list(corpus)
     doc_index = {d: i for i, d in enumerate(doc_ids)}
     doc_texts = [evaluate.passage_text(corpus[d]) for d in doc_ids]
@@ -577,7 +605,7 @@ def train(c, name=""):
     if dev_qrels:
         splits.append((corpus, {q: queries[q] for q in dev_qrels}, dev_qrels, out / "eval-dev"))
     if evaluates(c):
-        splits.append((*evaluate.load_split(c, c.eval_split, c.eval_queries, c.eval_qrels), out / f"eval-{c.eval_split}"))
+        splits.append((*test, out / f"eval-{c.eval_split}"))
     results = evaluate.evaluate_splits(encoder, tokenizer, splits, c, device, tag=f"finetune-{name.replace(' ', '-')}")
     return results[-1] if evaluates(c) else None      # one encoding of the corpus when they share it
 

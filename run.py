@@ -44,7 +44,7 @@ METHODS = ("seed", "cpdae", "costa")
 @dataclasses.dataclass
 class TrainConfig:
     # --- data
-    corpus: str = str(data.WIKI)       # pre-training corpus: .txt / .jsonl file or folder ('.gz' ok)
+    corpus: str = str(data.WIKI)       # pre-training corpus: .txt / .jsonl file or folder ('.gz' ok; WikiExtractor's)
     vocab: str = str(data.VOCAB)       # WordPiece vocab.txt (BERT uncased, 30,522 entries)
     max_len: int = 128            # tokens per window incl. [CLS] and [SEP] (the papers: 512)
     # --- model (CPU default is small; --preset paper gives BERT-base)
@@ -77,11 +77,14 @@ class TrainConfig:
     workers: int = 0              # data-loader worker processes building batches
     cache_dir: str = ""           # token cache folder ("" = next to the corpus; see token_windows)
     prep_workers: int = 0         # processes tokenizing the corpus into the cache, first run only (0 = all cores)
+    bad_bytes: str = "stop"       # a corpus line that is not UTF-8: "stop" the run, or "skip" it (counted in one line)
     dist_timeout: float = 600.0   # torchrun: seconds a rank waits for the others at a collective before the job ends
     # --- bookkeeping
     out_dir: str = "runs/run"     # checkpoints, config.json and log.jsonl go here (each method sets its own)
     log_every: int = 10           # steps between progress lines
     save_every: int = 100         # steps between checkpoints (and one at the end)
+    save_minutes: float = 0.0     # > 0: a checkpoint too when this many minutes passed since the last (on log steps)
+    keep_last: int = 1            # checkpoints kept: the last (out_dir/state.pt, encoder/); N > 1 keeps N-1 older ones in out_dir/checkpoints/
     resume: bool = False          # continue from out_dir/state.pt
     new_corpus: bool = False      # --resume on a corpus that changed since the run's checkpoint (else refused)
     overwrite: bool = False       # replace a run already in out_dir (without it or --resume: refused)
@@ -92,7 +95,13 @@ class TrainConfig:
     # field is frozen, a new one too until its Config lists it. (out_dir: a moved run resumes where it is.)
     RESUMABLE: ClassVar[tuple] = ("steps", "epochs", "lr", "weight_decay", "warmup", "clip", "bf16", "workers", "log_every",
                                   "save_every", "preset", "cache_dir", "prep_workers", "out_dir", "new_corpus",
-                                  "dist_timeout")
+                                  "save_minutes", "keep_last", "bad_bytes", "dist_timeout")
+
+
+# What every method's --preset paper adds for a multi-GPU run (docs/paper-scale.md): batches built ahead by 4
+# loader processes per GPU; a log line and a host sync every 100 steps; a checkpoint (~1.8 GB at BERT-base with
+# Adam's state) every 30 minutes or 20,000 steps, whichever comes first, the 2 before it kept.
+PAPER_RUN = dict(workers=4, log_every=100, save_every=20_000, save_minutes=30.0, keep_last=3)
 
 
 # The domain of each shared flag, checked by parse_config before any work (a method adds its own).
@@ -102,8 +111,9 @@ TRAIN_RULES = {
     "max_position": ">= 1", "type_vocab_size": ">= 1", "dropout": "in [0, 1)", "layer_norm_eps": "> 0", "steps": ">= 1",
     "epochs": ">= 0", "batch_size": ">= 1", "global_batch": ">= 0", "grad_accum": ">= 1", "lr": "> 0", "clip": "> 0",
     "weight_decay": ">= 0", "warmup": "in [0, 1]", "mask_prob": "in [0, 1]", "workers": ">= 0", "log_every": ">= 1",
-    "save_every": ">= 1", "halt_at": ">= 0", "prep_workers": ">= 0", "head_warmup": ">= 0", "head_lr": "> 0",
-    "bottleneck": "one of {cls, mean}", "dist_timeout": "> 0"}
+    "save_every": ">= 1", "save_minutes": ">= 0", "keep_last": ">= 1", "halt_at": ">= 0", "prep_workers": ">= 0",
+    "head_warmup": ">= 0", "head_lr": "> 0", "bottleneck": "one of {cls, mean}", "bad_bytes": "one of {stop, skip}",
+    "dist_timeout": "> 0"}
 
 
 def start_run(c, world):
@@ -163,7 +173,8 @@ def run_vocab(c):
 def load_windows(c, rank):
     """The corpus' windows, mapped from its token cache (built by rank 0 on the first run)."""
     t0 = time.time()
-    windows = data.token_windows(c.corpus, c.vocab, c.max_len, rank, c.cache_dir, c.prep_workers, rank == 0)
+    windows = data.token_windows(c.corpus, c.vocab, c.max_len, rank, c.cache_dir, c.prep_workers, rank == 0,
+                                 c.bad_bytes)
     if rank == 0:
         print(f"data: {c.corpus}: {len(windows):,} windows, {windows.n_tokens:,} tokens, mapped from "
               f"{windows.folder} ({time.time() - t0:.1f}s)")
@@ -196,7 +207,11 @@ def make_optimizer(model, c, eps=1e-8):
         groups += [{"params": [p for p in params if p.ndim >= 2], "weight_decay": c.weight_decay, "decay": True,
                     "head": head},
                    {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "decay": False, "head": head}]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=c.lr, eps=eps)
+    on_gpu = next(model.parameters()).is_cuda
+    if on_gpu:   # fp32 matmuls (outside bf16 autocast) in TF32, as cuBLAS allows on Ampere and later
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    # fused=True on a GPU: one kernel for every parameter's update (AdamW.step was ~18 % of the step's CUDA time)
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=c.lr, eps=eps, fused=True if on_gpu else None)
 
     def schedule(step, start=0, factor=1.0):          # warm-up, then decay to 0 at c.steps, from `start`
         steps, step = c.steps - start, step - start
@@ -221,6 +236,7 @@ class TrainingRun:
         self.stream = {"processes": self.world, "corpus": getattr(windows, "identity", None)}   # check_stream
         self.start_step = load_checkpoint(c, model, optimizer, scheduler, self.is_rank0, self.stream) if c.resume else 0
         self.saved = self.step = self.start_step
+        self.saved_at, self.unchecked = time.time(), []    # (step, gradient norm) not yet checked on a GPU
         lock_run_folder(c.out_dir, create=True)         # a new folder is locked as it is made
         if self.is_rank0:
             prepare_run_folder(c)                       # after the last check: --overwrite deletes only now
@@ -231,21 +247,43 @@ class TrainingRun:
                   f"global batch {c.batch_size * self.world * c.grad_accum} | {left_out} windows sit out each epoch")
         self.progress = Progress(c, self.start_step, self.is_rank0)
 
+    def waits_on_device(self, step):
+        """Whether this step may wait for the GPU to finish its queue (a host sync): on the CPU always (it
+        costs nothing), on a GPU only on log, checkpoint and last steps, so that the GPU never idles between."""
+        c = self.c
+        return (self.device.type != "cuda" or step % c.log_every == 0 or step % c.save_every == 0
+                or step in (c.steps, c.halt_at))
+
     def stop_if_not_finite(self, grad_norm, step):
+        """run.stop_if_not_finite at every step on the CPU; on a GPU the norms wait until the next step that
+        syncs anyway, which names the first non-finite one. Every checkpoint comes after that check."""
         self.step = step
-        stop_if_not_finite(grad_norm, step, self.c, self.saved)
+        self.unchecked.append((step, grad_norm))
+        if self.waits_on_device(step):
+            steps, norms = zip(*self.unchecked)
+            self.unchecked, bad = [], (~torch.isfinite(torch.stack(norms))).nonzero().flatten().tolist()
+            if bad:
+                stop_if_not_finite(norms[bad[0]], steps[bad[0]], self.c, self.saved)
 
     def end_of_step(self, step):
-        """After the optimizer step: log, checkpoint, and whether to stop (--halt_at; SIGTERM raises)."""
+        """After the optimizer step: log, checkpoint, and whether to stop (--halt_at; SIGTERM raises).
+        On a GPU a SIGTERM is acted on at the next step that syncs anyway (the ranks' agreement is a sync)."""
         c, self.step = self.c, step
-        if step % c.log_every == 0 or step == c.steps:
+        logs = step % c.log_every == 0 or step == c.steps
+        if logs:
             self.progress.report(step, self.scheduler.get_last_lr()[0], self.device)
-        due = step % c.save_every == 0 or step == c.steps or step == c.halt_at
+        if not self.waits_on_device(step):
+            return False
+        late = c.save_minutes and logs and time.time() - self.saved_at >= c.save_minutes * 60
+        due = step % c.save_every == 0 or step == c.steps or step == c.halt_at or (
+            c.save_minutes and logs and _all_ranks_agree(late, self.device))   # the ranks' clocks differ
 
         def save():
+            if self.is_rank0 and c.keep_last > 1 and self.saved:
+                keep_previous_checkpoint(Path(c.out_dir), self.saved, c.keep_last)
             save_checkpoint(c, self.model, self.optimizer, self.scheduler, step, self.is_rank0, self.saved,
                             self.extra_files, self.stream)
-            self.saved = step
+            self.saved, self.saved_at = step, time.time()
         checkpoint_or_stop(step, self.saved, due, c.save_every, save, self.device)
         return step == c.halt_at
 
@@ -262,6 +300,26 @@ class TrainingRun:
         if self.is_rank0:
             print(f"done: {self.progress.summary(self.device)}; encoder in {Path(self.c.out_dir) / 'encoder'}")
         barrier()   # every rank is past its last collective (the group ends in leave_distributed)
+
+
+def keep_previous_checkpoint(out, step, keep_last):
+    """Before a new checkpoint replaces out/state.pt and out/encoder (of step `step`): keep them as
+    out/checkpoints/step-<step>/ by hard links (no copy; their space is freed only when pruned), then prune
+    that folder to its keep_last - 1 newest. The last checkpoint and the final encoder stay in out/."""
+    kept, tmp = out / "checkpoints" / f"step-{step}", out / "checkpoints" / f".step-{step}.tmp"
+    if (out / "state.pt").is_file() and not kept.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            shutil.copytree(out / "encoder", tmp / "encoder", copy_function=os.link)
+            os.link(out / "state.pt", tmp / "state.pt")
+        except OSError:                      # a file system without hard links: a copy
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(out / "encoder", tmp / "encoder")
+            shutil.copy2(out / "state.pt", tmp / "state.pt")
+        os.replace(tmp, kept)
+    older = sorted((p for p in (out / "checkpoints").glob("step-*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+    for folder in older[:max(0, len(older) - (keep_last - 1))]:
+        shutil.rmtree(folder)
 
 
 def checkpoint_or_stop(step, saved, due, save_every, save, device):
@@ -317,7 +375,8 @@ def batches(dataset, workers, micro_steps):
     """dataset[i] for each micro-step i of the range (from the resumed step on), built ahead by `workers`
     processes. The loader has its own generator: the global RNG (dropout) resumes exactly."""
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers, sampler=micro_steps,
-                                         generator=torch.Generator(), worker_init_fn=_leave_sigterm_to_the_run)
+                                         generator=torch.Generator(), worker_init_fn=_leave_sigterm_to_the_run,
+                                         pin_memory=torch.cuda.is_available())   # page-locked: copied to the GPU async
     return iter(loader)
 
 
@@ -643,6 +702,7 @@ def prepare_run_folder(c):
         (out / "state.pt").unlink(missing_ok=True)
         checksum_file(out / "state.pt").unlink(missing_ok=True)
         shutil.rmtree(out / "encoder", ignore_errors=True)
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)     # --keep_last's older ones
 
 
 # ----------------------------------------------------------------------------------------------

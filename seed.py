@@ -70,7 +70,7 @@ class Config(run.TrainConfig):
 # BERT's 30,522.
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=1e-4,
                     warmup=0.01, steps=1_000_000, global_batch=256, mask_prob=0.15, dropout=0.1, clip=1.0,
-                    weight_decay=0.01)
+                    weight_decay=0.01, **run.PAPER_RUN)   # PAPER_RUN: workers, checkpoints
 
 
 # The domain of each of SEED's flags, checked by run.parse_config before any work (with TrainConfig's).

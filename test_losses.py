@@ -240,6 +240,52 @@ def test_all_stopword_text_falls_back_to_any_whole_word(tokenizer, vocab_tokens)
     assert len(spans) == 50 and set(spans) == {(i, i + 1) for i in range(1, len(ids) - 1)}
 
 
+def _loop_skip_word_mask(input_ids, word_starts, vocab_tokens):
+    """costa.skip_word_mask as it was first written, a Python loop over the words: the reference."""
+    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
+    mask = [False] * len(input_ids)
+    starts = [i for i, start in enumerate(word_starts) if start] + [len(input_ids)]
+    for start, end in itertools.pairwise(starts):
+        pieces = [vocab_tokens[t] for t in input_ids[start:end]]
+        word = pieces[0] + "".join(p[2:] for p in pieces[1:] if p.startswith("##"))
+        mask[start] = word in ENGLISH_STOP_WORDS or not any(ch.isalnum() for ch in word)
+    return mask
+
+
+def _loop_sample_spans(word_starts, n_tokens, config, rng, stopword_mask=None):
+    """costa.sample_spans with the first word_spans (lists of tuples): the reference of the draws."""
+    sep = n_tokens - 1
+    starts = [i for i in range(1, sep) if word_starts[i]]
+    words = list(zip(starts, starts[1:] + [sep]))
+    content = [w for w in words if stopword_mask is None or not stopword_mask[w[0]]]
+    words, spans = content or words or [(1, sep)], []
+    for name in costa.parse_granularities(config.granularities):
+        if name == "word":
+            spans += [words[k] for k in rng.integers(len(words), size=config.span_T)]
+            continue
+        l_min, l_max = costa.SPAN_LENGTHS[name]
+        p = rng.beta(config.span_alpha, config.span_beta, size=config.span_T)
+        lengths = np.minimum(np.rint(l_min + p * (l_max - l_min)).astype(int), n_tokens - 2)
+        starts = rng.integers(1, n_tokens - lengths)
+        spans += list(zip(starts, starts + lengths))
+    return [(int(start), int(end)) for start, end in spans]
+
+
+def test_span_sampling_draws_exactly_what_the_python_loops_drew(tokenizer, vocab_tokens):
+    """The vectorised word tables and word spans give the loops' masks and the same spans from the same seed, on
+    real windows of 512 and 128 tokens (COSTA's batches, and README command 1, bit for bit). Seen failing with
+    a multi-piece word decided by its first piece alone ("in" + "##fin" + "##itive" taken for the stopword)."""
+    texts, tables = data.read_pretraining_texts(data.WIKI)[:12], costa.word_tables(vocab_tokens)
+    config = span_config(granularities="word,phrase,sentence,paragraph")
+    for max_len in (512, 128):
+        for k, w in enumerate(data.make_windows(tokenizer, texts, max_len=max_len)):
+            ids, starts = np.asarray(w.input_ids), np.asarray(w.word_starts, dtype=bool)
+            mask = costa.skip_word_mask(ids, starts, vocab_tokens, tables)
+            assert mask.tolist() == _loop_skip_word_mask(w.input_ids, w.word_starts, vocab_tokens), (max_len, k)
+            assert (costa.sample_spans(starts, len(ids), config, np.random.default_rng([0, k]), mask) ==
+                    _loop_sample_spans(w.word_starts, len(ids), config, np.random.default_rng([0, k]), mask))
+
+
 def test_window_starting_inside_a_word_skips_the_leading_fragment():
     # [CLS] ##ing ##ly cat ##s run [SEP]: the "##" run belongs to a word cut by the previous window.
     word_starts = [False, False, False, True, False, True, False]

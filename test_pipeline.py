@@ -182,6 +182,32 @@ def test_pretraining_readers(tmp_path):
         data.read_pretraining_texts(tmp_path / "missing.txt")
 
 
+def test_wikiextractor_folders_are_read_recursively_in_both_formats_and_bad_bytes_can_be_skipped(
+        tmp_path, capsys):
+    """WikiExtractor writes text/AA/wiki_00 (no extension), as JSON lines (--json) or <doc> blocks; both read as
+    the same documents, its nested folders too. Seen failing on the old code (the folder read nothing)."""
+    docs = [("Anarchism", "Anarchism is a philosophy.\nIt has a history."), ("Autism", "Autism is a condition.")]
+    as_json = "".join(json.dumps({"id": str(i), "url": "u", "title": t, "text": x}) + "\n"
+                      for i, (t, x) in enumerate(docs))
+    as_doc = "".join(f'<doc id="{i}" url="u" title="{t}">\n{t}\n\n{x}\n</doc>\n' for i, (t, x) in enumerate(docs))
+    write(tmp_path / "json" / "AA" / "wiki_00", as_json)
+    write(tmp_path / "doc" / "AA" / "wiki_00", as_doc)
+    write(tmp_path / "doc" / "AB" / "wiki_01", as_doc)
+    expected = [f"{t}. {x}" for t, x in docs]
+    assert data.read_pretraining_texts(tmp_path / "json") == expected
+    assert data.read_pretraining_texts(tmp_path / "doc") == expected * 2                # AA then AB
+    with pytest.raises(data.DataError, match=r"wiki_02:7: this <doc> has no </doc>"):
+        data.read_pretraining_texts(write(tmp_path / "cut" / "wiki_02", as_doc[:-7]))
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"first doc.\n\nsecond \xff doc.\n\nthird doc.\n")
+    with pytest.raises(data.DataError, match=r"bad\.txt:3: byte 0xff"):
+        data.read_pretraining_texts(bad)                                              # --bad_bytes stop
+    capsys.readouterr()
+    assert data.read_pretraining_texts(bad, bad_bytes="skip") == ["first doc.", "third doc."]
+    assert capsys.readouterr().out == (f"warning: {bad}: skipped 1 lines with bytes that are not UTF-8 "
+                                       f"(--bad_bytes skip; the first at line 3)\n")
+
+
 def test_streaming_reader_splits_plain_text_as_split_on_blank_lines(tmp_path):
     text = "\nfirst\n\n\n\nsecond\n \nstill second\n\n  \n\nthird\r\n\r\nfourth"
     path = write(tmp_path / "odd.txt", text)
@@ -961,6 +987,47 @@ def test_bm25_matches_term_by_term_formula():
     np.testing.assert_allclose(scores, np.take_along_axis(expected, ids, 1), rtol=1e-5)
 
 
+def test_bm25_sparse_top_k_equals_the_dense_rows_and_scifact_keeps_its_rankings(monkeypatch):
+    """The sparse top-k (large corpora) scores exactly what the dense rows hold and orders ties by document
+    index; SciFact stays on the dense path, so command 1's rankings and negatives keep argpartition's tie
+    order. Seen failing on the old code (no sparse_search) and with the tie rows at the k-th score dropped."""
+    corpus, queries, qrels = data.load_beir(HERE / "data" / "scifact", "test")
+    bm25 = evaluate.BM25([evaluate.passage_text(corpus[d]) for d in corpus])
+    texts = [queries[q] for q in sorted(qrels)]
+    assert bm25.n_docs <= bm25.DENSE_UP_TO
+    dense_scores, dense_ids = bm25.dense_search(texts, 1000)
+    got_scores, got_ids = bm25.search(texts, 1000)
+    np.testing.assert_array_equal(got_ids, dense_ids)                   # SciFact: the old path, bit for bit
+    np.testing.assert_array_equal(got_scores, dense_scores)
+    sparse_scores, sparse_ids = bm25.sparse_search(texts, 1000, postings_per_chunk=50_000)   # several chunks
+    full = bm25.score(texts)                                            # (300, 5183)
+    by_score_then_index = np.lexsort((np.broadcast_to(np.arange(full.shape[1]), full.shape), -full), axis=1)
+    np.testing.assert_array_equal(sparse_ids, by_score_then_index[:, :1000])
+    np.testing.assert_array_equal(sparse_scores, dense_scores)         # the same values, bit for bit
+    monkeypatch.setattr(evaluate.BM25, "DENSE_UP_TO", 1000)
+    np.testing.assert_array_equal(bm25.search(texts[:20], 50)[1], sparse_ids[:20, :50])
+    tiny = evaluate.BM25(["cats sleep", "dogs bark", "cats purr loudly", "birds sing"])
+    scores, ids = tiny.sparse_search(["cats"], 4)                       # two match; the tail: 1, 3 (score 0)
+    assert ids.tolist() == [[0, 2, 1, 3]] and scores[0, 2:].tolist() == [0.0, 0.0] and (scores[0, :2] > 0).all()
+
+
+def _share_worker(rank, world, tmp_path):
+    doc_ids = [f"d{i}" for i in range(6)]
+    if rank == 1:
+        time.sleep(4)                      # a slower BM25 share: longer than the group's 2 s collective timeout
+    ranked = finetune.share_through_files(tmp_path / "negatives_bm25.tsv", {f"q{rank}": [rank, 5]}, doc_ids,
+                                          {d: i for i, d in enumerate(doc_ids)}, tag=7, patience_s=60)
+    torch.save(ranked, tmp_path / f"rank{rank}.pt")
+
+
+def test_bm25_shares_reach_every_rank_without_a_collective_timing_out(tmp_path, run_on_ranks):
+    """Seen failing with all_gather_object in place of the files (gloo's 2 s timeout expires while rank 1
+    still searches)."""
+    r0, r1 = run_on_ranks(2, _share_worker, tmp_path, timeout_s=2)
+    assert r0 == r1 == {"q0": [0, 5], "q1": [1, 5]}
+    assert not list(tmp_path.glob("negatives_bm25.7.part*"))     # rank 0 removed the parts once all had read them
+
+
 # ------------------------------------------------------------------ search
 def test_exact_search_matches_numpy_brute_force():
     rng = np.random.default_rng(0)
@@ -1261,6 +1328,60 @@ def test_two_process_loss_and_gradients_equal_one_process(tmp_path, loss_name, r
     # Gradient wrt a rank's own vectors = W x the single-process gradient (W = 2).
     assert torch.allclose(torch.cat([r0["q_grad"], r1["q_grad"]]), 2 * q.grad, atol=1e-6)
     assert torch.allclose(torch.cat([r0["p_grad"], r1["p_grad"]]), 2 * p.grad, atol=1e-6)
+
+
+def _four_rank_worker(rank, world, tmp_path, text, spans, view1, view2):
+    """COSTA's eq. 8, CPDAE's eq. 5 (JS) and fine-tuning's loss on this rank's quarter of one global batch."""
+    cpdae, out = importlib.import_module("cpdae"), {}
+    n, m = text.shape[0] // world, view1.shape[0] // world
+    local = [t[rank * n:(rank + 1) * n].clone().requires_grad_() for t in (text, spans)]
+    loss, _ = costa.gwc_loss_distributed(*local, 0.1)
+    loss.backward()
+    out["costa"] = (loss.detach(), local[0].grad, local[1].grad)
+    local = [v[rank * m:(rank + 1) * m].clone().requires_grad_() for v in (view1, view2)]
+    loss, _ = cpdae.gathered_contrastive_loss(*map(cpdae.word_distribution, local), cpdae.js_similarity)
+    loss.backward()
+    out["cpdae"] = (loss.detach(), local[0].grad, local[1].grad)
+    model = _tiny_bi_encoder("softmax")
+    loss, _ = model(_local(_toy_batch(n_queries=8), rank, world))
+    loss.backward()
+    out["finetune"] = (loss.detach(), {k: p.grad for k, p in model.named_parameters() if p.grad is not None})
+    torch.save(out, tmp_path / f"rank{rank}.pt")
+
+
+def test_four_processes_equal_one_process_for_every_gathered_loss(tmp_path, run_on_ranks):
+    """4 gloo ranks x 2 texts (or queries) each against one process on all 8: COSTA, CPDAE and fine-tuning, loss
+    and gradients; and each rank's own loss is that of its own texts as the anchors. A wrong direction of the
+    anchors' rotation (roll(+rank n) for roll(-rank n)) leaves the sums over ranks as they are, and with 2 ranks
+    it changes nothing at all; here rank 1 then takes rank 3's texts as anchors (seen failing so in costa.py
+    and in cpdae.py, each alone)."""
+    cpdae, g = importlib.import_module("cpdae"), torch.Generator().manual_seed(3)
+    text, spans = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 3, 6, generator=g, dtype=torch.float64)
+    view1 = torch.randn(8, 30, generator=g, dtype=torch.float64)
+    view2 = view1 + 0.5 * torch.randn(8, 30, generator=g, dtype=torch.float64)
+    ranks = run_on_ranks(4, _four_rank_worker, tmp_path, text, spans, view1, view2)
+    one = {}
+    for name, (a, b), fn in (("costa", (text, spans), lambda a, b: costa.gwc_loss(a, b, 0.1)[0]),
+                             ("cpdae", (view1, view2), lambda a, b: cpdae.contrastive_loss(
+                                 cpdae.word_distribution(a), cpdae.word_distribution(b), cpdae.js_similarity)[0])):
+        a, b = a.clone().requires_grad_(), b.clone().requires_grad_()
+        loss = fn(a, b)
+        one[name] = (loss.detach(), *torch.autograd.grad(loss, (a, b)))
+        torch.testing.assert_close(sum(r[name][0] for r in ranks) / 4, one[name][0])
+        for rank, r in enumerate(ranks):   # its own 2 texts first, as the anchors
+            mine = [x.roll(-2 * rank, dims=0) for x in (a, b)]
+            own = (costa.gwc_loss(*mine, 0.1, n_anchors=2)[0] if name == "costa" else cpdae.contrastive_loss(
+                *map(cpdae.word_distribution, mine), cpdae.js_similarity, n_anchors=2)[0])
+            torch.testing.assert_close(r[name][0], own.detach())
+        for i in (1, 2):   # all_gather's backward sums over the ranks: each rank's rows get 4 x the gradient
+            torch.testing.assert_close(torch.cat([r[name][i] for r in ranks]), 4 * one[name][i])
+    model = _tiny_bi_encoder("softmax")
+    loss, _ = model(_toy_batch(n_queries=8))
+    loss.backward()
+    torch.testing.assert_close(sum(r["finetune"][0] for r in ranks) / 4, loss.detach(), atol=1e-6, rtol=1e-5)
+    for name, p in model.named_parameters():
+        if p.grad is not None:   # DDP averages the ranks' gradients
+            torch.testing.assert_close(sum(r["finetune"][1][name] for r in ranks) / 4, p.grad, atol=1e-5, rtol=1e-4)
 
 
 def test_softmax_loss_by_hand_with_excluded_candidate():
@@ -2905,7 +3026,7 @@ def test_silent_inputs_are_refused_or_named(tmp_path, capsys, monkeypatch):
     write(folder / "notes.csv", "id,text\n1,not a document\n")
     assert data.read_pretraining_texts(folder) == ["first document", "second document"]
     assert capsys.readouterr().out == (f"{folder}: skipping notes.csv (a corpus folder reads only .txt, .jsonl, "
-                                       f".txt.gz, .jsonl.gz files)\n")
+                                       f".txt.gz, .jsonl.gz files and WikiExtractor's)\n")
     # A corpus error leaves no empty token cache folder behind.
     empty = write(tmp_path / "empty" / "blank.txt", "\n\n\n")
     with pytest.raises(data.DataError, match="empty corpus"):
@@ -3191,6 +3312,48 @@ def test_a_non_finite_loss_says_whether_a_checkpoint_is_kept(tmp_path):
         run.stop_if_not_finite(torch.tensor(float("nan")), 2, c, last_saved=0)
     with pytest.raises(data.DataError, match=rf"{re.escape(str(tmp_path))} keeps its last good checkpoint, step 100$"):
         run.stop_if_not_finite(torch.tensor(float("inf")), 120, c, last_saved=100)
+
+
+def test_keep_last_keeps_older_checkpoints_as_hard_links_and_prunes_them(tmp_path):
+    """--keep_last 3: before each save the current checkpoint stays in checkpoints/step-N (no copy), the 2 newest
+    kept. Seen failing on the old code (no keep_previous_checkpoint) and with the prune's count off by one."""
+    for step in (10, 20, 30, 40):
+        if step > 10:
+            run.keep_previous_checkpoint(tmp_path, step - 10, keep_last=3)
+        (tmp_path / "state.pt").unlink(missing_ok=True)               # as save_checkpoint's os.replace does
+        (tmp_path / "encoder").mkdir(exist_ok=True)
+        (tmp_path / "encoder" / "model.safetensors").unlink(missing_ok=True)
+        (tmp_path / "state.pt").write_text(f"state {step}")
+        (tmp_path / "encoder" / "model.safetensors").write_text(f"weights {step}")
+    kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert kept == ["step-20", "step-30"]
+    assert (tmp_path / "checkpoints" / "step-30" / "state.pt").read_text() == "state 30"
+    assert (tmp_path / "checkpoints" / "step-20" / "encoder" / "model.safetensors").read_text() == "weights 20"
+    assert (tmp_path / "state.pt").read_text() == "state 40"
+
+
+def test_on_a_gpu_the_finite_check_waits_for_a_log_step_and_names_the_first_bad_step(tmp_path):
+    """On CUDA the loop syncs with the host only on log and checkpoint steps: a NaN at step 2 is found at step 5
+    (log_every 5), named as step 2, before any checkpoint. Seen failing on the old code (it checked, and synced,
+    at every step: the NaN raised at step 2)."""
+    c = costa.Config(out_dir=str(tmp_path), log_every=5, save_every=100, steps=50)
+    training = types.SimpleNamespace(c=c, device=torch.device("cuda"), saved=0, unchecked=[], step=0)
+    training.waits_on_device = types.MethodType(run.TrainingRun.waits_on_device, training)
+    check = types.MethodType(run.TrainingRun.stop_if_not_finite, training)
+    for step, norm in ((1, 1.0), (2, float("nan")), (3, 2.0), (4, float("inf"))):
+        check(torch.tensor(norm), step)                                # no sync, no stop yet
+    with pytest.raises(data.DataError, match=r"^step 2: the loss is not finite \(gradient norm nan\)"):
+        check(torch.tensor(1.0), 5)
+    assert [training.waits_on_device(s) for s in (99, 100, 50)] == [False, True, True]
+
+
+def test_paper_presets_build_batches_ahead_and_checkpoint_by_the_clock():
+    """Seen failing on the old code (--workers 0, a checkpoint every 100 steps, nothing kept)."""
+    for module in (costa, importlib.import_module("cpdae"), importlib.import_module("seed")):
+        c = run.parse_config(module.Config, ["--preset", "paper"], "", module.PAPER_PRESET, module.FLAG_RULES)
+        assert c.workers >= 1 and c.save_minutes > 0 and c.save_every >= 10_000 and c.keep_last > 1, module
+    c = run.parse_config(finetune.Config, ["--preset", "paper"], "", finetune.PAPER_PRESET, finetune.FLAG_RULES)
+    assert c.workers >= 1 and c.save_every >= 1000
 
 
 # Token cache: it proves itself before use; killed builds' temporaries; dropped and empty documents
