@@ -421,7 +421,7 @@ def test_js_equals_float64_loop_on_random_distributions():
     q = random_distributions(4, 30, seed=3)
     q[0, :10] = 0.0  # exact zeros: 0 log 0 = 0
     q = q / q.sum(-1, keepdim=True)
-    got = cpdae.js_divergence(p, q, chunk_size=2)
+    got = -run.in_row_chunks(cpdae.js_similarity, 2)(p, q)                 # eager training's form
     for a in range(3):
         for b in range(4):
             assert abs(got[a, b].item() - js_loop(p[a], q[b])) < 1e-6
@@ -440,9 +440,9 @@ def test_chunked_pairwise_js_equals_naive_values_and_gradients():
 
     ref = naive(logits)
     (ref_grad,) = torch.autograd.grad((ref * weights).sum(), logits)
-    for chunk in (1, 5, 12, 64):
+    for chunk in (0, 1, 5, 12, 64):                                     # 0: js_similarity in one piece
         dist = cpdae.word_distribution(logits)
-        got = cpdae.js_divergence(dist, dist, chunk_size=chunk)
+        got = -(run.in_row_chunks(cpdae.js_similarity, chunk) if chunk else cpdae.js_similarity)(dist, dist)
         (grad,) = torch.autograd.grad((got * weights).sum(), logits)
         torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-4)
@@ -534,7 +534,7 @@ def test_js_contrastive_equals_eq5_loop():
     m, v = 4, 25
     dist1 = random_distributions(m, v, seed=4)
     dist2 = random_distributions(m, v, seed=5)
-    got = cpdae.contrastive_loss(dist1, dist2, partial(cpdae.js_similarity, chunk_size=3))[0]
+    got = cpdae.contrastive_loss(dist1, dist2, run.in_row_chunks(cpdae.js_similarity, 3))[0]
     assert abs(got.item() - contrastive_loop(dist1, dist2)) < 1e-5
 
 
@@ -542,7 +542,7 @@ def test_js_contrastive_gradient_matches_float64():
     m, v = 3, 15
     logits = torch.randn(2 * m, v, dtype=torch.float64, requires_grad=True)
     dist = cpdae.word_distribution(logits).double()  # fp32 path as in training
-    got = cpdae.contrastive_loss(dist[:m], dist[m:], partial(cpdae.js_similarity, chunk_size=2))[0]
+    got = cpdae.contrastive_loss(dist[:m], dist[m:], run.in_row_chunks(cpdae.js_similarity, 2))[0]
     (grad,) = torch.autograd.grad(got, logits)
     p = torch.sigmoid(logits)
     p = p / p.sum(-1, keepdim=True)  # float64 reference, same formula through autograd
@@ -566,7 +566,7 @@ def _contrastive_worker(rank, world, tmp_path, inputs):
         x2 = full2[rank * m:(rank + 1) * m].clone().requires_grad_()
         if mode == "js":
             loss, _ = cpdae.gathered_contrastive_loss(cpdae.word_distribution(x1), cpdae.word_distribution(x2),
-                                                partial(cpdae.js_similarity, chunk_size=2))
+                                                run.in_row_chunks(cpdae.js_similarity, 2))
         else:
             loss, _ = cpdae.gathered_contrastive_loss(x1, x2, partial(cpdae.cosine_similarity, temperature=0.1))
         loss.backward()
