@@ -488,7 +488,7 @@ def cuda_matmul_rate(m, k, n, reps=20):
     return 2 * m * k * n / np.median(times[3:]) / 1e12
 
 
-def gpu_row(variant, batch, length, steps, warmup, compile=False):
+def gpu_row(variant, batch, length, steps, warmup, compile=False, device="cuda"):
     """(seconds per step, tokens per step, peak bytes, FLOPs per step, first step's seconds) of one variant at
     BERT-base size; compile: --compile (run.fused), its compile in the first step."""
     module_name, fixed = VARIANTS[variant]
@@ -497,41 +497,45 @@ def gpu_row(variant, batch, length, steps, warmup, compile=False):
     c.steps = 10 ** 6
     torch.manual_seed(0)
     batches = load_batches(module, c, 4, n_texts=400)
-    step = pretrain_step(module, c, batches, torch.device("cuda"), hf=variant == "hf-bert-mlm")
+    step = pretrain_step(module, c, batches, torch.device(device), hf=variant == "hf-bert-mlm")
+    gpu = device == "cuda"
+    sync = torch.cuda.synchronize if gpu else lambda: None
     t0 = time.perf_counter()
     step()
-    torch.cuda.synchronize()
+    sync()
     first = time.perf_counter() - t0
     flops = eager_flops(step)
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    sync()
+    gpu and torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize()
+    sync()
     seconds = (time.perf_counter() - t0) / steps
     tokens = sum(int(b["attention_mask"].sum()) for b in batches) / len(batches)
-    return seconds, tokens, torch.cuda.max_memory_allocated(), flops, first
+    return seconds, tokens, torch.cuda.max_memory_allocated() if gpu else peak_rss_mib() * 2**20, flops, first
 
 
-def gpu_table(batch, length, steps, warmup, variants, compile=False):
+def gpu_table(batch, length, steps, warmup, variants, compile=False, device="cuda"):
     """BERT-base (the papers' size) on one GPU at batch x length, bf16 autocast, one variant after the other
     in this process (each eager, and with compile also with --compile): step time, tokens/s, peak memory,
     FLOPs per step (FlopCounterMode, forward + backward) and MFU, the achieved FLOP/s over the measured bf16
-    matmul rate and over the card's nominal peak."""
-    name = torch.cuda.get_device_name()
+    matmul rate and over the card's nominal peak. device "cpu": a dry run of this path (--gpu_device cpu)."""
+    gpu = device == "cuda"
+    name = torch.cuda.get_device_name() if gpu else "CPU (dry run)"
     nominal = next((v for k, v in NOMINAL_BF16_TFLOPS.items() if k in name), None)
-    rate, ceiling = cuda_matmul_rate(batch * length, 768, 3072), cuda_matmul_rate(8192, 8192, 8192)
+    rate, ceiling = ((cuda_matmul_rate(batch * length, 768, 3072), cuda_matmul_rate(8192, 8192, 8192)) if gpu else
+                     (matmul_rate(batch * length, 768, 3072, torch.bfloat16) / 1e3,) * 2)
     print(f"{name}: bf16 matmul {rate:,.0f} TFLOP/s at (B*L x 768) @ (768 x 3072), {ceiling:,.0f} at 8192^3; "
           f"nominal dense bf16 peak {nominal or '?'} TFLOP/s", flush=True)
     print(f"\n| step, 12x768, batch {batch} x {length} | ms/step | first step s | tokens/s | peak GiB | TFLOP/step "
           f"| TFLOP/s | MFU (measured rate) | MFU (nominal) |\n|---|---|---|---|---|---|---|---|---|")
     for variant in variants:
         for compiled in (False, True) if compile and variant in COMPILED else (compile,):
-            s, tokens, peak, flops, first = gpu_row(variant, batch, length, steps, warmup, compiled)
-            torch.cuda.empty_cache()                       # the variant's model and optimizer are gone
+            s, tokens, peak, flops, first = gpu_row(variant, batch, length, steps, warmup, compiled, device)
+            gpu and torch.cuda.empty_cache()               # the variant's model and optimizer are gone
             achieved = flops / s / 1e12
             print(f"| {variant}{' --compile' if compiled else ''} | {1000 * s:,.1f} | {first:,.1f} | {tokens / s:,.0f} "
                   f"| {peak / 2**30:.1f} | {flops / 1e12:.2f} | {achieved:,.0f} | {achieved / rate:.0%} | "
@@ -560,6 +564,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="speed table: the methods (eager, --compile) at 4x256 only")
     parser.add_argument("--gpu", action="store_true", help="BERT-base on one GPU: step time, memory and MFU per method")
     parser.add_argument("--compile", action="store_true", help="--gpu: each method eager and with --compile")
+    parser.add_argument("--gpu_device", default="cuda", choices=("cuda", "cpu"),
+                        help="--gpu on the CPU: a dry run of the GPU path (with a small --gpu_batch and --gpu_len)")
     parser.add_argument("--gpu_batch", type=int, default=32, help="--gpu: texts per step")
     parser.add_argument("--gpu_len", type=int, default=512, help="--gpu: tokens per text")
     parser.add_argument("--out", default="", help="the results file this run writes what it prints to "
@@ -573,10 +579,10 @@ def main():
     if args.child:
         print(json.dumps(CHILDREN[args.child[0]](*json.loads(args.child[1]))))
     elif args.gpu:
-        if not torch.cuda.is_available():
+        if args.gpu_device == "cuda" and not torch.cuda.is_available():
             sys.exit("error: --gpu: no CUDA device")
         with recorded(args.out or ROOT / "results" / "gpu" / "benchmark-gpu.md"):
-            gpu_table(args.gpu_batch, args.gpu_len, args.steps, args.warmup, variants, args.compile)
+            gpu_table(args.gpu_batch, args.gpu_len, args.steps, args.warmup, variants, args.compile, args.gpu_device)
     else:
         with recorded(args.out or ROOT / "results" / "speed" / "benchmark.md"):
             t0 = time.perf_counter()
