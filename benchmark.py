@@ -488,12 +488,13 @@ def cuda_matmul_rate(m, k, n, reps=20):
     return 2 * m * k * n / np.median(times[3:]) / 1e12
 
 
-def gpu_row(variant, batch, length, steps, warmup, compile=False, device="cuda"):
+def gpu_row(variant, batch, length, steps, warmup, compile=False, device="cuda", overrides=None):
     """(seconds per step, tokens per step, peak bytes, FLOPs per step, first step's seconds) of one variant at
     BERT-base size; compile: --compile (run.fused), its compile in the first step."""
     module_name, fixed = VARIANTS[variant]
     module = importlib.import_module(module_name)
-    c = module.Config(**{**fixed, **BERT_BASE, "max_len": length, "batch_size": batch, "compile": compile})
+    c = module.Config(**{**fixed, **BERT_BASE, **(overrides or {}), "max_len": length, "batch_size": batch,
+                         "compile": compile})
     c.steps = 10 ** 6
     torch.manual_seed(0)
     batches = load_batches(module, c, 4, n_texts=400)
@@ -518,11 +519,12 @@ def gpu_row(variant, batch, length, steps, warmup, compile=False, device="cuda")
     return seconds, tokens, torch.cuda.max_memory_allocated() if gpu else peak_rss_mib() * 2**20, flops, first
 
 
-def gpu_table(batch, length, steps, warmup, variants, compile=False, device="cuda"):
+def gpu_table(batch, length, steps, warmup, variants, compile=False, device="cuda", overrides=None):
     """BERT-base (the papers' size) on one GPU at batch x length, bf16 autocast, one variant after the other
     in this process (each eager, and with compile also with --compile): step time, tokens/s, peak memory,
     FLOPs per step (FlopCounterMode, forward + backward) and MFU, the achieved FLOP/s over the measured bf16
-    matmul rate and over the card's nominal peak. device "cpu": a dry run of this path (--gpu_device cpu)."""
+    matmul rate and over the card's nominal peak. device "cpu": a dry run of this path (--gpu_device cpu, where
+    --set's overrides make the model small)."""
     gpu = device == "cuda"
     name = torch.cuda.get_device_name() if gpu else "CPU (dry run)"
     nominal = next((v for k, v in NOMINAL_BF16_TFLOPS.items() if k in name), None)
@@ -533,8 +535,8 @@ def gpu_table(batch, length, steps, warmup, variants, compile=False, device="cud
     print(f"\n| step, 12x768, batch {batch} x {length} | ms/step | first step s | tokens/s | peak GiB | TFLOP/step "
           f"| TFLOP/s | MFU (measured rate) | MFU (nominal) |\n|---|---|---|---|---|---|---|---|---|")
     for variant in variants:
-        for compiled in (False, True) if compile and variant in COMPILED else (compile,):
-            s, tokens, peak, flops, first = gpu_row(variant, batch, length, steps, warmup, compiled, device)
+        for compiled in (False, True) if compile and variant in COMPILED else (False,):
+            s, tokens, peak, flops, first = gpu_row(variant, batch, length, steps, warmup, compiled, device, overrides)
             gpu and torch.cuda.empty_cache()               # the variant's model and optimizer are gone
             achieved = flops / s / 1e12
             print(f"| {variant}{' --compile' if compiled else ''} | {1000 * s:,.1f} | {first:,.1f} | {tokens / s:,.0f} "
@@ -582,7 +584,9 @@ def main():
         if args.gpu_device == "cuda" and not torch.cuda.is_available():
             sys.exit("error: --gpu: no CUDA device")
         with recorded(args.out or ROOT / "results" / "gpu" / "benchmark-gpu.md"):
-            gpu_table(args.gpu_batch, args.gpu_len, args.steps, args.warmup, variants, args.compile, args.gpu_device)
+            overrides = {k: parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}
+            gpu_table(args.gpu_batch, args.gpu_len, args.steps, args.warmup, variants, args.compile, args.gpu_device,
+                      overrides)
     else:
         with recorded(args.out or ROOT / "results" / "speed" / "benchmark.md"):
             t0 = time.perf_counter()

@@ -17,7 +17,8 @@ if ! timeout 60 python3 -c "$env_check" > /dev/null 2>&1; then   # imports fail:
     timeout 60 python3 -c "$env_check" 2>&1 | tee -a "$OUT/compile_env.txt"
 fi
 if [ "${DRY:-0}" = 1 ]; then
-    args=(--gpu_device cpu --gpu_batch 2 --gpu_len 32 --steps 1 --warmup 0); limit=900
+    args=(--gpu_device cpu --gpu_batch 2 --gpu_len 32 --steps 1 --warmup 0 --set hidden_size=64 --set num_layers=2
+          --set num_heads=2 --set ffn_size=128); limit=900
 else
     args=(--steps 10 --warmup 3); limit=$((235 - SECONDS))   # the whole script within ~4 minutes
 fi
