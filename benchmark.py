@@ -422,7 +422,9 @@ def compiled_payoff(eager, compiled):
     and after how many steps its first step's extra time (the compile) is recovered by the faster steps."""
     saved = eager["ms"] - compiled["ms"]                                  # per step, once compiled
     extra = compiled["first_ms"] - compiled["ms"] - (eager["first_ms"] - eager["ms"])   # the compile
-    after = f"{math.ceil(max(extra, 0) / saved)} steps" if saved > 0 else "never (not faster)"
+    if extra <= 0:   # a compile torch's on-disk cache held, within the first steps' noise
+        return f"{eager['ms'] / compiled['ms']:.2f}x as fast; no compile time above the first step's noise"
+    after = f"{math.ceil(extra / saved)} steps" if saved > 0 else "never (not faster)"
     return f"{eager['ms'] / compiled['ms']:.2f}x as fast; compile ({extra / 1000:.0f} s) paid back after {after}"
 
 
