@@ -7,13 +7,13 @@ set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-results/gpu/out}
 mkdir -p "$OUT"
-env_check='import torch, numpy, tokenizers, safetensors, faiss, sklearn, scipy
-print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(),
-      torch.cuda.get_device_name() if torch.cuda.is_available() else "")'
+env_check='import sys, torch, benchmark   # what benchmark.py imports (faiss, sklearn: not needed here)
+print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "available",
+      torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else "")'
 { date -u; nproc; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | head -3
   timeout 60 python3 -c "$env_check"; } 2>&1 | tee "$OUT/compile_env.txt"
-if ! timeout 60 python3 -c "$env_check" > /dev/null 2>&1; then   # imports fail: install, then say what we have
-    timeout 150 python3 -m pip install -q -r requirements.txt 2>&1 | tail -3 | tee -a "$OUT/compile_env.txt"
+if ! grep -q " torch " "$OUT/compile_env.txt"; then   # the imports failed: install, then say what we have
+    timeout 100 python3 -m pip install -q -r requirements.txt 2>&1 | tail -3 | tee -a "$OUT/compile_env.txt"
     timeout 60 python3 -c "$env_check" 2>&1 | tee -a "$OUT/compile_env.txt"
 fi
 if [ "${DRY:-0}" = 1 ]; then

@@ -33,7 +33,8 @@ def frozen_step(loss_of, batch=16, length=128, seed_=0):
     loss_of(states, weight, targets) -> (loss, n_correct) is the eq. 9 function the variant runs."""
     torch.manual_seed(seed_)
     c = seed.Config(**MINILM)
-    embedding = nn.Embedding(c.vocab_size, c.hidden_size).requires_grad_(False)   # the frozen encoder's
+    embedding = nn.Embedding(c.vocab_size, c.hidden_size).requires_grad_(False)   # the frozen encoder's, at
+    nn.init.normal_(embedding.weight, std=0.05)                                   # a trained embedding's scale
     decoder = seed.WeakDecoder(c, embedding)
     params = [p for p in decoder.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
@@ -43,7 +44,9 @@ def frozen_step(loss_of, batch=16, length=128, seed_=0):
     h0 = torch.randn(batch, c.hidden_size)
     decoder_input, targets = seed.decoder_inputs_and_targets(ids, mask)
 
-    def step():
+    def step(rng_seed=None):
+        if rng_seed is not None:                                                    # the same dropout masks
+            torch.manual_seed(rng_seed)
         decoder.train()
         with run.autocast_bf16(torch.device("cpu")):
             states = decoder(decoder_input, h0)                                     # (b, L-1, H)
@@ -66,7 +69,7 @@ def main():
     first, times, losses = {}, {k: [] for k in variants}, {}
     for name, step in variants.items():
         t0 = time.perf_counter()
-        losses[name] = step()
+        losses[name] = step(rng_seed=1)
         first[name] = time.perf_counter() - t0
         step()
     for _ in range(args.reps):
