@@ -12,10 +12,11 @@ method's own masking), with the same model size and batch, for --steps optimizer
 --warmup untimed ones, in a fresh process of its own so that peak memory is its own:
 
     python benchmark.py                                   # speed table, goals, then all variants
-    python benchmark.py --quick                           # ... the methods at 4 x 256 only
+    python benchmark.py --quick --variants ''             # the methods at 4 x 256 only, eager and --compile
     python benchmark.py --variants costa-mlm,hf-bert-mlm --steps 20
     python benchmark.py --set batch_size=64 --set max_len=256
     python benchmark.py --gpu                             # BERT-base, batch 32 x 512, on one GPU: MFU per method
+    python benchmark.py --gpu --compile                   # ... each of CPDAE and SEED eager and with --compile
 
 Each run writes what it prints to results/speed/benchmark.md (--gpu: results/gpu/benchmark-gpu.md; --out
 FILE elsewhere), under a head naming the commit, the command, the CPU, its native bf16 support, the
@@ -39,6 +40,7 @@ import gc
 import importlib
 import io
 import json
+import math
 import shlex
 import subprocess
 import sys
@@ -48,7 +50,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import data
 import evaluate
@@ -63,6 +64,7 @@ VARIANTS = {
 }
 MINILM = {"hidden_size": 384, "num_layers": 6, "num_heads": 12, "ffn_size": 1536}   # all-MiniLM-L6-v2's sizes
 BERT_BASE = {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "ffn_size": 3072}
+COMPILED = ("cpdae", "seed")   # the methods whose vocabulary-sized loss --compile compiles (run.fused)
 GOALS = {"encoder": 0.40, "st_speed": 1.5, "method_vs_flops": 1.1, "st_rss": 0.5}   # the goals table's
 ST_NDCG_RESULTS = ROOT / "results" / "st-ndcg"   # st_ndcg.py's rows there (committed): the goals table reads them
 
@@ -191,6 +193,20 @@ def counted_flops(fn, *args, **kwargs):
     return counter.get_total_flops()
 
 
+def eager_flops(step):
+    """counted_flops of step(optimize=False) with its model's --compile off for the count: inside a compiled
+    loss the counter sees no op, and the compiled step computes the same matmuls."""
+    config = getattr(getattr(step, "model", None), "config", None)
+    compiled = getattr(config, "compile", False)
+    if compiled:
+        config.compile = False
+    try:
+        return counted_flops(step, optimize=False)
+    finally:
+        if compiled:
+            config.compile = True
+
+
 def load_batches(module, c, n_batches, n_texts=40):
     """The first n_batches of the method's own data path (its Batches), built from n_texts real articles."""
     texts = data.read_pretraining_texts(c.corpus)[:n_texts]
@@ -286,44 +302,41 @@ def finetune_step(batches, init="", change=None):
 
 # The default run: the speed table, the goals, the per-variant table -------------------------------
 def speed_variants(quick=False):
-    """(name, size, step closure, analytic FLOPs or None) for every row of the speed table."""
+    """(name, size, step closure, analytic FLOPs or None) for every row of the speed table: each method eager
+    and with --compile (run.fused: its vocabulary-sized loss compiled), against MLM-only. quick: the methods
+    at 4 x 256 only (no encoder, 6 x 384 or finetune rows)."""
     import costa
     rows = []
-    big = costa.Config(**MINILM)
-    encoder = costa.Encoder(big).train()
-    ids, mask = torch.randint(1000, 30000, (32, 128)), torch.ones(32, 128, dtype=torch.long)
+    if not quick:
+        big = costa.Config(**MINILM)
+        encoder = costa.Encoder(big).train()
+        ids, mask = torch.randint(1000, 30000, (32, 128)), torch.ones(32, 128, dtype=torch.long)
 
-    def encoder_step(optimize=True):
-        with run.autocast_bf16(torch.device("cpu")):
-            hidden = encoder(ids, mask)                                          # (32, 128, 384)
-        hidden.float().square().mean().backward()
-        encoder.zero_grad(set_to_none=True)
-    rows.append(("encoder fwd+bwd", "6x384", encoder_step, encoder_flops(big, 32, 128)))
-
-    def before_step(optimize=True):   # the same step with torch's dropout and SDPA, as the encoder had them
-        ours = costa.dropout, costa.attention
-        costa.dropout = F.dropout
-        costa.attention = lambda q, k, v, attend, p: F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=p)
-        try:
-            encoder_step()
-        finally:
-            costa.dropout, costa.attention = ours
-    rows.append(("encoder fwd+bwd, torch's dropout + SDPA (before)", "6x384", before_step, encoder_flops(big, 32, 128)))
+        def encoder_step(optimize=True):
+            with run.autocast_bf16(torch.device("cpu")):
+                hidden = encoder(ids, mask)                                      # (32, 128, 384)
+            hidden.float().square().mean().backward()
+            encoder.zero_grad(set_to_none=True)
+        rows.append(("encoder fwd+bwd", "6x384", encoder_step, encoder_flops(big, 32, 128)))
     for size, fields in [("4x256", {})] + ([] if quick else [("6x384", MINILM)]):
         for variant in ("costa-mlm", *run.METHODS):
             module_name, fixed = VARIANTS[variant]
             module = importlib.import_module(module_name)
-            c = module.Config(**{**fixed, **fields})
-            c.steps = 10 ** 6
-            rows.append((variant, size, pretrain_step(module, c, load_batches(module, c, 4)), None))
-    ft_batches, *_ = finetune_batches(4)
-    rows.append(("finetune", "6x384", finetune_step(ft_batches), None))
+            for compiled in (False, True) if variant in COMPILED else (False,):
+                c = module.Config(**{**fixed, **fields}, compile=compiled)
+                c.steps = 10 ** 6
+                name = variant + (" --compile" if compiled else "")
+                rows.append((name, size, pretrain_step(module, c, load_batches(module, c, 4)), None))
+    if not quick:
+        ft_batches, *_ = finetune_batches(4)
+        rows.append(("finetune", "6x384", finetune_step(ft_batches), None))
     return rows
 
 
 def speed_table(reps, quick=False):
     """Step times measured round-robin in this one process (median of reps), so that whatever else the
-    machine does slows every row alike; FLOPs counted per step; shares of the bf16 matmul rate."""
+    machine does slows every row alike; FLOPs counted per step; shares of the bf16 matmul rate. The first
+    step of each row is timed apart: with --compile it holds the compile (first_ms)."""
     torch.manual_seed(0)
     bf16 = cpu_bf16()
     rate = {size: (matmul_rate(4096, h, f, torch.bfloat16), matmul_rate(4096, h, f, torch.float32))
@@ -332,10 +345,12 @@ def speed_table(reps, quick=False):
         f"{size}: bf16 {b:,.0f} GFLOP/s, fp32 {f:,.0f} GFLOP/s" for size, (b, f) in rate.items()) +
         f" (training autocasts to {'bf16' if bf16 else 'nothing: fp32'})", flush=True)
     rows = speed_variants(quick)
-    flops, times = [], [[] for _ in rows]
+    flops, first, times = [], [], [[] for _ in rows]
     for _, _, step, _ in rows:
+        t0 = time.perf_counter()
         step()
-        flops.append(counted_flops(step, optimize=False))
+        first.append(1000 * (time.perf_counter() - t0))
+        flops.append(eager_flops(step))
         step()
     for _ in range(reps):
         for i, (_, _, step, _) in enumerate(rows):
@@ -343,15 +358,16 @@ def speed_table(reps, quick=False):
             step()
             times[i].append(time.perf_counter() - t0)
     out = []
-    print(f"\n| step (batch 32 x 128) | size | ms/step | GFLOP/step | GFLOP/s | share of the {'bf16' if bf16 else 'fp32'} "
-          f"matmul rate |\n|---|---|---|---|---|---|")
-    for (name, size, _, analytic), f, t in zip(rows, flops, times):
+    print(f"\n| step (batch 32 x 128) | size | ms/step | first step ms | GFLOP/step | GFLOP/s | share of the "
+          f"{'bf16' if bf16 else 'fp32'} matmul rate |\n|---|---|---|---|---|---|---|")
+    for (name, size, _, analytic), f, t, t1 in zip(rows, flops, times, first):
         ms = 1000 * float(np.median(t))
         achieved = f / (ms / 1000) / 1e9
         share = achieved / rate[size][0 if bf16 else 1]
         check = f" (analytic {analytic / 1e9:.1f})" if analytic else ""
-        print(f"| {name} | {size} | {ms:,.0f} | {f / 1e9:.1f}{check} | {achieved:,.0f} | {share:.0%} |", flush=True)
-        out.append({"name": name, "size": size, "ms": ms, "flops": f, "share": share})
+        print(f"| {name} | {size} | {ms:,.0f} | {t1:,.0f} | {f / 1e9:.1f}{check} | {achieved:,.0f} | {share:.0%} |",
+              flush=True)
+        out.append({"name": name, "size": size, "ms": ms, "first_ms": t1, "flops": f, "share": share})
     return out
 
 
@@ -376,23 +392,40 @@ def goals_table(speed):
     """measure | goal | today, from this run's numbers (and results/st-ndcg's rows)."""
     by = {(r["name"], r["size"]): r for r in speed}
     lines = ["\n| measure | goal | today |", "|---|---|---|"]
-    enc, before = by[("encoder fwd+bwd", "6x384")], by[("encoder fwd+bwd, torch's dropout + SDPA (before)", "6x384")]
-    lines.append(f"| encoder fwd+bwd, 6x384, batch 32 x 128: share of the bf16 matmul rate | >= {GOALS['encoder']:.0%} "
-                 f"| {enc['share']:.0%} ({before['ms'] / enc['ms']:.2f}x as fast as with torch's dropout and SDPA) |")
+    enc = by.get(("encoder fwd+bwd", "6x384"))
+    if enc:
+        lines.append(f"| encoder fwd+bwd, 6x384, batch 32 x 128: share of the bf16 matmul rate | >= {GOALS['encoder']:.0%} "
+                     f"| {enc['share']:.0%} |")
     for size in ("4x256", "6x384"):
         base = by.get(("costa-mlm", size))
-        for method in ("cpdae", "seed"):
-            r = by.get((method, size))
-            if base and r:
-                time_ratio, flop_ratio = r["ms"] / base["ms"], r["flops"] / base["flops"]
-                lines.append(f"| {method} step time / MLM-only's, {size}, over their FLOP ratio ({time_ratio:.2f}x / "
-                             f"{flop_ratio:.2f}x) | <= {GOALS['method_vs_flops']} | {time_ratio / flop_ratio:.2f} |")
+        for method in COMPILED:
+            for name in (method, method + " --compile"):
+                r = by.get((name, size))
+                if base and r:
+                    time_ratio, flop_ratio = r["ms"] / base["ms"], r["flops"] / base["flops"]
+                    lines.append(f"| {name} step time / MLM-only's, {size}, over their FLOP ratio ({time_ratio:.2f}x / "
+                                 f"{flop_ratio:.2f}x) | <= {GOALS['method_vs_flops']} | {time_ratio / flop_ratio:.2f} |")
+            eager, compiled = by.get((method, size)), by.get((method + " --compile", size))
+            if eager and compiled:
+                lines.append(f"| {method} --compile against eager, {size}: step speed-up; compile paid back after "
+                             f"| faster; within the quick start's 50 steps | {compiled_payoff(eager, compiled)} |")
     lines.append(f"| finetune.py vs sentence-transformers: speed, peak RSS | >= {GOALS['st_speed']}x, "
                  f"<= {GOALS['st_rss']}x | not run here (python results/speed/st.py) |")
     ndcg = st_ndcg_summary(ST_NDCG_RESULTS)
     lines.append(f"| finetune.py vs sentence-transformers: test nDCG@10, 3 seeds each | at least equal | "
                  f"{ndcg + ', results/st-ndcg' if ndcg else 'not measured (python results/st-ndcg/st_ndcg.py 0,1,2)'} |")
     print("\n".join(lines))
+
+
+def compiled_payoff(eager, compiled):
+    """'1.9x as fast; compile paid back after 8 steps' from two speed-table rows: the compiled step's speed-up
+    and after how many steps its first step's extra time (the compile) is recovered by the faster steps."""
+    saved = eager["ms"] - compiled["ms"]                                  # per step, once compiled
+    extra = compiled["first_ms"] - compiled["ms"] - (eager["first_ms"] - eager["ms"])   # the compile
+    if extra <= 0:   # a compile torch's on-disk cache held, within the first steps' noise
+        return f"{eager['ms'] / compiled['ms']:.2f}x as fast; no compile time above the first step's noise"
+    after = f"{math.ceil(extra / saved)} steps" if saved > 0 else "never (not faster)"
+    return f"{eager['ms'] / compiled['ms']:.2f}x as fast; compile ({extra / 1000:.0f} s) paid back after {after}"
 
 
 def variant_row(variant, overrides, steps, warmup):
@@ -457,47 +490,60 @@ def cuda_matmul_rate(m, k, n, reps=20):
     return 2 * m * k * n / np.median(times[3:]) / 1e12
 
 
-def gpu_row(variant, batch, length, steps, warmup):
-    """(seconds per step, tokens per step, peak bytes, FLOPs per step) of one variant at BERT-base size."""
+def gpu_row(variant, batch, length, steps, warmup, compile=False, device="cuda", overrides=None):
+    """(seconds per step, tokens per step, peak bytes, FLOPs per step, first step's seconds) of one variant at
+    BERT-base size; compile: --compile (run.fused), its compile in the first step."""
     module_name, fixed = VARIANTS[variant]
     module = importlib.import_module(module_name)
-    c = module.Config(**{**fixed, **BERT_BASE, "max_len": length, "batch_size": batch})
+    c = module.Config(**{**fixed, **BERT_BASE, **(overrides or {}), "max_len": length, "batch_size": batch,
+                         "compile": compile})
     c.steps = 10 ** 6
     torch.manual_seed(0)
     batches = load_batches(module, c, 4, n_texts=400)
-    step = pretrain_step(module, c, batches, torch.device("cuda"), hf=variant == "hf-bert-mlm")
+    step = pretrain_step(module, c, batches, torch.device(device), hf=variant == "hf-bert-mlm")
+    gpu = device == "cuda"
+    sync = torch.cuda.synchronize if gpu else lambda: None
+    t0 = time.perf_counter()
     step()
-    flops = counted_flops(step, optimize=False)
+    sync()
+    first = time.perf_counter() - t0
+    flops = eager_flops(step)
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    sync()
+    gpu and torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize()
+    sync()
     seconds = (time.perf_counter() - t0) / steps
     tokens = sum(int(b["attention_mask"].sum()) for b in batches) / len(batches)
-    return seconds, tokens, torch.cuda.max_memory_allocated(), flops
+    return seconds, tokens, torch.cuda.max_memory_allocated() if gpu else peak_rss_mib() * 2**20, flops, first
 
 
-def gpu_table(batch, length, steps, warmup, variants):
+def gpu_table(batch, length, steps, warmup, variants, compile=False, device="cuda", overrides=None):
     """BERT-base (the papers' size) on one GPU at batch x length, bf16 autocast, one variant after the other
-    in this process: step time, tokens/s, peak memory, FLOPs per step (FlopCounterMode, forward + backward)
-    and MFU, the achieved FLOP/s over the measured bf16 matmul rate and over the card's nominal peak."""
-    name = torch.cuda.get_device_name()
+    in this process (each eager, and with compile also with --compile): step time, tokens/s, peak memory,
+    FLOPs per step (FlopCounterMode, forward + backward) and MFU, the achieved FLOP/s over the measured bf16
+    matmul rate and over the card's nominal peak. device "cpu": a dry run of this path (--gpu_device cpu, where
+    --set's overrides make the model small)."""
+    gpu = device == "cuda"
+    name = torch.cuda.get_device_name() if gpu else "CPU (dry run)"
     nominal = next((v for k, v in NOMINAL_BF16_TFLOPS.items() if k in name), None)
-    rate, ceiling = cuda_matmul_rate(batch * length, 768, 3072), cuda_matmul_rate(8192, 8192, 8192)
+    rate, ceiling = ((cuda_matmul_rate(batch * length, 768, 3072), cuda_matmul_rate(8192, 8192, 8192)) if gpu else
+                     (matmul_rate(batch * length, 768, 3072, torch.bfloat16) / 1e3,) * 2)
     print(f"{name}: bf16 matmul {rate:,.0f} TFLOP/s at (B*L x 768) @ (768 x 3072), {ceiling:,.0f} at 8192^3; "
           f"nominal dense bf16 peak {nominal or '?'} TFLOP/s", flush=True)
-    print(f"\n| step, 12x768, batch {batch} x {length} | ms/step | tokens/s | peak GiB | TFLOP/step | TFLOP/s "
-          f"| MFU (measured rate) | MFU (nominal) |\n|---|---|---|---|---|---|---|---|")
+    print(f"\n| step, 12x768, batch {batch} x {length} | ms/step | first step s | tokens/s | peak GiB | TFLOP/step "
+          f"| TFLOP/s | MFU (measured rate) | MFU (nominal) |\n|---|---|---|---|---|---|---|---|---|")
     for variant in variants:
-        s, tokens, peak, flops = gpu_row(variant, batch, length, steps, warmup)
-        torch.cuda.empty_cache()                       # the variant's model and optimizer are gone
-        achieved = flops / s / 1e12
-        print(f"| {variant} | {1000 * s:,.1f} | {tokens / s:,.0f} | {peak / 2**30:.1f} | {flops / 1e12:.2f} | "
-              f"{achieved:,.0f} | {achieved / rate:.0%} | {f'{achieved / nominal:.0%}' if nominal else '?'} |", flush=True)
+        for compiled in (False, True) if compile and variant in COMPILED else (False,):
+            s, tokens, peak, flops, first = gpu_row(variant, batch, length, steps, warmup, compiled, device, overrides)
+            gpu and torch.cuda.empty_cache()               # the variant's model and optimizer are gone
+            achieved = flops / s / 1e12
+            print(f"| {variant}{' --compile' if compiled else ''} | {1000 * s:,.1f} | {first:,.1f} | {tokens / s:,.0f} "
+                  f"| {peak / 2**30:.1f} | {flops / 1e12:.2f} | {achieved:,.0f} | {achieved / rate:.0%} | "
+                  f"{f'{achieved / nominal:.0%}' if nominal else '?'} |", flush=True)
 
 
 CHILDREN = {f.__name__: f for f in (variant_row,)}   # run by in_fresh_process
@@ -519,8 +565,11 @@ def main():
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="Config override for every variant, e.g. batch_size=64")
     parser.add_argument("--reps", type=int, default=5, help="speed table: timed round-robin passes")
-    parser.add_argument("--quick", action="store_true", help="speed table: the methods at 4x256 only, not 6x384")
+    parser.add_argument("--quick", action="store_true", help="speed table: the methods (eager, --compile) at 4x256 only")
     parser.add_argument("--gpu", action="store_true", help="BERT-base on one GPU: step time, memory and MFU per method")
+    parser.add_argument("--compile", action="store_true", help="--gpu: each method eager and with --compile")
+    parser.add_argument("--gpu_device", default="cuda", choices=("cuda", "cpu"),
+                        help="--gpu on the CPU: a dry run of the GPU path (with a small --gpu_batch and --gpu_len)")
     parser.add_argument("--gpu_batch", type=int, default=32, help="--gpu: texts per step")
     parser.add_argument("--gpu_len", type=int, default=512, help="--gpu: tokens per text")
     parser.add_argument("--out", default="", help="the results file this run writes what it prints to "
@@ -534,10 +583,12 @@ def main():
     if args.child:
         print(json.dumps(CHILDREN[args.child[0]](*json.loads(args.child[1]))))
     elif args.gpu:
-        if not torch.cuda.is_available():
+        if args.gpu_device == "cuda" and not torch.cuda.is_available():
             sys.exit("error: --gpu: no CUDA device")
         with recorded(args.out or ROOT / "results" / "gpu" / "benchmark-gpu.md"):
-            gpu_table(args.gpu_batch, args.gpu_len, args.steps, args.warmup, variants)
+            overrides = {k: parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}
+            gpu_table(args.gpu_batch, args.gpu_len, args.steps, args.warmup, variants, args.compile, args.gpu_device,
+                      overrides)
     else:
         with recorded(args.out or ROOT / "results" / "speed" / "benchmark.md"):
             t0 = time.perf_counter()

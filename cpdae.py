@@ -42,7 +42,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 import data
 import run
@@ -59,7 +58,7 @@ class Config(run.TrainConfig):
     cl_mode: str = "js"           # "js": -JS between word distributions (eq. 5); "cls": CPDAE_R, [CLS] vectors
     cls_temperature: float = 0.1  # CPDAE_R similarity = cosine / temperature (the paper gives none: our choice)
     idf_rec: bool = False         # weight eq. 4's word terms by corpus IDF; with --cl_weight 0, Table 2's "IDF-REC"
-    js_chunk: int = 8             # anchors per block of pairwise JS: peak ~5 x js_chunk x 2M x |V| fp32
+    js_chunk: int = 8             # eager: anchors per block of pairwise JS: peak ~5 x js_chunk x 2M x |V| fp32
     cl_tau: float = 1.0           # eq. 5's similarity is -JS / cl_tau (1 = the paper's; -JS alone keeps L_CL near ln(2m-1))
     rec_reduction: str = "sum"    # eq. 4 over the vocabulary: "sum" (the paper's) or "mean" (/|V|, as DupMAE's BoW loss)
 
@@ -191,14 +190,7 @@ def _xlogx(x):
     return x * torch.log(x.clamp_min(torch.finfo(x.dtype).tiny))
 
 
-def _mixture_xlogx(p, q):
-    """sum_x m(x) log m(x), M = (P + Q) / 2, for every row pair of p (c, V) and q (B, V) -> (c, B).
-    Builds a (c, B, V) tensor: the one memory-hungry step of JS."""
-    m = 0.5 * (p[:, None, :] + q[None, :, :])                                    # (c, B, V)
-    return _xlogx(m).sum(dim=-1)                                                 # (c, B)
-
-
-def js_similarity(anchors, candidates, chunk_size=8, tau=1.0):
+def js_similarity(anchors, candidates, tau=1.0):
     """CPDAE's similarity s = -JS of two word distributions (eq. 5), natural log, divided by tau (1, the
     paper's: no temperature), for every row pair: anchors P (a, V) x candidates Q (b, V) -> (a, b) -JS(P, Q):
 
@@ -210,28 +202,24 @@ def js_similarity(anchors, candidates, chunk_size=8, tau=1.0):
     use the true -JS; in eq. 5 the constant cancels, and eq. 7's factor 2 would act as a temperature
     of 1/2.
 
-    Only the mixture term needs an (a, b, V) tensor (64 x 128 x 30,522 fp32 = 1 GB at the paper's batch).
-    We build it chunk_size anchors at a time and checkpoint each chunk, so autograd keeps P and Q,
-    not every chunk's intermediates; the backward recomputes them chunk by chunk. Same values. fp32.
+    The mixture term is an (a, b, V) tensor (64 x 128 x 30,522 fp32 = 1 GB at the paper's batch): training
+    runs this function compiled (--compile: one fused sweep, nothing kept of it) or, eager, on js_chunk
+    anchors at a time under checkpointing (run.in_row_chunks): the same values either way. fp32.
     JS is in [0, ln 2], so eq. 5's L_CL is bounded: ln m <= L_CL <= ln(4m - 3) with m texts (ln(2m - 1)
     when every similarity is equal), and barely moves. Departure (option-cpdae-cl-tau): tau (--cl_tau;
     1 = the paper's): -JS / tau widens the logits to [-ln 2 / tau, 0].
     """
     dtype = torch.promote_types(anchors.dtype, torch.float32)                  # fp32 (fp64 stays, for tests)
     p, q = anchors.to(dtype), candidates.to(dtype)                              # (a, V), (b, V)
+    m = 0.5 * (p[:, None, :] + q[None, :, :])                                    # (a, b, V) M = (P + Q) / 2
     half_p = 0.5 * _xlogx(p).sum(dim=-1)                                         # (a,) 1/2 sum p log p
     half_q = 0.5 * _xlogx(q).sum(dim=-1)                                         # (b,) 1/2 sum q log q
-    chunks = p.split(chunk_size)                                                 # (c, V) each
-    if torch.is_grad_enabled() and (p.requires_grad or q.requires_grad):
-        mixture = [checkpoint(_mixture_xlogx, chunk, q, use_reentrant=False) for chunk in chunks]
-    else:
-        mixture = [_mixture_xlogx(chunk, q) for chunk in chunks]                 # (c, b) each sum m log m
-    return -(half_p[:, None] + half_q[None, :] - torch.cat(mixture)) / tau       # (a, b) -JS / tau
+    return -(half_p[:, None] + half_q[None, :] - _xlogx(m).sum(dim=-1)) / tau    # (a, b) -JS / tau
 
 
-def js_divergence(p, q, chunk_size=8):
+def js_divergence(p, q):
     """Pairwise JS(P, Q), rows of p (a, V) x rows of q (b, V) -> (a, b): minus js_similarity."""
-    return -js_similarity(p, q, chunk_size)
+    return -js_similarity(p, q)
 
 
 def cosine_similarity(anchors, candidates, temperature=0.1):
@@ -320,7 +308,7 @@ class PretrainModel(nn.Module):
             return {"L_REC": rec, "L_MLM": mlm}, metrics
         if c.cl_mode == "js":                                                    # CPDAE, eq. 5
             view1, view2 = word_distribution(logits).chunk(2)                    # (B, V) each, z_tilde
-            similarity = partial(js_similarity, chunk_size=c.js_chunk, tau=c.cl_tau)
+            similarity = partial(run.fused(js_similarity, c, run.in_row_chunks(js_similarity, c.js_chunk)), tau=c.cl_tau)
         else:                                                                    # CPDAE_R
             view1, view2 = h_cls.chunk(2)                                        # (B, H) each
             similarity = partial(cosine_similarity, temperature=c.cls_temperature)

@@ -765,7 +765,7 @@ def cpdae_step(decoder, view1, view2, bag, c):
     view1, view2 (m, H); bag (m, V). -> (loss, {"rec", "cl", "cl_acc"}, logits (2m, V))."""
     logits = decoder(torch.cat([view1, view2]))                                                # (2m, V) eq. 2
     rec = cpdae.reconstruction_loss(logits, bag.repeat(2, 1), None, c.rec_reduction)           # eq. 4
-    similarity = partial(cpdae.js_similarity, chunk_size=8, tau=c.cl_tau)
+    similarity = partial(run.in_row_chunks(cpdae.js_similarity, 8), tau=c.cl_tau)
     cl, accuracy = cpdae.contrastive_loss(*cpdae.word_distribution(logits).chunk(2), similarity)  # eq. 5
     loss = rec + c.cl_weight * cl if c.cl_weight else rec                                      # eq. 6
     return loss, {"rec": rec, "cl": cl, "cl_acc": accuracy}, logits
@@ -778,7 +778,7 @@ def cpdae_gradient_ratio(logits, bag, c):
     z = logits.detach().requires_grad_()                                                       # (2m, V)
     rec = cpdae.reconstruction_loss(z, bag.repeat(2, 1), None, c.rec_reduction)
     cl, _ = cpdae.contrastive_loss(*cpdae.word_distribution(z).chunk(2),
-                                   partial(cpdae.js_similarity, chunk_size=8, tau=c.cl_tau))
+                                   partial(run.in_row_chunks(cpdae.js_similarity, 8), tau=c.cl_tau))
     return float(torch.autograd.grad(cl, z)[0].norm() / torch.autograd.grad(rec, z)[0].norm())
 
 

@@ -9,6 +9,7 @@ extends TrainConfig (the shared flags), and its train(c) calls from here, in thi
   TrainingRun       2. resume, run folder, log, checkpoints, --halt_at, a clean stop; the loop calls its methods
   batches           2. the method's batches from the resumed step on, built ahead by --workers processes
   autocast_bf16     2. bf16 autocast where the device computes bf16 natively
+  fused             2. a loss as training runs it: compiled (--compile), else its memory-saving eager form
 Then what they use: 3. progress lines, 4. resume, 5. run folders, 6. checkpoints, 7. Hugging Face folders and
 the starting checkpoints, 8. the command line, 9. signals, 10. exit lines. It imports data.py, never a method file.
 """
@@ -74,6 +75,7 @@ class TrainConfig:
     mask_prob: float = 0.15       # MLM: fraction of tokens chosen
     seed: int = 0                 # model init, data order and masks
     bf16: bool = True             # bf16 autocast on GPU and on CPUs with native bf16 (AVX512-BF16, AMX)
+    compile: bool = False         # torch.compile the method's vocabulary-sized loss into fused kernels (run.fused)
     workers: int = 0              # data-loader worker processes building batches
     cache_dir: str = ""           # token cache folder ("" = next to the corpus; see token_windows)
     prep_workers: int = 0         # processes tokenizing the corpus into the cache, first run only (0 = all cores)
@@ -93,8 +95,8 @@ class TrainConfig:
 
     # The fields that may change on --resume (from the next step): how and where, not what; every other
     # field is frozen, a new one too until its Config lists it. (out_dir: a moved run resumes where it is.)
-    RESUMABLE: ClassVar[tuple] = ("steps", "epochs", "lr", "weight_decay", "warmup", "clip", "bf16", "workers", "log_every",
-                                  "save_every", "preset", "cache_dir", "prep_workers", "out_dir", "new_corpus",
+    RESUMABLE: ClassVar[tuple] = ("steps", "epochs", "lr", "weight_decay", "warmup", "clip", "bf16", "compile", "workers",
+                                  "log_every", "save_every", "preset", "cache_dir", "prep_workers", "out_dir", "new_corpus",
                                   "save_minutes", "keep_last", "bad_bytes", "dist_timeout")
 
 
@@ -393,6 +395,79 @@ def autocast_bf16(device, enabled=True):
     cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
     native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
+
+
+_FUSED = {}   # loss function -> its compiled form (one per process: torch.compile's cache is per function object)
+
+
+def fused(loss, c, eager=None):
+    """`loss` as training runs it. With --compile: torch.compile(loss), one fused kernel per sweep where eager
+    mode makes a memory pass per operation (the JS and softmax terms over the vocabulary are such passes), and
+    the intermediates eager mode would keep for the backward are not kept; the first call's compile time is
+    printed once, and a platform where compiling fails says so in one line and stays eager. Without it:
+    `eager`, the same loss computed to save memory (in_row_chunks), else `loss` itself."""
+    eager = eager or loss
+    if not c.compile:
+        return eager
+    if loss not in _FUSED:
+        _FUSED[loss] = _compiled_or_eager(loss, eager)
+    return _FUSED[loss]
+
+
+def _compiled_or_eager(loss, eager):
+    """torch.compile(loss), timing its first call (the forward's compile; the backward's is the first backward);
+    any error there (no C++ compiler, an unsupported platform) -> one line, and eager from then on."""
+    compiled, state = torch.compile(loss), {"first": True, "failed": False}
+
+    @functools.wraps(loss)
+    def call(*args, **kwargs):
+        if state["failed"]:
+            return eager(*args, **kwargs)
+        if not state["first"]:
+            return compiled(*args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            out = compiled(*args, **kwargs)
+        except Exception as e:   # noqa: BLE001 (any compiler failure: the run goes on eager)
+            state["failed"] = True
+            say = f"--compile: {loss.__name__} not compiled ({type(e).__name__}: {str(e).splitlines()[0][:160]}); eager"
+            _rank() == 0 and print(say, flush=True)
+            return eager(*args, **kwargs)
+        state["first"] = False
+        _rank() == 0 and print(f"--compile: {loss.__name__} compiled in {time.perf_counter() - t0:.1f} s "
+                               f"(its first call; later shapes may compile once more)", flush=True)
+        return out
+    return call
+
+
+def in_row_chunks(fn, chunk):
+    """fn(x, *rest) computed `chunk` rows of x at a time, each under activation checkpointing (its
+    intermediates are freed after its forward and rebuilt in the backward), the outputs concatenated along
+    their first dimension (a tuple of them: each). Same values as fn(x, *rest) for a fn whose rows are
+    independent; the peak holds one chunk's intermediates. Eager mode's memory bound on the vocabulary terms."""
+    from torch.utils.checkpoint import checkpoint
+
+    @functools.wraps(fn)
+    def chunked(x, *rest, **kwargs):
+        grad = torch.is_grad_enabled()
+        parts = [checkpoint(fn, part, *rest, use_reentrant=False, **kwargs) if grad else fn(part, *rest, **kwargs)
+                 for part in x.split(chunk)]
+        if isinstance(parts[0], tuple):
+            return tuple(torch.cat(column) for column in zip(*parts))
+        return torch.cat(parts)
+    return chunked
+
+
+def pad_rows(rows, targets, bucket, ignore_index=-100):
+    """rows (N, ...) and targets (N,) padded with zero rows and ignore_index targets to N rounded up to a multiple
+    of `bucket`, so that a loss over a varying number of kept positions sees a few fixed shapes: no new kernel
+    per count (oneDNN on AMX builds one per matmul shape; torch.compile would recompile). A loss that ignores
+    ignore_index and divides by the targets it keeps is unchanged."""
+    extra = -rows.shape[0] % bucket
+    if not extra:
+        return rows, targets
+    return (torch.cat([rows, rows.new_zeros(extra, *rows.shape[1:])]),
+            torch.cat([targets, targets.new_full((extra,), ignore_index)]))
 
 
 # ----------------------------------------------------------------------------------------------

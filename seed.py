@@ -210,10 +210,9 @@ def mlm_loss(hidden, labels, head):
 # --- shared: end mlm loss ---
 
 
-
 def decoder_loss(states, weight, targets, reduction="mean"):
-    """Weak-decoder reconstruction loss, eq. 9, the function training runs (chunked_decoder_loss calls
-    it one chunk of positions at a time):
+    """Weak-decoder reconstruction loss, eq. 9, the function training runs (compiled with --compile; eager,
+    chunked_decoder_loss calls it one chunk of positions at a time):
 
         L_dec = - sum_t log P(x_t | x_{t-k..t-1}, h0),   P(. | ...) = softmax(s_t E^T)
 
@@ -239,16 +238,15 @@ def chunked_decoder_loss(states, weight, targets, chunk):
     freed after its forward and rebuilt in the backward, so the peak holds one chunk's logits instead of
     all N x V (2 GB fp32 for 32 x 511 tokens at BERT's |V|). Same loss and gradients as decoder_loss
     in one piece (test_losses). chunk 0 = all at once.
-    states (N, H), weight (V, H) the tied embedding, targets (N,) -> (loss (), n_correct ())."""
+    states (N, H), weight (V, H) the tied embedding, targets (N,) -100 = none -> (loss (), n_correct ())."""
     if chunk == 0 or states.shape[0] <= chunk:
         return decoder_loss(states, weight, targets)                                # (), ()
     total, correct = states.new_zeros((), dtype=torch.float32), 0
     for start in range(0, states.shape[0], chunk):
         part = slice(start, start + chunk)
-        chunk_total, chunk_correct = checkpoint(decoder_loss, states[part], weight, targets[part], "sum",
-                                                use_reentrant=False)                # (), ()
-        total, correct = total + chunk_total, correct + chunk_correct
-    return total / targets.numel(), correct                                         # mean over N tokens
+        part_total, part_correct = checkpoint(decoder_loss, states[part], weight, targets[part], "sum", use_reentrant=False)
+        total, correct = total + part_total, correct + part_correct                 # (), ()
+    return total / targets.ne(-100).sum().clamp_min(1), correct                     # mean over tokens
 
 
 # The pre-training objective (eq. 10), built from the model pieces and the losses above.
@@ -271,21 +269,23 @@ class PretrainModel(nn.Module):
     def terms(self, batch):
         """Eq. 10 term by term, {name: weighted scalar}, and what to log: each accuracy X_acc with its
         trivial baseline X_chance, always predicting the corpus' most frequent token."""
+        c = self.config
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])       # (B, L, H) masked text
         mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)
-        h0 = text_vector(hidden, batch["attention_mask"], self.config.bottleneck)  # (B, H) the only bridge
+        h0 = text_vector(hidden, batch["attention_mask"], c.bottleneck)  # (B, H) the only bridge
         # The encoder reads the masked text, the decoder rebuilds the unmasked one, and h0 is not
         # detached: L_dec trains the encoder through it (both choices the paper leaves open).
         states = self.decoder(batch["decoder_input"], h0)                        # (B, L-1, H)
         kept = batch["decoder_targets"] != -100                                  # (B, L-1) every real token
         targets = batch["decoder_targets"][kept]                                 # (N,)
-        dec, dec_correct = chunked_decoder_loss(                                 # eq. 9 (decoder_loss)
-            states[kept], self.decoder.word_embedding[0].weight, targets, self.config.dec_chunk)
+        # N varies per batch: padded up to a multiple of 1/8 of its most, so that only a few shapes recur
+        padded, padded_targets = run.pad_rows(states[kept], targets, -(-c.batch_size * (c.max_len - 1) // 8))
+        dec, dec_correct = run.fused(decoder_loss, c, lambda *a: chunked_decoder_loss(*a, c.dec_chunk))(
+            padded, self.decoder.word_embedding[0].weight, padded_targets)      # eq. 9 (decoder_loss)
         # Eq. 10 as the paper writes it, weights 1:1. (The authors' code uses 0.5:0.5, which only halves
         # the gradient: AdamW's update is unchanged by that (up to eps), the clip norm (1.0) binds later.)
         # Departure (option-seed-dec-weight): off by default; --dec_weight w weighs L_dec w times L_MLM.
-        terms = {"L_MLM": mlm, "L_dec": dec} if self.config.dec_weight == 1 else \
-            {"L_MLM": mlm, "w L_dec": self.config.dec_weight * dec}
+        terms = {"L_MLM": mlm, "L_dec": dec} if c.dec_weight == 1 else {"L_MLM": mlm, "w L_dec": c.dec_weight * dec}
         return terms, {
             "mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
             "mlm_chance": data.most_frequent_accuracy(batch["labels"], self.frequent_token),

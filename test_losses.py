@@ -467,7 +467,7 @@ def test_js_equals_float64_loop_on_random_distributions():
     q = random_distributions(4, 30, seed=3)
     q[0, :10] = 0.0  # exact zeros: 0 log 0 = 0
     q = q / q.sum(-1, keepdim=True)
-    got = cpdae.js_divergence(p, q, chunk_size=2)
+    got = -run.in_row_chunks(cpdae.js_similarity, 2)(p, q)                 # eager training's form
     for a in range(3):
         for b in range(4):
             assert abs(got[a, b].item() - js_loop(p[a], q[b])) < 1e-6
@@ -486,9 +486,9 @@ def test_chunked_pairwise_js_equals_naive_values_and_gradients():
 
     ref = naive(logits)
     (ref_grad,) = torch.autograd.grad((ref * weights).sum(), logits)
-    for chunk in (1, 5, 12, 64):
+    for chunk in (0, 1, 5, 12, 64):                                     # 0: js_similarity in one piece
         dist = cpdae.word_distribution(logits)
-        got = cpdae.js_divergence(dist, dist, chunk_size=chunk)
+        got = -(run.in_row_chunks(cpdae.js_similarity, chunk) if chunk else cpdae.js_similarity)(dist, dist)
         (grad,) = torch.autograd.grad((got * weights).sum(), logits)
         torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-4)
@@ -580,7 +580,7 @@ def test_js_contrastive_equals_eq5_loop():
     m, v = 4, 25
     dist1 = random_distributions(m, v, seed=4)
     dist2 = random_distributions(m, v, seed=5)
-    got = cpdae.contrastive_loss(dist1, dist2, partial(cpdae.js_similarity, chunk_size=3))[0]
+    got = cpdae.contrastive_loss(dist1, dist2, run.in_row_chunks(cpdae.js_similarity, 3))[0]
     assert abs(got.item() - contrastive_loop(dist1, dist2)) < 1e-5
 
 
@@ -588,7 +588,7 @@ def test_js_contrastive_gradient_matches_float64():
     m, v = 3, 15
     logits = torch.randn(2 * m, v, dtype=torch.float64, requires_grad=True)
     dist = cpdae.word_distribution(logits).double()  # fp32 path as in training
-    got = cpdae.contrastive_loss(dist[:m], dist[m:], partial(cpdae.js_similarity, chunk_size=2))[0]
+    got = cpdae.contrastive_loss(dist[:m], dist[m:], run.in_row_chunks(cpdae.js_similarity, 2))[0]
     (grad,) = torch.autograd.grad(got, logits)
     p = torch.sigmoid(logits)
     p = p / p.sum(-1, keepdim=True)  # float64 reference, same formula through autograd
@@ -612,7 +612,7 @@ def _contrastive_worker(rank, world, tmp_path, inputs):
         x2 = full2[rank * m:(rank + 1) * m].clone().requires_grad_()
         if mode == "js":
             loss, _ = cpdae.gathered_contrastive_loss(cpdae.word_distribution(x1), cpdae.word_distribution(x2),
-                                                partial(cpdae.js_similarity, chunk_size=2))
+                                                run.in_row_chunks(cpdae.js_similarity, 2))
         else:
             loss, _ = cpdae.gathered_contrastive_loss(x1, x2, partial(cpdae.cosine_similarity, temperature=0.1))
         loss.backward()
@@ -1245,3 +1245,67 @@ def test_string_flags_are_checked_against_their_choices(name, flag):
     run.parse_config(module.Config, [], "", module.PAPER_PRESET, module.FLAG_RULES)
     with pytest.raises(SystemExit, match=f"--{flag} must be one of .*, got 'avg'"):
         run.parse_config(module.Config, [f"--{flag}", "avg"], "", module.PAPER_PRESET, module.FLAG_RULES)
+
+
+# ==============================================================================================
+# --compile (run.fused): the compiled losses equal the eager ones; a compiler failure leaves the run eager
+# ==============================================================================================
+def _contrastive_and_decoder(js, dec, dist_logits, states, weight, targets):
+    """Eq. 5 with similarity js and eq. 9 by dec: (values (L_CL, L_dec, n_correct), their summed loss's gradients)."""
+    cl = cpdae.contrastive_loss(*cpdae.word_distribution(dist_logits).chunk(2), js)[0]
+    loss, correct = dec(states, weight, targets)
+    return (cl, loss, correct), torch.autograd.grad(cl + loss, (dist_logits, states, weight))
+
+
+def test_compiled_losses_equal_eager_values_and_gradients(capsys):
+    """run.fused with --compile (torch.compile): eq. 5's -JS in a contrastive loss and eq. 9's decoder loss
+    give the eager values and gradients within the tolerances above (fp32; fp64 is checked eager)."""
+    torch.manual_seed(0)
+    dist_logits = torch.randn(6, 50, requires_grad=True)                     # 3 texts x 2 views, V = 50
+    states, weight = torch.randn(24, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True)
+    targets = torch.randint(0, 50, (24,)).masked_fill(torch.arange(24) >= 20, -100)   # 4 padded positions
+    c = SimpleNamespace(compile=True)
+    compiled = _contrastive_and_decoder(run.fused(cpdae.js_similarity, c), run.fused(seed.decoder_loss, c),
+                                        dist_logits, states, weight, targets)
+    said = capsys.readouterr().out
+    assert "js_similarity compiled in" in said and "decoder_loss compiled in" in said, said   # not eager
+    eager = _contrastive_and_decoder(run.in_row_chunks(cpdae.js_similarity, 2),
+                                     partial(seed.chunked_decoder_loss, chunk=5), dist_logits, states, weight, targets)
+    for got, want in zip(compiled[0], eager[0]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    for got, want in zip(compiled[1], eager[1]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+
+
+def test_a_compiler_failure_is_one_line_and_the_loss_runs_eager(monkeypatch, capsys):
+    """Where torch.compile fails (no C++ compiler, a platform it does not support), --compile says so once and
+    the run goes on with the eager loss; without --compile nothing is compiled."""
+    def failing_compile(fn):
+        def call(*args, **kwargs):
+            raise RuntimeError("no C++ compiler found\nmore lines")
+        return call
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    monkeypatch.setattr(run, "_FUSED", {})
+    p, q = random_distributions(3, 20, seed=0), random_distributions(5, 20, seed=1)
+    assert run.fused(cpdae.js_similarity, SimpleNamespace(compile=False)) is cpdae.js_similarity
+    loss = run.fused(cpdae.js_similarity, SimpleNamespace(compile=True), run.in_row_chunks(cpdae.js_similarity, 2))
+    for _ in range(2):
+        torch.testing.assert_close(loss(p, q), cpdae.js_similarity(p, q))
+    assert capsys.readouterr().out == ("--compile: js_similarity not compiled (RuntimeError: no C++ compiler found); "
+                                       "eager\n")
+
+
+def test_padding_the_kept_decoder_positions_leaves_the_loss():
+    """seed.py pads the N kept decoder positions to a multiple of a bucket (run.pad_rows): a few shapes recur,
+    and eq. 9's mean, its correct count and its gradients are those of the N positions alone."""
+    torch.manual_seed(0)
+    states, weight = torch.randn(13, 8, requires_grad=True), torch.randn(SMALL_VOCAB, 8)
+    targets = torch.randint(0, SMALL_VOCAB, (13,))
+    padded, padded_targets = run.pad_rows(states, targets, 8)
+    assert padded.shape == (16, 8) and padded_targets[13:].eq(-100).all() and run.pad_rows(padded, padded_targets, 8)[0] is padded
+    for chunk in (0, 5):
+        loss, correct = seed.chunked_decoder_loss(states, weight, targets, chunk)
+        padded_loss, padded_correct = seed.chunked_decoder_loss(padded, weight, padded_targets, chunk)
+        torch.testing.assert_close(padded_loss, loss)
+        assert int(padded_correct) == int(correct)
+        torch.testing.assert_close(torch.autograd.grad(padded_loss, states)[0], torch.autograd.grad(loss, states)[0])
