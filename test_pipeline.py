@@ -9,10 +9,13 @@ import dataclasses
 import gzip
 import importlib
 import importlib.util
+import io
 import json
 import math
 import os
 import re
+import runpy
+import shlex
 import shutil
 import signal
 import subprocess
@@ -20,6 +23,7 @@ import sys
 import textwrap
 import time
 import types
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -1968,6 +1972,51 @@ def run_error(args, cwd):
     return result.returncode, result.stderr.strip()
 
 
+def run_in_process(args, cwd):
+    """`python *args` from cwd, run in this process: (exit code, stdout, stderr), stderr with the warnings Python
+    would print. A new interpreter spends seconds importing torch; this is for the checks that need no process of
+    their own. Signals, torchrun, locks a killed process held and resumes compared bit for bit keep theirs, and
+    each script's one-line refusals are also checked in a process of its own (run_error)."""
+    script, *argv = map(str, args)
+    out, err, held, cwd_before, argv_before = io.StringIO(), io.StringIO(), set(run._LOCKS), os.getcwd(), sys.argv
+    quiet = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)  # Python's default
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")
+        os.chdir(cwd)
+        sys.argv = [script, *argv] if script != "-c" else ["-c", *argv[1:]]
+        try:
+            if script == "-c":
+                exec(compile(argv[0], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102 -- python -c, here
+            else:
+                runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:               # as the interpreter ends: an int is the code, anything else is printed
+            code = e.code if e.code is None or isinstance(e.code, int) else print(e.code, file=sys.stderr) or 1
+        finally:
+            os.chdir(cwd_before)
+            sys.argv = argv_before
+            for folder in set(run._LOCKS) - held:      # the end of the process would have let them go
+                run.release_run_folder(folder)
+    for w in shown:
+        if not issubclass(w.category, quiet):
+            err.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno))
+    return code or 0, out.getvalue(), err.getvalue()
+
+
+def main_error(args, cwd):
+    """run_error in this process (run_in_process): (exit code, stderr stripped)."""
+    code, _, err = run_in_process(args, cwd)
+    assert "Traceback" not in err, err
+    return code, err.strip()
+
+
+def main_run(args, cwd):
+    """run_script in this process (run_in_process): what it printed."""
+    code, out, err = run_in_process(args, cwd)
+    assert code == 0, out + err
+    return out
+
+
 def tiny_beir(folder, corpus_lines=None, queries_lines=None, qrels_text=None):
     """A three-document BEIR folder; any of its files can be replaced by bad content (bytes or str)."""
     corpus = corpus_lines or ['{"_id": "d1", "text": "apples are red"}', '{"_id": "d2", "text": "bananas are yellow"}',
@@ -2227,7 +2276,22 @@ def test_study_quick_end_to_end_resumes_without_training_and_refuses_mixed_code(
 
     out, results = tmp_path / "study", tmp_path / "results"
     argv = ["--quick", "--out_dir", str(out), "--results_dir", str(results)]
+    real_stage, kinds = study.run_stage, set()
+
+    def stage(cmd, log, hours):   # each kind of stage once in its own process, as the study runs it; its repeats here
+        kind = cmd[1] if cmd[1] != "-c" else cmd[2]
+        if kind not in kinds:
+            kinds.add(kind)
+            return real_stage(cmd, log, hours)
+        t0 = time.time()
+        code, printed, err = run_in_process(cmd[1:], HERE)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(printed + err)
+        assert code == 0, (cmd, printed + err)
+        return shlex.join(cmd), time.time() - t0
+    monkeypatch.setattr(study, "run_stage", stage)
     study.main(argv)
+    assert len(kinds) == 5                     # the tiny model, pre-training, zero-shot, gradients, fine-tuning
     rows = {p.stem: json.loads(p.read_text()) for p in (results / "runs").glob("*.json")}
     full = [f"{a}-seed{s}" for a in ("none", "costa") for s in (0, 1)]
     assert sorted(rows) == sorted(full + [f"{a}-n4-seed{s}" for a in ("none", "costa") for s in (0, 1)])
