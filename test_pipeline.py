@@ -548,10 +548,10 @@ def read_log(out_dir):
 def test_resume_continues_exactly(tmp_path, small_corpus):
     script = str(HERE / "costa.py")
     common = [script, "--corpus", str(small_corpus), *TINY_ARGS, "--steps", "6"]
-    run_script(common + ["--out_dir", str(tmp_path / "straight")], tmp_path)
-    run_script(common + ["--out_dir", str(tmp_path / "resumed"), "--halt_at", "3"], tmp_path)
+    main_run(common + ["--out_dir", str(tmp_path / "straight")], tmp_path)
+    main_run(common + ["--out_dir", str(tmp_path / "resumed"), "--halt_at", "3"], tmp_path)
     assert len(read_log(tmp_path / "resumed")) == 3
-    out = run_script(common + ["--out_dir", str(tmp_path / "resumed"), "--resume"], tmp_path)
+    out = run_script(common + ["--out_dir", str(tmp_path / "resumed"), "--resume"], tmp_path)   # a new process
     assert "resume:" in out and "at step 3" in out
     straight, resumed = read_log(tmp_path / "straight"), read_log(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == list(range(1, 7))
@@ -2574,8 +2574,8 @@ def test_a_checkpoint_switch_cut_by_a_kill_is_completed_or_dropped(tmp_path, sma
 def test_resume_from_a_run_folder_that_was_moved(tmp_path, small_corpus):
     import shutil
     common = [HERE / "costa.py", "--corpus", small_corpus, *TINY_ARGS, "--steps", "4"]
-    run_script([str(a) for a in common + ["--out_dir", tmp_path / "straight"]], tmp_path)
-    run_script([str(a) for a in common + ["--out_dir", tmp_path / "old", "--halt_at", "2"]], tmp_path)
+    main_run([str(a) for a in common + ["--out_dir", tmp_path / "straight"]], tmp_path)
+    main_run([str(a) for a in common + ["--out_dir", tmp_path / "old", "--halt_at", "2"]], tmp_path)
     shutil.move(tmp_path / "old", tmp_path / "bigger_disk")
     printed = run_script([str(a) for a in common + ["--out_dir", tmp_path / "bigger_disk", "--resume"]], tmp_path)
     assert "at step 2" in printed
@@ -2926,9 +2926,7 @@ def test_a_run_folder_in_use_refuses_a_second_run_and_kill_9_frees_it(tmp_path, 
     finally:
         holder.kill()                                                            # kill -9: the kernel drops the lock
         holder.wait()
-    result = subprocess.run([PY, "costa.py", "--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2",
-                             "--out_dir", str(out)], cwd=HERE, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
+    main_run(["costa.py", "--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2", "--out_dir", str(out)], HERE)
     assert run.load_training_state(out / "state.pt")["step"] == 2
 
 
@@ -3003,10 +3001,9 @@ def test_sigterm_saves_a_checkpoint_and_stops_with_one_line(tmp_path, small_corp
     # the step in progress finished; a checkpoint more than --save_every / 2 = 2 steps old was renewed first
     assert 3 <= stopped and 0 <= stopped - saved <= 2 and saved >= 3
     assert run.load_training_state(out / "state.pt")["step"] == saved
-    result = subprocess.run(cmd[:-2] + ["--steps", str(stopped + 2), "--out_dir", str(out), "--resume"], cwd=HERE,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr        # and it continues from there
-    assert f"resume: {out / 'state.pt'} at step {saved}" in result.stdout
+    code, printed, err = run_in_process(cmd[1:-2] + ["--steps", str(stopped + 2), "--out_dir", str(out), "--resume"], HERE)
+    assert code == 0, err                               # and it continues from there
+    assert f"resume: {out / 'state.pt'} at step {saved}" in printed
 
 
 def test_finetune_sigterm_saves_a_checkpoint_and_stops_with_one_line(tmp_path):
@@ -3032,10 +3029,9 @@ def test_finetune_sigterm_saves_a_checkpoint_and_stops_with_one_line(tmp_path):
     stopped, saved = int(last[1]), int(last[2])
     assert 3 <= stopped and 0 <= stopped - saved <= 2 and saved >= 3
     assert run.load_training_state(stage / "state.pt")["step"] == saved
-    result = subprocess.run(cmd + ["--steps", str(stopped + 2), "--resume"], cwd=HERE, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert f"resume: {stage / 'state.pt'} at step {saved}" in result.stdout
+    code, printed, err = run_in_process(cmd[1:] + ["--steps", str(stopped + 2), "--resume"], HERE)
+    assert code == 0, err
+    assert f"resume: {stage / 'state.pt'} at step {saved}" in printed
 
 
 def test_non_finite_flags_are_refused_when_parsed():
