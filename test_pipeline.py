@@ -1543,11 +1543,9 @@ def test_a_checkpoint_without_mlm_head_gets_a_new_tied_one(tmp_path, wiki_texts)
     evaluate.write_retriever_settings(tmp_path / "bare", "mean", "cos", 64, 256)    # as a sentence-transformers folder
     encoder = run.load_pretrained(costa.Encoder, tmp_path / "bare", costa.Config())
     assert encoder.new_mlm_head and encoder.mlm_head.word_embedding[0] is encoder.embeddings.word
-    result = subprocess.run([PY, str(HERE / "costa.py"), "--init", str(tmp_path / "bare"), "--steps", "1", "--corpus", str(corpus),
-                             "--batch_size", "2", "--max_len", "32", "--out_dir", str(tmp_path / "o")],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert f"{tmp_path / 'bare'}: no MLM head in the checkpoint; training a new one" in result.stdout
+    printed = main_run([HERE / "costa.py", "--init", tmp_path / "bare", "--steps", "1", "--corpus", corpus,
+                        "--batch_size", "2", "--max_len", "32", "--out_dir", tmp_path / "o"], HERE)
+    assert f"{tmp_path / 'bare'}: no MLM head in the checkpoint; training a new one" in printed
     # The pre-trained encoder keeps the checkpoint's pooling and similarity, for fine-tuning it alone.
     assert evaluate.read_retriever_settings(tmp_path / "o" / "encoder") == {"pooling": "mean", "similarity": "cos",
                                                                          "query_len": 64, "passage_len": 256}
@@ -2432,8 +2430,8 @@ def test_holm_adjustment_by_hand():
 def test_gradient_norms_per_term_start_where_training_started(tmp_path, small_corpus):
     import study
 
-    run_script([str(a) for a in [HERE / "cpdae.py", "--corpus", small_corpus, *TINY_ARGS, "--steps", "2",
-                                 "--bf16", "false", "--out_dir", tmp_path / "cp"]], tmp_path)
+    main_run([str(a) for a in [HERE / "cpdae.py", "--corpus", small_corpus, *TINY_ARGS, "--steps", "2",
+                               "--bf16", "false", "--out_dir", tmp_path / "cp"]], tmp_path)
     rows = study.gradient_norms("cpdae", tmp_path / "cp", n_batches=1)
     first = json.loads((tmp_path / "cp" / "log.jsonl").read_text().splitlines()[0])    # step 1: batch 0
     assert first["step"] == 1
@@ -3697,8 +3695,8 @@ def test_a_model_that_gives_nan_vectors_is_one_line_naming_it(tmp_path):
     c = finetune.retriever_settings(finetune.Config(init=str(model), dataset=str(beir)))   # --pretrain's zero-shot row
     with pytest.raises(data.DataError, match=names_it):
         finetune.evaluate_folder(c, c.init, tmp_path / "zero-shot", "zero-shot")
-    code, line = run_error([HERE / "evaluate.py", "--model", model, "--dataset", beir, "--out_dir", tmp_path / "ev"],
-                           tmp_path)
+    code, line = main_error([HERE / "evaluate.py", "--model", model, "--dataset", beir, "--out_dir", tmp_path / "ev"],
+                            tmp_path)
     assert code == 1 and re.match(rf"error: {names_it[1:]}", line) and "\n" not in line, line
 
 
