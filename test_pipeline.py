@@ -9,10 +9,13 @@ import dataclasses
 import gzip
 import importlib
 import importlib.util
+import io
 import json
 import math
 import os
 import re
+import runpy
+import shlex
 import shutil
 import signal
 import subprocess
@@ -20,6 +23,7 @@ import sys
 import textwrap
 import time
 import types
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -570,10 +574,10 @@ def read_log(out_dir):
 def test_resume_continues_exactly(tmp_path, small_corpus):
     script = str(HERE / "costa.py")
     common = [script, "--corpus", str(small_corpus), *TINY_ARGS, "--steps", "6"]
-    run_script(common + ["--out_dir", str(tmp_path / "straight")], tmp_path)
-    run_script(common + ["--out_dir", str(tmp_path / "resumed"), "--halt_at", "3"], tmp_path)
+    main_run(common + ["--out_dir", str(tmp_path / "straight")], tmp_path)
+    main_run(common + ["--out_dir", str(tmp_path / "resumed"), "--halt_at", "3"], tmp_path)
     assert len(read_log(tmp_path / "resumed")) == 3
-    out = run_script(common + ["--out_dir", str(tmp_path / "resumed"), "--resume"], tmp_path)
+    out = run_script(common + ["--out_dir", str(tmp_path / "resumed"), "--resume"], tmp_path)   # a new process
     assert "resume:" in out and "at step 3" in out
     straight, resumed = read_log(tmp_path / "straight"), read_log(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == list(range(1, 7))
@@ -586,10 +590,11 @@ def test_resume_continues_exactly(tmp_path, small_corpus):
 def test_epochs_sets_steps_and_both_are_saved(tmp_path, small_corpus):
     out = tmp_path / "run"
     no_batch_size = [a for i, a in enumerate(TINY_ARGS) if "--batch_size" not in TINY_ARGS[max(i - 1, 0):i + 1]]
-    run_script([str(HERE / "seed.py"), "--corpus", str(small_corpus), *no_batch_size, "--epochs", "1",
-                "--global_batch", "8", "--dec_layers", "1", "--out_dir", str(out)], tmp_path)
+    corpus = write(tmp_path / "short.jsonl", "".join(small_corpus.read_text().splitlines(True)[2:]))  # ~60 windows
+    main_run([str(HERE / "seed.py"), "--corpus", str(corpus), *no_batch_size, "--epochs", "1",
+              "--global_batch", "8", "--dec_layers", "1", "--out_dir", str(out)], tmp_path)
     tokenizer = data.load_tokenizer(data.VOCAB)
-    n_windows = len(data.make_windows(tokenizer, data.read_pretraining_texts(small_corpus), 64))
+    n_windows = len(data.make_windows(tokenizer, data.read_pretraining_texts(corpus), 64))
     saved = json.loads((out / "config.json").read_text())
     assert (saved["epochs"], saved["global_batch"], saved["batch_size"]) == (1.0, 8, 8)
     assert saved["steps"] == n_windows // 8 != 300
@@ -1659,11 +1664,9 @@ def test_a_checkpoint_without_mlm_head_gets_a_new_tied_one(tmp_path, wiki_texts)
     evaluate.write_retriever_settings(tmp_path / "bare", "mean", "cos", 64, 256)    # as a sentence-transformers folder
     encoder = run.load_pretrained(costa.Encoder, tmp_path / "bare", costa.Config())
     assert encoder.new_mlm_head and encoder.mlm_head.word_embedding[0] is encoder.embeddings.word
-    result = subprocess.run([PY, str(HERE / "costa.py"), "--init", str(tmp_path / "bare"), "--steps", "1", "--corpus", str(corpus),
-                             "--batch_size", "2", "--max_len", "32", "--out_dir", str(tmp_path / "o")],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert f"{tmp_path / 'bare'}: no MLM head in the checkpoint; training a new one" in result.stdout
+    printed = main_run([HERE / "costa.py", "--init", tmp_path / "bare", "--steps", "1", "--corpus", corpus,
+                        "--batch_size", "2", "--max_len", "32", "--out_dir", tmp_path / "o"], HERE)
+    assert f"{tmp_path / 'bare'}: no MLM head in the checkpoint; training a new one" in printed
     # The pre-trained encoder keeps the checkpoint's pooling and similarity, for fine-tuning it alone.
     assert evaluate.read_retriever_settings(tmp_path / "o" / "encoder") == {"pooling": "mean", "similarity": "cos",
                                                                          "query_len": 64, "passage_len": 256}
@@ -2295,6 +2298,54 @@ def run_error(args, cwd):
     return result.returncode, result.stderr.strip()
 
 
+def run_in_process(args, cwd):
+    """`python *args` from cwd, run in this process: (exit code, stdout, stderr), stderr with the warnings Python
+    would print. A new interpreter spends seconds importing torch; this is for the checks that need no process of
+    their own. Signals, torchrun, locks a killed process held and resumes compared bit for bit keep theirs, and
+    each script's one-line refusals are also checked in a process of its own (run_error)."""
+    script, *argv = map(str, args)
+    out, err, held, cwd_before, argv_before = io.StringIO(), io.StringIO(), set(run._LOCKS), os.getcwd(), sys.argv
+    quiet = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)  # Python's default
+    code, threads = 0, torch.get_num_threads()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings(record=True) as shown, \
+            torch.random.fork_rng(devices=[]):        # this process's random numbers stay as they were
+        warnings.simplefilter("default")
+        torch.set_num_threads(1)                      # as OMP_NUM_THREADS=1 in run_script and run_error
+        os.chdir(cwd)
+        sys.argv = [script, *argv] if script != "-c" else ["-c", *argv[1:]]
+        try:
+            if script == "-c":
+                exec(compile(argv[0], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102 -- python -c, here
+            else:
+                runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:               # as the interpreter ends: an int is the code, anything else is printed
+            code = e.code if e.code is None or isinstance(e.code, int) else print(e.code, file=sys.stderr) or 1
+        finally:
+            os.chdir(cwd_before)
+            sys.argv = argv_before
+            torch.set_num_threads(threads)
+            for folder in set(run._LOCKS) - held:      # the end of the process would have let them go
+                run.release_run_folder(folder)
+    for w in shown:
+        if not issubclass(w.category, quiet):
+            err.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno))
+    return code or 0, out.getvalue(), err.getvalue()
+
+
+def main_error(args, cwd):
+    """run_error in this process (run_in_process): (exit code, stderr stripped)."""
+    code, _, err = run_in_process(args, cwd)
+    assert "Traceback" not in err, err
+    return code, err.strip()
+
+
+def main_run(args, cwd):
+    """run_script in this process (run_in_process): what it printed."""
+    code, out, err = run_in_process(args, cwd)
+    assert code == 0, out + err
+    return out
+
+
 def tiny_beir(folder, corpus_lines=None, queries_lines=None, qrels_text=None):
     """A three-document BEIR folder; any of its files can be replaced by bad content (bytes or str)."""
     corpus = corpus_lines or ['{"_id": "d1", "text": "apples are red"}', '{"_id": "d2", "text": "bananas are yellow"}',
@@ -2311,13 +2362,13 @@ def tiny_beir(folder, corpus_lines=None, queries_lines=None, qrels_text=None):
 def test_class1_undecodable_bytes_are_refused_with_file_line_and_offset(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(b"first document.\n\nsecond " + "café".encode("latin-1") + b" document.\n")
-    code, err = run_error([HERE / "costa.py", "--corpus", corpus, "--out_dir", tmp_path / "o"], tmp_path)
+    code, err = main_error([HERE / "costa.py", "--corpus", corpus, "--out_dir", tmp_path / "o"], tmp_path)
     assert code == 1
     assert err == (f"error: {corpus}:3: byte 0xe9 at byte offset 27 is not UTF-8; convert the file to UTF-8 "
                    f"(e.g. iconv -f latin1 -t utf-8)")
     beir = tiny_beir(tmp_path / "beir", corpus_lines=['{"_id": "d1", "text": "ok"}', '{"_id": "d2", "text": "caf\xe9"}'
                                                       .encode("latin-1")])
-    code, err = run_error([HERE / "evaluate.py", "--bm25", "--dataset", beir, "--out_dir", tmp_path / "ev"], tmp_path)
+    code, err = main_error([HERE / "evaluate.py", "--bm25", "--dataset", beir, "--out_dir", tmp_path / "ev"], tmp_path)
     assert code == 1
     assert err == (f"error: {beir / 'corpus.jsonl'}:2: byte 0xe9 at byte offset 54 is not UTF-8; convert the file "
                    f"to UTF-8 (e.g. iconv -f latin1 -t utf-8)")
@@ -2342,13 +2393,13 @@ def test_class2_truncated_or_fake_gzip_names_the_file(tmp_path):
 def test_class3_duplicate_ids_and_judgments_are_refused(tmp_path):
     beir = tiny_beir(tmp_path / "a", corpus_lines=['{"_id": "d1", "text": "x"}', '{"_id": "d2", "text": "y"}',
                                                    '{"_id": "d1", "text": "z"}'])
-    code, err = run_error([HERE / "evaluate.py", "--bm25", "--dataset", beir, "--out_dir", tmp_path / "ev"], tmp_path)
+    code, err = main_error([HERE / "evaluate.py", "--bm25", "--dataset", beir, "--out_dir", tmp_path / "ev"], tmp_path)
     assert (code, err) == (1, f"error: {beir / 'corpus.jsonl'}:3: duplicate document id 'd1' (each may appear once)")
     beir = tiny_beir(tmp_path / "b", queries_lines=['{"_id": "q1", "text": "x"}', '{"_id": "q1", "text": "y"}'])
-    code, err = run_error([HERE / "evaluate.py", "--bm25", "--dataset", beir, "--out_dir", tmp_path / "ev"], tmp_path)
+    code, err = main_error([HERE / "evaluate.py", "--bm25", "--dataset", beir, "--out_dir", tmp_path / "ev"], tmp_path)
     assert (code, err) == (1, f"error: {beir / 'queries.jsonl'}:2: duplicate query id 'q1' (each may appear once)")
     beir = tiny_beir(tmp_path / "c", qrels_text="query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\td1\t0\n")
-    code, err = run_error([HERE / "evaluate.py", "--bm25", "--dataset", beir, "--out_dir", tmp_path / "ev"], tmp_path)
+    code, err = main_error([HERE / "evaluate.py", "--bm25", "--dataset", beir, "--out_dir", tmp_path / "ev"], tmp_path)
     assert (code, err) == (1, (f"error: {beir / 'qrels' / 'test.tsv'}:3: duplicate judgment of document 'd1' "
                               f"for query 'q1' (each may appear once)"))
 
@@ -2359,29 +2410,29 @@ def test_class4_init_vocabulary_and_mismatched_state(tmp_path, small_corpus):
     torch.manual_seed(0)
     run.save_pretrained(costa.Encoder(tiny_config(vocab_size=new.get_vocab_size())), tmp_path / "init", tmp_path / "v.txt")
     common = ["--corpus", small_corpus, *TINY_ARGS, "--steps", "1", "--init", tmp_path / "init"]
-    run_script([str(a) for a in [HERE / "cpdae.py", *common, "--out_dir", tmp_path / "a"]], tmp_path)
+    main_run([str(a) for a in [HERE / "cpdae.py", *common, "--out_dir", tmp_path / "a"]], tmp_path)
     assert data.vocab_size_of(tmp_path / "a" / "encoder" / "vocab.txt") == new.get_vocab_size()
     bert = write(tmp_path / "bert_vocab.txt", data.VOCAB.read_text(encoding="utf-8"))  # an explicit, other vocab
-    code, err = run_error([HERE / "costa.py", *common, "--vocab", bert, "--out_dir", tmp_path / "b"], tmp_path)
+    code, err = main_error([HERE / "costa.py", *common, "--vocab", bert, "--out_dir", tmp_path / "b"], tmp_path)
     assert (code, err) == (1, (f"error: {bert}: 30522 entries, but the --init model {tmp_path / 'init'} "
                               f"has vocab_size {new.get_vocab_size()}"))
     # Resuming from another method's state.pt, a truncated one, or with other sizes.
-    code, err = run_error([HERE / "costa.py", *common, "--out_dir", tmp_path / "a", "--resume"], tmp_path)
+    code, err = main_error([HERE / "costa.py", *common, "--out_dir", tmp_path / "a", "--resume"], tmp_path)
     assert (code, err) == (1, (f"error: {tmp_path / 'a'} holds a run of cpdae.py, not of costa.py; give another "
                               f"--out_dir (or delete the folder to reuse its name)"))
     saved = json.loads((tmp_path / "a" / "config.json").read_text())
     del saved["script"]                                                # a folder written before config.json said whose
     (tmp_path / "a" / "config.json").write_text(json.dumps(saved))
-    code, err = run_error([HERE / "costa.py", *common, "--out_dir", tmp_path / "a", "--resume"], tmp_path)
+    code, err = main_error([HERE / "costa.py", *common, "--out_dir", tmp_path / "a", "--resume"], tmp_path)
     assert (code, err) == (1, (f"error: {tmp_path / 'a' / 'state.pt'}: written by another script (it has --cl_mode); "
                               f"resume it with that script, or start again with --overwrite"))
     state = (tmp_path / "a" / "state.pt").read_bytes()
     (tmp_path / "a" / "state.pt").write_bytes(state[:len(state) // 2])
-    code, err = run_error([HERE / "cpdae.py", *common, "--out_dir", tmp_path / "a", "--resume"], tmp_path)
+    code, err = main_error([HERE / "cpdae.py", *common, "--out_dir", tmp_path / "a", "--resume"], tmp_path)
     assert (code, err) == (1, (f"error: {tmp_path / 'a' / 'state.pt'}: not a readable training state (RuntimeError); "
                               f"the file is truncated or not a state.pt; start again with --overwrite"))
     (tmp_path / "a" / "state.pt").write_bytes(state)
-    code, err = run_error([HERE / "cpdae.py", *common, "--out_dir", tmp_path / "a", "--resume", "--max_len", "32"],
+    code, err = main_error([HERE / "cpdae.py", *common, "--out_dir", tmp_path / "a", "--resume", "--max_len", "32"],
                           tmp_path)
     assert (code, err) == (1, (f"error: {tmp_path / 'a' / 'state.pt'}: these flags cannot change on --resume: "
                               f"--max_len 64 -> 32; resume with the saved values, or start again with --overwrite "
@@ -2389,14 +2440,14 @@ def test_class4_init_vocabulary_and_mismatched_state(tmp_path, small_corpus):
 
 
 def test_class5_lengths_are_checked_against_the_model(tmp_path):
-    code, err = run_error([HERE / "costa.py", "--max_len", "600", "--out_dir", tmp_path / "o"], tmp_path)
+    code, err = main_error([HERE / "costa.py", "--max_len", "600", "--out_dir", tmp_path / "o"], tmp_path)
     assert (code, err) == (1, "error: --max_len 600 is more than the 512 positions of the model (max_position)")
     for bad in ("2", "3"):  # used to loop forever / say "every document tokenized to nothing"
-        code, err = run_error([HERE / "seed.py", "--max_len", bad, "--out_dir", tmp_path / "o"], tmp_path)
+        code, err = main_error([HERE / "seed.py", "--max_len", bad, "--out_dir", tmp_path / "o"], tmp_path)
         assert (code, err) == (1, f"error: --max_len must be >= 10, got {bad}")
     beir = tiny_beir(tmp_path / "beir")
     (beir / "qrels" / "train.tsv").write_text("q1\td1\t1\nq2\td2\t1\n")
-    code, err = run_error([HERE / "finetune.py", "--init", "", "--dataset", beir, "--passage_len", "600",
+    code, err = main_error([HERE / "finetune.py", "--init", "", "--dataset", beir, "--passage_len", "600",
                            "--out_dir", tmp_path / "ft"], tmp_path)
     assert (code, err) == (1, "error: --passage_len 600 is more than the 512 positions of the model (max_position)")
     assert not (tmp_path / "ft").exists()
@@ -2404,11 +2455,11 @@ def test_class5_lengths_are_checked_against_the_model(tmp_path):
 
 def test_class6_flag_domains_and_non_finite_loss(tmp_path, small_corpus):
     for flag, value, rule in (("tau", "0", "> 0"), ("span_T", "-1", ">= 1"), ("span_alpha", "0", "> 0")):
-        code, err = run_error([HERE / "costa.py", f"--{flag}", value, "--out_dir", tmp_path / "o"], tmp_path)
+        code, err = main_error([HERE / "costa.py", f"--{flag}", value, "--out_dir", tmp_path / "o"], tmp_path)
         assert (code, err) == (1, f"error: --{flag} must be {rule}, got {type(getattr(costa.Config, flag))(value)!r}")
     # A learning rate so large that step 2's loss is NaN: the run stops there, step 1's checkpoint stays.
     out = tmp_path / "nan"
-    code, err = run_error([HERE / "costa.py", "--corpus", small_corpus, *TINY_ARGS, "--steps", "5", "--lr", "1e30",
+    code, err = main_error([HERE / "costa.py", "--corpus", small_corpus, *TINY_ARGS, "--steps", "5", "--lr", "1e30",
                            "--warmup", "0", "--save_every", "1", "--out_dir", out], tmp_path)
     assert (code, err) == (1, (f"error: step 2: the loss is not finite (gradient norm nan); stopped without saving; "
                               f"{out} keeps its last good checkpoint, step 1"))
@@ -2424,36 +2475,36 @@ def test_flag_errors_from_inside_modules_are_value_errors_and_print_one_line(tmp
         with pytest.raises(ValueError, match=message) as caught:
             call()
         assert not isinstance(caught.value, data.DataError)     # a flag, not a file
-    code, err = run_error([HERE / "costa.py", "--granularities", "word,word", "--out_dir", tmp_path / "o"], tmp_path)
+    code, err = main_error([HERE / "costa.py", "--granularities", "word,word", "--out_dir", tmp_path / "o"], tmp_path)
     assert (code, err) == (1, ("error: --granularities must be names from {word, phrase, sentence, paragraph}, "
                               "got 'word,word'"))
-    code, err = run_error([HERE / "finetune.py", "--loss", "ranknet", "--out_dir", tmp_path / "f"], tmp_path)
+    code, err = main_error([HERE / "finetune.py", "--loss", "ranknet", "--out_dir", tmp_path / "f"], tmp_path)
     assert (code, err) == (1, "error: --loss must be one of {softmax, hinge}, got 'ranknet'")
 
 
 def test_class7_resume_overwrite_logs_and_flags(tmp_path, small_corpus):
     out = tmp_path / "r"
     common = [HERE / "costa.py", "--corpus", small_corpus, *TINY_ARGS, "--steps", "4", "--out_dir", out]
-    run_script([str(a) for a in common + ["--halt_at", "2"]], tmp_path)
+    main_run([str(a) for a in common + ["--halt_at", "2"]], tmp_path)
     umask = os.umask(0)
     os.umask(umask)
     assert os.stat(out / "state.pt").st_mode & 0o777 == 0o666 & ~umask            # not 0600
-    code, err = run_error(common, tmp_path)                                        # no --resume, no --overwrite
+    code, err = main_error(common, tmp_path)                                        # no --resume, no --overwrite
     assert (code, err) == (1, (f"error: {out} already holds a run (state.pt, log.jsonl, encoder); continue it "
                               f"with --resume or replace it with --overwrite"))
     with open(out / "log.jsonl", "a") as f:                  # as if killed after logging step 3, before saving it
         f.write(json.dumps({"step": 3, "mlm": 0.0}) + "\n")
     (out / ".state.pt.x1y2.tmp").write_bytes(b"half a checkpoint")
-    printed = run_script([str(a) for a in common + ["--resume", "--lr", "1e-3"]], tmp_path)
+    printed = main_run([str(a) for a in common + ["--resume", "--lr", "1e-3"]], tmp_path)
     assert "changed flags apply from now: --lr 0.0005 -> 0.001" in printed
     log = read_log(out)
     assert [r["step"] for r in log] == [1, 2, 3, 4] and not (out / ".state.pt.x1y2.tmp").exists()
     assert log[2]["lr"] == pytest.approx(1e-3 * (4 - 3) / 3)                     # the new lr, on the schedule
-    run_script([str(a) for a in common + ["--steps", "1", "--overwrite"]], tmp_path)
+    main_run([str(a) for a in common + ["--steps", "1", "--overwrite"]], tmp_path)
     assert [r["step"] for r in read_log(out)] == [1]
     for flag, value, message in (("bf16", "maybe", "--bf16 expects true or false (also 1/0, yes/no), got 'maybe'"),
                                  ("preset", "papr", "--preset must be paper (or empty), got 'papr'")):
-        assert run_error([HERE / "costa.py", f"--{flag}", value], tmp_path) == (1, f"error: {message}")
+        assert main_error([HERE / "costa.py", f"--{flag}", value], tmp_path) == (1, f"error: {message}")
     # --help into a pipe that is already closed (`costa.py --help | head`): no BrokenPipeError traceback.
     help_run = subprocess.Popen([PY, str(HERE / "costa.py"), "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     help_run.stdout.close()
@@ -2461,7 +2512,7 @@ def test_class7_resume_overwrite_logs_and_flags(tmp_path, small_corpus):
     # finetune.py checks the test qrels before training, not after both stages.
     beir = tiny_beir(tmp_path / "beir", qrels_text="query-id\tcorpus-id\tscore\nq1\td9\t1\n")
     (beir / "qrels" / "train.tsv").write_text("q1\td1\t1\nq2\td2\t1\n")
-    code, err = run_error([HERE / "finetune.py", "--init", "", "--dataset", beir, "--out_dir", tmp_path / "ft"], tmp_path)
+    code, err = main_error([HERE / "finetune.py", "--init", "", "--dataset", beir, "--out_dir", tmp_path / "ft"], tmp_path)
     assert (code, err) == (1, f"error: {beir / 'qrels' / 'test.tsv'}: document id 'd9' (query 'q1') is not in the corpus")
     assert not (tmp_path / "ft" / "stage1").exists()
 
@@ -2554,7 +2605,22 @@ def test_study_quick_end_to_end_resumes_without_training_and_refuses_mixed_code(
 
     out, results = tmp_path / "study", tmp_path / "results"
     argv = ["--quick", "--out_dir", str(out), "--results_dir", str(results)]
+    real_stage, kinds = study.run_stage, set()
+
+    def stage(cmd, log, hours):   # each kind of stage once in its own process, as the study runs it; its repeats here
+        kind = cmd[1] if cmd[1] != "-c" else cmd[2]
+        if kind not in kinds:
+            kinds.add(kind)
+            return real_stage(cmd, log, hours)
+        t0 = time.time()
+        code, printed, err = run_in_process(cmd[1:], HERE)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(printed + err)
+        assert code == 0, (cmd, printed + err)
+        return shlex.join(cmd), time.time() - t0
+    monkeypatch.setattr(study, "run_stage", stage)
     study.main(argv)
+    assert len(kinds) == 5                     # the tiny model, pre-training, zero-shot, gradients, fine-tuning
     rows = {p.stem: json.loads(p.read_text()) for p in (results / "runs").glob("*.json")}
     full = [f"{a}-seed{s}" for a in ("none", "costa") for s in (0, 1)]
     assert sorted(rows) == sorted(full + [f"{a}-n4-seed{s}" for a in ("none", "costa") for s in (0, 1)])
@@ -2691,8 +2757,8 @@ def test_holm_adjustment_by_hand():
 def test_gradient_norms_per_term_start_where_training_started(tmp_path, small_corpus):
     import study
 
-    run_script([str(a) for a in [HERE / "cpdae.py", "--corpus", small_corpus, *TINY_ARGS, "--steps", "2",
-                                 "--bf16", "false", "--out_dir", tmp_path / "cp"]], tmp_path)
+    main_run([str(a) for a in [HERE / "cpdae.py", "--corpus", small_corpus, *TINY_ARGS, "--steps", "2",
+                               "--bf16", "false", "--out_dir", tmp_path / "cp"]], tmp_path)
     rows = study.gradient_norms("cpdae", tmp_path / "cp", n_batches=1)
     first = json.loads((tmp_path / "cp" / "log.jsonl").read_text().splitlines()[0])    # step 1: batch 0
     assert first["step"] == 1
@@ -2717,7 +2783,7 @@ def folder_bytes(folder):
 def test_overwrite_that_fails_a_check_leaves_the_old_run_byte_identical(tmp_path, small_corpus):
     out = tmp_path / "run"
     common = [HERE / "costa.py", "--corpus", small_corpus, *TINY_ARGS, "--out_dir", out]
-    run_script([str(a) for a in common + ["--steps", "2"]], tmp_path)
+    main_run([str(a) for a in common + ["--steps", "2"]], tmp_path)
     before = folder_bytes(out)
     assert {"state.pt", "log.jsonl", "encoder/model.safetensors"} <= set(before)
     tiny = write(tmp_path / "tiny.jsonl", json.dumps({"text": data.read_pretraining_texts(small_corpus)[0][:300]}) + "\n")
@@ -2726,7 +2792,7 @@ def test_overwrite_that_fails_a_check_leaves_the_old_run_byte_identical(tmp_path
             (["--corpus", tiny, "--batch_size", str(n_windows + 1)], "fewer than one global batch"),
             (["--projector", "bogus"], "--projector must be one of {nonlinear, linear, none}, got 'bogus'"),
             (["--global_batch", "6", "--grad_accum", "4"], "--global_batch 6 is not a multiple of 1 process(es)")):
-        code, err = run_error(common + ["--overwrite", *extra], tmp_path)
+        code, err = main_error(common + ["--overwrite", *extra], tmp_path)
         assert code == 1 and message in err, err
         assert folder_bytes(out) == before, extra
 
@@ -2741,17 +2807,17 @@ def test_choice_flags_and_batch_arithmetic_fail_before_the_token_cache(tmp_path,
             ("seed.py", ["--global_batch", "6", "--grad_accum", "4"], "--global_batch 6 is not a multiple of"),
             ("seed.py", ["--global_batch", "8", "--batch_size", "16"],
              "--batch_size 16 disagrees with --global_batch 8 on 1 process(es) x --grad_accum 1 (= 8 per rank)")):
-        code, err = run_error([HERE / script, "--corpus", corpus, "--out_dir", tmp_path / "o", *extra], tmp_path)
+        code, err = main_error([HERE / script, "--corpus", corpus, "--out_dir", tmp_path / "o", *extra], tmp_path)
         assert code == 1 and err.startswith("error: ") and message in err, err
         assert list((tmp_path / "c").iterdir()) == [corpus], script      # no token cache was built
         assert not (tmp_path / "o").exists()
     beir = tiny_beir(tmp_path / "beir")
     (beir / "qrels" / "train.tsv").write_text("q1\td1\t1\nq2\td2\t1\n")
-    code, err = run_error([HERE / "finetune.py", "--init", "", "--dataset", beir, "--index", "bogus", "--rounds", "1",
+    code, err = main_error([HERE / "finetune.py", "--init", "", "--dataset", beir, "--index", "bogus", "--rounds", "1",
                            "--out_dir", tmp_path / "ft"], tmp_path)
     assert (code, err) == (1, "error: --index must be a faiss index_factory string, got 'bogus'")
     assert not (tmp_path / "ft").exists()
-    code, err = run_error([HERE / "study.py", "--arms", "none,bogus", "--out_dir", tmp_path / "st"], tmp_path)
+    code, err = main_error([HERE / "study.py", "--arms", "none,bogus", "--out_dir", tmp_path / "st"], tmp_path)
     arms = ", ".join(["none", "mlm", *run.METHODS])
     assert (code, err) == (1, f"error: --arms must be names from {{{arms}}}, got 'none,bogus'")
 
@@ -2833,8 +2899,8 @@ def test_a_checkpoint_switch_cut_by_a_kill_is_completed_or_dropped(tmp_path, sma
 def test_resume_from_a_run_folder_that_was_moved(tmp_path, small_corpus):
     import shutil
     common = [HERE / "costa.py", "--corpus", small_corpus, *TINY_ARGS, "--steps", "4"]
-    run_script([str(a) for a in common + ["--out_dir", tmp_path / "straight"]], tmp_path)
-    run_script([str(a) for a in common + ["--out_dir", tmp_path / "old", "--halt_at", "2"]], tmp_path)
+    main_run([str(a) for a in common + ["--out_dir", tmp_path / "straight"]], tmp_path)
+    main_run([str(a) for a in common + ["--out_dir", tmp_path / "old", "--halt_at", "2"]], tmp_path)
     shutil.move(tmp_path / "old", tmp_path / "bigger_disk")
     printed = run_script([str(a) for a in common + ["--out_dir", tmp_path / "bigger_disk", "--resume"]], tmp_path)
     assert "at step 2" in printed
@@ -2961,7 +3027,7 @@ def test_bad_files_give_one_line_not_a_traceback(tmp_path):
                           ('{"hidden_size": "32"}', '"hidden_size" must be a positive integer, got \'32\''),
                           ('{"layer_norm_eps": "x"}', '"layer_norm_eps" must be a number, got \'x\'')):
         (init / "config.json").write_text(text)
-        code, err = run_error([HERE / "costa.py", "--init", init, "--out_dir", tmp_path / "o"], tmp_path)
+        code, err = main_error([HERE / "costa.py", "--init", init, "--out_dir", tmp_path / "o"], tmp_path)
         assert (code, err) == (1, f"error: {init / 'config.json'}: {message}")
 
 
@@ -3185,9 +3251,7 @@ def test_a_run_folder_in_use_refuses_a_second_run_and_kill_9_frees_it(tmp_path, 
     finally:
         holder.kill()                                                            # kill -9: the kernel drops the lock
         holder.wait()
-    result = subprocess.run([PY, "costa.py", "--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2",
-                             "--out_dir", str(out)], cwd=HERE, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
+    main_run(["costa.py", "--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2", "--out_dir", str(out)], HERE)
     assert run.load_training_state(out / "state.pt")["step"] == 2
 
 
@@ -3262,10 +3326,9 @@ def test_sigterm_saves_a_checkpoint_and_stops_with_one_line(tmp_path, small_corp
     # the step in progress finished; a checkpoint more than --save_every / 2 = 2 steps old was renewed first
     assert 3 <= stopped and 0 <= stopped - saved <= 2 and saved >= 3
     assert run.load_training_state(out / "state.pt")["step"] == saved
-    result = subprocess.run(cmd[:-2] + ["--steps", str(stopped + 2), "--out_dir", str(out), "--resume"], cwd=HERE,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr        # and it continues from there
-    assert f"resume: {out / 'state.pt'} at step {saved}" in result.stdout
+    code, printed, err = run_in_process(cmd[1:-2] + ["--steps", str(stopped + 2), "--out_dir", str(out), "--resume"], HERE)
+    assert code == 0, err                               # and it continues from there
+    assert f"resume: {out / 'state.pt'} at step {saved}" in printed
 
 
 def test_finetune_sigterm_saves_a_checkpoint_and_stops_with_one_line(tmp_path):
@@ -3291,10 +3354,9 @@ def test_finetune_sigterm_saves_a_checkpoint_and_stops_with_one_line(tmp_path):
     stopped, saved = int(last[1]), int(last[2])
     assert 3 <= stopped and 0 <= stopped - saved <= 2 and saved >= 3
     assert run.load_training_state(stage / "state.pt")["step"] == saved
-    result = subprocess.run(cmd + ["--steps", str(stopped + 2), "--resume"], cwd=HERE, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert f"resume: {stage / 'state.pt'} at step {saved}" in result.stdout
+    code, printed, err = run_in_process(cmd[1:] + ["--steps", str(stopped + 2), "--resume"], HERE)
+    assert code == 0, err
+    assert f"resume: {stage / 'state.pt'} at step {saved}" in printed
 
 
 def test_non_finite_flags_are_refused_when_parsed():
@@ -3481,11 +3543,11 @@ def test_resume_on_another_process_count_is_refused_naming_it(tmp_path, small_co
     run_script(common + ["--out_dir", str(tmp_path / "two"), "--halt_at", "2"], tmp_path, torchrun=True)
     want = (f"error: {tmp_path / 'two' / 'state.pt'}: written by 2 processes, this run has 1 (each rank draws its "
             f"own masks and dropout); resume it with torchrun --nproc_per_node=2, or start again with --overwrite")
-    assert run_error([*common, "--out_dir", tmp_path / "two", "--resume"], tmp_path) == (1, want)
+    assert main_error([*common, "--out_dir", tmp_path / "two", "--resume"], tmp_path) == (1, want)
     # --global_batch keeps the batch the same size on 1 process; the data stream would still differ.
     run_script(common + ["--out_dir", str(tmp_path / "g"), "--halt_at", "2", "--global_batch", "8",
                          "--batch_size", "4"], tmp_path, torchrun=True)
-    code, err = run_error([*common, "--out_dir", tmp_path / "g", "--resume", "--global_batch", "8",
+    code, err = main_error([*common, "--out_dir", tmp_path / "g", "--resume", "--global_batch", "8",
                            "--batch_size", "8"], tmp_path)
     assert code == 1 and "written by 2 processes, this run has 1" in err and "--batch_size" not in err
 
@@ -3497,15 +3559,15 @@ def test_resume_on_a_changed_corpus_is_refused_unless_meant(tmp_path, small_corp
     corpus = tmp_path / "wiki.jsonl"
     shutil.copyfile(small_corpus, corpus)
     common = [HERE / "costa.py", "--corpus", corpus, *TINY_ARGS, "--steps", "4", "--out_dir", tmp_path / "o"]
-    run_script([str(a) for a in [*common, "--halt_at", "2"]], tmp_path)
+    main_run([str(a) for a in [*common, "--halt_at", "2"]], tmp_path)
     os.utime(corpus, (time.time() + 5,) * 2)                                  # touched: the same tokens
-    assert "at step 2" in run_script([str(a) for a in [*common, "--halt_at", "3", "--resume"]], tmp_path)
+    assert "at step 2" in main_run([str(a) for a in [*common, "--halt_at", "3", "--resume"]], tmp_path)
     with open(corpus, "a") as f:
         f.write(json.dumps({"text": "A new document about retrieval joins the corpus after step 3."}) + "\n")
-    code, err = run_error([*common, "--resume"], tmp_path)
+    code, err = main_error([*common, "--resume"], tmp_path)
     assert code == 1 and err.startswith(f"error: {corpus}: the corpus changed since the run's checkpoint of step 3 ("), err
     assert err.endswith("resume on the corpus the run started with, or pass --new_corpus to continue on this one")
-    out = run_script([str(a) for a in [*common, "--resume", "--new_corpus"]], tmp_path)
+    out = main_run([str(a) for a in [*common, "--resume", "--new_corpus"]], tmp_path)
     assert "resume: --new_corpus: the corpus changed since step 3; the data differ from step 4" in out
     assert [r["step"] for r in read_log(tmp_path / "o")] == [1, 2, 3, 4]
 
@@ -3513,15 +3575,15 @@ def test_resume_on_a_changed_corpus_is_refused_unless_meant(tmp_path, small_corp
 def test_a_run_folder_says_which_script_wrote_it(tmp_path, small_corpus):
     """finetune.py --overwrite into a pre-training run's folder, or a method's --resume into another
     script's run, is refused in one line before any work: each script's config.json names it."""
-    run_script([str(HERE / "costa.py"), "--corpus", str(small_corpus), *TINY_ARGS, "--steps", "1",
+    main_run([str(HERE / "costa.py"), "--corpus", str(small_corpus), *TINY_ARGS, "--steps", "1",
                 "--out_dir", str(tmp_path / "p")], tmp_path)
     assert json.loads((tmp_path / "p" / "config.json").read_text())["script"] == "costa.py"
-    code, err = run_error([HERE / "finetune.py", "--init", "", *FT_TINY_ARGS, "--dataset", tiny_beir(tmp_path / "beir"),
+    code, err = main_error([HERE / "finetune.py", "--init", "", *FT_TINY_ARGS, "--dataset", tiny_beir(tmp_path / "beir"),
                            "--out_dir", tmp_path / "p", "--overwrite"], tmp_path)
     assert (code, err) == (1, (f"error: {tmp_path / 'p'} holds a run of costa.py, not of finetune.py; give "
                               f"another --out_dir (or delete the folder to reuse its name)"))
     assert (tmp_path / "p" / "state.pt").is_file()                              # untouched
-    code, err = run_error([HERE / "cpdae.py", "--corpus", small_corpus, *TINY_ARGS, "--steps", "1",
+    code, err = main_error([HERE / "cpdae.py", "--corpus", small_corpus, *TINY_ARGS, "--steps", "1",
                            "--out_dir", tmp_path / "p", "--resume"], tmp_path)
     assert (code, err) == (1, (f"error: {tmp_path / 'p'} holds a run of costa.py, not of cpdae.py; give "
                               f"another --out_dir (or delete the folder to reuse its name)"))
@@ -4002,8 +4064,8 @@ def test_a_model_that_gives_nan_vectors_is_one_line_naming_it(tmp_path):
     c = finetune.retriever_settings(finetune.Config(init=str(model), dataset=str(beir)))   # --pretrain's zero-shot row
     with pytest.raises(data.DataError, match=names_it):
         finetune.evaluate_folder(c, c.init, tmp_path / "zero-shot", "zero-shot")
-    code, line = run_error([HERE / "evaluate.py", "--model", model, "--dataset", beir, "--out_dir", tmp_path / "ev"],
-                           tmp_path)
+    code, line = main_error([HERE / "evaluate.py", "--model", model, "--dataset", beir, "--out_dir", tmp_path / "ev"],
+                            tmp_path)
     assert code == 1 and re.match(rf"error: {names_it[1:]}", line) and "\n" not in line, line
 
 
