@@ -102,8 +102,9 @@ class TrainConfig:
 
 # What every method's --preset paper adds for a multi-GPU run (docs/paper-scale.md): batches built ahead by 4
 # loader processes per GPU; a log line and a host sync every 100 steps; a checkpoint (~1.8 GB at BERT-base with
-# Adam's state) every 30 minutes or 20,000 steps, whichever comes first, the 2 before it kept.
-PAPER_RUN = dict(workers=4, log_every=100, save_every=20_000, save_minutes=30.0, keep_last=3)
+# Adam's state) every 30 minutes or 20,000 steps, whichever comes first, the 2 before it kept; the vocabulary-sized
+# losses compiled (--compile: on one H200 CPDAE's step 1.11x and SEED's 1.31x as fast, results/gpu/README.md).
+PAPER_RUN = dict(workers=4, log_every=100, save_every=20_000, save_minutes=30.0, keep_last=3, compile=True)
 
 
 # The domain of each shared flag, checked by parse_config before any work (a method adds its own).

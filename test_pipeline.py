@@ -3423,6 +3423,7 @@ def test_paper_presets_build_batches_ahead_and_checkpoint_by_the_clock():
     for module in (costa, importlib.import_module("cpdae"), importlib.import_module("seed")):
         c = run.parse_config(module.Config, ["--preset", "paper"], "", module.PAPER_PRESET, module.FLAG_RULES)
         assert c.workers >= 1 and c.save_minutes > 0 and c.save_every >= 10_000 and c.keep_last > 1, module
+        assert c.compile, module                                       # it pays on a GPU at the paper's size
     c = run.parse_config(finetune.Config, ["--preset", "paper"], "", finetune.PAPER_PRESET, finetune.FLAG_RULES)
     assert c.workers >= 1 and c.save_every >= 1000
 
