@@ -820,7 +820,7 @@ def cpdae_control_step(decoder, train, rows, other, bag, vocab, special, c):
     logits = decoder(torch.cat([train["view1"][rows], train["view2"][other]]))                 # (2m, V) eq. 2
     bags = torch.cat([bag, cpdae.bag_of_words(train["ids"][other], vocab, special)])           # (2m, V)
     rec = cpdae.reconstruction_loss(logits, bags, None, c.rec_reduction)                       # eq. 4
-    similarity = partial(cpdae.js_similarity, chunk_size=8, tau=c.cl_tau)
+    similarity = partial(run.in_row_chunks(cpdae.js_similarity, 8), tau=c.cl_tau)
     cl, _ = cpdae.contrastive_loss(*cpdae.word_distribution(logits).chunk(2), similarity)     # eq. 5
     return rec + c.cl_weight * cl                                                              # eq. 6
 

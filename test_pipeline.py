@@ -3819,8 +3819,8 @@ def test_the_next_build_removes_the_temporaries_of_a_killed_build(tmp_path, wiki
     # A build that hangs after its first documents (so it is surely mid-write), then is killed with -9.
     code = ("import sys, time, data\n"
             "real = data.iter_pretraining_texts\n"
-            "def texts(path):\n"
-            "    yield from real(path)\n"
+            "def texts(*args):\n"
+            "    yield from real(*args)\n"
             "    time.sleep(600)\n"
             "data.iter_pretraining_texts = texts\n"
             "data.build_token_cache(sys.argv[1], data.VOCAB, sys.argv[2], workers=1, chunk_chars=2000)\n")
