@@ -114,7 +114,9 @@ class Decoder(nn.Module):
         self.dense = nn.Linear(hidden_size, hidden_size)
         self.norm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
         self.out = nn.Linear(hidden_size, vocab_size)
-        self.apply(Encoder._init_weights)
+        for linear in (self.dense, self.out):               # BERT's initialisation, as the encoder's
+            nn.init.normal_(linear.weight, std=0.02)
+            nn.init.zeros_(linear.bias)
 
     def forward(self, h_cls):                                                    # (N, H)
         h = self.norm(F.gelu(self.dense(h_cls)))                                 # (N, H)

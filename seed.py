@@ -123,6 +123,26 @@ def decoder_inputs_and_targets(input_ids, attention_mask, ignore_index=-100):
     return decoder_input, targets
 
 
+class WindowSelfAttention(nn.Module):
+    """The decoder's multi-head self-attention, BERT's (the encoder's) given the window mask:
+    softmax(q k^T / sqrt(d) + mask) v per head, dropout on the probabilities while training."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.heads, self.dropout = c.num_heads, c.dropout
+        self.query = nn.Linear(c.hidden_size, c.hidden_size)
+        self.key = nn.Linear(c.hidden_size, c.hidden_size)
+        self.value = nn.Linear(c.hidden_size, c.hidden_size)
+        self.out = nn.Linear(c.hidden_size, c.hidden_size)
+
+    def forward(self, x, attend):                               # x (B, L, H); attend (L, L) True = key visible
+        B, L, H = x.shape
+        split = lambda t: t.view(B, L, self.heads, H // self.heads).transpose(1, 2)  # (B, heads, L, H/heads)
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(B, L, H))                      # (B, L, H)
+
+
 class DecoderBlock(nn.Module):
     """Pre-LN block: restricted self-attention, cross-attention to the encoder's [CLS], GELU FFN, each
     x + f(LN(x)). The final LayerNorm that pre-LN needs is WeakDecoder's.
@@ -131,7 +151,7 @@ class DecoderBlock(nn.Module):
 
     def __init__(self, c):
         super().__init__()
-        self.attn = SelfAttention(c)                  # the encoder's attention, given the window mask
+        self.attn = WindowSelfAttention(c)
         self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         # Cross-attention to a memory of ONE vector, [CLS]: softmax over a single key is exactly 1, so
         # every position receives out(value(h0)) whatever the query and key projections (those would
@@ -168,7 +188,11 @@ class WeakDecoder(nn.Module):
         self.blocks = nn.ModuleList(DecoderBlock(c) for _ in range(c.dec_layers))
         self.final_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)   # pre-LN's last LayerNorm
         self.word_embedding = [word_embedding]  # a list, so the tied matrix is not registered twice
-        self.apply(Encoder._init_weights)
+        for module in self.modules():                       # BERT's initialisation, as the encoder's
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear):
+                nn.init.zeros_(module.bias)
 
     def embed(self, input_ids):                                                 # (B, L)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)

@@ -6,11 +6,13 @@ Sections: COSTA (arXiv:2204.10641 eq. 1-10), CPDAE (arXiv:2208.09846 eq. 3-6), S
 (arXiv:2102.09206 3.4, eq. 9-10). Naive references are plain Python loops over the equations'
 indices, in float64 where the comparison is numerical.
 """
+import ast
 import dataclasses
 import importlib
 import itertools
 import math
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -1199,3 +1201,103 @@ def test_string_flags_are_checked_against_their_choices(name, flag):
     run.parse_config(module.Config, [], "", module.PAPER_PRESET, module.FLAG_RULES)
     with pytest.raises(SystemExit, match=f"--{flag} must be one of .*, got 'avg'"):
         run.parse_config(module.Config, [f"--{flag}", "avg"], "", module.PAPER_PRESET, module.FLAG_RULES)
+
+
+# ==============================================================================================
+# Every piece the equation tables name copies alone: its section's defs in a file that imports only torch
+# ==============================================================================================
+BANNER = "# " + "=" * 94
+
+
+def section_namespace(module, piece):
+    """Run, in a fresh namespace that holds only the method file's torch imports, every top-level def
+    of the section (between two `# ====` banners) where `piece` is defined, as a student's copy would."""
+    source = Path(module.__file__).read_text()
+    tree = ast.parse(source)
+    banners = [i for i, line in enumerate(source.splitlines(), 1) if line == BANNER]
+    line = next(node.lineno for node in tree.body if getattr(node, "name", None) == piece)
+    start = max(b for b in banners if b < line)
+    end = min([b for b in banners if b > line + 1] + [len(source.splitlines()) + 1])
+    imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+               and all((getattr(node, "module", None) or alias.name).split(".")[0] == "torch" for alias in node.names)]
+    defs = [node for node in tree.body if start < node.lineno < end and not isinstance(node, (ast.Import, ast.ImportFrom))]
+    namespace = {}
+    code = compile(ast.Module(body=imports + defs, type_ignores=[]), f"copy of {module.__name__}.{piece}", "exec")
+    exec(code, namespace)  # noqa: S102 (the project's own source, as a student's copy would run it)
+    assert "np" not in namespace and "data" not in namespace
+    return namespace
+
+
+def backward_reaches(loss, *inputs):
+    """The loss is finite and its gradient reaches every input."""
+    loss.backward()
+    assert torch.isfinite(loss) and all(x.grad is not None and torch.isfinite(x.grad).all() for x in inputs)
+
+
+def leaf(*shape):
+    return torch.randn(*shape, requires_grad=True)
+
+
+DECODER_SIZES = SimpleNamespace(hidden_size=16, num_heads=2, ffn_size=32, dropout=0.1, layer_norm_eps=1e-12,
+                                max_position=32, dec_layers=2, dec_span=2)
+
+
+def run_costa_piece(ns, piece):
+    B, S, L, H = 3, 4, 10, 16
+    hidden = leaf(B, L, H)
+    if piece == "gwc_loss":
+        text, spans = leaf(B, H), leaf(B, S, H)
+        backward_reaches(ns["gwc_loss"](text, spans, 0.1)[0], text, spans)
+    elif piece == "span_vectors":
+        spans = torch.tensor([[[1, 3], [2, 7], [4, 5], [1, 9]]] * B)
+        backward_reaches(ns["span_vectors"](hidden, spans).sum(), hidden)
+    elif piece == "Projector":
+        backward_reaches(ns["Projector"](H)(ns["text_vector"](hidden, torch.ones(B, L))).sum(), hidden)
+
+
+def run_cpdae_piece(ns, piece):
+    B, H, V = 3, 16, 50
+    h_cls, logits = leaf(2 * B, H), leaf(2 * B, V)
+    bag = (torch.rand(2 * B, V) < 0.2).float()
+    if piece == "Decoder":
+        backward_reaches(ns["Decoder"](H, V)(h_cls).square().mean(), h_cls)
+    elif piece == "reconstruction_loss":
+        backward_reaches(ns["reconstruction_loss"](logits, bag), logits)
+    elif piece in ("contrastive_loss", "js_similarity", "word_distribution"):
+        view1, view2 = ns["word_distribution"](logits).chunk(2)
+        backward_reaches(ns["contrastive_loss"](view1, view2, ns["js_similarity"])[0], logits)
+
+
+def run_seed_piece(ns, piece):
+    B, L, H, V = 2, 9, 16, 50
+    embedding = nn.Embedding(V, H)
+    h0, ids = leaf(B, H), torch.randint(V, (B, L))
+    if piece == "WeakDecoder":
+        decoder_input, _ = ns["decoder_inputs_and_targets"](ids, torch.ones(B, L))
+        states = ns["WeakDecoder"](DECODER_SIZES, embedding)(decoder_input, h0)      # (B, L-1, H)
+        backward_reaches(states.square().mean(), h0)
+    elif piece == "decoder_loss":
+        states = leaf(B, L, H)
+        backward_reaches(ns["decoder_loss"](states, embedding.weight, ids)[0], states)
+
+
+COPIED_PIECES = [(costa, "gwc_loss", run_costa_piece), (costa, "span_vectors", run_costa_piece),
+                 (costa, "Projector", run_costa_piece),
+                 (cpdae, "Decoder", run_cpdae_piece), (cpdae, "reconstruction_loss", run_cpdae_piece),
+                 (cpdae, "contrastive_loss", run_cpdae_piece),
+                 (seed, "WeakDecoder", run_seed_piece), (seed, "decoder_loss", run_seed_piece)]
+
+
+@pytest.mark.parametrize("module, piece, run_piece", COPIED_PIECES, ids=[f"{m.__name__}.{p}" for m, p, _ in COPIED_PIECES])
+def test_each_piece_copies_alone_into_a_torch_only_file(module, piece, run_piece):
+    """The equation tables' pieces (the losses, the heads and the decoders) run forward and backward on
+    random tensors with only their own section's defs and torch: nothing from data.py, run.py, numpy or
+    the shared encoder at the end of the file. (mlm_loss and text_vector are copied with their sections.)"""
+    torch.manual_seed(0)
+    namespace = section_namespace(module, piece)
+    run_piece(namespace, piece)
+    if module is not costa:
+        labels = torch.full((2, 5), -100)
+        labels[:, 2] = 7
+        hidden = leaf(2, 5, 16)
+        backward_reaches(section_namespace(module, "mlm_loss")["mlm_loss"](hidden, labels, nn.Linear(16, 50))[0], hidden)
