@@ -18,7 +18,8 @@ swapped for CPDAE's: `diff costa.py cpdae.py` shows that swap, the losses as one
 (run folder, resume, checkpoints, progress, Ctrl-C) is in run.py, one call each from train(). Each departure
 from the paper is said where it happens, tagged with its key; docs/departures.md lists them all.
 
-    python cpdae.py                                  # small model, bundled Wikipedia slice, CPU
+    python cpdae.py --preset lab                     # first: learns in minutes on a CPU (lab: docs/lab.md)
+    python cpdae.py                                  # small model, bundled Wikipedia slice, CPU, from scratch
     python cpdae.py --cl_weight 0                    # Table 2 "w/o CL"; add --idf_rec: Table 2 "IDF-REC" (no CL)
     python cpdae.py --cl_mode cls                    # CPDAE_R (Table 1): contrast the [CLS] vectors
     torchrun --nproc_per_node=4 cpdae.py --preset paper --init bert-base-uncased/
@@ -73,6 +74,9 @@ class Config(run.TrainConfig):
 # warm-up (linear), weight decay and clipping.
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=5e-5,
                     warmup=0.1, epochs=3.0, global_batch=64)
+# --preset lab: run.LAB_PRESET (from MiniLM on SciFact, 50 steps), eq. 4 per word (its sum would drown
+# lambda L_CL) and -JS / 0.02 (-JS alone stays within ln 2: eq. 5 barely moves).
+LAB_PRESET = dict(run.LAB_PRESET, rec_reduction="mean", cl_tau=0.02)
 
 
 # The domain of each of CPDAE's flags, checked by run.parse_config before any work (with TrainConfig's).
@@ -315,7 +319,8 @@ class PretrainModel(nn.Module):
         h_cls = text_vector(hidden, attention_mask, c.bottleneck)                # (2B, H) eq. 1: [CLS] or mean
         logits = self.decoder(h_cls)                                             # (2B, V) eq. 2
         rec = reconstruction_loss(logits, batch["bag"].repeat(2, 1), self.idf, c.rec_reduction)  # each view its text
-        metrics = {"rec": rec.detach(), "mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
+        per_word = rec.detach() / (c.vocab_size if c.rec_reduction == "sum" else 1)  # eq. 4's sum over |V| words
+        metrics = {"rec": rec.detach(), "rec_per_word": per_word, "mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
                    "mlm_chance": data.most_frequent_accuracy(batch["labels"], self.frequent_token)}
         if not c.cl_weight:                                                      # Table 2 "w/o CL"
             return {"L_REC": rec, "L_MLM": mlm}, metrics
@@ -659,4 +664,5 @@ def gather_across_ranks(t):
 
 
 if __name__ == "__main__":
-    run.run_command_line(lambda: train(run.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES)))
+    run.run_command_line(lambda: train(run.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES,
+                                                        {"lab": LAB_PRESET})))

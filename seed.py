@@ -16,7 +16,8 @@ swapped for the weak decoder: `diff costa.py seed.py` shows that swap. The run m
 folder, resume, checkpoints, progress, Ctrl-C) is in run.py, one call each from train(). Each
 departure from the paper is said where it happens, tagged with its key; docs/departures.md lists them all.
 
-    python seed.py                                   # small model, bundled Wikipedia slice, CPU
+    python seed.py --preset lab                      # first: learns in minutes on a CPU (lab: docs/lab.md)
+    python seed.py                                   # small model, bundled Wikipedia slice, CPU, from scratch
     python seed.py --dec_span 0 --dec_layers 5       # Figure 3's "strong decoder" ablation
     torchrun --nproc_per_node=4 seed.py --preset paper
     python seed.py --resume                          # continue from out_dir/state.pt exactly
@@ -70,6 +71,8 @@ class Config(run.TrainConfig):
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=1e-4,
                     warmup=0.01, steps=1_000_000, global_batch=256, mask_prob=0.15, dropout=0.1, clip=1.0,
                     weight_decay=0.01)
+# --preset lab: run.LAB_PRESET (from MiniLM on SciFact, 50 steps), L_dec weighed 8 times L_MLM.
+LAB_PRESET = dict(run.LAB_PRESET, dec_weight=8.0)
 
 
 # The domain of each of SEED's flags, checked by run.parse_config before any work (with TrainConfig's).
@@ -588,4 +591,5 @@ def gather_across_ranks(t):
 
 
 if __name__ == "__main__":
-    run.run_command_line(lambda: train(run.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES)))
+    run.run_command_line(lambda: train(run.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES,
+                                                        {"lab": LAB_PRESET})))

@@ -675,7 +675,8 @@ def test_total_loss_is_rec_plus_mlm_plus_lambda_cl(mode):
     model = cpdae.PretrainModel(c, cpdae.Encoder(c)).eval()
     batch = cpdae.Batches(c, tiny_windows(), 0, 1)[0]
     total, metrics = model(batch)
-    assert set(metrics) == {"rec", "mlm", "mlm_acc", "mlm_chance", "cl", "cl_acc", "cl_chance"}
+    assert set(metrics) == {"rec", "rec_per_word", "mlm", "mlm_acc", "mlm_chance", "cl", "cl_acc", "cl_chance"}
+    torch.testing.assert_close(metrics["rec_per_word"], metrics["rec"] / 30522)                 # eq. 4's sum / |V|
     torch.testing.assert_close(total, metrics["rec"] + metrics["mlm"] + 0.1 * metrics["cl"])
     with torch.no_grad():
         h_cls = model.encoder(batch["input_ids"], batch["attention_mask"].repeat(2, 1))[:, 0]  # (8, H)
@@ -1043,6 +1044,19 @@ def test_head_warmup_freezes_exactly_the_encoder_then_trains_it(name):
     optimizer_step(module, model, batch, optimizer, scheduler)                         # step 3: the encoder trains
     assert not torch.equal(model.encoder.embeddings.word.weight, before["encoder.embeddings.word.weight"])
     assert not torch.equal(model.encoder.blocks[0].ffn_in.weight, before["encoder.blocks.0.ffn_in.weight"])
+
+
+def test_progress_prints_the_heads_lr_while_the_encoder_waits(tmp_path, capsys):
+    _, model, _ = tiny_method("costa", head_warmup=2, head_lr=5.0, out_dir=str(tmp_path))
+    optimizer, scheduler = run.make_optimizer(model, model.config)
+    lr, head_lr = run.encoder_and_head_lr(optimizer, scheduler)
+    assert lr == 0.0 and head_lr == scheduler.get_last_lr()[-1] > 0                      # the heads alone
+    progress = run.Progress(model.config, 0, True)
+    progress.add({"mlm": 1.0}, 10)
+    progress.report(1, lr, "cpu", head_lr)
+    assert f"| lr 0.00e+00 | heads' lr {head_lr:.2e} |" in capsys.readouterr().out
+    optimizer, scheduler = run.make_optimizer(model, dataclasses.replace(model.config, head_warmup=0, head_lr=1.0))
+    assert run.encoder_and_head_lr(optimizer, scheduler) == (scheduler.get_last_lr()[0], None)   # one lr: printed once
 
 
 def test_head_schedule_and_groups():

@@ -2123,7 +2123,7 @@ def test_class7_resume_overwrite_logs_and_flags(tmp_path, small_corpus):
     run_script([str(a) for a in common + ["--steps", "1", "--overwrite"]], tmp_path)
     assert [r["step"] for r in read_log(out)] == [1]
     for flag, value, message in (("bf16", "maybe", "--bf16 expects true or false (also 1/0, yes/no), got 'maybe'"),
-                                 ("preset", "papr", "--preset must be paper (or empty), got 'papr'")):
+                                 ("preset", "papr", "--preset must be paper or lab (or empty), got 'papr'")):
         assert run_error([HERE / "costa.py", f"--{flag}", value], tmp_path) == (1, f"error: {message}")
     # --help into a pipe that is already closed (`costa.py --help | head`): no BrokenPipeError traceback.
     help_run = subprocess.Popen([PY, str(HERE / "costa.py"), "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
