@@ -9,7 +9,6 @@ the two views' word distributions. The paper's equations, in order, and the func
               word distribution z_tilde = z_hat / sum_j z_hat_j
     eq. 4     bag-of-words reconstruction (binary cross-entropy)      reconstruction_loss (IDF-REC: idf_from_df)
     eq. 5     contrastive loss between the views' distributions       contrastive_loss
-              (under torchrun: gathered_contrastive_loss)
     eq. 6     L = L_REC + L_MLM + lambda L_CL                          PretrainModel.terms (L_MLM: mlm_loss)
     eq. 7     the similarity s = -JS(z_tilde', z_tilde'')              js_similarity (CPDAE_R: cosine_similarity)
 
@@ -251,8 +250,8 @@ def cosine_similarity(anchors, candidates, temperature=0.1):
 
 
 def contrastive_loss(view1, view2, similarity, n_anchors=None):
-    """CPDAE's contrastive loss (eq. 5), the function training runs (gathered_contrastive_loss feeds
-    it the views of every rank, this rank's first):
+    """CPDAE's contrastive loss (eq. 5), the function training runs (with every rank's views: the wrapper
+    after train()):
 
         L_CL = - sum_{i=1..m} log  exp(s(z'_i, z''_i)) / sum_{k=1..2m} 1[k != i] exp(s(z'_i, z_k))
 
@@ -277,18 +276,6 @@ def contrastive_loss(view1, view2, similarity, n_anchors=None):
     positive = M + rows                                                          # (n,) z''_i
     accuracy = (sim.argmax(dim=1) == positive).float().mean()
     return F.cross_entropy(sim, positive), accuracy                              # mean over anchors
-
-
-def gathered_contrastive_loss(view1, view2, similarity):
-    """Eq. 5 (contrastive_loss) under torchrun: both views of every rank, all-gathered with gradients
-    and rotated so that this rank's m texts come first, as the anchors (eq. 5's sums are over sets, so
-    the order changes nothing else). view1, view2 (m, D). Returns (loss = mean over the local anchors,
-    accuracy); in one process exactly contrastive_loss. Gradient accumulation adds no negatives."""
-    rank, _ = rank_and_world()
-    m = view1.shape[0]
-    all1 = gather_across_ranks(view1).roll(-rank * m, dims=0)                   # (M, D) this rank's first
-    all2 = gather_across_ranks(view2).roll(-rank * m, dims=0)                   # (M, D)
-    return contrastive_loss(all1, all2, similarity, n_anchors=m)
 
 
 # The pre-training objective (eq. 6), built from the model pieces and the losses above.
@@ -330,7 +317,7 @@ class PretrainModel(nn.Module):
         else:                                                                    # CPDAE_R
             view1, view2 = h_cls.chunk(2)                                        # (B, H) each
             similarity = partial(cosine_similarity, temperature=c.cls_temperature)
-        cl, accuracy = gathered_contrastive_loss(view1, view2, similarity)      # eq. 5 (contrastive_loss)
+        cl, accuracy = contrastive_loss(view1, view2, similarity)               # eq. 5
         terms = {"L_REC": rec, "L_MLM": mlm, "lambda L_CL": c.cl_weight * cl}   # eq. 6: L_REC + L_MLM + lambda L_CL
         views = 2 * view1.shape[0] * rank_and_world()[1]                         # 2M views: one micro-step, all ranks
         return terms, {**metrics, "cl": cl.detach(), "cl_acc": accuracy, "cl_chance": 1 / (views - 1)}
@@ -457,7 +444,7 @@ def train(c):
                 last = micro == c.grad_accum - 1
                 with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
                     with autocast:
-                        loss, metrics = ddp(batch)                   # eq. 6
+                        loss, metrics = ddp(batch)                   # the objective: PretrainModel.forward
                     (loss / c.grad_accum).backward()
                 training.progress.add(metrics, n_tokens)
             training.stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step)
@@ -660,8 +647,24 @@ def gather_across_ranks(t):
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return t
     return GatherWithGrad.apply(t.contiguous())
+
+def across_ranks(loss):
+    """loss(a, b, *args) over every rank's a and b (gathered with gradients), this rank's n first as the anchors
+    (n_anchors=n; the sums are over sets). In one process, the loss itself. Accumulation adds no negatives."""
+    def gathered(a, b, *args, **kwargs):                                  # a (n, ...), b (n, ...)
+        rank, n = rank_and_world()[0], a.shape[0]
+        a, b = (gather_across_ranks(t).roll(-rank * n, dims=0) for t in (a, b))   # (world * n, ...) each
+        return loss(a, b, *args, n_anchors=n, **kwargs)
+    return gathered
 # --- shared: end distributed ---
 
+
+
+# ==============================================================================================
+# What train() wraps around the method, from outside (last, once every name exists): eq. 5 over
+# every rank's views (across_ranks)
+# ==============================================================================================
+contrastive_loss = across_ranks(contrastive_loss)
 
 if __name__ == "__main__":
     run.run_command_line(lambda: train(run.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES,

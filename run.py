@@ -348,6 +348,19 @@ def autocast_bf16(device, enabled=True):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
 
 
+def in_fp32(f):
+    """f run with autocast off and its floating tensor arguments in fp32 at least (fp64 stays, for tests): the
+    precision guard a method file puts around its losses and the vectors that feed them, from outside (under
+    autocast a matmul runs in bf16 even on fp32 inputs)."""
+    def fp32(*args, **kwargs):
+        device = next(a.device.type for a in args if torch.is_tensor(a))
+        up = lambda a: a.to(torch.promote_types(a.dtype, torch.float32)) if torch.is_tensor(a) and a.is_floating_point() else a
+        with torch.autocast(device, enabled=False):
+            return f(*map(up, args), **kwargs)
+    fp32.__doc__, fp32.__wrapped__ = f.__doc__, f
+    return fp32
+
+
 # ----------------------------------------------------------------------------------------------
 # 3. Progress lines and the training log
 # ----------------------------------------------------------------------------------------------

@@ -384,7 +384,7 @@ def train(c):
                 last = micro == c.grad_accum - 1
                 with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
                     with autocast:
-                        loss, metrics = ddp(batch)                   # eq. 10
+                        loss, metrics = ddp(batch)                   # the objective: PretrainModel.forward
                     (loss / c.grad_accum).backward()
                 training.progress.add(metrics, n_tokens)
             training.stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step)
@@ -587,6 +587,15 @@ def gather_across_ranks(t):
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return t
     return GatherWithGrad.apply(t.contiguous())
+
+def across_ranks(loss):
+    """loss(a, b, *args) over every rank's a and b (gathered with gradients), this rank's n first as the anchors
+    (n_anchors=n; the sums are over sets). In one process, the loss itself. Accumulation adds no negatives."""
+    def gathered(a, b, *args, **kwargs):                                  # a (n, ...), b (n, ...)
+        rank, n = rank_and_world()[0], a.shape[0]
+        a, b = (gather_across_ranks(t).roll(-rank * n, dims=0) for t in (a, b))   # (world * n, ...) each
+        return loss(a, b, *args, n_anchors=n, **kwargs)
+    return gathered
 # --- shared: end distributed ---
 
 

@@ -110,7 +110,7 @@ def _gwc_worker(rank, world, tmp_path, text, spans, tau):
     n = text.shape[0] // world
     local_text = text[rank * n:(rank + 1) * n].clone().requires_grad_(True)  # different inputs on each rank
     local_spans = spans[rank * n:(rank + 1) * n].clone().requires_grad_(True)
-    loss, accuracy = costa.gwc_loss_distributed(local_text, local_spans, tau)
+    loss, accuracy = costa.gwc_loss(local_text, local_spans, tau)
     loss.backward()
     torch.save({"loss": loss.detach(), "accuracy": accuracy, "text_grad": local_text.grad,
                 "span_grad": local_spans.grad}, tmp_path / f"rank{rank}.pt")
@@ -528,7 +528,7 @@ def cosine_contrastive_loop(h1, h2, temperature):
 def test_cpdae_r_cosine_contrastive_equals_eq5_loop():
     g = torch.Generator().manual_seed(11)
     h1, h2 = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
-    loss, _ = cpdae.gathered_contrastive_loss(h1, h2, partial(cpdae.cosine_similarity, temperature=0.1))
+    loss, _ = cpdae.contrastive_loss(h1, h2, partial(cpdae.cosine_similarity, temperature=0.1))
     assert abs(loss.item() - cosine_contrastive_loop(h1.double(), h2.double(), 0.1)) < 1e-5
 
 
@@ -567,10 +567,10 @@ def _contrastive_worker(rank, world, tmp_path, inputs):
         x1 = full1[rank * m:(rank + 1) * m].clone().requires_grad_()
         x2 = full2[rank * m:(rank + 1) * m].clone().requires_grad_()
         if mode == "js":
-            loss, _ = cpdae.gathered_contrastive_loss(cpdae.word_distribution(x1), cpdae.word_distribution(x2),
+            loss, _ = cpdae.contrastive_loss(cpdae.word_distribution(x1), cpdae.word_distribution(x2),
                                                 partial(cpdae.js_similarity, chunk_size=2))
         else:
-            loss, _ = cpdae.gathered_contrastive_loss(x1, x2, partial(cpdae.cosine_similarity, temperature=0.1))
+            loss, _ = cpdae.contrastive_loss(x1, x2, partial(cpdae.cosine_similarity, temperature=0.1))
         loss.backward()
         result[mode] = {"loss": loss.detach(), "g1": x1.grad, "g2": x2.grad}
     torch.save(result, tmp_path / f"rank{rank}.pt")
@@ -581,7 +581,7 @@ def _one_process(mode, full1, full2):
     if mode == "js":
         loss = cpdae.contrastive_loss(cpdae.word_distribution(x1), cpdae.word_distribution(x2), cpdae.js_similarity)[0]
     else:
-        loss, _ = cpdae.gathered_contrastive_loss(x1, x2, partial(cpdae.cosine_similarity, temperature=0.1))
+        loss, _ = cpdae.contrastive_loss(x1, x2, partial(cpdae.cosine_similarity, temperature=0.1))
     loss.backward()
     return loss.detach(), x1.grad, x2.grad
 
@@ -685,7 +685,7 @@ def test_total_loss_is_rec_plus_mlm_plus_lambda_cl(mode):
         if mode == "js":
             cl = cpdae.contrastive_loss(*cpdae.word_distribution(logits).chunk(2), cpdae.js_similarity)[0]
         else:
-            cl, _ = cpdae.gathered_contrastive_loss(*h_cls.chunk(2), partial(cpdae.cosine_similarity, temperature=0.1))
+            cl, _ = cpdae.contrastive_loss(*h_cls.chunk(2), partial(cpdae.cosine_similarity, temperature=0.1))
     torch.testing.assert_close(metrics["rec"], rec)
     torch.testing.assert_close(metrics["cl"], cl)
     model.config = tiny_cpdae(cl_weight=0.0)                                   # Table 2 "w/o CL"
@@ -1190,14 +1190,14 @@ def test_rec_reduction_mean_is_eq4_over_the_vocabulary_size():
 def test_cl_tau_divides_minus_js_and_tau_1_is_eq5():
     m, v = 4, 25
     dist1, dist2 = random_distributions(m, v, seed=4), random_distributions(m, v, seed=5)
-    literal = cpdae.gathered_contrastive_loss(dist1, dist2, cpdae.js_similarity)[0]
+    literal = cpdae.contrastive_loss(dist1, dist2, cpdae.js_similarity)[0]
     assert abs(literal.item() - contrastive_loop(dist1, dist2)) < 1e-5                    # tau 1: eq. 5
     assert math.log(m) <= literal.item() <= math.log(2 * m - 1)                          # the bound of eq. 5
     views = list(dist1) + list(dist2)
     s = lambda a, b: -js_loop(a, b) / 0.05
     expected = sum(-math.log(math.exp(s(views[i], views[m + i])) /
                              sum(math.exp(s(views[i], views[k])) for k in range(2 * m) if k != i)) for i in range(m)) / m
-    got = cpdae.gathered_contrastive_loss(dist1, dist2, partial(cpdae.js_similarity, tau=0.05))[0]
+    got = cpdae.contrastive_loss(dist1, dist2, partial(cpdae.js_similarity, tau=0.05))[0]
     assert abs(got.item() - expected) < 1e-4
 
 

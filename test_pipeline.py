@@ -625,6 +625,13 @@ def shared_blocks(name):
     return blocks
 
 
+def training_steps(name):
+    """The text of train()'s steps in a method file: from its autocast line to training.finish()."""
+    text = (HERE / name).read_text()
+    start = text.index("    autocast = run.autocast_bf16(device, c.bf16)\n", text.index("\ndef train("))
+    return text[start:text.index("    training.finish()\n", start)]
+
+
 def test_shared_blocks_are_identical_across_files():
     """Every marked block in any .py file: markers balanced, byte-identical wherever it appears, and
     every method file carries every block any method file has (unless METHOD_SPECIFIC says why not)."""
@@ -642,6 +649,8 @@ def test_shared_blocks_are_identical_across_files():
         first, text = next(iter(holders.items()))
         for name, other in holders.items():
             assert other == text, f"{name}: shared block '{block}' differs from {first}"
+    steps = {name: training_steps(name) for name in METHOD_FILES}   # train()'s loop: the same in every method file
+    assert all(steps.values()) and len(set(steps.values())) == 1, {name: len(text) for name, text in steps.items()}
     assert {"encoder", "distributed"} <= set(carriers["evaluate.py"])  # the retrieval layer's (finetune.py imports it)
     assert "finetune.py" not in carriers                                 # no copies: it imports evaluate.py's
     assert "mechanisms.py" not in carriers                               # nor does mechanisms.py
