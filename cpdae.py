@@ -647,15 +647,6 @@ def gather_across_ranks(t):
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return t
     return GatherWithGrad.apply(t.contiguous())
-
-def across_ranks(loss):
-    """loss(a, b, *args) over every rank's a and b (gathered with gradients), this rank's n first as the anchors
-    (n_anchors=n; the sums are over sets). In one process, the loss itself. Accumulation adds no negatives."""
-    def gathered(a, b, *args, **kwargs):                                  # a (n, ...), b (n, ...)
-        rank, n = rank_and_world()[0], a.shape[0]
-        a, b = (gather_across_ranks(t).roll(-rank * n, dims=0) for t in (a, b))   # (world * n, ...) each
-        return loss(a, b, *args, n_anchors=n, **kwargs)
-    return gathered
 # --- shared: end distributed ---
 
 
@@ -664,7 +655,7 @@ def across_ranks(loss):
 # What train() wraps around the method, from outside (last, once every name exists): eq. 5 over
 # every rank's views (across_ranks)
 # ==============================================================================================
-contrastive_loss = across_ranks(contrastive_loss)
+contrastive_loss = run.across_ranks(contrastive_loss, gather_across_ranks)
 
 if __name__ == "__main__":
     run.run_command_line(lambda: train(run.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES,

@@ -1242,15 +1242,6 @@ def gather_across_ranks(t):
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return t
     return GatherWithGrad.apply(t.contiguous())
-
-def across_ranks(loss):
-    """loss(a, b, *args) over every rank's a and b (gathered with gradients), this rank's n first as the anchors
-    (n_anchors=n; the sums are over sets). In one process, the loss itself. Accumulation adds no negatives."""
-    def gathered(a, b, *args, **kwargs):                                  # a (n, ...), b (n, ...)
-        rank, n = rank_and_world()[0], a.shape[0]
-        a, b = (gather_across_ranks(t).roll(-rank * n, dims=0) for t in (a, b))   # (world * n, ...) each
-        return loss(a, b, *args, n_anchors=n, **kwargs)
-    return gathered
 # --- shared: end distributed ---
 
 

@@ -348,6 +348,18 @@ def autocast_bf16(device, enabled=True):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
 
 
+def across_ranks(loss, gather):
+    """loss(a, b, *args) over every rank's a and b (gather: all-gather with gradients), this rank's n first as
+    the anchors (n_anchors=n; the sums are over sets). In one process, the loss itself. Accumulation adds no
+    negatives."""
+    def gathered(a, b, *args, **kwargs):                                  # a (n, ...), b (n, ...)
+        n = a.shape[0]
+        rank = torch.distributed.get_rank() if _distributed() else 0
+        a, b = (gather(t).roll(-rank * n, dims=0) for t in (a, b))        # (world * n, ...) each
+        return loss(a, b, *args, n_anchors=n, **kwargs)
+    return gathered
+
+
 def in_fp32(f):
     """f run with autocast off and its floating tensor arguments in fp32 at least (fp64 stays, for tests): the
     precision guard a method file puts around its losses and the vectors that feed them, from outside (under
