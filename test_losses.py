@@ -1315,3 +1315,25 @@ def test_each_piece_copies_alone_into_a_torch_only_file(module, piece, run_piece
         labels[:, 2] = 7
         hidden = leaf(2, 5, 16)
         backward_reaches(section_namespace(module, "mlm_loss")["mlm_loss"](hidden, labels, nn.Linear(16, 50))[0], hidden)
+
+
+# ==============================================================================================
+# walkthrough.py: its steps run, and its exercises are graded against the methods' own code
+# ==============================================================================================
+def test_walkthrough_runs_and_its_exercises_match_the_methods(capsys):
+    import walkthrough
+    walkthrough.costa_step(), walkthrough.cpdae_step(), walkthrough.seed_step()
+    printed = capsys.readouterr().out
+    assert all(word in printed for word in ("L_GWC", "L_CL", "window mask"))
+    text, spans = random_group(N=4, S=3, H=5)                                  # 1: eq. 8's positives
+    candidates = torch.cat([text, spans.reshape(12, -1)])
+    logits = (text @ candidates.T / 0.1).fill_diagonal_(float("-inf"))
+    columns = walkthrough.gwc_positive_columns(4, 3)
+    mine = -(logits.gather(1, columns) - logits.logsumexp(1, keepdim=True)).mean()
+    torch.testing.assert_close(mine, costa.gwc_loss(text, spans, 0.1)[0])
+    view1, view2 = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)  # 2: eq. 5's self-mask
+    scores = (view1 @ torch.cat([view1, view2]).T).masked_fill(walkthrough.self_mask(5), float("-inf"))
+    mine = F.cross_entropy(scores, 5 + torch.arange(5))
+    torch.testing.assert_close(mine.float(), cpdae.contrastive_loss(view1, view2, lambda a, b: a @ b.T)[0])  # fp32
+    for length, k in itertools.product(range(1, 9), range(1, 5)):                # 3: eq. 9's window
+        assert torch.equal(walkthrough.window(length, k), seed.window_mask(length, k)), (length, k)
