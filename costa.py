@@ -17,7 +17,7 @@ distributed gather). The run machinery (run folder, resume,
 checkpoints, progress, Ctrl-C) is in run.py, one call each from train(). Each departure from the paper
 is said where it happens, tagged with its key; docs/departures.md lists them all.
 
-    python costa.py --preset lab                     # first: learns in minutes on a CPU (lab: docs/lab.md)
+    python costa.py --preset lab                     # first: its head learns, on a CPU (docs/lab.md)
     python costa.py                                  # small model, bundled Wikipedia slice, CPU, from scratch
     python costa.py --steps 1000 --lr 3e-4           # any Config field (here or run.TrainConfig) by name
     torchrun --nproc_per_node=4 costa.py --preset paper --init bert-base-uncased/

@@ -17,7 +17,7 @@ swapped for CPDAE's: `diff costa.py cpdae.py` shows that swap, the losses as one
 (run folder, resume, checkpoints, progress, Ctrl-C) is in run.py, one call each from train(). Each departure
 from the paper is said where it happens, tagged with its key; docs/departures.md lists them all.
 
-    python cpdae.py --preset lab                     # first: learns in minutes on a CPU (lab: docs/lab.md)
+    python cpdae.py --preset lab                     # first: its head learns, on a CPU (docs/lab.md)
     python cpdae.py                                  # small model, bundled Wikipedia slice, CPU, from scratch
     python cpdae.py --cl_weight 0                    # Table 2 "w/o CL"; add --idf_rec: Table 2 "IDF-REC" (no CL)
     python cpdae.py --cl_mode cls                    # CPDAE_R (Table 1): contrast the [CLS] vectors
@@ -73,8 +73,7 @@ class Config(run.TrainConfig):
 # warm-up (linear), weight decay and clipping.
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=5e-5,
                     warmup=0.1, epochs=3.0, global_batch=64)
-# --preset lab: run.LAB_PRESET (from MiniLM on SciFact, 50 steps), eq. 4 per word (its sum would drown
-# lambda L_CL) and -JS / 0.02 (-JS alone stays within ln 2: eq. 5 barely moves).
+# --preset lab: run.LAB_PRESET (MiniLM on SciFact, 50 steps), eq. 4 per word and -JS / 0.02 (eq. 5 then moves).
 LAB_PRESET = dict(run.LAB_PRESET, rec_reduction="mean", cl_tau=0.02)
 
 

@@ -16,7 +16,7 @@ swapped for the weak decoder: `diff costa.py seed.py` shows that swap. The run m
 folder, resume, checkpoints, progress, Ctrl-C) is in run.py, one call each from train(). Each
 departure from the paper is said where it happens, tagged with its key; docs/departures.md lists them all.
 
-    python seed.py --preset lab                      # first: learns in minutes on a CPU (lab: docs/lab.md)
+    python seed.py --preset lab                      # first: its head learns, on a CPU (docs/lab.md)
     python seed.py                                   # small model, bundled Wikipedia slice, CPU, from scratch
     python seed.py --dec_span 0 --dec_layers 5       # Figure 3's "strong decoder" ablation
     torchrun --nproc_per_node=4 seed.py --preset paper
@@ -58,7 +58,6 @@ class Config(run.TrainConfig):
     out_dir: str = "runs/seed"    # checkpoints, config.json and log.jsonl go here
 
 
-# Section 4.1: from scratch, peak lr 1e-4, 10k of 1M steps warm-up.
 # Departure (seed-heads): 12 heads, BERT-base's and the authors' code's (encoder_attention_heads=12), where
 # the paper's text says eight (it also says "the same with BERT-base", which has 12).
 # --preset paper: section 4.1 "Pre-training Details". From scratch (no --init), BERT-base sizes, 1M steps
@@ -116,11 +115,9 @@ def window_mask(length, k=2, device=None):
 
 
 def decoder_inputs_and_targets(input_ids, attention_mask, ignore_index=-100):
-    """`[CLS] x1..xn [SEP] [PAD]..` (unmasked) -> the decoder's input `[CLS] x1..xn`, the text shifted
-    right with [CLS] as start symbol, and its target `x1..xn [SEP]`; padding targets = ignore_index.
-    A shorter row's input keeps its [SEP]/[PAD] tail: the mask is causal, so no real position sees it.
-    With window_mask, position t-1 holds x_{t-1} and predicts x_t; in one layer it sees [CLS] (position
-    0, the start symbol) and x_{t-k..t-1}: eq. 9's condition."""
+    """`[CLS] x1..xn [SEP] [PAD]..` (unmasked) -> the decoder's input `[CLS] x1..xn` (the text shifted right,
+    [CLS] the start symbol) and its target `x1..xn [SEP]`, padding targets = ignore_index (a row's [SEP]/[PAD]
+    tail in the input is unseen: the mask is causal). Position t-1 holds x_{t-1} and predicts x_t."""
     decoder_input = input_ids[:, :-1]                                                 # (B, L-1)
     targets = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, ignore_index)  # (B, L-1)
     return decoder_input, targets
