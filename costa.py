@@ -7,16 +7,18 @@ papers' BERT/MLM baseline. The paper's equations, in order, and the function tha
     eq. 4     the encoder's output vectors h_0 .. h_n                  Encoder.forward (end of file)
     eq. 5-6   the text vector z_0 = Tanh(FFN(h_0))                     text_vector, Projector
     eq. 7     a span's vector: the mean of its tokens' h               span_vectors
-    eq. 8     group-wise contrastive loss (GWC), text vs its spans     gwc_loss (all ranks: gwc_loss_distributed)
+    eq. 8     group-wise contrastive loss (GWC), text vs its spans     gwc_loss
     eq. 9     masked language modelling                                mlm_loss
     eq. 10    L = lambda L_GWC + L_MLM                                 PretrainModel.terms
 
-Top to bottom: config, model, loss, data, the training loop (train); then the blocks every method file
-owns a copy of (the BERT encoder, the distributed gather). The run machinery (run folder, resume,
+Top to bottom: config, model, loss, data, the training loop (train); then what train() wraps around the
+method (fp32, all ranks' negatives) and the blocks every method file owns a copy of (the BERT encoder, the
+distributed gather). The run machinery (run folder, resume,
 checkpoints, progress, Ctrl-C) is in run.py, one call each from train(). Each departure from the paper
 is said where it happens, tagged with its key; docs/departures.md lists them all.
 
-    python costa.py                                  # small model, bundled Wikipedia slice, CPU
+    python costa.py --preset lab                     # first: its head learns, on a CPU (docs/lab.md)
+    python costa.py                                  # small model, bundled Wikipedia slice, CPU, from scratch
     python costa.py --steps 1000 --lr 3e-4           # any Config field (here or run.TrainConfig) by name
     torchrun --nproc_per_node=4 costa.py --preset paper --init bert-base-uncased/
     python costa.py --resume                         # continue from out_dir/state.pt exactly
@@ -72,6 +74,9 @@ class Config(run.TrainConfig):
 # up to 4 GPUs; set --global_batch to fix it), Adam's epsilon (torch's 1e-8), weight decay and clipping.
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=5e-5,
                     warmup=0.1, epochs=6.0, **run.PAPER_RUN)   # PAPER_RUN: workers, checkpoints
+# --preset lab: run.LAB_PRESET (from MiniLM on SciFact, 50 steps), eq. 8 on cosines: the dot product of
+# MiniLM's vectors gives logits too large to learn from in 50 steps.
+LAB_PRESET = dict(run.LAB_PRESET, gwc_sim="cos")
 
 
 # The domain of each of COSTA's flags, checked by run.parse_config before any work (with TrainConfig's).
@@ -157,35 +162,28 @@ def mlm_loss(hidden, labels, head):
 
 
 def gwc_loss(text_vecs, span_vecs, tau, n_anchors=None, sim="dot"):
-    """Group-wise contrastive loss (eq. 8), the function training runs (gwc_loss_distributed feeds it
-    the vectors of every rank, this rank's first):
+    """Group-wise contrastive loss (eq. 8), the function training runs (fp32, all ranks: wrapped after train()):
 
         L_GWC = sum_{i=1..N} -1/(4T) sum_{p in S(i)} log( exp(sim(z_i, z_p) / tau)
                                                           / sum_{j=1..N(4T+1)} 1[i != j] exp(sim(z_i, z_j) / tau) )
 
-    S(i): the 4T spans of text i; j runs over the batch's N text vectors and N*4T span vectors.
-    text_vecs (N, H) the z_i; span_vecs (N, S, H). Anchors: texts 0 .. n_anchors-1 (default all N).
-    For anchor i the S spans of text i are positives; the denominator runs over all N (S + 1) vectors
-    except z_i itself (other texts, every span, its own spans). sim = dot product (eq. 8).
+    S(i): the S = 4T spans of text i, its positives; j runs over the N text vectors and N*S span vectors but
+    z_i itself. text_vecs (N, H) the z_i; span_vecs (N, S, H); anchors: texts 0 .. n_anchors-1 (default all).
     The logits' columns, e.g. N = 2 texts with S = 3 spans each: 0-1 the texts, 2-4 text 0's spans,
     5-7 text 1's. Anchor 0: positives 2-4, column 0 dropped, columns 1 and 5-7 negatives; each positive
     is scored against all the others, its fellow positives included.
     Departure (option-costa-gwc-cos): sim="cos" (--gwc_sim cos): cosine / tau, bounded by 1/tau; the dot product
     of unnormalised vectors makes logits of any size (89 nats at step 10 from MiniLM, against MLM's 10).
-    Departure (costa-gwc-mean): the mean over the S positives, as eq. 8, then over the anchors where
-    eq. 8 sums over texts, so that lambda does not scale with the batch size.
-    Logits in fp32 with autocast off (under autocast a matmul runs in bf16 even on fp32 inputs).
-    Returns (loss, accuracy: fraction of anchors whose best candidate, itself excluded, is one of its
-    own spans; a random guess among the N(S+1) - 1 candidates scores S / (N(S+1) - 1), gwc_chance).
+    Departure (costa-gwc-mean): the mean over the anchors where eq. 8 sums, so lambda does not scale with the batch.
+    Returns (loss, accuracy: the fraction of anchors whose best candidate is one of its own spans; a random
+    guess scores S / (N(S+1) - 1), gwc_chance).
     """
     N, S = span_vecs.shape[:2]
     n = N if n_anchors is None else n_anchors
-    dtype = torch.promote_types(text_vecs.dtype, torch.float32)                # fp32 (fp64 stays, for tests)
-    with torch.autocast(text_vecs.device.type, enabled=False):
-        candidates = torch.cat([text_vecs, span_vecs.reshape(N * S, -1)]).to(dtype)  # (N(S+1), H) all z_j
-        if sim == "cos":
-            candidates = F.normalize(candidates, dim=-1)
-        logits = candidates[:n] @ candidates.T / tau                             # (n, N(S+1)) anchors z_i
+    candidates = torch.cat([text_vecs, span_vecs.reshape(N * S, -1)])           # (N(S+1), H) all z_j
+    if sim == "cos":
+        candidates = F.normalize(candidates, dim=-1)
+    logits = candidates[:n] @ candidates.T / tau                                 # (n, N(S+1)) anchors z_i
     rows = torch.arange(n, device=text_vecs.device)                             # (n,)
     logits[rows, rows] = float("-inf")                                           # 1[i != j]: drop z_i itself
     positives = N + rows[:, None] * S + torch.arange(S, device=text_vecs.device)  # (n, S) columns of S(i)
@@ -193,18 +191,6 @@ def gwc_loss(text_vecs, span_vecs, tau, n_anchors=None, sim="dot"):
     best = logits.argmax(dim=1)                                                  # (n,)
     accuracy = ((best >= positives[:, 0]) & (best <= positives[:, -1])).float().mean()
     return -log_prob.mean(), accuracy
-
-
-def gwc_loss_distributed(text_vecs, span_vecs, tau, sim="dot"):
-    """Eq. 8 (gwc_loss) with the negatives of every rank: the vectors all-gathered (differentiable) and
-    rotated so that this rank's n texts come first, as the anchors. Eq. 8's sums are over sets, so the
-    order changes nothing else. (loss, accuracy) over the local anchors; in one process exactly
-    gwc_loss. Gradient accumulation adds no negatives."""
-    rank, _ = rank_and_world()
-    n = text_vecs.shape[0]
-    all_text = gather_across_ranks(text_vecs).roll(-rank * n, dims=0)           # (N, H) this rank's first
-    all_spans = gather_across_ranks(span_vecs).roll(-rank * n, dims=0)          # (N, S, H)
-    return gwc_loss(all_text, all_spans, tau, n_anchors=n, sim=sim)
 
 
 # The pre-training objective (eq. 10), built from the model pieces and the losses above.
@@ -237,11 +223,10 @@ class PretrainModel(nn.Module):
                    "mlm_chance": data.most_frequent_accuracy(batch["labels"], self.frequent_token)}
         if not c.gwc_weight:
             return {"L_MLM": mlm}, metrics
-        with torch.autocast(hidden.device.type, enabled=False):  # the vectors feeding eq. 8 in fp32
-            h0 = text_vector(hidden.float(), batch["attention_mask"], c.bottleneck)  # (B, H) [CLS] or mean
-            text_vecs = self.projector(h0)                                       # (B, H) z_0, eq. 6
-            span_vecs = span_vectors(hidden.float(), batch["spans"])             # (B, S, H) eq. 7
-        gwc, accuracy = gwc_loss_distributed(text_vecs, span_vecs, c.tau, c.gwc_sim)  # eq. 8 (gwc_loss)
+        h0 = text_vector(hidden, batch["attention_mask"], c.bottleneck)          # (B, H) [CLS] or mean
+        text_vecs = self.projector(h0)                                           # (B, H) z_0, eq. 6
+        span_vecs = span_vectors(hidden, batch["spans"])                         # (B, S, H) eq. 7
+        gwc, accuracy = gwc_loss(text_vecs, span_vecs, c.tau, sim=c.gwc_sim)     # eq. 8
         N, S = text_vecs.shape[0] * rank_and_world()[1], span_vecs.shape[1]      # texts of one micro-step, all ranks
         return {"L_MLM": mlm, "lambda L_GWC": c.gwc_weight * gwc}, {             # eq. 10: lambda L_GWC + L_MLM
             **metrics, "gwc": gwc.detach(), "gwc_acc": accuracy, "gwc_chance": S / (N * (S + 1) - 1)}
@@ -429,7 +414,7 @@ def train(c):
                 last = micro == c.grad_accum - 1
                 with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
                     with autocast:
-                        loss, metrics = ddp(batch)                   # eq. 10
+                        loss, metrics = ddp(batch)                   # the objective: PretrainModel.forward
                     (loss / c.grad_accum).backward()
                 training.progress.add(metrics, n_tokens)
             training.stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step)
@@ -637,5 +622,15 @@ def gather_across_ranks(t):
 # --- shared: end distributed ---
 
 
+# ==============================================================================================
+# What train() wraps around the method, from outside (last, once every name exists): eq. 5-8 in fp32
+# (a matmul under bf16 autocast runs in bf16), and eq. 8 over every rank's texts and spans (across_ranks)
+# ==============================================================================================
+Projector.forward = run.in_fp32(Projector.forward)
+span_vectors = run.in_fp32(span_vectors)
+gwc_loss = run.across_ranks(run.in_fp32(gwc_loss), gather_across_ranks)
+
+
 if __name__ == "__main__":
-    run.run_command_line(lambda: train(run.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES)))
+    run.run_command_line(lambda: train(run.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES,
+                                                        {"lab": LAB_PRESET})))

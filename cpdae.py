@@ -9,7 +9,6 @@ the two views' word distributions. The paper's equations, in order, and the func
               word distribution z_tilde = z_hat / sum_j z_hat_j
     eq. 4     bag-of-words reconstruction (binary cross-entropy)      reconstruction_loss (IDF-REC: idf_from_df)
     eq. 5     contrastive loss between the views' distributions       contrastive_loss
-              (under torchrun: gathered_contrastive_loss)
     eq. 6     L = L_REC + L_MLM + lambda L_CL                          PretrainModel.terms (L_MLM: mlm_loss)
     eq. 7     the similarity s = -JS(z_tilde', z_tilde'')              js_similarity (CPDAE_R: cosine_similarity)
 
@@ -18,7 +17,8 @@ swapped for CPDAE's: `diff costa.py cpdae.py` shows that swap, the losses as one
 (run folder, resume, checkpoints, progress, Ctrl-C) is in run.py, one call each from train(). Each departure
 from the paper is said where it happens, tagged with its key; docs/departures.md lists them all.
 
-    python cpdae.py                                  # small model, bundled Wikipedia slice, CPU
+    python cpdae.py --preset lab                     # first: its head learns, on a CPU (docs/lab.md)
+    python cpdae.py                                  # small model, bundled Wikipedia slice, CPU, from scratch
     python cpdae.py --cl_weight 0                    # Table 2 "w/o CL"; add --idf_rec: Table 2 "IDF-REC" (no CL)
     python cpdae.py --cl_mode cls                    # CPDAE_R (Table 1): contrast the [CLS] vectors
     torchrun --nproc_per_node=4 cpdae.py --preset paper --init bert-base-uncased/
@@ -73,6 +73,8 @@ class Config(run.TrainConfig):
 # warm-up (linear), weight decay and clipping.
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=5e-5,
                     warmup=0.1, epochs=3.0, global_batch=64, **run.PAPER_RUN)   # PAPER_RUN: workers, checkpoints
+# --preset lab: run.LAB_PRESET (MiniLM on SciFact, 50 steps), eq. 4 per word and -JS / 0.02 (eq. 5 then moves).
+LAB_PRESET = dict(run.LAB_PRESET, rec_reduction="mean", cl_tau=0.02)
 
 
 # The domain of each of CPDAE's flags, checked by run.parse_config before any work (with TrainConfig's).
@@ -114,7 +116,9 @@ class Decoder(nn.Module):
         self.dense = nn.Linear(hidden_size, hidden_size)
         self.norm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
         self.out = nn.Linear(hidden_size, vocab_size)
-        self.apply(Encoder._init_weights)
+        for linear in (self.dense, self.out):               # BERT's initialisation, as the encoder's
+            nn.init.normal_(linear.weight, std=0.02)
+            nn.init.zeros_(linear.bias)
 
     def forward(self, h_cls):                                                    # (N, H)
         h = self.norm(F.gelu(self.dense(h_cls)))                                 # (N, H)
@@ -234,8 +238,8 @@ def cosine_similarity(anchors, candidates, temperature=0.1):
 
 
 def contrastive_loss(view1, view2, similarity, n_anchors=None):
-    """CPDAE's contrastive loss (eq. 5), the function training runs (gathered_contrastive_loss feeds
-    it the views of every rank, this rank's first):
+    """CPDAE's contrastive loss (eq. 5), the function training runs (with every rank's views: the wrapper
+    after train()):
 
         L_CL = - sum_{i=1..m} log  exp(s(z'_i, z''_i)) / sum_{k=1..2m} 1[k != i] exp(s(z'_i, z_k))
 
@@ -260,18 +264,6 @@ def contrastive_loss(view1, view2, similarity, n_anchors=None):
     positive = M + rows                                                          # (n,) z''_i
     accuracy = (sim.argmax(dim=1) == positive).float().mean()
     return F.cross_entropy(sim, positive), accuracy                              # mean over anchors
-
-
-def gathered_contrastive_loss(view1, view2, similarity):
-    """Eq. 5 (contrastive_loss) under torchrun: both views of every rank, all-gathered with gradients
-    and rotated so that this rank's m texts come first, as the anchors (eq. 5's sums are over sets, so
-    the order changes nothing else). view1, view2 (m, D). Returns (loss = mean over the local anchors,
-    accuracy); in one process exactly contrastive_loss. Gradient accumulation adds no negatives."""
-    rank, _ = rank_and_world()
-    m = view1.shape[0]
-    all1 = gather_across_ranks(view1).roll(-rank * m, dims=0)                   # (M, D) this rank's first
-    all2 = gather_across_ranks(view2).roll(-rank * m, dims=0)                   # (M, D)
-    return contrastive_loss(all1, all2, similarity, n_anchors=m)
 
 
 # The pre-training objective (eq. 6), built from the model pieces and the losses above.
@@ -302,7 +294,8 @@ class PretrainModel(nn.Module):
         h_cls = text_vector(hidden, attention_mask, c.bottleneck)                # (2B, H) eq. 1: [CLS] or mean
         logits = self.decoder(h_cls)                                             # (2B, V) eq. 2
         rec = reconstruction_loss(logits, batch["bag"].repeat(2, 1), self.idf, c.rec_reduction)  # each view its text
-        metrics = {"rec": rec.detach(), "mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
+        per_word = rec.detach() / (c.vocab_size if c.rec_reduction == "sum" else 1)  # eq. 4's sum over |V| words
+        metrics = {"rec": rec.detach(), "rec_per_word": per_word, "mlm": mlm.detach(), "mlm_acc": n_correct / max(n_masked, 1),
                    "mlm_chance": data.most_frequent_accuracy(batch["labels"], self.frequent_token)}
         if not c.cl_weight:                                                      # Table 2 "w/o CL"
             return {"L_REC": rec, "L_MLM": mlm}, metrics
@@ -312,7 +305,7 @@ class PretrainModel(nn.Module):
         else:                                                                    # CPDAE_R
             view1, view2 = h_cls.chunk(2)                                        # (B, H) each
             similarity = partial(cosine_similarity, temperature=c.cls_temperature)
-        cl, accuracy = gathered_contrastive_loss(view1, view2, similarity)      # eq. 5 (contrastive_loss)
+        cl, accuracy = contrastive_loss(view1, view2, similarity)               # eq. 5
         terms = {"L_REC": rec, "L_MLM": mlm, "lambda L_CL": c.cl_weight * cl}   # eq. 6: L_REC + L_MLM + lambda L_CL
         views = 2 * view1.shape[0] * rank_and_world()[1]                         # 2M views: one micro-step, all ranks
         return terms, {**metrics, "cl": cl.detach(), "cl_acc": accuracy, "cl_chance": 1 / (views - 1)}
@@ -439,7 +432,7 @@ def train(c):
                 last = micro == c.grad_accum - 1
                 with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
                     with autocast:
-                        loss, metrics = ddp(batch)                   # eq. 6
+                        loss, metrics = ddp(batch)                   # the objective: PretrainModel.forward
                     (loss / c.grad_accum).backward()
                 training.progress.add(metrics, n_tokens)
             training.stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step)
@@ -647,5 +640,13 @@ def gather_across_ranks(t):
 # --- shared: end distributed ---
 
 
+
+# ==============================================================================================
+# What train() wraps around the method, from outside (last, once every name exists): eq. 5 over
+# every rank's views (across_ranks)
+# ==============================================================================================
+contrastive_loss = run.across_ranks(contrastive_loss, gather_across_ranks)
+
 if __name__ == "__main__":
-    run.run_command_line(lambda: train(run.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES)))
+    run.run_command_line(lambda: train(run.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES,
+                                                        {"lab": LAB_PRESET})))

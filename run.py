@@ -91,7 +91,7 @@ class TrainConfig:
     new_corpus: bool = False      # --resume on a corpus that changed since the run's checkpoint (else refused)
     overwrite: bool = False       # replace a run already in out_dir (without it or --resume: refused)
     halt_at: int = 0              # stop after this step as if killed (0 = never); to test --resume
-    preset: str = ""              # "paper": BERT-base sizes and the paper's hyper-parameters
+    preset: str = ""              # "lab": a run that learns in minutes on a CPU; "paper": BERT-base, the paper's settings
 
     # The fields that may change on --resume (from the next step): how and where, not what; every other
     # field is frozen, a new one too until its Config lists it. (out_dir: a moved run resumes where it is.)
@@ -105,6 +105,14 @@ class TrainConfig:
 # Adam's state) every 30 minutes or 20,000 steps, whichever comes first, the 2 before it kept; the vocabulary-sized
 # losses compiled (--compile: on one H200 CPDAE's step 1.11x and SEED's 1.31x as fast, results/gpu/README.md).
 PAPER_RUN = dict(workers=4, log_every=100, save_every=20_000, save_minutes=30.0, keep_last=3, compile=True)
+
+
+# --preset lab (each method adds its own head's flags): a run whose heads learn on a 2-core CPU in minutes,
+# for a course: all-MiniLM-L6-v2 (offline package) continued on SciFact's bundled corpus for 50 steps of
+# 32 x 128 tokens, its vector the mean of the output tokens, the new heads alone for the first 20 steps at
+# 20x the lr (results/figures/make.sh's settings, and README command 1's pre-training).
+LAB_PRESET = dict(init="minilm", corpus=str(data.SCIFACT / "corpus.jsonl.gz"), lr=5e-5, steps=50, bottleneck="mean",
+                  head_warmup=20, head_lr=20.0)
 
 
 # The domain of each shared flag, checked by parse_config before any work (a method adds its own).
@@ -225,6 +233,14 @@ def make_optimizer(model, c, eps=1e-8):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
 
+def encoder_and_head_lr(optimizer, scheduler):
+    """(the encoder's lr, the new heads' lr where it differs (--head_warmup, --head_lr), else None): the
+    encoder's is 0 while the heads warm up alone."""
+    lrs = scheduler.get_last_lr()                                   # group 0 is the encoder's
+    heads = [lr for lr, group in zip(lrs, optimizer.param_groups) if group["head"] and lr != lrs[0]]
+    return lrs[0], (heads[0] if heads else None)
+
+
 # ----------------------------------------------------------------------------------------------
 # 2. A training run: the loop's bookkeeping in one object, then the forward's precision
 # ----------------------------------------------------------------------------------------------
@@ -274,7 +290,8 @@ class TrainingRun:
         c, self.step = self.c, step
         logs = step % c.log_every == 0 or step == c.steps
         if logs:
-            self.progress.report(step, self.scheduler.get_last_lr()[0], self.device)
+            lr, head_lr = encoder_and_head_lr(self.optimizer, self.scheduler)
+            self.progress.report(step, lr, self.device, head_lr)
         if not self.waits_on_device(step):
             return False
         late = c.save_minutes and logs and time.time() - self.saved_at >= c.save_minutes * 60
@@ -471,6 +488,32 @@ def pad_rows(rows, targets, bucket, ignore_index=-100):
             torch.cat([targets, targets.new_full((extra,), ignore_index)]))
 
 
+def across_ranks(loss, gather):
+    """loss(a, b, *args) over every rank's a and b (gather: all-gather with gradients), this rank's n first as
+    the anchors (n_anchors=n; the sums are over sets). In one process, the loss itself. Accumulation adds no
+    negatives. The wrapper keeps loss's name and docstring (help() shows the equation), loss in __wrapped__."""
+    @functools.wraps(loss)
+    def gathered(a, b, *args, **kwargs):                                  # a (n, ...), b (n, ...)
+        n = a.shape[0]
+        rank = torch.distributed.get_rank() if _distributed() else 0
+        a, b = (gather(t).roll(-rank * n, dims=0) for t in (a, b))        # (world * n, ...) each
+        return loss(a, b, *args, n_anchors=n, **kwargs)
+    return gathered
+
+
+def in_fp32(f):
+    """f run with autocast off and its floating tensor arguments in fp32 at least (fp64 stays, for tests): the
+    precision guard a method file puts around its losses and the vectors that feed them, from outside (under
+    autocast a matmul runs in bf16 even on fp32 inputs)."""
+    def fp32(*args, **kwargs):
+        device = next(a.device.type for a in args if torch.is_tensor(a))
+        up = lambda a: a.to(torch.promote_types(a.dtype, torch.float32)) if torch.is_tensor(a) and a.is_floating_point() else a
+        with torch.autocast(device, enabled=False):
+            return f(*map(up, args), **kwargs)
+    fp32.__doc__, fp32.__wrapped__ = f.__doc__, f
+    return fp32
+
+
 # ----------------------------------------------------------------------------------------------
 # 3. Progress lines and the training log
 # ----------------------------------------------------------------------------------------------
@@ -492,8 +535,9 @@ class Progress:
         self.count += 1
         self.tokens += n_tokens
 
-    def report(self, step, lr, device):
-        """Every rank calls this at log steps (the average is a collective); rank 0 prints."""
+    def report(self, step, lr, device, head_lr=None):
+        """Every rank calls this at log steps (the average is a collective); rank 0 prints. lr: the encoder's;
+        head_lr: the new heads' where it differs (--head_warmup, --head_lr)."""
         means = average_across_ranks({k: float(v) / self.count for k, v in self.sums.items()}, device)
         now = time.time()
         world = torch.distributed.get_world_size() if _distributed() else 1
@@ -502,10 +546,12 @@ class Progress:
         eta = (now - self.t0) / (step - self.start_step) * (self.c.steps - step)
         if self.is_rank0:
             parts = " | ".join(f"{k} {v:.4f}" for k, v in means.items())
-            print(f"step {step:>6}/{self.c.steps} | {parts} | lr {lr:.2e} | {tok_per_s:,.0f} tok/s | "
+            heads = "" if head_lr is None else f" | heads' lr {head_lr:.2e}"
+            print(f"step {step:>6}/{self.c.steps} | {parts} | lr {lr:.2e}{heads} | {tok_per_s:,.0f} tok/s | "
                   f"elapsed {data.format_seconds(now - self.t0)} | eta {data.format_seconds(eta)}", flush=True)
             with open(self.log_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"step": step, **means, "lr": lr, "tokens_per_s": tok_per_s,
+                f.write(json.dumps({"step": step, **means, "lr": lr, **({} if head_lr is None else {"head_lr": head_lr}),
+                                    "tokens_per_s": tok_per_s,
                                     "elapsed_s": now - self.t0}) + "\n")
             for line in chance_lines(means) if step == self.c.steps else []:  # at the end: each objective
                 print(line, flush=True)                                          # against its trivial baseline
@@ -1140,9 +1186,10 @@ def copy_retriever_settings(source, folder):
 BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
-def parse_config(Config, argv, doc="", preset=None, rules=None):
+def parse_config(Config, argv, doc="", preset=None, rules=None, presets=None):
     """A script's Config from '--field value' flags ('--flag' alone for a bool), each checked before any work: its
-    type, its domain (rules: FLAG_RULES), --preset paper (preset). --help prints doc and Config's source."""
+    type, its domain (rules: FLAG_RULES), --preset paper (preset) or another named one (presets: {name: fields}).
+    --help prints doc and Config's source."""
     if argv[:1] in (["-h"], ["--help"]):               # the docstring, then every field with its comment
         try:
             sources = [inspect.getsource(k) for k in Config.__mro__[::-1] if dataclasses.is_dataclass(k)]
@@ -1170,9 +1217,10 @@ def parse_config(Config, argv, doc="", preset=None, rules=None):
         except ValueError:
             exit_with(f"error: --{name} expects {kind.__name__}, got {value!r}", 1)
         i += 2
-    if overrides.get("preset", "") not in ("", "paper"):
-        exit_with(f"error: --preset must be paper (or empty), got {overrides['preset']!r}", 1)
-    chosen = (preset or {}) if overrides.get("preset") == "paper" else {}
+    named = {"paper": preset or {}, **(presets or {})}
+    if overrides.get("preset", "") not in ("", *named):
+        exit_with(f"error: --preset must be {' or '.join(named)} (or empty), got {overrides['preset']!r}", 1)
+    chosen = named.get(overrides.get("preset", ""), {})
     c = Config(**{**chosen, **overrides})
     for name, value in overrides.items():             # inf and nan parse as floats: refuse them here
         if isinstance(value, float) and not math.isfinite(value):

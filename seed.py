@@ -16,7 +16,8 @@ swapped for the weak decoder: `diff costa.py seed.py` shows that swap. The run m
 folder, resume, checkpoints, progress, Ctrl-C) is in run.py, one call each from train(). Each
 departure from the paper is said where it happens, tagged with its key; docs/departures.md lists them all.
 
-    python seed.py                                   # small model, bundled Wikipedia slice, CPU
+    python seed.py --preset lab                      # first: its head learns, on a CPU (docs/lab.md)
+    python seed.py                                   # small model, bundled Wikipedia slice, CPU, from scratch
     python seed.py --dec_span 0 --dec_layers 5       # Figure 3's "strong decoder" ablation
     torchrun --nproc_per_node=4 seed.py --preset paper
     python seed.py --resume                          # continue from out_dir/state.pt exactly
@@ -58,7 +59,6 @@ class Config(run.TrainConfig):
     out_dir: str = "runs/seed"    # checkpoints, config.json and log.jsonl go here
 
 
-# Section 4.1: from scratch, peak lr 1e-4, 10k of 1M steps warm-up.
 # Departure (seed-heads): 12 heads, BERT-base's and the authors' code's (encoder_attention_heads=12), where
 # the paper's text says eight (it also says "the same with BERT-base", which has 12).
 # --preset paper: section 4.1 "Pre-training Details". From scratch (no --init), BERT-base sizes, 1M steps
@@ -71,6 +71,8 @@ class Config(run.TrainConfig):
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=1e-4,
                     warmup=0.01, steps=1_000_000, global_batch=256, mask_prob=0.15, dropout=0.1, clip=1.0,
                     weight_decay=0.01, **run.PAPER_RUN)   # PAPER_RUN: workers, checkpoints
+# --preset lab: run.LAB_PRESET (MiniLM on SciFact), L_dec weighed 8 times L_MLM, 100 steps (50: docs/lab.md).
+LAB_PRESET = dict(run.LAB_PRESET, dec_weight=8.0, steps=100)
 
 
 # The domain of each of SEED's flags, checked by run.parse_config before any work (with TrainConfig's).
@@ -114,14 +116,29 @@ def window_mask(length, k=2, device=None):
 
 
 def decoder_inputs_and_targets(input_ids, attention_mask, ignore_index=-100):
-    """`[CLS] x1..xn [SEP] [PAD]..` (unmasked) -> the decoder's input `[CLS] x1..xn`, the text shifted
-    right with [CLS] as start symbol, and its target `x1..xn [SEP]`; padding targets = ignore_index.
-    A shorter row's input keeps its [SEP]/[PAD] tail: the mask is causal, so no real position sees it.
-    With window_mask, position t-1 holds x_{t-1} and predicts x_t; in one layer it sees [CLS] (position
-    0, the start symbol) and x_{t-k..t-1}: eq. 9's condition."""
+    """`[CLS] x1..xn [SEP] [PAD]..` (unmasked) -> the decoder's input `[CLS] x1..xn` (the text shifted right,
+    [CLS] the start symbol) and its target `x1..xn [SEP]`, padding targets = ignore_index (a row's [SEP]/[PAD]
+    tail in the input is unseen: the mask is causal). Position t-1 holds x_{t-1} and predicts x_t."""
     decoder_input = input_ids[:, :-1]                                                 # (B, L-1)
     targets = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, ignore_index)  # (B, L-1)
     return decoder_input, targets
+
+
+class WindowSelfAttention(nn.Module):
+    """The decoder's multi-head self-attention, BERT's (the encoder's) given the window mask:
+    softmax(q k^T / sqrt(d) + mask) v per head, dropout on the probabilities while training."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.heads, self.dropout = c.num_heads, c.dropout
+        self.query, self.key, self.value, self.out = (nn.Linear(c.hidden_size, c.hidden_size) for _ in range(4))
+
+    def forward(self, x, attend):                               # x (B, L, H); attend (L, L) True = key visible
+        B, L, H = x.shape
+        split = lambda t: t.view(B, L, self.heads, H // self.heads).transpose(1, 2)  # (B, heads, L, H/heads)
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=self.dropout if self.training else 0.0)
+        return self.out(y.transpose(1, 2).reshape(B, L, H))                      # (B, L, H)
 
 
 class DecoderBlock(nn.Module):
@@ -132,7 +149,7 @@ class DecoderBlock(nn.Module):
 
     def __init__(self, c):
         super().__init__()
-        self.attn = SelfAttention(c)                  # the encoder's attention, given the window mask
+        self.attn = WindowSelfAttention(c)
         self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
         # Cross-attention to a memory of ONE vector, [CLS]: softmax over a single key is exactly 1, so
         # every position receives out(value(h0)) whatever the query and key projections (those would
@@ -169,7 +186,11 @@ class WeakDecoder(nn.Module):
         self.blocks = nn.ModuleList(DecoderBlock(c) for _ in range(c.dec_layers))
         self.final_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)   # pre-LN's last LayerNorm
         self.word_embedding = [word_embedding]  # a list, so the tied matrix is not registered twice
-        self.apply(Encoder._init_weights)
+        for module in self.modules():                       # BERT's initialisation, as the encoder's
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear):
+                nn.init.zeros_(module.bias)
 
     def embed(self, input_ids):                                                 # (B, L)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
@@ -358,7 +379,7 @@ def train(c):
                 last = micro == c.grad_accum - 1
                 with contextlib.nullcontext() if last or world == 1 else ddp.no_sync():  # DDP syncs on the last
                     with autocast:
-                        loss, metrics = ddp(batch)                   # eq. 10
+                        loss, metrics = ddp(batch)                   # the objective: PretrainModel.forward
                     (loss / c.grad_accum).backward()
                 training.progress.add(metrics, n_tokens)
             training.stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step)
@@ -567,4 +588,5 @@ def gather_across_ranks(t):
 
 
 if __name__ == "__main__":
-    run.run_command_line(lambda: train(run.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES)))
+    run.run_command_line(lambda: train(run.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES,
+                                                        {"lab": LAB_PRESET})))

@@ -6,11 +6,13 @@ Sections: COSTA (arXiv:2204.10641 eq. 1-10), CPDAE (arXiv:2208.09846 eq. 3-6), S
 (arXiv:2102.09206 3.4, eq. 9-10). Naive references are plain Python loops over the equations'
 indices, in float64 where the comparison is numerical.
 """
+import ast
 import dataclasses
 import importlib
 import itertools
 import math
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -108,7 +110,7 @@ def _gwc_worker(rank, world, tmp_path, text, spans, tau):
     n = text.shape[0] // world
     local_text = text[rank * n:(rank + 1) * n].clone().requires_grad_(True)  # different inputs on each rank
     local_spans = spans[rank * n:(rank + 1) * n].clone().requires_grad_(True)
-    loss, accuracy = costa.gwc_loss_distributed(local_text, local_spans, tau)
+    loss, accuracy = costa.gwc_loss(local_text, local_spans, tau)
     loss.backward()
     torch.save({"loss": loss.detach(), "accuracy": accuracy, "text_grad": local_text.grad,
                 "span_grad": local_spans.grad}, tmp_path / f"rank{rank}.pt")
@@ -572,7 +574,7 @@ def cosine_contrastive_loop(h1, h2, temperature):
 def test_cpdae_r_cosine_contrastive_equals_eq5_loop():
     g = torch.Generator().manual_seed(11)
     h1, h2 = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
-    loss, _ = cpdae.gathered_contrastive_loss(h1, h2, partial(cpdae.cosine_similarity, temperature=0.1))
+    loss, _ = cpdae.contrastive_loss(h1, h2, partial(cpdae.cosine_similarity, temperature=0.1))
     assert abs(loss.item() - cosine_contrastive_loop(h1.double(), h2.double(), 0.1)) < 1e-5
 
 
@@ -611,10 +613,10 @@ def _contrastive_worker(rank, world, tmp_path, inputs):
         x1 = full1[rank * m:(rank + 1) * m].clone().requires_grad_()
         x2 = full2[rank * m:(rank + 1) * m].clone().requires_grad_()
         if mode == "js":
-            loss, _ = cpdae.gathered_contrastive_loss(cpdae.word_distribution(x1), cpdae.word_distribution(x2),
+            loss, _ = cpdae.contrastive_loss(cpdae.word_distribution(x1), cpdae.word_distribution(x2),
                                                 run.in_row_chunks(cpdae.js_similarity, 2))
         else:
-            loss, _ = cpdae.gathered_contrastive_loss(x1, x2, partial(cpdae.cosine_similarity, temperature=0.1))
+            loss, _ = cpdae.contrastive_loss(x1, x2, partial(cpdae.cosine_similarity, temperature=0.1))
         loss.backward()
         result[mode] = {"loss": loss.detach(), "g1": x1.grad, "g2": x2.grad}
     torch.save(result, tmp_path / f"rank{rank}.pt")
@@ -625,7 +627,7 @@ def _one_process(mode, full1, full2):
     if mode == "js":
         loss = cpdae.contrastive_loss(cpdae.word_distribution(x1), cpdae.word_distribution(x2), cpdae.js_similarity)[0]
     else:
-        loss, _ = cpdae.gathered_contrastive_loss(x1, x2, partial(cpdae.cosine_similarity, temperature=0.1))
+        loss, _ = cpdae.contrastive_loss(x1, x2, partial(cpdae.cosine_similarity, temperature=0.1))
     loss.backward()
     return loss.detach(), x1.grad, x2.grad
 
@@ -719,7 +721,8 @@ def test_total_loss_is_rec_plus_mlm_plus_lambda_cl(mode):
     model = cpdae.PretrainModel(c, cpdae.Encoder(c)).eval()
     batch = cpdae.Batches(c, tiny_windows(), 0, 1)[0]
     total, metrics = model(batch)
-    assert set(metrics) == {"rec", "mlm", "mlm_acc", "mlm_chance", "cl", "cl_acc", "cl_chance"}
+    assert set(metrics) == {"rec", "rec_per_word", "mlm", "mlm_acc", "mlm_chance", "cl", "cl_acc", "cl_chance"}
+    torch.testing.assert_close(metrics["rec_per_word"], metrics["rec"] / 30522)                 # eq. 4's sum / |V|
     torch.testing.assert_close(total, metrics["rec"] + metrics["mlm"] + 0.1 * metrics["cl"])
     with torch.no_grad():
         h_cls = model.encoder(batch["input_ids"], batch["attention_mask"].repeat(2, 1))[:, 0]  # (8, H)
@@ -728,7 +731,7 @@ def test_total_loss_is_rec_plus_mlm_plus_lambda_cl(mode):
         if mode == "js":
             cl = cpdae.contrastive_loss(*cpdae.word_distribution(logits).chunk(2), cpdae.js_similarity)[0]
         else:
-            cl, _ = cpdae.gathered_contrastive_loss(*h_cls.chunk(2), partial(cpdae.cosine_similarity, temperature=0.1))
+            cl, _ = cpdae.contrastive_loss(*h_cls.chunk(2), partial(cpdae.cosine_similarity, temperature=0.1))
     torch.testing.assert_close(metrics["rec"], rec)
     torch.testing.assert_close(metrics["cl"], cl)
     model.config = tiny_cpdae(cl_weight=0.0)                                   # Table 2 "w/o CL"
@@ -1089,6 +1092,19 @@ def test_head_warmup_freezes_exactly_the_encoder_then_trains_it(name):
     assert not torch.equal(model.encoder.blocks[0].ffn_in.weight, before["encoder.blocks.0.ffn_in.weight"])
 
 
+def test_progress_prints_the_heads_lr_while_the_encoder_waits(tmp_path, capsys):
+    _, model, _ = tiny_method("costa", head_warmup=2, head_lr=5.0, out_dir=str(tmp_path))
+    optimizer, scheduler = run.make_optimizer(model, model.config)
+    lr, head_lr = run.encoder_and_head_lr(optimizer, scheduler)
+    assert lr == 0.0 and head_lr == scheduler.get_last_lr()[-1] > 0                      # the heads alone
+    progress = run.Progress(model.config, 0, True)
+    progress.add({"mlm": 1.0}, 10)
+    progress.report(1, lr, "cpu", head_lr)
+    assert f"| lr 0.00e+00 | heads' lr {head_lr:.2e} |" in capsys.readouterr().out
+    optimizer, scheduler = run.make_optimizer(model, dataclasses.replace(model.config, head_warmup=0, head_lr=1.0))
+    assert run.encoder_and_head_lr(optimizer, scheduler) == (scheduler.get_last_lr()[0], None)   # one lr: printed once
+
+
 def test_head_schedule_and_groups():
     """No head flags: two groups and the plain schedule (finetune.py's). --head_warmup W: the encoder's
     factor is 0 for W steps, then its own warm-up and decay over the rest; heads: --head_lr x the plain one."""
@@ -1220,14 +1236,14 @@ def test_rec_reduction_mean_is_eq4_over_the_vocabulary_size():
 def test_cl_tau_divides_minus_js_and_tau_1_is_eq5():
     m, v = 4, 25
     dist1, dist2 = random_distributions(m, v, seed=4), random_distributions(m, v, seed=5)
-    literal = cpdae.gathered_contrastive_loss(dist1, dist2, cpdae.js_similarity)[0]
+    literal = cpdae.contrastive_loss(dist1, dist2, cpdae.js_similarity)[0]
     assert abs(literal.item() - contrastive_loop(dist1, dist2)) < 1e-5                    # tau 1: eq. 5
     assert math.log(m) <= literal.item() <= math.log(2 * m - 1)                          # the bound of eq. 5
     views = list(dist1) + list(dist2)
     s = lambda a, b: -js_loop(a, b) / 0.05
     expected = sum(-math.log(math.exp(s(views[i], views[m + i])) /
                              sum(math.exp(s(views[i], views[k])) for k in range(2 * m) if k != i)) for i in range(m)) / m
-    got = cpdae.gathered_contrastive_loss(dist1, dist2, partial(cpdae.js_similarity, tau=0.05))[0]
+    got = cpdae.contrastive_loss(dist1, dist2, partial(cpdae.js_similarity, tau=0.05))[0]
     assert abs(got.item() - expected) < 1e-4
 
 
@@ -1249,6 +1265,8 @@ def test_string_flags_are_checked_against_their_choices(name, flag):
 
 # ==============================================================================================
 # --compile (run.fused): the compiled losses equal the eager ones; a compiler failure leaves the run eager
+# =======================================================================================
+
 # ==============================================================================================
 def _contrastive_and_decoder(js, dec, dist_logits, states, weight, targets):
     """Eq. 5 with similarity js and eq. 9 by dec: (values (L_CL, L_dec, n_correct), their summed loss's gradients)."""
@@ -1309,3 +1327,123 @@ def test_padding_the_kept_decoder_positions_leaves_the_loss():
         torch.testing.assert_close(padded_loss, loss)
         assert int(padded_correct) == int(correct)
         torch.testing.assert_close(torch.autograd.grad(padded_loss, states)[0], torch.autograd.grad(loss, states)[0])
+=======
+# Every piece the equation tables name copies alone: its section's defs in a file that imports only torch
+# ==============================================================================================
+BANNER = "# " + "=" * 94
+
+
+def section_namespace(module, piece):
+    """Run, in a fresh namespace that holds only the method file's torch imports, every top-level def
+    of the section (between two `# ====` banners) where `piece` is defined, as a student's copy would."""
+    source = Path(module.__file__).read_text()
+    tree = ast.parse(source)
+    banners = [i for i, line in enumerate(source.splitlines(), 1) if line == BANNER]
+    line = next(node.lineno for node in tree.body if getattr(node, "name", None) == piece)
+    start = max(b for b in banners if b < line)
+    end = min([b for b in banners if b > line + 1] + [len(source.splitlines()) + 1])
+    imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+               and all((getattr(node, "module", None) or alias.name).split(".")[0] == "torch" for alias in node.names)]
+    defs = [node for node in tree.body if start < node.lineno < end and not isinstance(node, (ast.Import, ast.ImportFrom))]
+    namespace = {}
+    code = compile(ast.Module(body=imports + defs, type_ignores=[]), f"copy of {module.__name__}.{piece}", "exec")
+    exec(code, namespace)  # noqa: S102 (the project's own source, as a student's copy would run it)
+    assert "np" not in namespace and "data" not in namespace
+    return namespace
+
+
+def backward_reaches(loss, *inputs):
+    """The loss is finite and its gradient reaches every input."""
+    loss.backward()
+    assert torch.isfinite(loss) and all(x.grad is not None and torch.isfinite(x.grad).all() for x in inputs)
+
+
+def leaf(*shape):
+    return torch.randn(*shape, requires_grad=True)
+
+
+DECODER_SIZES = SimpleNamespace(hidden_size=16, num_heads=2, ffn_size=32, dropout=0.1, layer_norm_eps=1e-12,
+                                max_position=32, dec_layers=2, dec_span=2)
+
+
+def run_costa_piece(ns, piece):
+    B, S, L, H = 3, 4, 10, 16
+    hidden = leaf(B, L, H)
+    if piece == "gwc_loss":
+        text, spans = leaf(B, H), leaf(B, S, H)
+        backward_reaches(ns["gwc_loss"](text, spans, 0.1)[0], text, spans)
+    elif piece == "span_vectors":
+        spans = torch.tensor([[[1, 3], [2, 7], [4, 5], [1, 9]]] * B)
+        backward_reaches(ns["span_vectors"](hidden, spans).sum(), hidden)
+    elif piece == "Projector":
+        backward_reaches(ns["Projector"](H)(ns["text_vector"](hidden, torch.ones(B, L))).sum(), hidden)
+
+
+def run_cpdae_piece(ns, piece):
+    B, H, V = 3, 16, 50
+    h_cls, logits = leaf(2 * B, H), leaf(2 * B, V)
+    bag = (torch.rand(2 * B, V) < 0.2).float()
+    if piece == "Decoder":
+        backward_reaches(ns["Decoder"](H, V)(h_cls).square().mean(), h_cls)
+    elif piece == "reconstruction_loss":
+        backward_reaches(ns["reconstruction_loss"](logits, bag), logits)
+    elif piece in ("contrastive_loss", "js_similarity", "word_distribution"):
+        view1, view2 = ns["word_distribution"](logits).chunk(2)
+        backward_reaches(ns["contrastive_loss"](view1, view2, ns["js_similarity"])[0], logits)
+
+
+def run_seed_piece(ns, piece):
+    B, L, H, V = 2, 9, 16, 50
+    embedding = nn.Embedding(V, H)
+    h0, ids = leaf(B, H), torch.randint(V, (B, L))
+    if piece == "WeakDecoder":
+        decoder_input, _ = ns["decoder_inputs_and_targets"](ids, torch.ones(B, L))
+        states = ns["WeakDecoder"](DECODER_SIZES, embedding)(decoder_input, h0)      # (B, L-1, H)
+        backward_reaches(states.square().mean(), h0)
+    elif piece == "decoder_loss":
+        states = leaf(B, L, H)
+        backward_reaches(ns["decoder_loss"](states, embedding.weight, ids)[0], states)
+
+
+COPIED_PIECES = [(costa, "gwc_loss", run_costa_piece), (costa, "span_vectors", run_costa_piece),
+                 (costa, "Projector", run_costa_piece),
+                 (cpdae, "Decoder", run_cpdae_piece), (cpdae, "reconstruction_loss", run_cpdae_piece),
+                 (cpdae, "contrastive_loss", run_cpdae_piece),
+                 (seed, "WeakDecoder", run_seed_piece), (seed, "decoder_loss", run_seed_piece)]
+
+
+@pytest.mark.parametrize("module, piece, run_piece", COPIED_PIECES, ids=[f"{m.__name__}.{p}" for m, p, _ in COPIED_PIECES])
+def test_each_piece_copies_alone_into_a_torch_only_file(module, piece, run_piece):
+    """The equation tables' pieces (the losses, the heads and the decoders) run forward and backward on
+    random tensors with only their own section's defs and torch: nothing from data.py, run.py, numpy or
+    the shared encoder at the end of the file. (mlm_loss and text_vector are copied with their sections.)"""
+    torch.manual_seed(0)
+    namespace = section_namespace(module, piece)
+    run_piece(namespace, piece)
+    if module is not costa:
+        labels = torch.full((2, 5), -100)
+        labels[:, 2] = 7
+        hidden = leaf(2, 5, 16)
+        backward_reaches(section_namespace(module, "mlm_loss")["mlm_loss"](hidden, labels, nn.Linear(16, 50))[0], hidden)
+
+
+# ==============================================================================================
+# walkthrough.py: its steps run, and its exercises are graded against the methods' own code
+# ==============================================================================================
+def test_walkthrough_runs_and_its_exercises_match_the_methods(capsys):
+    import walkthrough
+    walkthrough.costa_step(), walkthrough.cpdae_step(), walkthrough.seed_step()
+    printed = capsys.readouterr().out
+    assert all(word in printed for word in ("L_GWC", "L_CL", "window mask"))
+    text, spans = random_group(N=4, S=3, H=5)                                  # 1: eq. 8's positives
+    candidates = torch.cat([text, spans.reshape(12, -1)])
+    logits = (text @ candidates.T / 0.1).fill_diagonal_(float("-inf"))
+    columns = walkthrough.gwc_positive_columns(4, 3)
+    mine = -(logits.gather(1, columns) - logits.logsumexp(1, keepdim=True)).mean()
+    torch.testing.assert_close(mine, costa.gwc_loss(text, spans, 0.1)[0])
+    view1, view2 = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)  # 2: eq. 5's self-mask
+    scores = (view1 @ torch.cat([view1, view2]).T).masked_fill(walkthrough.self_mask(5), float("-inf"))
+    mine = F.cross_entropy(scores, 5 + torch.arange(5))
+    torch.testing.assert_close(mine.float(), cpdae.contrastive_loss(view1, view2, lambda a, b: a @ b.T)[0])  # fp32
+    for length, k in itertools.product(range(1, 9), range(1, 5)):                # 3: eq. 9's window
+        assert torch.equal(walkthrough.window(length, k), seed.window_mask(length, k)), (length, k)

@@ -656,6 +656,13 @@ def shared_blocks(name):
     return blocks
 
 
+def training_steps(name):
+    """The text of train()'s steps in a method file: from its autocast line to training.finish()."""
+    text = (HERE / name).read_text()
+    start = text.index("    autocast = run.autocast_bf16(device, c.bf16)\n", text.index("\ndef train("))
+    return text[start:text.index("    training.finish()\n", start)]
+
+
 def test_shared_blocks_are_identical_across_files():
     """Every marked block in any .py file: markers balanced, byte-identical wherever it appears, and
     every method file carries every block any method file has (unless METHOD_SPECIFIC says why not)."""
@@ -673,6 +680,8 @@ def test_shared_blocks_are_identical_across_files():
         first, text = next(iter(holders.items()))
         for name, other in holders.items():
             assert other == text, f"{name}: shared block '{block}' differs from {first}"
+    steps = {name: training_steps(name) for name in METHOD_FILES}   # train()'s loop: the same in every method file
+    assert all(steps.values()) and len(set(steps.values())) == 1, {name: len(text) for name, text in steps.items()}
     assert {"encoder", "distributed"} <= set(carriers["evaluate.py"])  # the retrieval layer's (finetune.py imports it)
     assert "finetune.py" not in carriers                                 # no copies: it imports evaluate.py's
     assert "mechanisms.py" not in carriers                               # nor does mechanisms.py
@@ -1342,11 +1351,11 @@ def _four_rank_worker(rank, world, tmp_path, text, spans, view1, view2):
     cpdae, out = importlib.import_module("cpdae"), {}
     n, m = text.shape[0] // world, view1.shape[0] // world
     local = [t[rank * n:(rank + 1) * n].clone().requires_grad_() for t in (text, spans)]
-    loss, _ = costa.gwc_loss_distributed(*local, 0.1)
+    loss, _ = costa.gwc_loss(*local, 0.1)                   # as training runs it: across_ranks
     loss.backward()
     out["costa"] = (loss.detach(), local[0].grad, local[1].grad)
     local = [v[rank * m:(rank + 1) * m].clone().requires_grad_() for v in (view1, view2)]
-    loss, _ = cpdae.gathered_contrastive_loss(*map(cpdae.word_distribution, local), cpdae.js_similarity)
+    loss, _ = cpdae.contrastive_loss(*map(cpdae.word_distribution, local), cpdae.js_similarity)
     loss.backward()
     out["cpdae"] = (loss.detach(), local[0].grad, local[1].grad)
     model = _tiny_bi_encoder("softmax")
@@ -1368,8 +1377,9 @@ def test_four_processes_equal_one_process_for_every_gathered_loss(tmp_path, run_
     view2 = view1 + 0.5 * torch.randn(8, 30, generator=g, dtype=torch.float64)
     ranks = run_on_ranks(4, _four_rank_worker, tmp_path, text, spans, view1, view2)
     one = {}
-    for name, (a, b), fn in (("costa", (text, spans), lambda a, b: costa.gwc_loss(a, b, 0.1)[0]),
-                             ("cpdae", (view1, view2), lambda a, b: cpdae.contrastive_loss(
+    gwc_loss, contrastive_loss = costa.gwc_loss.__wrapped__, cpdae.contrastive_loss.__wrapped__   # eq. 8, eq. 5 alone
+    for name, (a, b), fn in (("costa", (text, spans), lambda a, b: gwc_loss(a, b, 0.1)[0]),
+                             ("cpdae", (view1, view2), lambda a, b: contrastive_loss(
                                  cpdae.word_distribution(a), cpdae.word_distribution(b), cpdae.js_similarity)[0])):
         a, b = a.clone().requires_grad_(), b.clone().requires_grad_()
         loss = fn(a, b)
@@ -1377,7 +1387,7 @@ def test_four_processes_equal_one_process_for_every_gathered_loss(tmp_path, run_
         torch.testing.assert_close(sum(r[name][0] for r in ranks) / 4, one[name][0])
         for rank, r in enumerate(ranks):   # its own 2 texts first, as the anchors
             mine = [x.roll(-2 * rank, dims=0) for x in (a, b)]
-            own = (costa.gwc_loss(*mine, 0.1, n_anchors=2)[0] if name == "costa" else cpdae.contrastive_loss(
+            own = (gwc_loss(*mine, 0.1, n_anchors=2)[0] if name == "costa" else contrastive_loss(
                 *map(cpdae.word_distribution, mine), cpdae.js_similarity, n_anchors=2)[0])
             torch.testing.assert_close(r[name][0], own.detach())
         for i in (1, 2):   # all_gather's backward sums over the ranks: each rank's rows get 4 x the gradient
@@ -2512,7 +2522,7 @@ def test_class7_resume_overwrite_logs_and_flags(tmp_path, small_corpus):
     main_run([str(a) for a in common + ["--steps", "1", "--overwrite"]], tmp_path)
     assert [r["step"] for r in read_log(out)] == [1]
     for flag, value, message in (("bf16", "maybe", "--bf16 expects true or false (also 1/0, yes/no), got 'maybe'"),
-                                 ("preset", "papr", "--preset must be paper (or empty), got 'papr'")):
+                                 ("preset", "papr", "--preset must be paper or lab (or empty), got 'papr'")):
         assert main_error([HERE / "costa.py", f"--{flag}", value], tmp_path) == (1, f"error: {message}")
     # --help into a pipe that is already closed (`costa.py --help | head`): no BrokenPipeError traceback.
     help_run = subprocess.Popen([PY, str(HERE / "costa.py"), "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)

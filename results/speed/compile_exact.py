@@ -58,11 +58,11 @@ def main():
 
 
 def _gathered_worker(rank, world, tmp_path, full1, full2):
-    """One rank of two: eq. 5 over every rank's views (gathered_contrastive_loss), -JS compiled."""
+    """One rank of two: eq. 5 over every rank's views (cpdae.contrastive_loss, as training runs it), -JS compiled."""
     m = full1.shape[0] // world
     x1, x2 = (x[rank * m:(rank + 1) * m].clone().requires_grad_() for x in (full1, full2))
     similarity = run.fused(cpdae.js_similarity, SimpleNamespace(compile=True))
-    loss, _ = cpdae.gathered_contrastive_loss(cpdae.word_distribution(x1), cpdae.word_distribution(x2), similarity)
+    loss, _ = cpdae.contrastive_loss(cpdae.word_distribution(x1), cpdae.word_distribution(x2), similarity)
     loss.backward()
     torch.save({"loss": loss.detach(), "g1": x1.grad, "g2": x2.grad}, Path(tmp_path) / f"rank{rank}.pt")
 
