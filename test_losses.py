@@ -1265,8 +1265,6 @@ def test_string_flags_are_checked_against_their_choices(name, flag):
 
 # ==============================================================================================
 # --compile (run.fused): the compiled losses equal the eager ones; a compiler failure leaves the run eager
-# =======================================================================================
-
 # ==============================================================================================
 def _contrastive_and_decoder(js, dec, dist_logits, states, weight, targets):
     """Eq. 5 with similarity js and eq. 9 by dec: (values (L_CL, L_dec, n_correct), their summed loss's gradients)."""
@@ -1327,7 +1325,9 @@ def test_padding_the_kept_decoder_positions_leaves_the_loss():
         torch.testing.assert_close(padded_loss, loss)
         assert int(padded_correct) == int(correct)
         torch.testing.assert_close(torch.autograd.grad(padded_loss, states)[0], torch.autograd.grad(loss, states)[0])
-=======
+
+
+# ==============================================================================================
 # Every piece the equation tables name copies alone: its section's defs in a file that imports only torch
 # ==============================================================================================
 BANNER = "# " + "=" * 94
