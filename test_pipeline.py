@@ -762,9 +762,9 @@ def test_readme_command1_table_is_its_committed_files():
     assert _markdown_table(readme, "| command 1, SciFact test (300 queries) |") == expected
 
 
-def test_readme_study_table_is_results_study_table():
-    """README's study table is the test table of results/study/table.md, cell for cell: the arms renamed,
-    the zero-shot, nDCG@10, MRR@10 and Recall@100 columns, and each comparison's diff [interval], p (Holm)."""
+def test_docs_study_table_is_results_study_table():
+    """docs/study.md's full-data table is the test table of results/study/table.md, cell for cell: the arms (in
+    its order), the zero-shot and nDCG@10 columns, and each comparison's diff [interval], p (Holm)."""
     table = (HERE / "results" / "study" / "table.md").read_text()
     test_part = table[table.index("## test"):table.index("## dev")]
     header = [cell.strip() for cell in next(line for line in test_part.splitlines()
@@ -775,11 +775,10 @@ def test_readme_study_table_is_results_study_table():
     for cells in _markdown_table(test_part, "| arm |"):
         row = dict(zip(header, cells))
         expected.append([names[row["arm"]], row["zero-shot nDCG@10"].replace(" (one encoder)", ""), row["NDCG@10"],
-                         row["MRR@10"], row["Recall@100"],
                          pair(row["nDCG@10 diff [95% CI] vs none"], row["nDCG@10 p (paired t over seeds) vs none"]),
                          pair(row["nDCG@10 diff [95% CI] vs mlm"], row["nDCG@10 p (paired t over seeds) vs mlm"])])
-    readme = (HERE / "README.md").read_text()
-    assert _markdown_table(readme, "| arm | zero-shot nDCG@10 |") == expected
+    page = _markdown_table((HERE / "docs" / "study.md").read_text(), "| arm | zero-shot | fine-tuned |")
+    assert [[row[0].split(" (")[0].replace("none", "none (fine-tuning only)")] + row[1:] for row in page] == expected
 
 
 def test_results_mechanisms_reprint_from_their_rows_and_the_pages_quote_them(tmp_path):
@@ -801,6 +800,9 @@ def test_results_mechanisms_reprint_from_their_rows_and_the_pages_quote_them(tmp
     quoted = [line for page in (figures, docs) for line in page.splitlines()   # a table row with a bare number
               if re.match(r"\| .*\| -?\d+\.\d+ ", line) or line.startswith("- ") and "t-test p = " in line]
     assert len(quoted) >= 10, "the pages quote the mechanisms' table"
+    claims = [line for line in figures.splitlines() if line.startswith("- ") and " round" in line and "**" in line]
+    assert len(claims) >= 8, "the README gives one line per claim, from a table.md"
+    quoted += claims
     assert [line for line in quoted if line not in table.splitlines()] == []
 
 
@@ -1984,7 +1986,8 @@ def _confirm_rows(folder, report, control_auc=0.86, skip=()):
             if arm in auc:
                 point = {"rec": 90.0, "rec_constant": 100.0, "grad_cl_over_rec": 30.0, "auc_text": auc[arm] + noise,
                          "auc_common": auc[arm] - 0.1 + noise, "auc_text_by_text": [auc[arm] + noise] * 4,
-                         "auc_common_by_text": [auc[arm] - 0.1 + noise] * 4}
+                         "auc_common_by_text": [auc[arm] - 0.1 + noise] * 4, "representative": auc[arm] / 20,
+                         "representative_uniform": 0.0018, "constant_representative": 0.009}
             elif arm.startswith("seed-"):
                 weak = arm == "seed-weak"
                 point = {"loss_own": 5.7, "unigram": 7.3, "loss_other": 6.4 if weak else 6.3, "gap": 0.6 + 0.2 * weak
@@ -2061,6 +2064,7 @@ def test_confirm_make_sh_with_every_row_only_reprints_and_stops_on_an_edited_pla
     done = run_make()
     assert done.returncode == 0, done.stderr
     assert (folder / "table.md").is_file() and (folder / "cpdae_lambda.png").is_file()
+    assert (folder / "cpdae_arms.png").read_bytes()[:4] == b"\x89PNG"
     assert not (folder / "output.txt").exists() and not (tmp_path / "runs").exists()
     (folder / "plan.md").write_text((folder / "plan.md").read_text() + "\nan edit\n")
     stopped = run_make()

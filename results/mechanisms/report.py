@@ -200,6 +200,14 @@ def fmt(x):
     return "-" if x is None else f"{x:.4g}"
 
 
+def interval(diffs, level=0.95):
+    """The paired differences' mean and its two-sided t interval, as text ('-' under two seeds)."""
+    if len(diffs) < 2:
+        return "-"
+    half = stats.t.ppf(0.5 + level / 2, len(diffs) - 1) * np.std(diffs, ddof=1) / np.sqrt(len(diffs))
+    return f"{np.mean(diffs):+.4g} [{np.mean(diffs) - half:+.3g}, {np.mean(diffs) + half:+.3g}]"
+
+
 def mean_sd(v):
     v = np.asarray(list(v), dtype=float)
     return "-" if len(v) == 0 else f"{v.mean():.4g} ± {(v.std(ddof=1) if len(v) > 1 else 0.0):.2g}"
@@ -347,6 +355,10 @@ def write_table(folder, tests, gates, seeds):
         lines.append(f"| {t['number']} | {t['paper']} | {t['what']} ({'>' if t['sign'] > 0 else '<'} 0) | "
                      f"{mean_sd(d)} | {n} | {agree if n else '-'} | {fmt(t['p']) if n else '-'} | "
                      f"{fmt(t['holm']) if n else '-'} | {mde} | **{t['verdict']}**{EXPLORATORY.get(t['number'], '')} |")
+    lines += ["", "## One line per claim (the README quotes these)", ""]
+    lines += [f"- {t['paper']}, {t['what']}: **{t['verdict']}**{EXPLORATORY.get(t['number'], '')}; "
+              + (f"{interval(t['diffs'])} (first round, {len(t['diffs'])} seeds, test split; mean [95 % t interval])"
+                 if len(t["diffs"]) > 1 else "no test run (first round)") for t in tests]
     lines += ["", "## The gates (dev split; at the chosen step, mean over the seeds in)", "",
               "| claim | gate | seeds | value | threshold | holds |", "|---|---|---|---|---|---|"]
     for group, rows in gates.items():

@@ -205,6 +205,27 @@ def fmt(x):
     return "-" if x is None else f"{x:.4g}"
 
 
+def claim_lines(results, spec):
+    """One line per claim, for the README: its verdict, each test's effect with its 95 % interval, the round.
+    A claim is a `shown_together` group of the plan, or a test of no group."""
+    by_id = {r["test"]["id"]: r for r in results}
+    grouped = {i for ids in spec.get("shown_together", {}).values() for i in ids}
+    claims = [(name, ids) for name, ids in spec.get("shown_together", {}).items()]
+    claims += [(r["test"]["what"], [r["test"]["id"]]) for r in results if r["test"]["id"] not in grouped]
+    seeds = spec["seeds"]
+    lines = []
+    for name, ids in claims:
+        verdicts = [by_id[i]["verdict"] for i in ids]
+        word = ("shown" if all(v == "shown" for v in verdicts) else "pending" if any(v.startswith("pending")
+                for v in verdicts) else verdicts[0] if len(ids) == 1 else "not shown")
+        settled = word != "pending"   # no interim look: a claim's effects are printed once its tests are settled
+        effects = "; ".join((f"test {i}, {by_id[i]['test']['what']}: " if len(ids) > 1 else f"test {i}: ")
+                            + FIRST.interval(by_id[i]["diffs"]) for i in ids) if settled else "not every row is in"
+        lines.append(f"- {by_id[ids[0]]['test']['paper']}, {name}: **{word}**; {effects} (confirmatory round, seeds "
+                     f"{seeds[0]}-{seeds[-1]}, {spec['test_split']} split; mean [95 % t interval])")
+    return lines
+
+
 def table(folder, spec, sha, made_under):
     """table.md's text."""
     results, gate_rows = judge(folder, spec)
@@ -221,14 +242,16 @@ def table(folder, spec, sha, made_under):
              f"ablation, paired by seed."), "",
              (f"## The primary tests ({spec['test_split']} split; one-sided paired t-tests over the seeds; "
              f"Holm-Bonferroni over these {family} only)"), "",
-             ("| # | paper | measure | difference | seeds | in the claimed direction | p | Holm p | smallest "
+             ("| # | paper | measure | difference, mean ± sd [95 % t interval] | seeds | in the claimed direction | p | Holm p | smallest "
              "detectable, before (sd units) / after (Holm's strictest; 0.05) | verdict |"), "|---" * 10 + "|"]
     for r in results:
         t, d = r["test"], r["diffs"]
         sd = float(d.std(ddof=1)) if len(d) > 1 else None
-        after = "-" if sd is None else f"{strict * sd:.2g}; {loose * sd:.2g}"
+        after = "-" if sd is None or r["state"] == "pending" else f"{strict * sd:.2g}; {loose * sd:.2g}"
         right = int(np.sum(d > 0 if t["direction"] == ">" else d < 0)) if len(d) else "-"
-        diff = "-" if not len(d) else FIRST.mean_sd(d)
+        pending = r["state"] == "pending"   # no interim look: nothing of a test is printed before its rows are in
+        diff = "-" if pending or not len(d) else FIRST.mean_sd(d) + f" [{FIRST.interval(d).split('[')[1]}"
+        right = "-" if pending else right
         lines.append(f"| {t['id']} | {t['paper']} | {t['what']} ({t['direction']} 0) | {diff} | {len(d)} | {right} | "
                      f"{fmt(r['p']) if r['state'] != 'pending' else '-'} | {fmt(r['holm'])} | {strict:.2f} sd / {after} | "
                      f"**{r['verdict']}** |")
@@ -239,12 +262,16 @@ def table(folder, spec, sha, made_under):
         word = "shown" if all(v == "shown" for v in verdicts) else "pending" if any(
             v.startswith("pending") for v in verdicts) else "not shown"
         lines.append(f"- {claim} (tests {', '.join(map(str, ids))}): **{word}**")
+    lines += ["", "## One line per claim (the README quotes these)", "", *claim_lines(results, spec)]
     lines += ["", f"## The gates ({spec['gate_split']} split; mean over the seeds in)", "",
               "| claim | gate | seeds | value | threshold | holds |", "|---|---|---|---|---|---|"]
     for gate, seeds, mean, holds in gate_rows:
         word = "-" if holds is None else "yes" if holds else "**no**"
         lines.append(f"| {gate['claim']} | {gate['what']} | {seeds} of {n} | {fmt(mean)} | {gate['op']} "
                      f"{gate['threshold']} | {word} |")
+    missing = sum(not (Path(folder) / "rows" / path).is_file() for path in expected_rows(spec))
+    if missing:   # no interim look at the test split
+        return "\n".join(lines + ["", f"## Exploratory: printed once every row is in ({missing} to go)"]) + "\n"
     lines += ["", "## Exploratory (not corrected, never a verdict)", "",
               (f"Across texts: the per-text difference averaged over the seeds, one-sided Wilcoxon signed-rank test "
               f"over the {spec['test_split']} texts (the texts share the decoders: not independent draws of the claim)."),
@@ -284,6 +311,42 @@ def draw_lambda_series(folder, spec, path, plt):
         ax.set(xscale="log", xlabel="lambda (eq. 4 averaged; 0.003: ~900x the paper's pull)", ylabel=key)
         ax.legend(fontsize=7)
     fig.suptitle("CPDAE, MiniLM frozen: the text's words under z~ against lambda (test texts)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def draw_cpdae_arms(folder, spec, path, plt):
+    """CPDAE's three arms (mean ± sd over the seeds, test texts): the rank AUCs of the primary tests with chance
+    (0.5) as their reference, and z~'s shares of the common and of the text's own words beside the uniform
+    distribution's and the constant predictor's (the decoder's best answer without h0)."""
+    arms = (("cpdae-cl", "CL"), ("cpdae-nocl", "no CL"), ("cpdae-control", "control: another text's positive"))
+    value = lambda arm, key: list(term_values(folder, spec, f"{arm}:{key}", spec["test_split"]).values())
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    panels = (("auc_text", "AUC: own words over absent non-common ones", ()),
+              ("auc_common", "AUC: own words over the common words", ()),
+              ("representative", "z~'s share on the text's own words",
+               (("representative_uniform", "uniform z~", ":"), ("constant_representative", "constant predictor", "--"))))
+    for ax, (key, title, references) in zip(axes, panels):
+        for x, (arm, label) in enumerate(arms):
+            values = value(arm, key)
+            ax.errorbar([x], [np.mean(values)], yerr=[np.std(values)], marker="o", capsize=4,
+                        label=f"{label}, {len(values)} seeds")
+        if key.startswith("auc"):
+            ax.axhline(0.5, color="black", linewidth=0.5, label="chance")
+            diffs = FIRST.paired_test(*(term_values(folder, spec, f"{a}:{key}", spec["test_split"])
+                                        for a in ("cpdae-cl", "cpdae-nocl")), 1)[0]
+            if len(diffs) > 1:   # where CL must reach for the test to see it (Holm's strictest level)
+                smallest = FIRST.detectable(len(diffs), float(diffs.std(ddof=1)), spec["alpha"] / len(spec["tests"]))
+                ax.plot([0], [np.mean(value("cpdae-nocl", key)) + smallest], "k_", markersize=14,
+                        label="no CL + the smallest detectable effect")
+        for ref, label, style in references:
+            ax.axhline(np.mean(value("cpdae-nocl", ref)), color="grey", linestyle=style, label=label)
+        ax.set_xticks(range(len(arms)), [a[1].split(":")[0] for a in arms])
+        ax.set_title(title, fontsize=8)
+        ax.legend(fontsize=6)
+    fig.suptitle("CPDAE 3.3, MiniLM frozen, step 600: eq. 4 averaged, lambda 0.003 (~900x the paper's pull on "
+                 "L_CL); new test texts", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -365,10 +428,11 @@ def main(folder, argv=()):
         warnings.simplefilter("ignore", RuntimeWarning)
         text = table(folder, spec, sha, made_under)
         (Path(folder) / "table.md").write_text(text)
-        if made_under:
+        if made_under and not sum(not (Path(folder) / "rows" / p).is_file() for p in expected_rows(spec)):
             import matplotlib
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
+            draw_cpdae_arms(folder, spec, Path(folder) / "cpdae_arms.png", plt)
             draw_lambda_series(folder, spec, Path(folder) / "cpdae_lambda.png", plt)
             draw_seed_figure4(folder, spec, Path(folder) / "seed_figure4.png", plt)
             draw_figure5(folder, spec, Path(folder) / "seed_figure5.png", plt)
