@@ -255,46 +255,6 @@ def parse_granularities(text):
     return names
 
 
-def skip_word_mask(input_ids, word_starts, vocab_tokens, tables=None):
-    """True at the start of each word that must not be a word-level span: an English stopword
-    (scikit-learn's list, checked on the whole word, pieces joined) or a word with no letter or digit.
-    Departure (costa-word-punct): the paper filters stopwords only; we also skip words with no letter or
-    digit, since punctuation ("," ".") makes an equally empty positive. tables: word_tables(vocab_tokens),
-    made once by the caller: a word is then decided by its first piece, and joined only when it may matter."""
-    skip_alone, is_piece, may_join = tables or word_tables(vocab_tokens)
-    ids, starts = np.asarray(input_ids), np.flatnonzero(word_starts)            # (L,), (W,) word starts
-    ends = np.append(starts[1:], len(ids))                                       # (W,)
-    joined = np.logical_or.reduceat(is_piece[ids], starts) if len(starts) else starts > 0  # (W,) has "##" pieces
-    mask = np.zeros(len(ids), dtype=bool)
-    mask[starts] = skip_alone[ids[starts]] & ~joined                             # one-piece words: the table
-    for start, end in zip(*(x[joined & may_join[ids[starts]]].tolist() for x in (starts, ends))):
-        parts = [vocab_tokens[t] for t in input_ids[start:end]]                  # a word of several pieces
-        word = parts[0] + "".join(p[2:] for p in parts[1:] if p.startswith("##"))  # not [SEP]
-        mask[start] = word in stopwords() or not any(ch.isalnum() for ch in word)
-    return mask
-
-
-@functools.cache
-def stopwords():
-    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS  # here: sklearn takes seconds to import
-    return ENGLISH_STOP_WORDS
-
-
-def word_tables(vocab_tokens):
-    """skip_word_mask's tables, (V,) bool each: skip_alone (the entry, as a whole word, is skipped); is_piece
-    (a "##" piece); may_join (a word that starts with it may join its pieces into a skipped word: it has no
-    letter or digit, or it begins a stopword that is no entry, WordPiece taking the longest prefix first)."""
-    index = {token: i for i, token in enumerate(vocab_tokens)}
-    no_alnum = np.array([not any(ch.isalnum() for ch in t) for t in vocab_tokens], dtype=bool)
-    skip_alone = no_alnum | np.array([t in stopwords() for t in vocab_tokens], dtype=bool)
-    may_join = no_alnum.copy()
-    for word in stopwords() - index.keys():
-        prefix = next((word[:k] for k in range(len(word) - 1, 0, -1) if word[:k] in index), None)
-        if prefix:
-            may_join[index[prefix]] = True
-    return skip_alone, np.array([t.startswith("##") for t in vocab_tokens], dtype=bool), may_join
-
-
 def word_spans(word_starts, n_tokens, stopword_mask=None):
     """Candidate word-level spans [start, end), (n, 2): the whole words between [CLS] and [SEP]."""
     sep = n_tokens - 1
@@ -353,7 +313,7 @@ class Batches(torch.utils.data.Dataset):
         tokenizer = data.load_tokenizer(c.vocab)
         self.special = data.special_ids(tokenizer)                 # {"cls": 101, "sep": 102, "mask": 103, ...}
         self.vocab_tokens = [tokenizer.id_to_token(i) for i in range(tokenizer.get_vocab_size())]  # to find stopwords
-        self.word_tables = word_tables(self.vocab_tokens)
+        self.word_tables = data.word_tables(self.vocab_tokens)
 
     def __len__(self):
         return self.c.steps * self.c.grad_accum
@@ -375,7 +335,7 @@ class Batches(torch.utils.data.Dataset):
             for i, w in zip(rows, windows):   # (arrays: the span sampling's numpy steps need no conversion each)
                 tokens, starts = np.asarray(w.input_ids), np.asarray(w.word_starts, dtype=bool)
                 spans.append(sample_spans(starts, len(tokens), c, rng(i),
-                                          skip_word_mask(tokens, starts, self.vocab_tokens, self.word_tables)))
+                                          data.skip_word_mask(tokens, starts, self.vocab_tokens, self.word_tables)))
             batch["spans"] = torch.from_numpy(np.array(spans, dtype=np.int64))   # (B, S, 2)
         return batch
 
