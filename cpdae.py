@@ -400,9 +400,8 @@ class Batches(torch.utils.data.Dataset):
 # Training loop
 # ==============================================================================================
 def train(c):
-    """Pre-train with CPDAE. Every check comes first (flags when parsed; here the run folder, --init,
-    the vocabulary, the batch arithmetic, the corpus), then the steps. The method (PretrainModel,
-    Batches) and the distributed steps are here; each piece of run machinery is one call into run.py."""
+    """Pre-train with CPDAE. Every check comes first (flags when parsed; here the run folder, --init, the
+    vocabulary, the batch arithmetic, the corpus), then the steps. Run machinery: one call each into run.py."""
     rank, world, device = setup_distributed(c.dist_timeout)      # torchrun: one process per device
     torch.manual_seed(c.seed)                                    # the encoder's and the decoder's init
     c = run.start_run(c, world)                                  # --init found, run folder free, batch split
@@ -511,10 +510,7 @@ class SelfAttention(nn.Module):
     def __init__(self, c):
         super().__init__()
         self.heads, self.dropout = c.num_heads, c.dropout
-        self.query = nn.Linear(c.hidden_size, c.hidden_size)
-        self.key = nn.Linear(c.hidden_size, c.hidden_size)
-        self.value = nn.Linear(c.hidden_size, c.hidden_size)
-        self.out = nn.Linear(c.hidden_size, c.hidden_size)
+        self.query, self.key, self.value, self.out = (nn.Linear(c.hidden_size, c.hidden_size) for _ in range(4))
 
     def forward(self, x, attend):                       # x (B, L, H); attend (B, 1, 1, L) True = key visible
         B, L, H = x.shape

@@ -1183,10 +1183,7 @@ class SelfAttention(nn.Module):
     def __init__(self, c):
         super().__init__()
         self.heads, self.dropout = c.num_heads, c.dropout
-        self.query = nn.Linear(c.hidden_size, c.hidden_size)
-        self.key = nn.Linear(c.hidden_size, c.hidden_size)
-        self.value = nn.Linear(c.hidden_size, c.hidden_size)
-        self.out = nn.Linear(c.hidden_size, c.hidden_size)
+        self.query, self.key, self.value, self.out = (nn.Linear(c.hidden_size, c.hidden_size) for _ in range(4))
 
     def forward(self, x, attend):                       # x (B, L, H); attend (B, 1, 1, L) True = key visible
         B, L, H = x.shape
