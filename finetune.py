@@ -40,7 +40,6 @@ from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -362,72 +361,35 @@ def write_negatives(path, negatives, doc_ids):
 # ==============================================================================================
 # Mining: negatives from BM25 and from the current model (evaluate.py's retrieval layer)
 # ==============================================================================================
-
-
-def broadcast_rank0_choice(flag, device):
-    """Rank 0's boolean, on every rank (so that all ranks take the same branch around collectives)."""
-    return bool(broadcast_rank0_int(int(flag), device))
-
-
-def broadcast_rank0_int(value, device):
-    """Rank 0's integer, on every rank."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    t = torch.tensor([value], device=device, dtype=torch.long)
-    dist.broadcast(t, 0)
-    return int(t.item())
-
-
 def bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, path, device, is_rank0):
     """Stage-1 pools: BM25's top bm25_depth for each training query minus its positives. Every rank
     builds the index and searches its own share of the queries; the shares are exchanged through files
-    (share_through_files: no collective waits while another rank still searches) and rank 0 caches
+    (run.share_through_files: no collective waits while another rank still searches) and rank 0 caches
     them in `path` for --resume. --bm25_negatives reads the pools instead (MS MARCO: Tevatron's)."""
     if c.bm25_negatives:
         ranked = read_negatives(c.bm25_negatives, doc_index)
-    elif broadcast_rank0_choice(c.resume and path.is_file(), device):
+    elif run.broadcast_rank0_choice(c.resume and path.is_file(), device):
         ranked = read_negatives(path, doc_index)
     else:
         rank, world = rank_and_world()
-        tag = broadcast_rank0_int(int(time.time() * 1000) % 2**40, device)   # this run's part files
+        tag = run.broadcast_rank0_int(int(time.time() * 1000) % 2**40, device)   # this run's part files
         t0 = time.time()
         mine = [examples[i] for i in data.shard(len(examples), rank, world)]
         _, ids = evaluate.BM25(doc_texts, c.k1, c.b).search([ex.query for ex in mine], c.bm25_depth)
         ranked = {ex.qid: row.tolist() for ex, row in zip(mine, ids)}
         if world > 1:
-            ranked = share_through_files(path, ranked, doc_ids, doc_index, tag, 2 * (time.time() - t0) + 600)
+            ranked = run.share_through_files(path, ranked, tag, 2 * (time.time() - t0) + 600)
         if is_rank0:
             write_negatives(path, ranked, doc_ids)
     return [ex._replace(negatives=negatives_from_ranking(ranked.get(ex.qid, [])[:c.bm25_depth], ex.positives))
             for ex in examples]
 
 
-def share_through_files(path, ranked, doc_ids, doc_index, tag, patience_s):
-    """Every rank's {qid: ranking} merged, on every rank, through one file per rank beside `path`. A rank
-    that finishes early polls the files instead of sitting in a collective whose timeout could expire
-    while a slower rank still searches; it gives up with one line after patience_s seconds. The
-    barrier comes after every rank has read every file, and rank 0 then removes them."""
-    rank, world = rank_and_world()
-    parts = [path.with_name(f"{path.stem}.{tag}.part{r}-of-{world}{path.suffix}") for r in range(world)]
-    write_negatives(parts[rank], ranked, doc_ids)
-    deadline = time.time() + patience_s
-    while missing := [p for p in parts if not p.is_file()]:
-        if time.time() > deadline:
-            raise data.DataError(f"{missing[0]}: not written by its rank within {patience_s:.0f} s of this one's")
-        time.sleep(1)
-    merged = {q: r for p in parts for q, r in read_negatives(p, doc_index).items()}
-    run.barrier()
-    if rank == 0:
-        for p in parts:
-            p.unlink()
-    return merged
-
-
 def hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc_index, path, device, is_rank0):
     """Stage-2 pools, mined once from the current model: its top hard_depth for each training query,
     the first hard_skip ranks skipped, positives removed. Sharded across ranks by evaluate.retrieve();
     rank 0 caches the result in `path` (TSV) for --resume."""
-    if broadcast_rank0_choice(c.resume and path.is_file(), device):
+    if run.broadcast_rank0_choice(c.resume and path.is_file(), device):
         ranked = read_negatives(path, doc_index)
     else:
         t0 = time.time()
@@ -463,7 +425,7 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
     rank, world = rank_and_world()
     sc = dataclasses.replace(c, out_dir=str(Path(c.out_dir) / stage), vocab=tokenizer_vocab(c),
                              steps=stage_steps(c, len(examples), epochs, world))
-    if broadcast_rank0_choice(c.resume and (Path(sc.out_dir) / "done.json").is_file(), device):
+    if run.broadcast_rank0_choice(c.resume and (Path(sc.out_dir) / "done.json").is_file(), device):
         if is_rank0:
             print(f"{stage}: already finished, loading {Path(sc.out_dir) / 'encoder'}")
         return evaluate.load_encoder(Path(sc.out_dir) / "encoder", c).to(device)

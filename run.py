@@ -607,6 +607,41 @@ def barrier():
     return _distributed() and torch.distributed.barrier()
 
 
+def broadcast_rank0_choice(flag, device):
+    """Rank 0's boolean, on every rank (so that all ranks take the same branch around collectives)."""
+    return bool(broadcast_rank0_int(int(flag), device))
+
+
+def broadcast_rank0_int(value, device):
+    """Rank 0's integer, on every rank."""
+    if not _distributed():
+        return value
+    t = torch.tensor([value], device=device, dtype=torch.long)
+    torch.distributed.broadcast(t, 0)
+    return int(t.item())
+
+
+def share_through_files(path, mine, tag, patience_s):
+    """Every rank's dict (JSON: str keys) merged, on every rank, through one file per rank beside `path`. A rank
+    that finishes early polls the files instead of sitting in a collective whose timeout could expire while a
+    slower rank still works; it gives up with one line after patience_s seconds. The barrier comes after every
+    rank has read every file, and rank 0 then removes them."""
+    rank, world = _rank(), torch.distributed.get_world_size() if _distributed() else 1
+    parts = [path.with_name(f"{path.stem}.{tag}.part{r}-of-{world}.json") for r in range(world)]
+    data.atomic_write_text(parts[rank], json.dumps(mine))
+    deadline = time.time() + patience_s
+    while missing := [p for p in parts if not p.is_file()]:
+        if time.time() > deadline:
+            raise data.DataError(f"{missing[0]}: not written by its rank within {patience_s:.0f} s of this one's")
+        time.sleep(1)
+    merged = {k: v for p in parts for k, v in data.read_json(p).items()}
+    barrier()
+    if rank == 0:
+        for p in parts:
+            p.unlink()
+    return merged
+
+
 def peak_memory_mb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20

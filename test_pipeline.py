@@ -1029,11 +1029,9 @@ def test_bm25_sparse_top_k_equals_the_dense_rows_and_scifact_keeps_its_rankings(
 
 
 def _share_worker(rank, world, tmp_path):
-    doc_ids = [f"d{i}" for i in range(6)]
     if rank == 1:
         time.sleep(4)                      # a slower BM25 share: longer than the group's 2 s collective timeout
-    ranked = finetune.share_through_files(tmp_path / "negatives_bm25.tsv", {f"q{rank}": [rank, 5]}, doc_ids,
-                                          {d: i for i, d in enumerate(doc_ids)}, tag=7, patience_s=60)
+    ranked = run.share_through_files(tmp_path / "negatives_bm25.tsv", {f"q{rank}": [rank, 5]}, tag=7, patience_s=60)
     torch.save(ranked, tmp_path / f"rank{rank}.pt")
 
 
