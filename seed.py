@@ -81,10 +81,9 @@ BOTTLENECKS = ("cls", "mean")   # --bottleneck: which vector of the encoder a me
 
 
 def text_vector(hidden, attention_mask, bottleneck="cls"):
-    """The text's vector, the one a method trains (and retrieval should read): "cls" = the last layer's
-    [CLS] state, the papers'; "mean" = the mean of the output tokens over the attention mask ([CLS],
-    [SEP] and [MASK] included, padding not), the pooling all-MiniLM-L6-v2 was trained with and
-    finetune.py reads for it. Departure (option-bottleneck-mean): the papers bottleneck through [CLS].
+    """The text's vector, the one a method trains (and retrieval should read): "cls" = the last layer's [CLS]
+    state, the papers'; "mean" = the mean of the output tokens over the attention mask (padding not), MiniLM's
+    pooling. Departure (option-bottleneck-mean): the papers bottleneck through [CLS].
     hidden (B, L, H), attention_mask (B, L) 1 = token -> (B, H)."""
     if bottleneck == "cls":
         return hidden[:, 0]                                                      # (B, H)
@@ -204,11 +203,10 @@ def mlm_loss(hidden, labels, head):
 
         L_MLM = - sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = the masked positions
 
-    Departure (mlm-mean): the papers write this sum; we take the mean over the masked tokens (times
-    1/|m(x)|), as BERT's and SEED's code do, so that a loss weight (lambda) does not depend on how many
-    tokens a batch masks. Only the masked positions go through `head` (the vocabulary projection is most of the
-    cost). hidden (B, L, H), labels (B, L) with -100 where nothing is predicted, head: MLMHead. Returns (loss,
-    n_correct, n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
+    Departure (mlm-mean): the papers write this sum; we take the mean over the masked tokens, as BERT's and SEED's
+    code do, so that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
+    positions go through `head`. hidden (B, L, H), labels (B, L) -100 = none, head: MLMHead -> (loss, n_correct,
+    n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
     chosen = labels != -100                                     # (B, L)
     if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
         return head(hidden[:1, 0]).sum() * 0.0, 0, 0
@@ -375,10 +373,8 @@ def train(c):
 # ==============================================================================================
 # --- shared: begin encoder ---
 def drop_mask(shape, p):
-    """A boolean mask, each element True (dropped) with probability p, for dropout on CPU. It comes from
-    numpy's PCG64, seeded from torch's generator (so torch.manual_seed still fixes every mask), one
-    uniform 32-bit integer per element: P(True) = round(p * 2^32) / 2^32. 4x faster than torch's
-    bernoulli_, which was a third of the training step (results/speed/micro.py)."""
+    """A boolean mask, each element True (dropped) with probability p, for dropout on CPU: numpy's PCG64 seeded
+    from torch's generator, one uniform int32 per element; 4x faster than torch's bernoulli_ (results/speed)."""
     n = int(np.prod(shape))
     bits = np.random.PCG64(int(torch.randint(2**62, ()))).random_raw((n + 1) // 2)   # uint64: 2 draws each
     draws = torch.from_numpy(bits.view(np.int32)[:n]).view(shape)                   # uniform int32
@@ -386,8 +382,7 @@ def drop_mask(shape, p):
 
 
 def dropout(x, p, training):
-    """BERT's dropout: each element zeroed with probability p, the others scaled by 1 / (1 - p);
-    drop_mask on CPU, F.dropout on GPU."""
+    """BERT's dropout: each element zeroed with probability p, the others scaled by 1 / (1 - p)."""
     if not training or p == 0.0:
         return x
     if x.device.type != "cpu":
@@ -413,12 +408,9 @@ class Embeddings(nn.Module):
 
 
 def attention(q, k, v, attend, p):
-    """softmax(q k^T / sqrt(d)) v per head, with dropout p on the probabilities (BERT's attention
-    dropout). q, k, v (B, heads, L, d); attend (B, 1, 1, L) or (L, L), True = key visible.
-    scaled_dot_product_attention (fused kernels) on GPU, and on CPU without gradients (encoding).
-    Training on CPU writes the equation out: 2.7x as fast there as SDPA, whose CPU kernel has no
-    dropout (it falls back to its math path and torch's slow dropout) and a slow backward
-    (results/speed/micro.py)."""
+    """softmax(q k^T / sqrt(d)) v per head, dropout p on the probabilities. q, k, v (B, heads, L, d); attend
+    (B, 1, 1, L) or (L, L), True = key visible. SDPA on GPU and in encoding; training on CPU writes the
+    equation out, 2.7x as fast there as SDPA's kernel with dropout (results/speed/micro.py)."""
     if q.device.type != "cpu" or not torch.is_grad_enabled():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=p)
     hide = torch.zeros(attend.shape).masked_fill(~attend, torch.finfo(torch.float32).min)  # like attend
@@ -480,9 +472,8 @@ class MLMHead(nn.Module):
 
 
 class Encoder(nn.Module):
-    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
-    forward returns the last hidden states, from which text_vector takes the text's vector. Loading
-    and saving Hugging Face folders: run.load_pretrained(Encoder, folder, c), run.save_pretrained."""
+    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler. forward returns
+    the last hidden states. Hugging Face folders: run.load_pretrained(Encoder, folder, c), run.save_pretrained."""
 
     def __init__(self, c):
         super().__init__()
@@ -511,9 +502,8 @@ class Encoder(nn.Module):
 
 # --- shared: begin distributed ---
 def setup_distributed(timeout_s=600.0):
-    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
-    CPU. Plain `python x.py` runs one process. A rank that waits timeout_s for the others at a collective
-    ends the job (torch's default for gloo is 30 minutes). Returns (rank, world, device)."""
+    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on CPU; plain
+    `python x.py` runs one. A rank that waits timeout_s at a collective ends the job. -> (rank, world, device)."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -537,9 +527,8 @@ def rank_and_world():
 
 
 class GatherWithGrad(torch.autograd.Function):
-    """all_gather that keeps gradients: every rank's loss used this rank's vectors as candidates, so
-    backward hands each rank the sum over ranks of the gradient of its own slice. (The same as the
-    deprecated torch.distributed.nn.functional.all_gather; equal sizes on every rank.)"""
+    """all_gather that keeps gradients: every rank's loss used this rank's vectors as candidates, so backward
+    hands each rank the sum over ranks of the gradient of its own slice (equal sizes on every rank)."""
 
     @staticmethod
     def forward(ctx, t):                                                  # (n, ...)
