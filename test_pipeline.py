@@ -4361,8 +4361,8 @@ def test_evaluate_checks_vocab_against_the_model_and_leaves_no_folder(tmp_path):
 def test_finetune_uses_an_explicit_vocab_over_the_init_folders(tmp_path):
     init, vocab = _tiny_init(tmp_path / "init"), tmp_path / "vocab.txt"
     shutil.copyfile(data.VOCAB, vocab)
-    assert finetune.tokenizer_vocab(finetune.Config(init=init, vocab=str(vocab))) == str(vocab)
-    assert finetune.tokenizer_vocab(finetune.Config(init=init)) == str(Path(init) / "vocab.txt")
+    assert run.run_vocab(finetune.Config(init=init, vocab=str(vocab))) == str(vocab)
+    assert run.run_vocab(finetune.Config(init=init)) == str(Path(init) / "vocab.txt")
 
 
 def test_a_chance_of_zero_has_no_ratio():
