@@ -11,11 +11,10 @@ papers' BERT/MLM baseline. The paper's equations, in order, and the function tha
     eq. 9     masked language modelling                                mlm_loss
     eq. 10    L = lambda L_GWC + L_MLM                                 PretrainModel.terms
 
-Top to bottom: config, model, loss, data, the training loop (train); then what train() wraps around the
-method (fp32, all ranks' negatives) and the blocks every method file owns a copy of (the BERT encoder, the
-distributed gather). The run machinery (run folder, resume,
-checkpoints, progress, Ctrl-C) is in run.py, one call each from train(). Each departure from the paper
-is said where it happens, tagged with its key; docs/departures.md lists them all.
+Top to bottom: config, model, loss, data, the training loop (train); then the blocks every method file owns a
+copy of (the BERT encoder, the distributed gather) and what train() wraps around the method (fp32, all ranks'
+negatives). The run machinery (run folder, resume, checkpoints, progress, Ctrl-C) is in run.py, one call each
+from train(). Each departure from the paper is said where it happens, tagged; docs/departures.md lists them.
 
     python costa.py --preset lab                     # first: its head learns, on a CPU (docs/lab.md)
     python costa.py                                  # small model, bundled Wikipedia slice, CPU, from scratch
@@ -67,11 +66,10 @@ class Config(run.TrainConfig):
     out_dir: str = "runs/costa"   # checkpoints, config.json and log.jsonl go here
 
 
-# --preset paper: section 4.5.1 "Model Pre-training". From BERT's checkpoint (--init bert-base-uncased),
-# BERT-base sizes, lr 5e-5 with Adam and linear warm-up over the first 10% of steps (then linear decay:
-# the paper does not say), 6 epochs of Wikipedia, chunks of at most 512 tokens, tau 0.1, lambda 0.1
-# (Config's defaults). Silent: the pre-training batch size (we keep --batch_size 32 per rank on its
-# up to 4 GPUs; set --global_batch to fix it), Adam's epsilon (torch's 1e-8), weight decay and clipping.
+# --preset paper: section 4.5.1. From BERT's checkpoint (--init bert-base-uncased), BERT-base sizes, lr 5e-5 with
+# Adam and 10% linear warm-up (then linear decay: the paper does not say), 6 epochs of Wikipedia, chunks of at
+# most 512 tokens, tau 0.1, lambda 0.1 (Config's defaults). Silent: the batch size (we keep --batch_size 32 per
+# rank on its up to 4 GPUs; --global_batch fixes it), Adam's epsilon (torch's 1e-8), weight decay and clipping.
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=5e-5,
                     warmup=0.1, epochs=6.0, **run.PAPER_RUN)   # PAPER_RUN: workers, checkpoints
 # --preset lab: run.LAB_PRESET (from MiniLM on SciFact, 50 steps), eq. 8 on cosines: the dot product of

@@ -12,10 +12,9 @@ the two views' word distributions. The paper's equations, in order, and the func
     eq. 6     L = L_REC + L_MLM + lambda L_CL                          PretrainModel.terms (L_MLM: mlm_loss)
     eq. 7     the similarity s = -JS(z_tilde', z_tilde'')              js_similarity (CPDAE_R: cosine_similarity)
 
-It has costa.py's skeleton section for section, with COSTA's own parts (spans, projector, eq. 8)
-swapped for CPDAE's: `diff costa.py cpdae.py` shows that swap, the losses as one block. The run machinery
-(run folder, resume, checkpoints, progress, Ctrl-C) is in run.py, one call each from train(). Each departure
-from the paper is said where it happens, tagged with its key; docs/departures.md lists them all.
+It has costa.py's skeleton section for section, COSTA's own parts swapped for CPDAE's (`diff costa.py
+cpdae.py`). The run machinery (run folder, resume, checkpoints, progress, Ctrl-C) is in run.py, one call each
+from train(). Each departure from the paper is said where it happens, tagged; docs/departures.md lists them.
 
     python cpdae.py --preset lab                     # first: its head learns, on a CPU (docs/lab.md)
     python cpdae.py                                  # small model, bundled Wikipedia slice, CPU, from scratch
@@ -65,12 +64,10 @@ class Config(run.TrainConfig):
     out_dir: str = "runs/cpdae"   # checkpoints, config.json and log.jsonl go here
 
 
-# --preset paper: section 4.1.3 "Pre-training details". From BERT's checkpoint (--init bert-base-uncased),
-# BERT-base sizes, decoder output 30,522 (BERT's vocabulary), lr 5e-5 with Adam and linear warm-up over
-# the first 10% of steps, 3 epochs of Wikipedia, batch m = 64 texts (x 2 masked views) over all ranks
-# (global_batch: batch_size = 64 / processes), lambda 0.1 (Config's default). Silent: the maximum length
-# (we take 512, BERT's and the same authors' COSTA), Adam's epsilon (torch's 1e-8), the decay after
-# warm-up (linear), weight decay and clipping.
+# --preset paper: section 4.1.3. From BERT's checkpoint (--init bert-base-uncased), BERT-base sizes, lr 5e-5 with
+# Adam and 10% linear warm-up, 3 epochs of Wikipedia, batch m = 64 texts (x 2 views) over all ranks, lambda 0.1
+# (Config's default). Silent: the maximum length (512: BERT's and the authors' COSTA), Adam's epsilon (torch's
+# 1e-8), the decay after warm-up (linear), weight decay and clipping.
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=5e-5,
                     warmup=0.1, epochs=3.0, global_batch=64, **run.PAPER_RUN)   # PAPER_RUN: workers, checkpoints
 # --preset lab: run.LAB_PRESET (MiniLM on SciFact, 50 steps), eq. 4 per word and -JS / 0.02 (eq. 5 then moves).
@@ -104,11 +101,9 @@ def text_vector(hidden, attention_mask, bottleneck="cls"):
 
 
 class Decoder(nn.Module):
-    """MLP decoder (3.1.2, eq. 2): z = Linear(H, |V|)(LayerNorm(GELU(Linear(H, H)(h_[CLS])))), one logit
-    per vocabulary entry. The layout is our reading of "two layers of FFN with GELU and a LayerNorm"
-    (the order, the hidden size H and an output untied from the word embeddings are not given; it is
-    the layout of BERT's MLM head, untied). Dropped for fine-tuning, kept beside the encoder for the
-    Table 4 figure."""
+    """MLP decoder (3.1.2, eq. 2): z = Linear(H, |V|)(LayerNorm(GELU(Linear(H, H)(h_[CLS])))), one logit per
+    vocabulary entry: our reading of "two layers of FFN with GELU and a LayerNorm" (BERT's MLM head, untied; the
+    paper gives no order or size). Dropped for fine-tuning, kept beside the encoder for the Table 4 figure."""
 
     def __init__(self, hidden_size, vocab_size, layer_norm_eps=1e-12):
         super().__init__()
@@ -225,10 +220,8 @@ def js_divergence(p, q):
 
 
 def cosine_similarity(anchors, candidates, temperature=0.1):
-    """CPDAE_R's similarity of [CLS] vectors: cos / temperature (a, H) x (b, H) -> (a, b).
-    Departure (cpdae-r-cosine): the paper names no similarity for CPDAE_R; cosine / 0.1 (as in
-    SimCLR-style losses) is ours.
-    fp32 with autocast off (under autocast a matmul runs in bf16 even on fp32 inputs)."""
+    """CPDAE_R's similarity of [CLS] vectors: cos / temperature (a, H) x (b, H) -> (a, b), fp32.
+    Departure (cpdae-r-cosine): the paper names no similarity for CPDAE_R; cosine / 0.1 (as SimCLR's) is ours."""
     with torch.autocast(anchors.device.type, enabled=False):
         a = F.normalize(anchors.float(), dim=-1)                                 # (a, H)
         b = F.normalize(candidates.float(), dim=-1)                              # (b, H)
@@ -326,13 +319,11 @@ def bag_of_words(input_ids, vocab_size, special_ids):
 
 
 def idf_from_df(df, n_texts):
-    """IDF of every vocabulary id (Table 2, IDF-REC), from df (V,) int64 over N texts (the pre-training
-    windows, the texts that are reconstructed):
+    """IDF of every vocabulary id (Table 2, IDF-REC) from df (V,) over the N pre-training windows:
 
         idf(j) = log((N + 1) / (df(j) + 1)) + 1,   df(j) = number of texts containing j
 
-    (smoothed, as scikit-learn). Always >= 1: the unsmoothed log(N / (1 + df)) turns negative for the
-    commonest words and would reward predicting them wrong. The paper gives no formula."""
+    (smoothed, as scikit-learn; the paper gives no formula). Always >= 1: an unsmoothed one turns negative."""
     df = torch.from_numpy(df.astype(np.float64))                                         # (V,)
     return (torch.log((n_texts + 1.0) / (df + 1.0)) + 1.0).float()                       # (V,)
 
@@ -348,9 +339,8 @@ def document_frequency(ids, offsets, vocab_size):
 
 
 def cached_idf(windows, vocab_size, rank, chunk=1 << 16):
-    """IDF (idf_from_df) over a token cache's windows (data.TokenWindows), the one training runs: df
-    counted in chunks of windows, so memory is bounded by the chunk; built once by rank 0 into the cache
-    folder, then read by every rank and run."""
+    """IDF (idf_from_df) over a token cache's windows, the one training runs: df counted a chunk of windows at a
+    time, built once by rank 0 into the cache folder, then read by every rank and run."""
     path = windows.folder / f"idf-L{windows.max_len}-V{vocab_size}.npy"
 
     def build():
@@ -372,8 +362,7 @@ def cached_idf(windows, vocab_size, rank, chunk=1 << 16):
 class Batches(torch.utils.data.Dataset):
     """Item m is this rank's batch at micro-step m: a pure function of (seed, rank, m), so data-loader
     workers can build batches ahead on the CPU and a resumed run sees exactly the same batches.
-    CPDAE: every window is masked twice, independently: input_ids and labels are (2B, L) = [d'; d''];
-    attention_mask (B, L) is shared (so tokens/s counts text tokens once); bag (B, V) is eq. 4's y."""
+    CPDAE: every window masked twice: input_ids, labels (2B, L) = [d'; d'']; attention_mask (B, L); bag (B, V) y."""
 
     def __init__(self, c, windows, rank, world):
         self.c, self.windows, self.rank, self.world = c, windows, rank, world
