@@ -328,7 +328,7 @@ class Batches(torch.utils.data.Dataset):
             step_rng = np.random.default_rng(data.step_seed(c.seed, self.rank, micro_step, "spans"))
             rng = lambda i: step_rng if c.span_resample else np.random.default_rng([c.seed, i])  # per window
             spans = []
-            for i, w in zip(rows, windows):   # (arrays: the span sampling's numpy steps need no conversion each)
+            for i, w in zip(rows, windows):   # word spans skip stopwords and punctuation (data.py: costa-word-punct)
                 tokens, starts = np.asarray(w.input_ids), np.asarray(w.word_starts, dtype=bool)
                 spans.append(sample_spans(starts, len(tokens), c, rng(i),
                                           data.skip_word_mask(tokens, starts, self.vocab_tokens, self.word_tables)))

@@ -935,7 +935,7 @@ def main(c):
     if c.model:
         model_list(c)   # one model: several go with mechanisms.py's figures and measurements
     rank, _, device = setup_distributed()
-    out_dirs = output_folders(c, names)            # before 'minilm' becomes a folder
+    out_dirs = [split_out_dir(c, name, len(names) > 1) for name in names]   # before 'minilm' becomes a folder
     new = sorted({p for f in out_dirs for p in (f, *f.absolute().parents) if not p.exists()}, key=lambda p: -len(p.parts))
     try:
         hold_out_dirs(out_dirs)
@@ -946,11 +946,6 @@ def main(c):
         for folder in new if rank == 0 else []:    # a refused run leaves no folder it made (deepest first;
             with contextlib.suppress(OSError):     # one with files in it stays)
                 folder.rmdir()
-
-
-def output_folders(c, names):
-    """The folders this evaluation writes into: one per split."""
-    return [split_out_dir(c, name, len(names) > 1) for name in names]
 
 
 def hold_out_dirs(folders):
