@@ -111,8 +111,7 @@ def train_wordpiece(texts, out_path, vocab_size=30522, min_frequency=2):
 # 2. One micro-step: its batch (windows, padding, masks, random streams), bad input, each accuracy's chance
 # ----------------------------------------------------------------------------------------------
 def batch_indices(n_examples, batch_size, rank, world, seed, micro_step):
-    """Example indices of this rank's batch at a micro-step, a function of the step alone (resuming needs no loader
-    state); ranks take disjoint slices of one shuffled global batch."""
+    """This rank's example indices at a micro-step, a function of the step alone (ranks: slices of one global batch)."""
     per_epoch = batches_per_epoch(n_examples, batch_size, world)
     epoch, index = divmod(micro_step, per_epoch)
     order = _epoch_order(n_examples, seed, epoch)
@@ -267,8 +266,7 @@ def iter_jsonl(path, bad_bytes="stop"):
 
 
 def iter_tsv(path, n_columns, header=None):
-    """Yield (line_number, fields) of a tab-separated file with exactly n_columns per line; header: a header
-    line's first field (BEIR qrels: 'query-id'), that line skipped."""
+    """Yield (line_number, fields) of a TSV file of n_columns per line, a header line (first field `header`) skipped."""
     for number, line in read_lines(path):
         fields = line.rstrip("\r\n").split("\t")
         if not line.strip() or (number == 1 and header is not None and fields[0] == header):
@@ -884,8 +882,7 @@ def _close_pool(pool, folder):
 
 
 def _stop_pool(pool, bound=10):
-    """Pool.terminate(), waited on at most `bound` seconds (a worker killed while waiting for a task holds the queue's
-    lock for ever), then the workers killed."""
+    """Pool.terminate(), waited on at most `bound` s (a killed worker may hold the queue's lock for ever), then kill."""
     import threading
     stopper = threading.Thread(target=pool.terminate, daemon=True)
     stopper.start()
@@ -923,8 +920,7 @@ def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, ver
 
 
 def cache_bytes_needed(corpus, vocab, chars_per_token=4.0):
-    """About how many bytes a corpus's token cache takes: per token its id (2 or 4 bytes) and its word start (1), at
-    about 4 characters a token (a guess: the tokens are not counted yet)."""
+    """About the bytes of a corpus's token cache: per token its id (2 or 4) and word start (1), ~4 characters each."""
     return int(corpus_chars(corpus) / chars_per_token * ((2 if vocab_size_of(vocab) <= 1 << 16 else 4) + 1))
 
 
@@ -989,8 +985,7 @@ def _unreadable(folder, what):
 
 
 def _read(folder, name, dtype=None):
-    """A cache file: a .bin memory-mapped as dtype, a .npy memory-mapped, a .json parsed. A failure (numpy's, the
-    disk's) is one line naming the folder and the file."""
+    """A cache file: .bin memory-mapped as dtype, .npy memory-mapped, .json parsed; a failure is one line naming it."""
     path = Path(folder) / name
     try:
         if path.suffix == ".json":
@@ -1025,8 +1020,7 @@ def _write_windows(folder, max_len):
 
 
 class TokenWindows:
-    """The windows of a token cache as a sequence of Window (make_windows' items) read from the memory-mapped
-    arrays, without holding them. Pickles as its folder (data-loader workers)."""
+    """A token cache's windows as a sequence of Window (make_windows' items), memory-mapped; pickles as its folder."""
 
     def __init__(self, folder, max_len, special):
         self.folder, self.max_len, self.special = Path(folder), max_len, special
@@ -1091,8 +1085,7 @@ def _last_change(folder, since):
 
 
 def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbose=True, bad_bytes="stop"):
-    """The pre-training windows of a corpus, a TokenWindows: a token cache built on first use (rank 0), checked on
-    every use (a stale or damaged one rebuilt, saying why)."""
+    """A corpus's pre-training windows (TokenWindows) from its token cache: built once (rank 0), checked every use."""
     folder = token_cache_folder(corpus, vocab, cache_dir, max_len)
     signature = corpus_signature(corpus, vocab)
     if rank == 0 and folder.is_dir():
@@ -1226,8 +1219,7 @@ def counted(items, progress):
 
 
 class ProgressLine:
-    """A line every PROGRESS_EVERY_S seconds on rank 0 while a long step runs, in the training lines' format; total 0
-    = unknown (no ETA). Call add(n) as items are done."""
+    """A line every PROGRESS_EVERY_S s on rank 0 while a long step runs (total 0: no ETA); add(n) as items are done."""
 
     def __init__(self, what, total=0, unit="items", rank=None):
         self.what, self.total, self.unit, self.done = what, total, unit, 0

@@ -450,8 +450,7 @@ def _encode_into(out, encoder, pooling, tokenizer, texts, max_len, batch_size, d
 
 
 def check_finite(vecs, encoder, rows, texts):
-    """A NaN or inf vector (a damaged checkpoint, an overflow) would rank nothing, silently: one line naming the
-    model (load_encoder records its folder) and the first text that gave one."""
+    """A NaN or inf vector would rank nothing, silently: one line naming the model and the first text giving one."""
     bad = (~torch.isfinite(vecs)).any(1).nonzero()
     if len(bad):
         i = int(rows[int(bad[0])])
@@ -545,8 +544,7 @@ METRICS = ("MRR@10", "MRR@100", "Recall@10", "Recall@100", "Recall@1000", "NDCG@
 
 
 def trec_order(docs):
-    """[(docid, score)] best first, ties broken by docid DESCENDING as trec_eval does
-    (its qsort compares score, then strcmp(docno2, docno1)); docid compared as a string."""
+    """[(docid, score)] best first, ties broken by docid (a string) DESCENDING, as trec_eval's qsort does."""
     return sorted(docs.items(), key=lambda kv: (kv[1], kv[0]), reverse=True)
 
 
@@ -705,8 +703,7 @@ def evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c, dev
 
 
 def evaluate_splits(encoder, tokenizer, splits, c, device, tag="dense", depth=1000):
-    """evaluate_encoder on each (corpus, queries, qrels, out_dir) of splits, a corpus encoded once for all the splits
-    that share it: dev and test cost one encoding. Every rank calls this."""
+    """evaluate_encoder on each (corpus, queries, qrels, out_dir), a shared corpus encoded once; every rank calls it."""
     results, encoded = [], (None, None)                    # (the corpus, this rank's shard vectors)
     for corpus, queries, qrels, out_dir in splits:
         doc_ids = list(corpus)
@@ -899,8 +896,7 @@ def load_qrels_only(c):
 
 
 def compare_command(c):
-    """--compare A,B: per-metric means and paired t-tests of run A against run B over the judged queries both have
-    (one line says how many were left out; fewer than 2: refused)."""
+    """--compare A,B: per-metric means and paired t-tests over the judged queries both runs have (at least 2)."""
     paths = [p for p in c.compare.split(",") if p]
     if len(paths) != 2:
         raise ValueError(f"--compare expects two run files 'A.trec,B.trec', got {c.compare!r}")

@@ -151,8 +151,7 @@ def resolve_batch(c, world):
 
 
 def init_encoder(Encoder, c):
-    """The run's encoder (the calling script's class): BERT's random init, or the --init checkpoint,
-    whose model sizes replace c's. Says so when the checkpoint brings no MLM head."""
+    """The run's encoder: BERT's random init, or the --init checkpoint (its sizes replace c's; no MLM head: said)."""
     if not c.init:
         return Encoder(c)
     encoder = load_pretrained(Encoder, c.init, c)
@@ -263,15 +262,13 @@ class TrainingRun:
         self.progress = Progress(c, self.start_step, self.is_rank0)
 
     def waits_on_device(self, step):
-        """Whether this step may wait for the GPU's queue (a host sync): on the CPU always, on a GPU only on log,
-        checkpoint and last steps, so that the GPU never idles between."""
+        """Whether this step may sync with the GPU: on the CPU always; on a GPU at log, checkpoint and last steps."""
         c = self.c
         return (self.device.type != "cuda" or step % c.log_every == 0 or step % c.save_every == 0
                 or step in (c.steps, c.halt_at))
 
     def stop_if_not_finite(self, grad_norm, step):
-        """run.stop_if_not_finite every step on the CPU; on a GPU at the next step that syncs anyway (naming the
-        first non-finite norm). Every checkpoint comes after that check."""
+        """run.stop_if_not_finite, on a GPU at the next step that syncs anyway; every checkpoint comes after it."""
         self.step = step
         self.unchecked.append((step, grad_norm))
         if self.waits_on_device(step):
@@ -281,8 +278,7 @@ class TrainingRun:
                 stop_if_not_finite(norms[bad[0]], steps[bad[0]], self.c, self.saved)
 
     def end_of_step(self, step):
-        """After the optimizer step: log, checkpoint, and whether to stop (--halt_at; SIGTERM raises, on a GPU at
-        the next step that syncs anyway)."""
+        """After the optimizer step: log, checkpoint; True to stop (--halt_at; SIGTERM waits for a syncing step)."""
         c, self.step = self.c, step
         logs = step % c.log_every == 0 or step == c.steps
         if logs:
@@ -387,8 +383,7 @@ def stop_if_not_finite(grad_norm, step, c, last_saved=0):
 
 
 def batches(dataset, workers, micro_steps):
-    """dataset[i] for each micro-step i of the range (from the resumed step on), built ahead by `workers`
-    processes. The loader has its own generator: the global RNG (dropout) resumes exactly."""
+    """dataset[i] for each micro-step i of the range, built ahead by `workers` processes (dropout's RNG untouched)."""
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers, sampler=micro_steps,
                                          generator=torch.Generator(), worker_init_fn=_leave_sigterm_to_the_run,
                                          pin_memory=torch.cuda.is_available())   # page-locked: copied to the GPU async
@@ -402,8 +397,7 @@ def _leave_sigterm_to_the_run(worker_id):
 
 
 def autocast_bf16(device, enabled=True):
-    """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
-    as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
+    """bf16 autocast on GPUs and on CPUs with native bf16 (AVX512-BF16, AMX: ~2x fp32); off where it is emulated."""
     cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
     native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
@@ -524,8 +518,7 @@ class Progress:
         self.tokens += n_tokens
 
     def report(self, step, lr, device, head_lr=None):
-        """Every rank calls this at log steps (the average is a collective); rank 0 prints. lr: the encoder's;
-        head_lr: the new heads' where it differs (--head_warmup, --head_lr)."""
+        """At log steps, on every rank (the mean is a collective); rank 0 prints. head_lr: the heads' if it differs."""
         means = average_across_ranks({k: float(v) / self.count for k, v in self.sums.items()}, device)
         now = time.time()
         world = torch.distributed.get_world_size() if _distributed() else 1
@@ -551,8 +544,7 @@ class Progress:
 
 
 def keep_log_until(path, step):
-    """Drop the log lines after `step` (written after the checkpoint a resumed run restarts from, or by a
-    replaced run) and a line cut by a kill, so that the log holds each step once."""
+    """Drop the log lines after `step` (a resumed or replaced run's) and a line cut by a kill: each step once."""
     def logged(line):
         try:
             return json.loads(line)["step"] <= step
@@ -644,8 +636,7 @@ def max_rss_mib():
 # 4. Resume: a run continues exactly from its last checkpoint
 # ----------------------------------------------------------------------------------------------
 def check_resume_flags(c, saved, path):
-    """Stop with one line if state.pt is another script's, or if a flag that cannot change on resume
-    did. Returns the changed flags that may change, as '--lr 0.0005 -> 0.001' (or "")."""
+    """One line if state.pt is another script's or a frozen flag changed; the changed flags ('--lr 0.0005 -> 0.001')."""
     now = dataclasses.asdict(c)
     if foreign := sorted(set(saved) - set(now)):
         raise data.DataError(f"{path}: written by another script (it has --{foreign[0]}); resume it with that "
@@ -716,8 +707,7 @@ def check_stream(c, saved, now, step, path):
 
 
 def save_training_state(path, state):
-    """What resuming needs (model, optimizer, scheduler, step) in one file (atomic); no RNG state: batches, masks
-    and dropout are functions of (seed, rank, micro-step)."""
+    """What resuming needs, in one file (atomic); no RNG state: batches, masks, dropout are functions of the step."""
     data.atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
@@ -774,8 +764,7 @@ def check_run_folder(c, names=RUN_FILES):
 
 
 def check_writable(folder):
-    """Before any work: the folder, or the nearest part of its path that exists, is a writable folder; else the
-    OSError the first write would raise."""
+    """Before any work: the folder, or its nearest existing parent, is writable; else the OSError a write raises."""
     existing = next(p for p in (Path(folder).absolute(), *Path(folder).absolute().parents) if p.exists())
     if not existing.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
@@ -968,8 +957,7 @@ def listed_checksums(path):
 
 
 def replace_checked(source, path):
-    """os.replace(source, path), path's checksum file true at every moment: before the rename it lists the new
-    digest and the old one, after it the new one alone."""
+    """os.replace(source, path), path's checksum file listing the new (and, until the rename, the old) digest."""
     path, digest = Path(path), data.sha256_of(source)
     old = listed_checksums(path)[:1] if path.is_file() else []
     write_checksums = lambda digests: data.atomic_write_text(checksum_file(path), "".join(
@@ -1059,8 +1047,7 @@ def check_hf_config(hf_config, path):
 
 
 def load_encoder_folder(folder):
-    """(hf_config, hf_state_dict) from a Hugging Face BERT folder, 'minilm' or a hub id: model.safetensors,
-    or pytorch_model.bin read with weights_only=True (no pickled code runs)."""
+    """(hf_config, hf_state_dict) of a BERT folder, 'minilm' or a hub id: model.safetensors, else pytorch_model.bin."""
     folder = Path(resolve_model(str(folder)))
     if not (folder / "config.json").is_file():
         raise data.DataError(f"{folder / 'config.json'}: not found ({folder} is not a Hugging Face model folder)")
@@ -1185,8 +1172,7 @@ RETRIEVER_FILES = ("retriever.json", "modules.json", "1_Pooling/config.json", "s
 
 
 def copy_retriever_settings(source, folder):
-    """The files declaring a model's pooling and similarity, from source to folder: a continued pre-trained encoder
-    keeps its starting checkpoint's (MiniLM: mean, cosine)."""
+    """The files declaring pooling and similarity, from source to folder (a continued MiniLM stays mean, cosine)."""
     for name in RETRIEVER_FILES:
         if (Path(source) / name).is_file():
             data.atomic_write(Path(folder) / name, lambda tmp, name=name: shutil.copyfile(Path(source) / name, tmp))
@@ -1437,8 +1423,7 @@ def exit_with(line, code):
 
 
 def leave_distributed(code=0):
-    """Under torchrun, after the last collective: NCCL's group destroyed; under gloo (whose teardown aborted a rank
-    now and then) the process flushes and leaves at once."""
+    """After the last collective: NCCL's group destroyed; gloo's (whose teardown aborted now and then) left at once."""
     if not _distributed():
         return
     if torch.distributed.get_backend() == "nccl":
