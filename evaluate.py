@@ -867,12 +867,12 @@ def resolve_vocab(c):
     return str(own) if c.model and own.is_file() else str(data.VOCAB)
 
 
-def check_lengths(c, max_position):
+def check_lengths(c, max_position, model):
     """Before any work: queries and passages are cut to these lengths, which must fit the model's positions."""
     for flag in ("query_len", "passage_len"):
         if getattr(c, flag) > max_position:
             raise ValueError(f"--{flag} {getattr(c, flag)} is more than the {max_position} positions of the "
-                                 f"model {c.model} (max_position)")
+                             f"model{f' {model}' if model else ''} (max_position)")
 
 
 def default_out_dir(c):
@@ -999,7 +999,7 @@ def model_settings(c, model, tag):
 def load_model(c, device):
     """(encoder, tokenizer) of c.model, checked against c's lengths and its vocabulary's size."""
     encoder = load_encoder(c.model).to(device)
-    check_lengths(c, encoder.config.max_position)
+    check_lengths(c, encoder.config.max_position, c.model)
     vocab = resolve_vocab(c)
     if Path(vocab).is_file() and data.vocab_size_of(vocab) != encoder.config.vocab_size:   # (missing: load_tokenizer)
         raise data.DataError(f"{vocab}: {data.vocab_size_of(vocab)} entries, but the model {c.model} has vocab_size "

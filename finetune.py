@@ -499,10 +499,7 @@ def train(c, name=""):
                              f"has vocab_size {encoder.config.vocab_size}")
     c = encoder.config                          # --init brings the checkpoint's model sizes
     evaluate.new_index(c.index, c.hidden_size)  # an --index these vectors cannot use fails now, not after stage 1
-    for flag in ("query_len", "passage_len"):
-        if getattr(c, flag) > c.max_position:
-            raise ValueError(f"--{flag} {getattr(c, flag)} is more than the {c.max_position} positions of "
-                                 f"the model{f' {c.init}' if c.init else ''} (max_position)")
+    evaluate.check_lengths(c, c.max_position, c.init)
     encoder = encoder.to(device)
     run.lock_run_folder(out, create=True)       # a new folder is locked as it is made
     if is_rank0:
