@@ -168,8 +168,7 @@ def retriever_settings(c):
 
 
 class BiEncoder(nn.Module):
-    """One shared encoder for queries and passages; relevance = dot product of the pooled vectors (for cosine:
-    normalised, then divided by tau)."""
+    """One shared encoder for queries and passages; relevance: the pooled vectors' dot product (cosine: / tau)."""
 
     def __init__(self, encoder, c):
         super().__init__()
@@ -273,8 +272,7 @@ def make_examples(queries, qrels, doc_index, n_queries=0, seed=0):
 
 
 def negatives_from_ranking(ranked, positives, skip=0):
-    """Candidate negatives of one query: its ranking (best first) after the first `skip` ranks, positives and
-    duplicates removed, order kept."""
+    """A query's candidate negatives: its ranking after the first `skip`, positives and repeats removed, in order."""
     positives = set(positives)
     return [d for d in dict.fromkeys(int(d) for d in ranked[skip:]) if d >= 0 and d not in positives]
 
@@ -600,8 +598,7 @@ def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved):
 # Pipeline: pre-train, fine-tune, evaluate, compare with BM25
 # ==============================================================================================
 def pretrain(c):
-    """Continue pre-training c.init with {c.pretrain}.py on the fine-tuning corpus into {out_dir}/pretrain (unless
-    done.json says it finished); returns its encoder folder."""
+    """Continue pre-training c.init with {c.pretrain}.py on the corpus into {out_dir}/pretrain; its encoder folder."""
     module, folder, pc = pretrain_config(c)
     if not (c.resume and (folder / "done.json").is_file()):
         if (folder / "done.json").is_file() and os.environ.get("RANK", "0") == "0":

@@ -467,8 +467,7 @@ def per_query_matrix(runs, split, metric):
 
 
 def compare(a_runs, b_runs, split, metric, resamples):
-    """A vs B over the seeds both have (None if none): difference of means, paired t over seed means (p None with
-    1 seed), bootstrap interval."""
+    """A vs B over their common seeds (None: none): difference, paired t over seed means (1 seed: p None), interval."""
     seeds = sorted({r["seed"] for r in a_runs} & {r["seed"] for r in b_runs})
     if not seeds:
         return None
@@ -539,8 +538,7 @@ def chance_table(full):
 
 
 def curve_table(c, rows, split="test"):
-    """Mean +- std over seeds at every n, and each arm against none and mlm at the same n and seed
-    (paired t over seeds, bootstrap interval, Holm over the curve's tests)."""
+    """Mean +- std over seeds at every n; each arm against none and mlm at the same n and seed (Holm over the curve)."""
     curve = [r for r in rows.values() if r["n_queries"]]
     arms = list(dict.fromkeys(r["arm"] for r in curve))
     ns = sorted({r["n_queries"] for r in curve})
