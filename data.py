@@ -1190,8 +1190,7 @@ def _is_stale(tmp):
 
 
 def remove_dead_temporaries(folder, say=False, locked=False):
-    """Delete the temporaries killed writers left: every one (subfolders too) in a folder this process holds locked,
-    those whose writer is gone (_is_stale) in a shared token cache. say: one line with how many."""
+    """Delete killed writers' temporaries: all, subfolders too, in a folder held locked; else those _is_stale."""
     n, size = 0, 0
     for tmp in (Path(folder).rglob if locked else Path(folder).glob)(".*.tmp"):
         with contextlib.suppress(FileNotFoundError):  # renamed or removed meanwhile, by its writer or another cleaner

@@ -250,8 +250,7 @@ class BM25:
 
 
 def top_k_sparse(values, docs, k):
-    """The k best of one query's matched documents (values (n,) > 0 at docs (n,)): (scores (k,), ids (k,)), score
-    descending then index ascending, then score-0 documents (the lowest indices not matched)."""
+    """One query's k best matched documents (values > 0 at docs): score desc, index asc; then score-0 documents."""
     if len(values) > k:
         kth = -np.partition(-values, k - 1)[k - 1]                  # the k-th best score
         keep = values >= kth                                        # every document tied with it too
@@ -288,8 +287,7 @@ def row_chunks(vecs, chunk=65536, dtype=np.float32):
 
 
 def _read_rows(vecs, start, stop, dtype):
-    """vecs[start:stop] as a C-contiguous array of dtype (None: its own): a view when nothing changes,
-    else a copy; a memmap's rows are copied out of a throwaway mapping."""
+    """vecs[start:stop] as a C-contiguous array of dtype (None: its own); a memmap's rows from a throwaway mapping."""
     part = _fresh_map(vecs)[start:stop]
     if isinstance(part, np.memmap):
         return np.array(part, dtype=dtype or part.dtype, order="C")
@@ -297,8 +295,7 @@ def _read_rows(vecs, start, stop, dtype):
 
 
 def _fresh_map(vecs):
-    """A new read-only mapping of the .npy file that the memmap vecs maps whole, else vecs itself (a mapping's pages
-    stay resident until it is closed: through throwaway mappings only what is in use is)."""
+    """A new read-only mapping of the .npy file the memmap vecs maps whole (its pages freed when dropped), else vecs."""
     if isinstance(vecs, np.memmap) and vecs.filename and str(vecs.filename).endswith(".npy"):
         whole = np.load(vecs.filename, mmap_mode="r")
         if whole.shape == vecs.shape and whole.dtype == vecs.dtype:
@@ -321,8 +318,7 @@ def build_index(doc_vecs, spec="Flat", train_size=100_000, seed=0, chunk=65536):
 
 
 def reserve(index, n):
-    """Allocate a flat-coded index's storage (Flat, SQ, PQ; HNSW's vectors) for n vectors at once: faiss's appends
-    double the capacity, holding old and new at once (2.5 GiB instead of 1.7 for 300k x 768 Flat)."""
+    """Allocate a flat-coded faiss index's storage for n vectors at once (appends would double it, old and new held)."""
     import faiss
 
     flat = faiss.downcast_index(index.storage) if hasattr(index, "storage") else index
@@ -483,8 +479,7 @@ def merge_topk_across_ranks(scores, ids, k, device, chunk=16384):
 
 
 def encode_corpus_shard(encoder, tokenizer, doc_texts, c, device):
-    """This rank's contiguous shard of the corpus (data.shard) encoded: (n, H) vectors, in memory or an fp16 memmap
-    in c.vectors_dir; retrieve(doc_vecs=) takes it back, so dev and test share one encoding."""
+    """This rank's shard of the corpus encoded (in memory, or fp16 in c.vectors_dir), for retrieve(doc_vecs=)."""
     rank, world = rank_and_world()
     shard = data.shard(len(doc_texts), rank, world)
     path = Path(c.vectors_dir) / f"docs-{rank}-of-{world}.npy" if c.vectors_dir else ""
@@ -772,8 +767,7 @@ def _save_figure(fig, path):
 
 
 def git_state(folder=data.HERE):
-    """(commit, dirty) of the checkout at `folder`, for every result that records its code. dirty: a .py file other
-    than the tests differs from the commit or is new to it. Outside a git checkout: ("unknown", False)."""
+    """(commit, dirty: a non-test .py file differs from the commit or is new) of a checkout; else ('unknown', False)."""
     import subprocess
 
     def git(*args):           # its output, or None where git fails (no repository, no git); a hang is one line
