@@ -11,11 +11,10 @@ papers' BERT/MLM baseline. The paper's equations, in order, and the function tha
     eq. 9     masked language modelling                                mlm_loss
     eq. 10    L = lambda L_GWC + L_MLM                                 PretrainModel.terms
 
-Top to bottom: config, model, loss, data, the training loop (train); then what train() wraps around the
-method (fp32, all ranks' negatives) and the blocks every method file owns a copy of (the BERT encoder, the
-distributed gather). The run machinery (run folder, resume,
-checkpoints, progress, Ctrl-C) is in run.py, one call each from train(). Each departure from the paper
-is said where it happens, tagged with its key; docs/departures.md lists them all.
+Top to bottom: config, model, loss, data, the training loop (train); then the blocks every method file owns a
+copy of (the BERT encoder, the distributed gather) and what train() wraps around the method (fp32, all ranks'
+negatives). The run machinery (run folder, resume, checkpoints, progress, Ctrl-C) is in run.py, one call each
+from train(). Each departure from the paper is said where it happens, tagged; docs/departures.md lists them.
 
     python costa.py --preset lab                     # first: its head learns, on a CPU (docs/lab.md)
     python costa.py                                  # small model, bundled Wikipedia slice, CPU, from scratch
@@ -67,11 +66,10 @@ class Config(run.TrainConfig):
     out_dir: str = "runs/costa"   # checkpoints, config.json and log.jsonl go here
 
 
-# --preset paper: section 4.5.1 "Model Pre-training". From BERT's checkpoint (--init bert-base-uncased),
-# BERT-base sizes, lr 5e-5 with Adam and linear warm-up over the first 10% of steps (then linear decay:
-# the paper does not say), 6 epochs of Wikipedia, chunks of at most 512 tokens, tau 0.1, lambda 0.1
-# (Config's defaults). Silent: the pre-training batch size (we keep --batch_size 32 per rank on its
-# up to 4 GPUs; set --global_batch to fix it), Adam's epsilon (torch's 1e-8), weight decay and clipping.
+# --preset paper: section 4.5.1. From BERT's checkpoint (--init bert-base-uncased), BERT-base sizes, lr 5e-5 with
+# Adam and 10% linear warm-up (then linear decay: the paper does not say), 6 epochs of Wikipedia, chunks of at
+# most 512 tokens, tau 0.1, lambda 0.1 (Config's defaults). Silent: the batch size (we keep --batch_size 32 per
+# rank on its up to 4 GPUs; --global_batch fixes it), Adam's epsilon (torch's 1e-8), weight decay and clipping.
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=5e-5,
                     warmup=0.1, epochs=6.0, **run.PAPER_RUN)   # PAPER_RUN: workers, checkpoints
 # --preset lab: run.LAB_PRESET (from MiniLM on SciFact, 50 steps), eq. 8 on cosines: the dot product of
@@ -95,10 +93,9 @@ BOTTLENECKS = ("cls", "mean")   # --bottleneck: which vector of the encoder a me
 
 
 def text_vector(hidden, attention_mask, bottleneck="cls"):
-    """The text's vector, the one a method trains (and retrieval should read): "cls" = the last layer's
-    [CLS] state, the papers'; "mean" = the mean of the output tokens over the attention mask ([CLS],
-    [SEP] and [MASK] included, padding not), the pooling all-MiniLM-L6-v2 was trained with and
-    finetune.py reads for it. Departure (option-bottleneck-mean): the papers bottleneck through [CLS].
+    """The text's vector, the one a method trains (and retrieval should read): "cls" = the last layer's [CLS]
+    state, the papers'; "mean" = the mean of the output tokens over the attention mask (padding not), MiniLM's
+    pooling. Departure (option-bottleneck-mean): the papers bottleneck through [CLS].
     hidden (B, L, H), attention_mask (B, L) 1 = token -> (B, H)."""
     if bottleneck == "cls":
         return hidden[:, 0]                                                      # (B, H)
@@ -146,11 +143,10 @@ def mlm_loss(hidden, labels, head):
 
         L_MLM = - sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = the masked positions
 
-    Departure (mlm-mean): the papers write this sum; we take the mean over the masked tokens (times
-    1/|m(x)|), as BERT's and SEED's code do, so that a loss weight (lambda) does not depend on how many
-    tokens a batch masks. Only the masked positions go through `head` (the vocabulary projection is most of the
-    cost). hidden (B, L, H), labels (B, L) with -100 where nothing is predicted, head: MLMHead. Returns (loss,
-    n_correct, n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
+    Departure (mlm-mean): the papers write this sum; we take the mean over the masked tokens, as BERT's and SEED's
+    code do, so that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
+    positions go through `head`. hidden (B, L, H), labels (B, L) -100 = none, head: MLMHead -> (loss, n_correct,
+    n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
     chosen = labels != -100                                     # (B, L)
     if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
         return head(hidden[:1, 0]).sum() * 0.0, 0, 0
@@ -255,46 +251,6 @@ def parse_granularities(text):
     return names
 
 
-def skip_word_mask(input_ids, word_starts, vocab_tokens, tables=None):
-    """True at the start of each word that must not be a word-level span: an English stopword
-    (scikit-learn's list, checked on the whole word, pieces joined) or a word with no letter or digit.
-    Departure (costa-word-punct): the paper filters stopwords only; we also skip words with no letter or
-    digit, since punctuation ("," ".") makes an equally empty positive. tables: word_tables(vocab_tokens),
-    made once by the caller: a word is then decided by its first piece, and joined only when it may matter."""
-    skip_alone, is_piece, may_join = tables or word_tables(vocab_tokens)
-    ids, starts = np.asarray(input_ids), np.flatnonzero(word_starts)            # (L,), (W,) word starts
-    ends = np.append(starts[1:], len(ids))                                       # (W,)
-    joined = np.logical_or.reduceat(is_piece[ids], starts) if len(starts) else starts > 0  # (W,) has "##" pieces
-    mask = np.zeros(len(ids), dtype=bool)
-    mask[starts] = skip_alone[ids[starts]] & ~joined                             # one-piece words: the table
-    for start, end in zip(*(x[joined & may_join[ids[starts]]].tolist() for x in (starts, ends))):
-        parts = [vocab_tokens[t] for t in input_ids[start:end]]                  # a word of several pieces
-        word = parts[0] + "".join(p[2:] for p in parts[1:] if p.startswith("##"))  # not [SEP]
-        mask[start] = word in stopwords() or not any(ch.isalnum() for ch in word)
-    return mask
-
-
-@functools.cache
-def stopwords():
-    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS  # here: sklearn takes seconds to import
-    return ENGLISH_STOP_WORDS
-
-
-def word_tables(vocab_tokens):
-    """skip_word_mask's tables, (V,) bool each: skip_alone (the entry, as a whole word, is skipped); is_piece
-    (a "##" piece); may_join (a word that starts with it may join its pieces into a skipped word: it has no
-    letter or digit, or it begins a stopword that is no entry, WordPiece taking the longest prefix first)."""
-    index = {token: i for i, token in enumerate(vocab_tokens)}
-    no_alnum = np.array([not any(ch.isalnum() for ch in t) for t in vocab_tokens], dtype=bool)
-    skip_alone = no_alnum | np.array([t in stopwords() for t in vocab_tokens], dtype=bool)
-    may_join = no_alnum.copy()
-    for word in stopwords() - index.keys():
-        prefix = next((word[:k] for k in range(len(word) - 1, 0, -1) if word[:k] in index), None)
-        if prefix:
-            may_join[index[prefix]] = True
-    return skip_alone, np.array([t.startswith("##") for t in vocab_tokens], dtype=bool), may_join
-
-
 def word_spans(word_starts, n_tokens, stopword_mask=None):
     """Candidate word-level spans [start, end), (n, 2): the whole words between [CLS] and [SEP]."""
     sep = n_tokens - 1
@@ -353,7 +309,7 @@ class Batches(torch.utils.data.Dataset):
         tokenizer = data.load_tokenizer(c.vocab)
         self.special = data.special_ids(tokenizer)                 # {"cls": 101, "sep": 102, "mask": 103, ...}
         self.vocab_tokens = [tokenizer.id_to_token(i) for i in range(tokenizer.get_vocab_size())]  # to find stopwords
-        self.word_tables = word_tables(self.vocab_tokens)
+        self.word_tables = data.word_tables(self.vocab_tokens)
 
     def __len__(self):
         return self.c.steps * self.c.grad_accum
@@ -372,10 +328,10 @@ class Batches(torch.utils.data.Dataset):
             step_rng = np.random.default_rng(data.step_seed(c.seed, self.rank, micro_step, "spans"))
             rng = lambda i: step_rng if c.span_resample else np.random.default_rng([c.seed, i])  # per window
             spans = []
-            for i, w in zip(rows, windows):   # (arrays: the span sampling's numpy steps need no conversion each)
+            for i, w in zip(rows, windows):   # word spans skip stopwords and punctuation (data.py: costa-word-punct)
                 tokens, starts = np.asarray(w.input_ids), np.asarray(w.word_starts, dtype=bool)
                 spans.append(sample_spans(starts, len(tokens), c, rng(i),
-                                          skip_word_mask(tokens, starts, self.vocab_tokens, self.word_tables)))
+                                          data.skip_word_mask(tokens, starts, self.vocab_tokens, self.word_tables)))
             batch["spans"] = torch.from_numpy(np.array(spans, dtype=np.int64))   # (B, S, 2)
         return batch
 
@@ -384,9 +340,8 @@ class Batches(torch.utils.data.Dataset):
 # Training loop
 # ==============================================================================================
 def train(c):
-    """Pre-train with COSTA. Every check comes first (flags when parsed; here the run folder, --init,
-    the vocabulary, the batch arithmetic, the corpus), then the steps. The method (PretrainModel,
-    Batches) and the distributed steps are here; each piece of run machinery is one call into run.py."""
+    """Pre-train with COSTA. Every check comes first (flags when parsed; here the run folder, --init, the
+    vocabulary, the batch arithmetic, the corpus), then the steps. Run machinery: one call each into run.py."""
     rank, world, device = setup_distributed(c.dist_timeout)      # torchrun: one process per device
     torch.manual_seed(c.seed)                                    # the encoder's and the heads' init
     c = run.start_run(c, world)                                  # --init found, run folder free, batch split
@@ -432,10 +387,8 @@ def train(c):
 # ==============================================================================================
 # --- shared: begin encoder ---
 def drop_mask(shape, p):
-    """A boolean mask, each element True (dropped) with probability p, for dropout on CPU. It comes from
-    numpy's PCG64, seeded from torch's generator (so torch.manual_seed still fixes every mask), one
-    uniform 32-bit integer per element: P(True) = round(p * 2^32) / 2^32. 4x faster than torch's
-    bernoulli_, which was a third of the training step (results/speed/micro.py)."""
+    """A boolean mask, each element True (dropped) with probability p, for dropout on CPU: numpy's PCG64 seeded
+    from torch's generator, one uniform int32 per element; 4x faster than torch's bernoulli_ (results/speed)."""
     n = int(np.prod(shape))
     bits = np.random.PCG64(int(torch.randint(2**62, ()))).random_raw((n + 1) // 2)   # uint64: 2 draws each
     draws = torch.from_numpy(bits.view(np.int32)[:n]).view(shape)                   # uniform int32
@@ -443,8 +396,7 @@ def drop_mask(shape, p):
 
 
 def dropout(x, p, training):
-    """BERT's dropout: each element zeroed with probability p, the others scaled by 1 / (1 - p);
-    drop_mask on CPU, F.dropout on GPU."""
+    """BERT's dropout: each element zeroed with probability p, the others scaled by 1 / (1 - p)."""
     if not training or p == 0.0:
         return x
     if x.device.type != "cpu":
@@ -470,12 +422,9 @@ class Embeddings(nn.Module):
 
 
 def attention(q, k, v, attend, p):
-    """softmax(q k^T / sqrt(d)) v per head, with dropout p on the probabilities (BERT's attention
-    dropout). q, k, v (B, heads, L, d); attend (B, 1, 1, L) or (L, L), True = key visible.
-    scaled_dot_product_attention (fused kernels) on GPU, and on CPU without gradients (encoding).
-    Training on CPU writes the equation out: 2.7x as fast there as SDPA, whose CPU kernel has no
-    dropout (it falls back to its math path and torch's slow dropout) and a slow backward
-    (results/speed/micro.py)."""
+    """softmax(q k^T / sqrt(d)) v per head, dropout p on the probabilities. q, k, v (B, heads, L, d); attend
+    (B, 1, 1, L) or (L, L), True = key visible. SDPA on GPU and in encoding; training on CPU writes the
+    equation out, 2.7x as fast there as SDPA's kernel with dropout (results/speed/micro.py)."""
     if q.device.type != "cpu" or not torch.is_grad_enabled():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=p)
     hide = torch.zeros(attend.shape).masked_fill(~attend, torch.finfo(torch.float32).min)  # like attend
@@ -493,10 +442,7 @@ class SelfAttention(nn.Module):
     def __init__(self, c):
         super().__init__()
         self.heads, self.dropout = c.num_heads, c.dropout
-        self.query = nn.Linear(c.hidden_size, c.hidden_size)
-        self.key = nn.Linear(c.hidden_size, c.hidden_size)
-        self.value = nn.Linear(c.hidden_size, c.hidden_size)
-        self.out = nn.Linear(c.hidden_size, c.hidden_size)
+        self.query, self.key, self.value, self.out = (nn.Linear(c.hidden_size, c.hidden_size) for _ in range(4))
 
     def forward(self, x, attend):                       # x (B, L, H); attend (B, 1, 1, L) True = key visible
         B, L, H = x.shape
@@ -540,9 +486,8 @@ class MLMHead(nn.Module):
 
 
 class Encoder(nn.Module):
-    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
-    forward returns the last hidden states, from which text_vector takes the text's vector. Loading
-    and saving Hugging Face folders: run.load_pretrained(Encoder, folder, c), run.save_pretrained."""
+    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler. forward returns
+    the last hidden states. Hugging Face folders: run.load_pretrained(Encoder, folder, c), run.save_pretrained."""
 
     def __init__(self, c):
         super().__init__()
@@ -571,9 +516,8 @@ class Encoder(nn.Module):
 
 # --- shared: begin distributed ---
 def setup_distributed(timeout_s=600.0):
-    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
-    CPU. Plain `python x.py` runs one process. A rank that waits timeout_s for the others at a collective
-    ends the job (torch's default for gloo is 30 minutes). Returns (rank, world, device)."""
+    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on CPU; plain
+    `python x.py` runs one. A rank that waits timeout_s at a collective ends the job. -> (rank, world, device)."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -597,9 +541,8 @@ def rank_and_world():
 
 
 class GatherWithGrad(torch.autograd.Function):
-    """all_gather that keeps gradients: every rank's loss used this rank's vectors as candidates, so
-    backward hands each rank the sum over ranks of the gradient of its own slice. (The same as the
-    deprecated torch.distributed.nn.functional.all_gather; equal sizes on every rank.)"""
+    """all_gather that keeps gradients: every rank's loss used this rank's vectors as candidates, so backward
+    hands each rank the sum over ranks of the gradient of its own slice (equal sizes on every rank)."""
 
     @staticmethod
     def forward(ctx, t):                                                  # (n, ...)

@@ -12,10 +12,9 @@ the two views' word distributions. The paper's equations, in order, and the func
     eq. 6     L = L_REC + L_MLM + lambda L_CL                          PretrainModel.terms (L_MLM: mlm_loss)
     eq. 7     the similarity s = -JS(z_tilde', z_tilde'')              js_similarity (CPDAE_R: cosine_similarity)
 
-It has costa.py's skeleton section for section, with COSTA's own parts (spans, projector, eq. 8)
-swapped for CPDAE's: `diff costa.py cpdae.py` shows that swap, the losses as one block. The run machinery
-(run folder, resume, checkpoints, progress, Ctrl-C) is in run.py, one call each from train(). Each departure
-from the paper is said where it happens, tagged with its key; docs/departures.md lists them all.
+It has costa.py's skeleton section for section, COSTA's own parts swapped for CPDAE's (`diff costa.py
+cpdae.py`). The run machinery (run folder, resume, checkpoints, progress, Ctrl-C) is in run.py, one call each
+from train(). Each departure from the paper is said where it happens, tagged; docs/departures.md lists them.
 
     python cpdae.py --preset lab                     # first: its head learns, on a CPU (docs/lab.md)
     python cpdae.py                                  # small model, bundled Wikipedia slice, CPU, from scratch
@@ -65,12 +64,10 @@ class Config(run.TrainConfig):
     out_dir: str = "runs/cpdae"   # checkpoints, config.json and log.jsonl go here
 
 
-# --preset paper: section 4.1.3 "Pre-training details". From BERT's checkpoint (--init bert-base-uncased),
-# BERT-base sizes, decoder output 30,522 (BERT's vocabulary), lr 5e-5 with Adam and linear warm-up over
-# the first 10% of steps, 3 epochs of Wikipedia, batch m = 64 texts (x 2 masked views) over all ranks
-# (global_batch: batch_size = 64 / processes), lambda 0.1 (Config's default). Silent: the maximum length
-# (we take 512, BERT's and the same authors' COSTA), Adam's epsilon (torch's 1e-8), the decay after
-# warm-up (linear), weight decay and clipping.
+# --preset paper: section 4.1.3. From BERT's checkpoint (--init bert-base-uncased), BERT-base sizes, lr 5e-5 with
+# Adam and 10% linear warm-up, 3 epochs of Wikipedia, batch m = 64 texts (x 2 views) over all ranks, lambda 0.1
+# (Config's default). Silent: the maximum length (512: BERT's and the authors' COSTA), Adam's epsilon (torch's
+# 1e-8), the decay after warm-up (linear), weight decay and clipping.
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=5e-5,
                     warmup=0.1, epochs=3.0, global_batch=64, **run.PAPER_RUN)   # PAPER_RUN: workers, checkpoints
 # --preset lab: run.LAB_PRESET (MiniLM on SciFact, 50 steps), eq. 4 per word and -JS / 0.02 (eq. 5 then moves).
@@ -92,10 +89,9 @@ BOTTLENECKS = ("cls", "mean")   # --bottleneck: which vector of the encoder a me
 
 
 def text_vector(hidden, attention_mask, bottleneck="cls"):
-    """The text's vector, the one a method trains (and retrieval should read): "cls" = the last layer's
-    [CLS] state, the papers'; "mean" = the mean of the output tokens over the attention mask ([CLS],
-    [SEP] and [MASK] included, padding not), the pooling all-MiniLM-L6-v2 was trained with and
-    finetune.py reads for it. Departure (option-bottleneck-mean): the papers bottleneck through [CLS].
+    """The text's vector, the one a method trains (and retrieval should read): "cls" = the last layer's [CLS]
+    state, the papers'; "mean" = the mean of the output tokens over the attention mask (padding not), MiniLM's
+    pooling. Departure (option-bottleneck-mean): the papers bottleneck through [CLS].
     hidden (B, L, H), attention_mask (B, L) 1 = token -> (B, H)."""
     if bottleneck == "cls":
         return hidden[:, 0]                                                      # (B, H)
@@ -105,11 +101,9 @@ def text_vector(hidden, attention_mask, bottleneck="cls"):
 
 
 class Decoder(nn.Module):
-    """MLP decoder (3.1.2, eq. 2): z = Linear(H, |V|)(LayerNorm(GELU(Linear(H, H)(h_[CLS])))), one logit
-    per vocabulary entry. The layout is our reading of "two layers of FFN with GELU and a LayerNorm"
-    (the order, the hidden size H and an output untied from the word embeddings are not given; it is
-    the layout of BERT's MLM head, untied). Dropped for fine-tuning, kept beside the encoder for the
-    Table 4 figure."""
+    """MLP decoder (3.1.2, eq. 2): z = Linear(H, |V|)(LayerNorm(GELU(Linear(H, H)(h_[CLS])))), one logit per
+    vocabulary entry: our reading of "two layers of FFN with GELU and a LayerNorm" (BERT's MLM head, untied; the
+    paper gives no order or size). Dropped for fine-tuning, kept beside the encoder for the Table 4 figure."""
 
     def __init__(self, hidden_size, vocab_size, layer_norm_eps=1e-12):
         super().__init__()
@@ -144,11 +138,10 @@ def mlm_loss(hidden, labels, head):
 
         L_MLM = - sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = the masked positions
 
-    Departure (mlm-mean): the papers write this sum; we take the mean over the masked tokens (times
-    1/|m(x)|), as BERT's and SEED's code do, so that a loss weight (lambda) does not depend on how many
-    tokens a batch masks. Only the masked positions go through `head` (the vocabulary projection is most of the
-    cost). hidden (B, L, H), labels (B, L) with -100 where nothing is predicted, head: MLMHead. Returns (loss,
-    n_correct, n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
+    Departure (mlm-mean): the papers write this sum; we take the mean over the masked tokens, as BERT's and SEED's
+    code do, so that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
+    positions go through `head`. hidden (B, L, H), labels (B, L) -100 = none, head: MLMHead -> (loss, n_correct,
+    n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
     chosen = labels != -100                                     # (B, L)
     if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
         return head(hidden[:1, 0]).sum() * 0.0, 0, 0
@@ -227,10 +220,8 @@ def js_divergence(p, q):
 
 
 def cosine_similarity(anchors, candidates, temperature=0.1):
-    """CPDAE_R's similarity of [CLS] vectors: cos / temperature (a, H) x (b, H) -> (a, b).
-    Departure (cpdae-r-cosine): the paper names no similarity for CPDAE_R; cosine / 0.1 (as in
-    SimCLR-style losses) is ours.
-    fp32 with autocast off (under autocast a matmul runs in bf16 even on fp32 inputs)."""
+    """CPDAE_R's similarity of [CLS] vectors: cos / temperature (a, H) x (b, H) -> (a, b), fp32.
+    Departure (cpdae-r-cosine): the paper names no similarity for CPDAE_R; cosine / 0.1 (as SimCLR's) is ours."""
     with torch.autocast(anchors.device.type, enabled=False):
         a = F.normalize(anchors.float(), dim=-1)                                 # (a, H)
         b = F.normalize(candidates.float(), dim=-1)                              # (b, H)
@@ -328,13 +319,11 @@ def bag_of_words(input_ids, vocab_size, special_ids):
 
 
 def idf_from_df(df, n_texts):
-    """IDF of every vocabulary id (Table 2, IDF-REC), from df (V,) int64 over N texts (the pre-training
-    windows, the texts that are reconstructed):
+    """IDF of every vocabulary id (Table 2, IDF-REC) from df (V,) over the N pre-training windows:
 
         idf(j) = log((N + 1) / (df(j) + 1)) + 1,   df(j) = number of texts containing j
 
-    (smoothed, as scikit-learn). Always >= 1: the unsmoothed log(N / (1 + df)) turns negative for the
-    commonest words and would reward predicting them wrong. The paper gives no formula."""
+    (smoothed, as scikit-learn; the paper gives no formula). Always >= 1: an unsmoothed one turns negative."""
     df = torch.from_numpy(df.astype(np.float64))                                         # (V,)
     return (torch.log((n_texts + 1.0) / (df + 1.0)) + 1.0).float()                       # (V,)
 
@@ -350,9 +339,8 @@ def document_frequency(ids, offsets, vocab_size):
 
 
 def cached_idf(windows, vocab_size, rank, chunk=1 << 16):
-    """IDF (idf_from_df) over a token cache's windows (data.TokenWindows), the one training runs: df
-    counted in chunks of windows, so memory is bounded by the chunk; built once by rank 0 into the cache
-    folder, then read by every rank and run."""
+    """IDF (idf_from_df) over a token cache's windows, the one training runs: df counted a chunk of windows at a
+    time, built once by rank 0 into the cache folder, then read by every rank and run."""
     path = windows.folder / f"idf-L{windows.max_len}-V{vocab_size}.npy"
 
     def build():
@@ -374,8 +362,7 @@ def cached_idf(windows, vocab_size, rank, chunk=1 << 16):
 class Batches(torch.utils.data.Dataset):
     """Item m is this rank's batch at micro-step m: a pure function of (seed, rank, m), so data-loader
     workers can build batches ahead on the CPU and a resumed run sees exactly the same batches.
-    CPDAE: every window is masked twice, independently: input_ids and labels are (2B, L) = [d'; d''];
-    attention_mask (B, L) is shared (so tokens/s counts text tokens once); bag (B, V) is eq. 4's y."""
+    CPDAE: every window masked twice: input_ids, labels (2B, L) = [d'; d'']; attention_mask (B, L); bag (B, V) y."""
 
     def __init__(self, c, windows, rank, world):
         self.c, self.windows, self.rank, self.world = c, windows, rank, world
@@ -400,9 +387,8 @@ class Batches(torch.utils.data.Dataset):
 # Training loop
 # ==============================================================================================
 def train(c):
-    """Pre-train with CPDAE. Every check comes first (flags when parsed; here the run folder, --init,
-    the vocabulary, the batch arithmetic, the corpus), then the steps. The method (PretrainModel,
-    Batches) and the distributed steps are here; each piece of run machinery is one call into run.py."""
+    """Pre-train with CPDAE. Every check comes first (flags when parsed; here the run folder, --init, the
+    vocabulary, the batch arithmetic, the corpus), then the steps. Run machinery: one call each into run.py."""
     rank, world, device = setup_distributed(c.dist_timeout)      # torchrun: one process per device
     torch.manual_seed(c.seed)                                    # the encoder's and the decoder's init
     c = run.start_run(c, world)                                  # --init found, run folder free, batch split
@@ -450,10 +436,8 @@ def train(c):
 # ==============================================================================================
 # --- shared: begin encoder ---
 def drop_mask(shape, p):
-    """A boolean mask, each element True (dropped) with probability p, for dropout on CPU. It comes from
-    numpy's PCG64, seeded from torch's generator (so torch.manual_seed still fixes every mask), one
-    uniform 32-bit integer per element: P(True) = round(p * 2^32) / 2^32. 4x faster than torch's
-    bernoulli_, which was a third of the training step (results/speed/micro.py)."""
+    """A boolean mask, each element True (dropped) with probability p, for dropout on CPU: numpy's PCG64 seeded
+    from torch's generator, one uniform int32 per element; 4x faster than torch's bernoulli_ (results/speed)."""
     n = int(np.prod(shape))
     bits = np.random.PCG64(int(torch.randint(2**62, ()))).random_raw((n + 1) // 2)   # uint64: 2 draws each
     draws = torch.from_numpy(bits.view(np.int32)[:n]).view(shape)                   # uniform int32
@@ -461,8 +445,7 @@ def drop_mask(shape, p):
 
 
 def dropout(x, p, training):
-    """BERT's dropout: each element zeroed with probability p, the others scaled by 1 / (1 - p);
-    drop_mask on CPU, F.dropout on GPU."""
+    """BERT's dropout: each element zeroed with probability p, the others scaled by 1 / (1 - p)."""
     if not training or p == 0.0:
         return x
     if x.device.type != "cpu":
@@ -488,12 +471,9 @@ class Embeddings(nn.Module):
 
 
 def attention(q, k, v, attend, p):
-    """softmax(q k^T / sqrt(d)) v per head, with dropout p on the probabilities (BERT's attention
-    dropout). q, k, v (B, heads, L, d); attend (B, 1, 1, L) or (L, L), True = key visible.
-    scaled_dot_product_attention (fused kernels) on GPU, and on CPU without gradients (encoding).
-    Training on CPU writes the equation out: 2.7x as fast there as SDPA, whose CPU kernel has no
-    dropout (it falls back to its math path and torch's slow dropout) and a slow backward
-    (results/speed/micro.py)."""
+    """softmax(q k^T / sqrt(d)) v per head, dropout p on the probabilities. q, k, v (B, heads, L, d); attend
+    (B, 1, 1, L) or (L, L), True = key visible. SDPA on GPU and in encoding; training on CPU writes the
+    equation out, 2.7x as fast there as SDPA's kernel with dropout (results/speed/micro.py)."""
     if q.device.type != "cpu" or not torch.is_grad_enabled():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=p)
     hide = torch.zeros(attend.shape).masked_fill(~attend, torch.finfo(torch.float32).min)  # like attend
@@ -511,10 +491,7 @@ class SelfAttention(nn.Module):
     def __init__(self, c):
         super().__init__()
         self.heads, self.dropout = c.num_heads, c.dropout
-        self.query = nn.Linear(c.hidden_size, c.hidden_size)
-        self.key = nn.Linear(c.hidden_size, c.hidden_size)
-        self.value = nn.Linear(c.hidden_size, c.hidden_size)
-        self.out = nn.Linear(c.hidden_size, c.hidden_size)
+        self.query, self.key, self.value, self.out = (nn.Linear(c.hidden_size, c.hidden_size) for _ in range(4))
 
     def forward(self, x, attend):                       # x (B, L, H); attend (B, 1, 1, L) True = key visible
         B, L, H = x.shape
@@ -558,9 +535,8 @@ class MLMHead(nn.Module):
 
 
 class Encoder(nn.Module):
-    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
-    forward returns the last hidden states, from which text_vector takes the text's vector. Loading
-    and saving Hugging Face folders: run.load_pretrained(Encoder, folder, c), run.save_pretrained."""
+    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler. forward returns
+    the last hidden states. Hugging Face folders: run.load_pretrained(Encoder, folder, c), run.save_pretrained."""
 
     def __init__(self, c):
         super().__init__()
@@ -589,9 +565,8 @@ class Encoder(nn.Module):
 
 # --- shared: begin distributed ---
 def setup_distributed(timeout_s=600.0):
-    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
-    CPU. Plain `python x.py` runs one process. A rank that waits timeout_s for the others at a collective
-    ends the job (torch's default for gloo is 30 minutes). Returns (rank, world, device)."""
+    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on CPU; plain
+    `python x.py` runs one. A rank that waits timeout_s at a collective ends the job. -> (rank, world, device)."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -615,9 +590,8 @@ def rank_and_world():
 
 
 class GatherWithGrad(torch.autograd.Function):
-    """all_gather that keeps gradients: every rank's loss used this rank's vectors as candidates, so
-    backward hands each rank the sum over ranks of the gradient of its own slice. (The same as the
-    deprecated torch.distributed.nn.functional.all_gather; equal sizes on every rank.)"""
+    """all_gather that keeps gradients: every rank's loss used this rank's vectors as candidates, so backward
+    hands each rank the sum over ranks of the gradient of its own slice (equal sizes on every rank)."""
 
     @staticmethod
     def forward(ctx, t):                                                  # (n, ...)

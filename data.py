@@ -1,6 +1,6 @@
 """Text and tokens: the data module every script shares. It imports no other module of this project.
 
-What a method's train() calls from here, in the order it calls them (sections 1-2 hold them in this order):
+What a method's train() calls from here, in this order (sections 1-2):
   most_frequent_token     1. the corpus' most frequent token: the MLM accuracy's trivial baseline
   load_tokenizer          1. BERT's uncased WordPiece (Batches loads it once)
   special_ids             1. the ids of [PAD], [UNK], [CLS], [SEP] and [MASK]
@@ -46,9 +46,8 @@ SCIFACT = HERE / "data" / "scifact"          # default retrieval benchmark (BEIR
 # 1. What train() calls first from here: the corpus' most frequent token, then the tokenizer
 # ----------------------------------------------------------------------------------------------
 def most_frequent_token(windows, chunk=1 << 24):
-    """The corpus' most frequent token between [CLS] and [SEP] ('.' in SciFact, 3.6% of its tokens): the MLM and
-    SEED-decoder accuracy of always predicting it is their trivial baseline. TokenWindows: a bincount of the cache's
-    tokens, `chunk` at a time (memory bounded by the chunk); a list of Window: of their bodies. None if no tokens."""
+    """The corpus' most frequent token between [CLS] and [SEP] ('.' in SciFact): always predicting it is the MLM and
+    SEED-decoder accuracies' trivial baseline. A bincount, `chunk` tokens at a time; None if no tokens."""
     counts = np.zeros(1, np.int64)
     parts = ((windows.tokens[a:a + chunk] for a in range(0, len(windows.tokens), chunk))
              if isinstance(windows, TokenWindows) else (w.input_ids[1:-1] for w in windows))
@@ -112,8 +111,7 @@ def train_wordpiece(texts, out_path, vocab_size=30522, min_frequency=2):
 # 2. One micro-step: its batch (windows, padding, masks, random streams), bad input, each accuracy's chance
 # ----------------------------------------------------------------------------------------------
 def batch_indices(n_examples, batch_size, rank, world, seed, micro_step):
-    """Example indices of this rank's batch at a micro-step. Stateless: a function of the step alone,
-    so resuming needs no data-loader state. Ranks take disjoint slices of one shuffled global batch."""
+    """This rank's example indices at a micro-step, a function of the step alone (ranks: slices of one global batch)."""
     per_epoch = batches_per_epoch(n_examples, batch_size, world)
     epoch, index = divmod(micro_step, per_epoch)
     order = _epoch_order(n_examples, seed, epoch)
@@ -127,8 +125,7 @@ def _epoch_order(n_examples, seed, epoch):
 
 
 def batches_per_epoch(n_examples, batch_size, world):
-    """Global batches per epoch. Each epoch's leftover n % (batch_size * world) examples sit out that
-    epoch only (a fresh shuffle every epoch), so every rank holds the same batch size."""
+    """Global batches per epoch; each epoch's leftover n % (batch_size * world) examples sit out that epoch only."""
     count = n_examples // (batch_size * world)
     if count == 0:
         fix = "lower --batch_size" if batch_size > 1 else "add text to the corpus"
@@ -154,10 +151,8 @@ def pad_batch(seqs, pad_id=0):
 
 
 def mask_tokens(input_ids, maskable, vocab_size, mask_id, generator, mask_prob=0.15):
-    """BERT's masking: choose mask_prob of the maskable tokens; of those 80% -> [MASK], 10% -> a random token,
-    10% unchanged. Returns (masked_ids, labels), labels -100 where not chosen. maskable: (B, L) bool, False at
-    [CLS], [SEP] and padding so they are never chosen. The random replacement is drawn from the whole vocabulary,
-    as BERT's and Hugging Face's code do."""
+    """BERT's masking: choose mask_prob of the maskable tokens ((B, L) bool, False at [CLS], [SEP], padding); of those
+    80% -> [MASK], 10% -> a random token of the whole vocabulary, 10% unchanged. -> (masked_ids, labels, -100 else)."""
     probs = torch.full(input_ids.shape, mask_prob) * maskable                         # (B, L)
     chosen = torch.bernoulli(probs, generator=generator).bool()                       # (B, L)
     labels = torch.where(chosen, input_ids, torch.full_like(input_ids, -100))         # (B, L)
@@ -176,10 +171,8 @@ STREAMS = ("dropout", "masks", "spans")
 
 
 def step_seed(seed, rank, micro_step, stream="dropout"):
-    """One seed per (run seed, rank, micro-step, stream): "dropout" (the global torch RNG, seeded before each forward),
-    "masks" (batch_generator) or "spans" (COSTA's --span_resample). numpy's SeedSequence hashes the four numbers: the
-    streams are independent of each other and of the neighbouring steps and ranks, and the same whether a run went
-    straight through or was resumed. (COSTA's default per-window spans come from default_rng([seed, window]).)"""
+    """One seed per (run seed, rank, micro-step, stream): "dropout", "masks" (batch_generator) or "spans" (COSTA's
+    --span_resample), hashed by numpy's SeedSequence: independent streams, the same whether a run was resumed."""
     entropy = [seed % 2**64, rank, micro_step, STREAMS.index(stream)]
     return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0] >> 1)  # < 2**63
 
@@ -189,9 +182,8 @@ class DataError(ValueError):
 
 
 def most_frequent_accuracy(targets, token=None):
-    """The trivial baseline of a token prediction (logged as X_chance beside X_acc): the accuracy of always predicting
-    `token`, the corpus' most frequent token (most_frequent_token); token None: this batch's most frequent target
-    instead (a slightly higher bar). targets (N,) or (B, L), -100 = no target -> () fp32."""
+    """X_chance beside X_acc: the accuracy of always predicting `token` (most_frequent_token; None: this batch's most
+    frequent target). targets (N,) or (B, L), -100 = no target -> () fp32."""
     targets = targets[targets != -100]                                           # (N,)
     if targets.numel() == 0:
         return torch.zeros((), device=targets.device)
@@ -204,10 +196,9 @@ def most_frequent_accuracy(targets, token=None):
 # 3. Readers: pre-training text, BEIR, MS MARCO, TREC qrels and run files; a rank's share of a list
 # ----------------------------------------------------------------------------------------------
 def read_lines(path, bad_bytes="stop"):
-    """Yield (line_number, line) of a text file, gunzipping '.gz' transparently. Bad bytes are refused,
-    not guessed at: a byte that is not UTF-8 stops the run with the file, line and byte offset; so do a
-    truncated '.gz' and a file named '.gz' that is not gzip. Windows line ends read as '\\n'.
-    bad_bytes="skip" (--bad_bytes skip) drops a line with a bad byte instead, counted in one line per file."""
+    """Yield (line_number, line) of a text file ('.gz' gunzipped), '\\r\\n' read as '\\n'. A byte not UTF-8 stops
+    the run with the file, line and offset (bad_bytes="skip": the line is dropped, counted in one line per file);
+    so do a truncated '.gz' and a '.gz' that is not gzip."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: file not found")
@@ -275,8 +266,7 @@ def iter_jsonl(path, bad_bytes="stop"):
 
 
 def iter_tsv(path, n_columns, header=None):
-    """Yield (line_number, fields) of a tab-separated file with exactly n_columns per line. header: the first
-    field of a header line to skip (e.g. 'query-id' in BEIR qrels), or None."""
+    """Yield (line_number, fields) of a TSV file of n_columns per line, a header line (first field `header`) skipped."""
     for number, line in read_lines(path):
         fields = line.rstrip("\r\n").split("\t")
         if not line.strip() or (number == 1 and header is not None and fields[0] == header):
@@ -313,9 +303,8 @@ CORPUS_SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz")   # what a corpus f
 
 
 def corpus_files(path):
-    """The files of a corpus in reading order: the file itself, or the visible .txt / .jsonl files ('.gz' ok) and
-    WikiExtractor files of a folder and its subfolders, sorted by path; the others are named once (rank 0)
-    and skipped."""
+    """The files of a corpus in reading order: the file itself, or a folder's (and subfolders') visible .txt / .jsonl
+    files ('.gz' ok) and WikiExtractor files, sorted by path; the others are named once and skipped."""
     path = Path(path)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file()
@@ -335,8 +324,7 @@ def corpus_files(path):
 
 @functools.cache
 def say_once(line):
-    """A line about the input, on rank 0, once per process: a script may read an input more than once (finetune.py
-    its corpus for the training split, for the early check of the evaluation split and to evaluate)."""
+    """A line about the input, on rank 0, once per process (a script may read an input more than once)."""
     if os.environ.get("RANK", "0") == "0":
         print(line, flush=True)
 
@@ -362,8 +350,7 @@ def corpus_kind(file):
 
 
 def _jsonl_texts(file, bad_bytes="stop"):
-    """A JSONL file's documents. A record whose title and text are only whitespace has nothing to learn
-    from: it is left out, and one line (rank 0, once per file and process) says how many were."""
+    """A JSONL file's documents; those whose title and text are only whitespace are left out, one line says how many."""
     total, dropped, first = 0, 0, 0
     for number, obj in iter_jsonl(file, bad_bytes):
         if not isinstance(obj.get("text"), str):
@@ -401,8 +388,7 @@ def _doc_texts(file, bad_bytes="stop"):
 
 
 def _plain_texts(file, bad_bytes="stop"):
-    """A plain-text file's documents: a line that is just '\n' ends one, the same split as text.split('\n\n').
-    Nothing is said of a stretch of whitespace between blank lines: it looks like more blank lines, not a document."""
+    """A plain-text file's documents: a line that is just '\n' ends one, the same split as text.split('\n\n')."""
     lines = []
     for _, line in itertools.chain(read_lines(file, bad_bytes), [(0, "\n")]):
         if line == "\n":
@@ -451,8 +437,7 @@ def refuse_empty_query(text, path, number):
 
 
 def warn_empty_documents(corpus, path, first_line):
-    """Documents with neither title nor text stay (qrels may name them) but can never be found by their words: one line
-    (say_once) says how many."""
+    """Documents with neither title nor text stay (qrels may name them), never found by their words: one line."""
     empty = sum(1 for doc in corpus.values() if not (doc["title"].strip() or doc["text"].strip()))
     if empty:
         say_once(f"warning: {path}: {empty:,} of {len(corpus):,} documents have no text (the first at line "
@@ -478,8 +463,7 @@ def read_queries(path):
 
 
 def read_qrels(path):
-    """Relevance judgments {qid: {docid: grade}} from BEIR qrels/*.tsv (header, 3 columns) or
-    TREC qrels (whitespace separated 'qid iteration docid grade')."""
+    """Relevance judgments {qid: {docid: grade}} from BEIR qrels/*.tsv or TREC qrels ('qid iteration docid grade')."""
     qrels = {}
     for number, line in read_lines(path):
         fields = line.split()
@@ -501,8 +485,7 @@ def read_qrels(path):
 
 
 def parse_grade(text, path, number):
-    """A relevance grade: an integer ('2', '-1', also '1.0'); '1.7', 'inf' or 'x' stop with file:line
-    (cutting 1.7 to 1 would silently change the metric)."""
+    """A relevance grade: an integer ('2', '-1', also '1.0'); '1.7', 'inf' or 'x' stop with file:line."""
     try:
         value = float(text)
     except ValueError:
@@ -523,9 +506,8 @@ def check_qrels(qrels, queries, corpus, path):
 
 
 def load_beir(folder, split="test", corpus=None):
-    """A BEIR-layout folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' allowed). Returns (corpus
-    {docid: {"title", "text"}}, queries {qid: text} of the split's judged queries, qrels {qid: {docid: grade}}).
-    corpus: the folder's corpus already read (another split's), used instead of reading it again."""
+    """A BEIR-layout folder (corpus.jsonl, queries.jsonl, qrels/{split}.tsv; '.gz' ok) -> (corpus {docid: {"title",
+    "text"}}, the split's judged queries {qid: text}, qrels {qid: {docid: grade}}); corpus: one already read."""
     qrels_path = find_file(Path(folder) / "qrels", f"{split}.tsv")
     corpus = read_corpus(find_file(folder, "corpus.jsonl")) if corpus is None else corpus
     queries = read_queries(find_file(folder, "queries.jsonl"))
@@ -562,8 +544,7 @@ def write_run(path, run, tag="dense"):
 
 
 def shard(n_items, rank, world):
-    """Contiguous shard of range(n_items) for a rank (sizes differ by at most one; no item twice or
-    lost). For encoding a corpus across ranks."""
+    """Contiguous shard of range(n_items) for a rank (sizes differ by at most one; no item twice or lost)."""
     bounds = np.linspace(0, n_items, world + 1).round().astype(int)
     return range(bounds[rank], bounds[rank + 1])
 
@@ -577,8 +558,7 @@ class Window(NamedTuple):
 
 
 def _cut_points(word_start, body):
-    """Chunk boundaries for a token sequence: at most `body` tokens each, moved back to the start of
-    the word they would split (a word longer than a whole chunk is cut where it must be)."""
+    """Chunk boundaries: at most `body` tokens each, moved back to the start of the word they would split."""
     if body < 1:                      # no room between [CLS] and [SEP]: the loop below would never end
         raise DataError(f"windows need at least one token between [CLS] and [SEP], got {body}")
     cuts, start, n = [0], 0, len(word_start)
@@ -601,9 +581,8 @@ def _encode_in_chunks(tokenizer, texts, chunk=64):
 
 def make_windows(tokenizer, texts, max_len, min_tokens=8):
     """Tokenize documents and cut each into windows '[CLS] ... [SEP]' of at most max_len tokens, ending on word
-    boundaries where possible. A document's last window shorter than min_tokens is dropped unless it is the whole
-    document (it would cost a padded row and teach little). A document that normalises to no token at all (e.g.
-    only zero-width characters) gives no window: a bare '[CLS] [SEP]' has nothing to mask and no span to sample."""
+    boundaries where possible. A last window shorter than min_tokens is dropped unless it is the whole document;
+    a document of no token at all gives no window."""
     ids = special_ids(tokenizer)
     body = max_len - 2
     windows = []
@@ -630,6 +609,46 @@ def encode_texts(tokenizer, texts, max_len):
     return pad_batch(seqs, ids["pad"])
 
 
+# COSTA's word spans (costa.sample_spans) skip stopwords and words with no letter or digit: which words
+# those are is text machinery, not the paper's math
+def skip_word_mask(input_ids, word_starts, vocab_tokens, tables=None):
+    """True at the start of each word that must not be a word-level span: an English stopword (scikit-learn's
+    list, the whole word) or a word with no letter or digit. Departure (costa-word-punct): the paper filters
+    stopwords only; punctuation makes an equally empty positive. tables: word_tables(vocab_tokens), made once."""
+    skip_alone, is_piece, may_join = tables or word_tables(vocab_tokens)
+    ids, starts = np.asarray(input_ids), np.flatnonzero(word_starts)            # (L,), (W,) word starts
+    ends = np.append(starts[1:], len(ids))                                       # (W,)
+    joined = np.logical_or.reduceat(is_piece[ids], starts) if len(starts) else starts > 0  # (W,) has "##" pieces
+    mask = np.zeros(len(ids), dtype=bool)
+    mask[starts] = skip_alone[ids[starts]] & ~joined                             # one-piece words: the table
+    for start, end in zip(*(x[joined & may_join[ids[starts]]].tolist() for x in (starts, ends))):
+        parts = [vocab_tokens[t] for t in input_ids[start:end]]                  # a word of several pieces
+        word = parts[0] + "".join(p[2:] for p in parts[1:] if p.startswith("##"))  # not [SEP]
+        mask[start] = word in stopwords() or not any(ch.isalnum() for ch in word)
+    return mask
+
+
+@functools.cache
+def stopwords():
+    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS  # here: sklearn takes seconds to import
+    return ENGLISH_STOP_WORDS
+
+
+def word_tables(vocab_tokens):
+    """skip_word_mask's tables, (V,) bool each: skip_alone (the entry, as a whole word, is skipped); is_piece
+    (a "##" piece); may_join (a word that starts with it may join its pieces into a skipped word: it has no
+    letter or digit, or it begins a stopword that is no entry, WordPiece taking the longest prefix first)."""
+    index = {token: i for i, token in enumerate(vocab_tokens)}
+    no_alnum = np.array([not any(ch.isalnum() for ch in t) for t in vocab_tokens], dtype=bool)
+    skip_alone = no_alnum | np.array([t in stopwords() for t in vocab_tokens], dtype=bool)
+    may_join = no_alnum.copy()
+    for word in stopwords() - index.keys():
+        prefix = next((word[:k] for k in range(len(word) - 1, 0, -1) if word[:k] in index), None)
+        if prefix:
+            may_join[index[prefix]] = True
+    return skip_alone, np.array([t.startswith("##") for t in vocab_tokens], dtype=bool), may_join
+
+
 # ----------------------------------------------------------------------------------------------
 # 5. Token cache: a corpus tokenized once into memory-mapped arrays, windows cut from them
 # ----------------------------------------------------------------------------------------------
@@ -642,15 +661,10 @@ def encode_texts(tokenizer, texts, max_len):
 #   windows-L{max_len}.json its counts and the .npy's size, time and CRC-32; written after the .npy
 #   manifest.json        corpus files (size, mtime), the vocab's sha256, format version, counts, and each file
 #                        above's size, time and CRC-32; written last, so a folder with a matching manifest is complete
-# Every later run, every rank and every --resume maps these files: resident memory holds the batch,
-# not the corpus, and nothing is tokenized twice. Windows are the ones make_windows cuts (a test checks).
-#
-# The cache proves itself before every use, on every rank, against what was recorded as each file was
-# written: a missing file or another size always fails (a stat each); the CRC-32s are read on every use
-# while the files total at most CRC_EVERY_USE_BYTES, beyond that only for a file whose time changed (a
-# cache of the papers' size still starts in well under a second; a change that keeps both size and time
-# can go unseen). A failed check rebuilds the cache, saying which file and what differed.
-# Files are written under '.NAME.PID@HOST.tmp' and renamed; the next use removes a killed writer's.
+# Every later run, rank and --resume maps these files: memory holds the batch, not the corpus; the windows are
+# make_windows' (a test checks). Before every use the cache proves itself against its records: sizes always,
+# CRC-32s while the files total at most CRC_EVERY_USE_BYTES, beyond that of files whose time changed; a failed
+# check rebuilds it, saying what differed. Files are written under '.NAME.PID@HOST.tmp' and renamed.
 TOKEN_CACHE_VERSION = 2      # 2: the manifest records each file's size, time and CRC-32 (1 recorded none)
 CACHE_WAIT_S = 6 * 3600      # how long ranks > 0 wait for rank 0 to build a cache before giving up
 WORKER_SILENCE_S = 600       # a tokenizing worker that gives nothing back this long is stuck: named, stopped
@@ -677,9 +691,8 @@ def corpus_signature(corpus, vocab):
 
 
 def token_cache_folder(corpus, vocab, cache_dir="", max_len=None, flag="--cache_dir DIR"):
-    """<corpus>.tokens-<vocab hash> next to the corpus, or inside cache_dir. Next to a corpus whose folder
-    cannot be written (a read-only dataset) only a cache that proves itself complete (_is_complete: with the
-    windows of max_len) is used, read as it is; else one line naming `flag`, the way to give another place."""
+    """<corpus>.tokens-<vocab hash> next to the corpus, or inside cache_dir. Next to a read-only corpus only a
+    complete cache (_is_complete, with the windows of max_len) is used as it is; else one line naming `flag`."""
     corpus = Path(corpus)
     parent = Path(cache_dir) if cache_dir else corpus.resolve().parent
     folder = parent / f"{corpus.name}.tokens-{sha256_of(vocab)[:8]}"
@@ -690,8 +703,7 @@ def token_cache_folder(corpus, vocab, cache_dir="", max_len=None, flag="--cache_
 
 
 def _is_complete(folder, corpus, vocab, max_len=None):
-    """Whether the token cache in folder is whole and built from this corpus and vocab, with the windows of
-    max_len (None: any), as its manifest and records say: a cache that needs no write."""
+    """Whether the token cache in folder is whole, of this corpus and vocab, with the windows of max_len (None: any)."""
     return (_cache_problem(folder, corpus_signature(corpus, vocab)) is None
             and (max_len is None or _windows_problem(folder, max_len) is None))
 
@@ -718,8 +730,7 @@ def _size_problem(folder, records, where):
 
 
 def _damage(folder, records, where):
-    """How the cache files differ from their records, or None: their sizes, then their CRC-32s, all of
-    them while they are small (CRC_EVERY_USE_BYTES), else those of files whose time changed."""
+    """How the cache files differ from their records (sizes, then CRC-32s: see CRC_EVERY_USE_BYTES), or None."""
     if problem := _size_problem(folder, records, where):
         return problem
     small = sum(record["bytes"] for record in records.values()) <= CRC_EVERY_USE_BYTES
@@ -745,8 +756,7 @@ def what_changed(old, new):
 
 
 def _cache_problem(folder, signature):
-    """Why the token cache in folder cannot be used as it is: '' when it was never finished (no
-    manifest), a line for a stale or damaged one, None when it is ready."""
+    """Why the token cache cannot be used: '' never finished (no manifest), a line if stale or damaged; None: ready."""
     path = Path(folder) / "manifest.json"
     if not path.is_file():
         return ""
@@ -767,8 +777,7 @@ def _cache_problem(folder, signature):
 
 
 def _is_ready(problem, folder, redo, say=False):
-    """Whether a part of the cache can be used as it is (its problem is None); say: print why not and
-    what is done about it (rank 0, just before it does it)."""
+    """Whether a part of the cache can be used as it is (its problem is None); say: print why not, and `redo`."""
     if problem and say:
         print(f"token cache {folder}: {problem}; {redo}", flush=True)
     return problem is None
@@ -776,10 +785,8 @@ def _is_ready(problem, folder, redo, say=False):
 
 def _start_worker(vocab):
     global _worker_tokenizer
-    # A worker stops as the operating system means, whatever handlers it inherited through fork (run.py's stop
-    # handlers): SIGTERM ends it (Pool.terminate sends it), Ctrl-C is the parent's to act on (it reaches the whole
-    # process group). Both were blocked since before the fork (_pool): one sent while the worker was starting waits,
-    # pending, and acts here (caught by the inherited Python handler it was lost, and terminate() waited without end).
+    # Whatever handlers it inherited through fork: SIGTERM ends a worker (Pool.terminate sends it), Ctrl-C is the
+    # parent's. Both were blocked since before the fork (_pool), so one sent while the worker started acts here.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
@@ -852,8 +859,7 @@ def _pool(vocab, workers):
 
 
 def _results(pool, tasks, folder):
-    """Each result of pool.imap in order, waiting at most WORKER_SILENCE_S for each: a stuck worker is
-    named in one line, never waited on without end."""
+    """Each result of pool.imap in order, at most WORKER_SILENCE_S for each: a stuck worker is named in one line."""
     answers = pool.imap(_tokenize_chunk_sized, tasks)
     while True:
         try:
@@ -876,9 +882,7 @@ def _close_pool(pool, folder):
 
 
 def _stop_pool(pool, bound=10):
-    """Pool.terminate(), waited on at most `bound` seconds: its first step takes the task queue's lock, which a
-    worker killed while it waited for a task (a SIGTERM to the whole process group) holds for ever. Then the
-    workers are killed, and the stuck call is left to the process's end."""
+    """Pool.terminate(), waited on at most `bound` s (a killed worker may hold the queue's lock for ever), then kill."""
     import threading
     stopper = threading.Thread(target=pool.terminate, daemon=True)
     stopper.start()
@@ -896,8 +900,8 @@ def _stuck_line(pool, folder):
 
 
 def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, verbose=True, bad_bytes="stop"):
-    """Tokenize the corpus into folder (see above): documents stream through worker processes, their ids appended to the
-    files in order as they come back; every file is written under a temporary name and renamed, the manifest last."""
+    """Tokenize the corpus into folder (see above): documents stream through worker processes, their ids appended in
+    order; every file written under a temporary name and renamed, the manifest last."""
     folder = Path(folder)
     signature = corpus_signature(corpus, vocab)    # (a missing corpus stops here, before any folder exists)
     created = not folder.exists()
@@ -916,8 +920,7 @@ def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, ver
 
 
 def cache_bytes_needed(corpus, vocab, chars_per_token=4.0):
-    """About how many bytes a corpus's token cache takes: per token its id (2 or 4 bytes) and its word
-    start (1), at about 4 characters a token (English WordPiece; a guess: the tokens are not counted yet)."""
+    """About the bytes of a corpus's token cache: per token its id (2 or 4) and word start (1), ~4 characters each."""
     return int(corpus_chars(corpus) / chars_per_token * ((2 if vocab_size_of(vocab) <= 1 << 16 else 4) + 1))
 
 
@@ -966,8 +969,7 @@ def _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, v
 
 
 def cut_windows(word_starts, doc_offsets, max_len, min_tokens=8):
-    """make_windows' cuts on a token cache: (n_windows, 2) int64 [start, end) of each window's tokens (without
-    [CLS] and [SEP]). The same rules: word boundaries, short last windows dropped, empty documents skipped."""
+    """make_windows' cuts on a token cache: (n_windows, 2) int64 [start, end) of each window's body, the same rules."""
     body, out = max_len - 2, []
     for a, b in zip(doc_offsets[:-1].tolist(), doc_offsets[1:].tolist()):
         if a == b:
@@ -983,8 +985,7 @@ def _unreadable(folder, what):
 
 
 def _read(folder, name, dtype=None):
-    """A cache file: a .bin memory-mapped as dtype, a .npy memory-mapped, a .json parsed. A failure (numpy's, the
-    disk's) is one line naming the folder and the file."""
+    """A cache file: .bin memory-mapped as dtype, .npy memory-mapped, .json parsed; a failure is one line naming it."""
     path = Path(folder) / name
     try:
         if path.suffix == ".json":
@@ -995,8 +996,7 @@ def _read(folder, name, dtype=None):
 
 
 def _windows_problem(folder, max_len):
-    """Why windows-L{max_len}.npy cannot be used: '' when never cut, a line when it is not what its
-    .json recorded, None when it is ready."""
+    """Why windows-L{max_len}.npy cannot be used: '' never cut, a line if not what its .json recorded; None: ready."""
     counts = Path(folder) / f"windows-L{max_len}.json"
     if not counts.is_file():
         return ""
@@ -1020,8 +1020,7 @@ def _write_windows(folder, max_len):
 
 
 class TokenWindows:
-    """The windows of a token cache as a sequence of Window, read from the memory-mapped arrays: the
-    same items make_windows returns, without holding them. Pickles as its folder (data-loader workers)."""
+    """A token cache's windows as a sequence of Window (make_windows' items), memory-mapped; pickles as its folder."""
 
     def __init__(self, folder, max_len, special):
         self.folder, self.max_len, self.special = Path(folder), max_len, special
@@ -1037,8 +1036,7 @@ class TokenWindows:
         self.bounds = _read(folder, f"windows-L{max_len}.npy")     # (N, 2)
         self.n_docs = manifest["n_docs"]
         self.n_tokens = counts["n_tokens"]                         # [CLS] and [SEP] included (counted when cut)
-        # What the windows are made of, for a run to record: the tokens' CRC-32 and the window count say
-        # whether two corpora train alike; the signature says which file changed (what_changed).
+        # For a run to record: the tokens' CRC-32 and window count (alike?), the signature (what_changed)
         self.identity = {"tokens_crc32": manifest["files"]["tokens.bin"]["crc32"], "n_windows": len(self.bounds),
                          "signature": manifest["signature"]}
 
@@ -1058,9 +1056,8 @@ class TokenWindows:
 
 
 def rank0_builds(ready, build, rank, what, watch=None):
-    """Rank 0 runs build() unless ready(); the other ranks wait until ready() (polling a file: no collective,
-    so it works before or without a process group), at most CACHE_WAIT_S seconds, and, given the folder rank 0
-    writes as it builds (watch), at most CACHE_STALL_S after its last change: a stalled rank 0 is named."""
+    """Rank 0 runs build() unless ready(); the others poll ready() (no collective) at most CACHE_WAIT_S seconds, and
+    at most CACHE_STALL_S after the last change in the folder rank 0 writes (watch): a stalled rank 0 is named."""
     if rank == 0:
         if not ready():
             build()
@@ -1088,8 +1085,7 @@ def _last_change(folder, since):
 
 
 def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbose=True, bad_bytes="stop"):
-    """The pre-training windows of a corpus: built into a token cache on first use (rank 0; the other ranks wait),
-    checked on every use (a stale or damaged cache is rebuilt, saying why), then mapped from it: a TokenWindows."""
+    """A corpus's pre-training windows (TokenWindows) from its token cache: built once (rank 0), checked every use."""
     folder = token_cache_folder(corpus, vocab, cache_dir, max_len)
     signature = corpus_signature(corpus, vocab)
     if rank == 0 and folder.is_dir():
@@ -1106,11 +1102,9 @@ def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbo
 # 6. Files written whole or not at all, and progress lines on long steps (here and in run.py)
 # ----------------------------------------------------------------------------------------------
 def is_disk_full(error, folder=None):
-    """Whether a failed write ran out of space, by what each writer raises: ENOSPC or EDQUOT as an errno
-    or in the words of safetensors' SafetensorError (neither an OSError nor a RuntimeError), numpy's short
-    write ("N requested and M written"), torch.save's "unexpected pos" (a short write that never says
-    why); on the error or its cause. The free space alone cannot tell (the failed write's temporaries are
-    deleted first): it is asked only of another RuntimeError (less than 1 MiB left in folder)."""
+    """Whether a failed write ran out of space, by what each writer raises (on the error or its cause): ENOSPC or
+    EDQUOT as an errno or in safetensors' words, numpy's "N requested and M written", torch.save's "unexpected pos";
+    another RuntimeError when less than 1 MiB is left in folder."""
     import errno
     for e in (error, error.__cause__, error.__context__):
         text = str(e) if e is not None else ""
@@ -1131,16 +1125,14 @@ def format_bytes(n):
 
 
 def disk_full_line(folder, what, needs, kept, fix):
-    """The one line (a DataError to raise) for a write into folder that found the disk full (is_disk_full):
-    what needs how many bytes and how many are free, what was kept, what to do (fix)."""
+    """The one line (a DataError) for a write into folder that found the disk full: needs, free, kept, fix."""
     existing = next(p for p in (Path(folder).absolute(), *Path(folder).absolute().parents) if p.exists())
     free = format_bytes(shutil.disk_usage(existing).free)
     return DataError(f"{folder}: the disk is full ({what} {format_bytes(needs)}, {free} free); {kept}{fix}")
 
 
 def temporary_name(path):
-    """Where `path` is written before its rename: '.NAME.PID@HOST.tmp' beside it says who writes it, so
-    that a later run can tell a killed writer's leftover from a live writer's (_is_stale)."""
+    """Where `path` is written before its rename: '.NAME.PID@HOST.tmp' beside it, naming its writer (_is_stale)."""
     path = Path(path)
     return path.parent / f".{path.name}.{os.getpid()}@{socket.gethostname()}.tmp"
 
@@ -1185,9 +1177,8 @@ def _is_alive(pid):
 
 
 def _is_stale(tmp):
-    """A temporary no live process will rename: its PID (in the name) is gone from this host, or, for
-    a name with no PID (an older data.py's), nothing wrote to it for UNOWNED_TEMP_S seconds.
-    Another host's temporary is never judged by PID: that process is not visible from here."""
+    """A temporary no live process will rename: its PID (in the name) is gone from this host (another host's is never
+    judged), or, with no PID in the name, nothing wrote to it for UNOWNED_TEMP_S seconds."""
     here = socket.gethostname()
     if owner := re.search(r"\.(\d+)@(.+)\.tmp$", tmp.name):                         # '.NAME.PID@HOST.tmp'
         pid, host = int(owner[1]), owner[2]
@@ -1199,9 +1190,7 @@ def _is_stale(tmp):
 
 
 def remove_dead_temporaries(folder, say=False, locked=False):
-    """Delete the temporaries that killed writers left: in a folder this process holds locked (a run
-    folder, locked=True), every one, in its subfolders too; in a shared token cache, those whose writer
-    is gone (_is_stale). say: one line with how many and their size."""
+    """Delete killed writers' temporaries: all, subfolders too, in a folder held locked; else those _is_stale."""
     n, size = 0, 0
     for tmp in (Path(folder).rglob if locked else Path(folder).glob)(".*.tmp"):
         with contextlib.suppress(FileNotFoundError):  # renamed or removed meanwhile, by its writer or another cleaner
@@ -1229,9 +1218,7 @@ def counted(items, progress):
 
 
 class ProgressLine:
-    """A line every PROGRESS_EVERY_S seconds on rank 0 while a long step runs, in the training lines'
-    format: '{what} {done}/{total} | {rate} {unit}/s | elapsed 0m30s | eta 2m10s'. total 0 = unknown
-    (no ETA). Call add(n) as items are done."""
+    """A line every PROGRESS_EVERY_S s on rank 0 while a long step runs (total 0: no ETA); add(n) as items are done."""
 
     def __init__(self, what, total=0, unit="items", rank=None):
         self.what, self.total, self.unit, self.done = what, total, unit, 0
@@ -1252,8 +1239,7 @@ class ProgressLine:
 
 def main(argv):
     """python data.py CORPUS OUT_VOCAB [SIZE]: an uncased WordPiece vocabulary of at most SIZE entries (30,522)
-    trained on a corpus (a file or folder, read as --corpus reads it), for a model trained from scratch on
-    text that BERT's vocabulary fits badly (pass it with --vocab and --vocab_size)."""
+    trained on a corpus, for a model trained from scratch (pass it with --vocab and --vocab_size)."""
     if len(argv) not in (2, 3) or (len(argv) == 3 and not argv[2].isdigit()):
         sys.exit("usage: python data.py CORPUS OUT_VOCAB [SIZE]")
     try:

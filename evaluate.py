@@ -1,8 +1,7 @@
-"""Evaluate a dense retriever or BM25 the way the papers report it: metrics as trec_eval computes
-them, TREC run files, paired two-tailed t-tests. The retrieval layer that finetune.py trains with lives
-here too (pooling, BM25, encode, exact search); this file imports nothing from finetune.py and no method
-file (the papers' figures and mechanism measurements are mechanisms.py's). One file, top to bottom:
-config, retrieval, metrics, significance, runs, command line, shared blocks.
+"""Evaluate a dense retriever or BM25 the way the papers report it: metrics as trec_eval computes them, TREC run
+files, paired two-tailed t-tests. The retrieval layer finetune.py trains with lives here too; this file imports
+neither finetune.py nor a method file. Top to bottom: config, retrieval, metrics, significance, runs, command
+line, shared blocks.
 
     python evaluate.py --bm25 --dataset data/scifact --split test          # BM25 baseline row
     python evaluate.py --model runs/finetune/encoder --split test       # any saved encoder (HF BERT folder)
@@ -11,9 +10,8 @@ config, retrieval, metrics, significance, runs, command line, shared blocks.
     python evaluate.py --compare runs/a/run.trec,runs/b/run.trec        # paired t-tests per metric
     python evaluate.py --corpus collection.tsv --queries queries.dev.small.tsv --qrels qrels.dev.small.tsv --bm25
 
-Outputs in out_dir: run.trec (qid Q0 docid rank score tag) and metrics.json (means, per-query values,
-timings). The encoder is the shared BERT block (the same bytes as costa.py's, at the end of this file),
-so any Hugging Face BERT folder loads.
+Outputs in out_dir: run.trec (qid Q0 docid rank score tag) and metrics.json (means, per-query values, timings).
+The encoder is the shared BERT block (costa.py's bytes, at the end): any Hugging Face BERT folder loads.
 """
 import contextlib
 import dataclasses
@@ -108,8 +106,7 @@ def text_vectors(hidden, attention_mask, pooling, similarity):
 
 @dataclass
 class EncoderConfig:
-    """The shared Encoder's fields (the method files' Config names them the same); load_encoder fills
-    them in from the folder's config.json."""
+    """The shared Encoder's fields (as the method files' Config names them); load_encoder fills them in."""
     vocab_size: int = 30522
     hidden_size: int = 768
     num_layers: int = 12
@@ -122,10 +119,8 @@ class EncoderConfig:
 
 
 def load_encoder(folder, c=None):
-    """Encoder from a Hugging Face BERT folder, without the MLM head: fine-tuning never uses it, and
-    unused parameters would make DistributedDataParallel fail. Saved folders then have no MLM head;
-    transformers.AutoModel still loads them. c: a Config with the encoder's fields (finetune.py's),
-    else EncoderConfig; the folder's config.json replaces its sizes."""
+    """Encoder from a Hugging Face BERT folder, without the MLM head (unused, it would make DDP fail). c: a Config
+    with the encoder's fields (finetune.py's), else EncoderConfig; the folder's config.json replaces its sizes."""
     encoder = run.load_pretrained(Encoder, folder, c or EncoderConfig())
     encoder.mlm_head = None
     encoder.source = str(folder)    # what check_finite names
@@ -155,10 +150,9 @@ DEV_SEED = 20221   # the dev carve's own seed, apart from every run's --seed: on
 
 
 def carve_dev(qrels, n, seed=DEV_SEED):
-    """Training qrels split into (train, dev): dev = a fixed random sample of n queries that have a
-    positive (sorted ids, numpy default_rng(seed)), the same for every run and script; train = the
-    rest. finetune.py --dev_queries n trains on train and evaluates on dev; evaluate.py --split dev
-    --dev_queries n evaluates on dev. Settings are chosen on dev, so the test split chooses nothing."""
+    """Training qrels split into (train, dev): dev = a fixed random sample of n queries that have a positive, the
+    same for every run and script (finetune.py and evaluate.py --dev_queries n); train = the rest. Settings are
+    chosen on dev, so the test split chooses nothing."""
     judged = sorted(q for q, docs in qrels.items() if any(g > 0 for g in docs.values()))
     if n > len(judged):
         raise data.DataError(f"--dev_queries {n}: only {len(judged)} training queries have a positive")
@@ -175,13 +169,10 @@ class BM25:
         score(q, d) = sum_{t in q} idf(t) * tf(t, d) / (tf(t, d) + k1 * (1 - b + b * |d| / avgdl))
         idf(t)      = log(1 + (N - df(t) + 0.5) / (df(t) + 0.5))
 
-    Tokenizer: lowercase, tokens of 2+ word characters (scikit-learn's default pattern), scikit-learn's
-    English stopword list removed, NO stemming. |d| counts the tokens left after stopword removal.
-    A repeated query term counts once per occurrence, as in a Lucene BooleanQuery of the terms.
-    Departures from Lucene: no (k1 + 1) factor in the numerator (it changes no ranking; Lucene 8+ dropped
-    it too); exact document lengths instead of Lucene's lossy one-byte length norm (can swap near-ties).
-    Defaults k1 = 1.2, b = 0.75 are Elasticsearch's (the BEIR paper's BM25 row); Anserini / Pyserini
-    use k1 = 0.9, b = 0.4.
+    Tokenizer: lowercase, tokens of 2+ word characters, scikit-learn's English stopwords removed (|d| counts
+    the rest), NO stemming; a repeated query term counts once per occurrence. Unlike Lucene: no (k1 + 1) in the
+    numerator (no ranking changes; Lucene 8+ dropped it too), exact document lengths (Lucene's are lossy).
+    k1 = 1.2, b = 0.75: Elasticsearch's (the BEIR paper's BM25 row); Anserini uses 0.9, 0.4.
     """
 
     def __init__(self, doc_texts, k1=1.2, b=0.75):
@@ -215,18 +206,15 @@ class BM25:
     DENSE_UP_TO = 100_000
 
     def search(self, query_texts, k):
-        """Top-k documents per query: (scores (M, k) float32, indices (M, k) int64), best first.
-        Documents with score 0 (no query term) fill the tail when fewer than k match. Above DENSE_UP_TO
-        documents the top-k comes from the sparse scores (sparse_search), a cost that grows with the
-        postings of the query's terms, not with the corpus."""
+        """Top-k documents per query: (scores (M, k) float32, indices (M, k) int64), best first, score-0 documents
+        filling the tail. Above DENSE_UP_TO documents from the sparse scores (sparse_search)."""
         if self.n_docs > self.DENSE_UP_TO:
             return self.sparse_search(query_texts, k)
         return self.dense_search(query_texts, k)
 
     def sparse_search(self, query_texts, k, postings_per_chunk=10_000_000):
-        """search() from the sparse (M, N) score matrix: only the documents that share a term with the
-        query are scored; ties go to the lower document index, and the score-0 tail is the lowest
-        indices that did not match. Queries go in chunks of about postings_per_chunk matched postings."""
+        """search() from the sparse (M, N) scores: only documents sharing a term with the query are scored (ties:
+        the lower index first; the score-0 tail: the lowest indices not matched), about postings_per_chunk at once."""
         k = min(k, self.n_docs)
         q = self.vectorizer.transform(query_texts).tocsr()  # (M, T) query term counts
         cost = np.cumsum((q > 0).astype(np.int64) @ self.df.astype(np.int64))  # (M,) postings up to each query
@@ -262,9 +250,7 @@ class BM25:
 
 
 def top_k_sparse(values, docs, k):
-    """The k best of one query's matched documents (values (n,) > 0 at docs (n,)): (scores (k,), ids (k,)),
-    score descending then document index ascending; fewer than k matches are followed by score-0
-    documents, the lowest indices not matched."""
+    """One query's k best matched documents (values > 0 at docs): score desc, index asc; then score-0 documents."""
     if len(values) > k:
         kth = -np.partition(-values, k - 1)[k - 1]                  # the k-th best score
         keep = values >= kth                                        # every document tied with it too
@@ -283,8 +269,7 @@ def top_k_sparse(values, docs, k):
 # Dense retrieval: encode, search (exact or a faiss index), the cross-rank top-k merge
 # ---------------------------------------------------------------------------------------------
 def new_index(spec, dim):
-    """An empty faiss index from an index_factory string, inner-product metric; a one-line ValueError
-    when faiss refuses the string (unknown, or e.g. PQ32 on vectors whose size 32 does not divide)."""
+    """An empty faiss index from an index_factory string, inner-product metric; one line when faiss refuses it."""
     import faiss
 
     try:
@@ -295,17 +280,14 @@ def new_index(spec, dim):
 
 
 def row_chunks(vecs, chunk=65536, dtype=np.float32):
-    """(start, rows (c, H) as dtype; None = their own) over an (N, H) array, chunk rows at a time. An
-    fp16 memmap (encode(path=...)) is read and widened one chunk at a time, through a mapping of
-    its own that is closed after each chunk (_fresh_map), so neither its float32 copy nor all its
-    pages are ever resident in this process at once. Drop each chunk before asking for the next."""
+    """(start, rows (c, H) as dtype; None = their own) over an (N, H) array, chunk rows at a time; an fp16 memmap
+    through a mapping of its own per chunk (_fresh_map): never all resident. Drop each chunk before the next."""
     for start in range(0, len(vecs), chunk):
         yield start, _read_rows(vecs, start, start + chunk, dtype)                          # (c, H)
 
 
 def _read_rows(vecs, start, stop, dtype):
-    """vecs[start:stop] as a C-contiguous array of dtype (None: its own): a view when nothing changes,
-    else a copy; a memmap's rows are copied out of a throwaway mapping."""
+    """vecs[start:stop] as a C-contiguous array of dtype (None: its own); a memmap's rows from a throwaway mapping."""
     part = _fresh_map(vecs)[start:stop]
     if isinstance(part, np.memmap):
         return np.array(part, dtype=dtype or part.dtype, order="C")
@@ -313,9 +295,7 @@ def _read_rows(vecs, start, stop, dtype):
 
 
 def _fresh_map(vecs):
-    """A new read-only mapping of the .npy file that the memmap vecs maps whole, else vecs itself.
-    A mapping's pages count in this process's RSS until it is closed: reading a corpus through
-    vecs itself would leave all of it resident, through throwaway mappings only what is in use."""
+    """A new read-only mapping of the .npy file the memmap vecs maps whole (its pages freed when dropped), else vecs."""
     if isinstance(vecs, np.memmap) and vecs.filename and str(vecs.filename).endswith(".npy"):
         whole = np.load(vecs.filename, mmap_mode="r")
         if whole.shape == vecs.shape and whole.dtype == vecs.dtype:
@@ -324,10 +304,8 @@ def _fresh_map(vecs):
 
 
 def build_index(doc_vecs, spec="Flat", train_size=100_000, seed=0, chunk=65536):
-    """A faiss index over doc_vecs (N, H) (float32, or an fp16 memmap) with the inner-product metric,
-    from any index_factory string: "Flat" (exact), "HNSW32" (graph), "IVF256,PQ32" (inverted lists of
-    product-quantised codes), ... An index that needs training (IVF, PQ) is trained on a seeded sample
-    of at most train_size rows; vectors are added chunk rows at a time (row_chunks)."""
+    """A faiss index (inner product) over doc_vecs (N, H) (float32, or an fp16 memmap) from an index_factory string
+    ("Flat", "HNSW32", "IVF256,PQ32", ...), trained if it needs it on a seeded sample of at most train_size rows."""
     index = new_index(spec, doc_vecs.shape[1])
     if not index.is_trained:
         rows = np.random.default_rng(seed).permutation(len(doc_vecs))[:train_size]
@@ -340,10 +318,7 @@ def build_index(doc_vecs, spec="Flat", train_size=100_000, seed=0, chunk=65536):
 
 
 def reserve(index, n):
-    """Allocate a flat-coded index's storage (Flat, SQ, PQ; HNSW's vectors) for n vectors at once.
-    faiss appends with std::vector::resize, which doubles the capacity, so adding in chunks would
-    otherwise hold the old and the doubled storage at once: up to 3x the index at the peak (measured
-    2.5 GiB instead of 1.7 for 300k x 768 Flat). Growing to n then back to 0 keeps the capacity."""
+    """Allocate a flat-coded faiss index's storage for n vectors at once (appends would double it, old and new held)."""
     import faiss
 
     flat = faiss.downcast_index(index.storage) if hasattr(index, "storage") else index
@@ -353,8 +328,7 @@ def reserve(index, n):
 
 
 def set_search_parameters(index, nprobe=0, ef_search=0):
-    """Search-time knobs of an approximate index: nprobe (inverted lists visited, IVF) and efSearch
-    (candidate list size, HNSW); 0 = faiss's default. A knob the index does not have is left alone."""
+    """nprobe (IVF) and efSearch (HNSW) of an approximate index; 0 = faiss's default; a knob it lacks is left."""
     import faiss
 
     for name, value in (("nprobe", nprobe), ("efSearch", ef_search)):
@@ -366,11 +340,9 @@ def set_search_parameters(index, nprobe=0, ef_search=0):
 
 
 def search(query_vecs, doc_vecs, k, index="Flat", nprobe=0, ef_search=0, train_size=100_000, batch=1024):
-    """Maximum inner product search with a faiss index (build_index): exact for "Flat", approximate
-    otherwise. Mining (finetune.py) and evaluation both come here through retrieve().
-    query_vecs (M, H), doc_vecs (N, H) -> (scores (M, k), indices (M, k) int64), best first;
-    an approximate index that finds fewer than k documents fills the tail with index -1, score -inf.
-    doc_vecs may be an fp16 memmap (encode(path=...)): build_index reads it in chunks."""
+    """Maximum inner product search with a faiss index (build_index): exact for "Flat", approximate otherwise.
+    query_vecs (M, H), doc_vecs (N, H) (or an fp16 memmap) -> (scores (M, k), indices (M, k) int64), best first;
+    fewer than k found: the tail is index -1, score -inf."""
     query_vecs = np.ascontiguousarray(query_vecs, dtype=np.float32)
     k = min(k, len(doc_vecs))
     index = build_index(doc_vecs, index, train_size)
@@ -388,13 +360,9 @@ def search(query_vecs, doc_vecs, k, index="Flat", nprobe=0, ef_search=0, train_s
 
 @torch.no_grad()
 def torch_exact_search(query_vecs, doc_vecs, k, device, chunk=65536, batch=4096):
-    """Exact maximum inner product search as matmuls on `device`: what retrieve() does for "Flat" on a
-    GPU (the faiss installed is CPU-only). search()'s contract: query_vecs (M, H), doc_vecs (N, H)
-    float32 or an fp16 memmap -> (scores (M, k) float32, indices (M, k) int64), best first.
-    Documents go to the device chunk rows at a time, each chunk once, and the matmul runs in their
-    dtype (fp16: tensor cores; scores are then rounded to fp16, about 3 significant digits, so
-    near-ties may swap). Every query keeps a running top-k: the chunk's scores are joined to it and
-    topk taken again, so neither the (M, N) scores nor the corpus are ever whole on the device."""
+    """search() as matmuls on `device`, retrieve()'s "Flat" on a GPU (faiss here is CPU-only). Documents go to the
+    device chunk rows at a time, the matmul in their dtype (fp16: near-ties may swap); every query keeps a running
+    top-k, so neither the (M, N) scores nor the corpus are ever whole on the device."""
     k = min(k, len(doc_vecs))
     dtype = torch.from_numpy(np.zeros(0, doc_vecs.dtype)).dtype
     queries = torch.from_numpy(np.ascontiguousarray(query_vecs, dtype=np.float32)).to(device, dtype)  # (M, H)
@@ -418,10 +386,8 @@ def torch_exact_search(query_vecs, doc_vecs, k, device, chunk=65536, batch=4096)
 
 @torch.no_grad()
 def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16=True, similarity="dot", path=""):
-    """(len(texts), H) float32 numpy vectors (unit length for "cos"). Texts are encoded sorted by
-    length (less padding). With a path, the vectors are written into an fp16 .npy memmap there instead,
-    batch by batch in place (under a temporary name, then renamed: data.atomic_write), and that file is
-    returned opened read-only: a corpus is then never held in memory, let alone twice."""
+    """(len(texts), H) float32 numpy vectors (unit length for "cos"), encoded sorted by length. With a path, into an
+    fp16 .npy memmap there instead (atomic), returned opened read-only: a corpus never held in memory."""
     shape = (len(texts), encoder.config.hidden_size)
     args = (encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16, similarity)
     if not path:
@@ -444,10 +410,8 @@ def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16
 
 
 def reserve_space(path, start=0, chunk=1 << 24):
-    """Allocate the whole of a file on its disk now: a memmap written into a file that the disk cannot hold
-    dies of SIGBUS (exit 135, no line) when a page finds no room; reserved, a full disk is an OSError here.
-    Where there is no posix_fallocate (macOS), the zeros from `start` (after the .npy header) are written
-    through instead: the same blocks allocated, at the cost of writing the file once more."""
+    """Allocate the whole of a file on its disk now: a memmap the disk cannot hold dies of SIGBUS (no line); reserved,
+    a full disk is an OSError here. Without posix_fallocate (macOS) the zeros from `start` are written through."""
     fd = os.open(path, os.O_RDWR)
     try:
         size = os.fstat(fd).st_size
@@ -482,9 +446,7 @@ def _encode_into(out, encoder, pooling, tokenizer, texts, max_len, batch_size, d
 
 
 def check_finite(vecs, encoder, rows, texts):
-    """Every vector that evaluation, zero-shot rows and mining search comes from _encode_into: a NaN or inf
-    one (a damaged checkpoint, an overflow) would rank nothing, silently (faiss gives it id -1). One line
-    naming the model (load_encoder records its folder) and the first text that gave one."""
+    """A NaN or inf vector would rank nothing, silently: one line naming the model and the first text giving one."""
     bad = (~torch.isfinite(vecs)).any(1).nonzero()
     if len(bad):
         i = int(rows[int(bad[0])])
@@ -501,8 +463,7 @@ def _all_gather(t, device):
 
 
 def merge_topk_across_ranks(scores, ids, k, device, chunk=16384):
-    """Every rank holds the top-k of its own corpus shard for the same queries; all-gather them and keep
-    the global top-k. scores (Q, k') float32, ids (Q, k') global corpus indices, k' <= k."""
+    """Each rank's top-k of its own corpus shard all-gathered, the global top-k kept. scores (Q, k'), ids (Q, k')."""
     pad = k - scores.shape[1]  # a shard smaller than k
     scores = np.pad(scores, ((0, 0), (0, pad)), constant_values=-np.inf)
     ids = np.pad(ids, ((0, 0), (0, pad)), constant_values=-1)
@@ -518,9 +479,7 @@ def merge_topk_across_ranks(scores, ids, k, device, chunk=16384):
 
 
 def encode_corpus_shard(encoder, tokenizer, doc_texts, c, device):
-    """This rank's contiguous shard of the corpus (data.shard) encoded: (n, H) vectors, in memory or, with
-    c.vectors_dir, an fp16 memmap there. retrieve() takes it back (doc_vecs=) so that several query sets
-    (dev and test) are searched against one encoding of the corpus."""
+    """This rank's shard of the corpus encoded (in memory, or fp16 in c.vectors_dir), for retrieve(doc_vecs=)."""
     rank, world = rank_and_world()
     shard = data.shard(len(doc_texts), rank, world)
     path = Path(c.vectors_dir) / f"docs-{rank}-of-{world}.npy" if c.vectors_dir else ""
@@ -529,17 +488,11 @@ def encode_corpus_shard(encoder, tokenizer, doc_texts, c, device):
 
 
 def retrieve(encoder, tokenizer, doc_texts, query_texts, k, c, device, timings=None, doc_vecs=None):
-    """Dense retrieval: (scores (Q, k), corpus indices (Q, k)) best first, on EVERY rank. Exact with
-    c.index "Flat", else with that faiss index (search(); c.nprobe, c.ef_search, c.index_train).
-    doc_vecs: this rank's shard of doc_texts as encode_corpus_shard() gave it (else encoded here).
-
-    Under torchrun rank r encodes only its contiguous shard of the corpus (data.shard: no document
-    twice, none dropped), searches it with faiss, and the per-shard top-k lists are all-gathered
-    and merged. So every rank does the same amount of work and no rank waits in a collective while
-    another searches alone (NCCL's timeout), and no rank ever holds the whole corpus' vectors.
-    Every rank encodes all the queries: they are few and short. With c.vectors_dir each rank's
-    corpus vectors go to an fp16 memmap there (encode(path=...)) and are searched chunk by chunk.
-    On a GPU, "Flat" is torch_exact_search (matmuls on the device) instead of faiss on the CPU."""
+    """Dense retrieval: (scores (Q, k), corpus indices (Q, k)) best first, on EVERY rank, with c.index (search();
+    "Flat" on a GPU: torch_exact_search). doc_vecs: this rank's shard as encode_corpus_shard() gave it.
+    Under torchrun each rank encodes and searches only its shard of the corpus (data.shard), and the per-shard
+    top-k lists are all-gathered and merged: the same work on every rank, none holds the whole corpus' vectors.
+    Every rank encodes all the queries (few and short)."""
     rank, world = rank_and_world()
     k = min(k, len(doc_texts))
     new_index(c.index, encoder.config.hidden_size)  # a bad --index fails now, not after encoding the corpus
@@ -572,8 +525,7 @@ def retrieve(encoder, tokenizer, doc_texts, query_texts, k, c, device, timings=N
 
 
 def say_short_rankings(ids, k, index, rank):
-    """An approximate index may find fewer than k documents for a query (faiss's id -1, left out of every
-    ranking and mined list): one line on rank 0 saying for how many queries, never silently."""
+    """An approximate index may find fewer than k documents for a query (id -1): rank 0 says for how many."""
     short = int((ids < 0).any(1).sum()) if ids.size else 0
     if short and rank == 0:
         print(f"note: the {index} index found fewer than {k} documents for {short} of {len(ids)} queries; their "
@@ -587,15 +539,13 @@ METRICS = ("MRR@10", "MRR@100", "Recall@10", "Recall@100", "Recall@1000", "NDCG@
 
 
 def trec_order(docs):
-    """[(docid, score)] best first, ties broken by docid DESCENDING as trec_eval does
-    (its qsort compares score, then strcmp(docno2, docno1)); docid compared as a string."""
+    """[(docid, score)] best first, ties broken by docid (a string) DESCENDING, as trec_eval's qsort does."""
     return sorted(docs.items(), key=lambda kv: (kv[1], kv[0]), reverse=True)
 
 
 def query_metrics(ranked_docids, judged):
-    """Metric values for one query. ranked_docids: docids best first; judged: {docid: grade}.
-    Relevant means grade > 0 (trec_eval's default relevance level 1 for integer grades). A query
-    with no relevant document scores 0 on every metric, as in trec_eval."""
+    """Metric values for one query. ranked_docids: docids best first; judged: {docid: grade}. Relevant: grade > 0
+    (trec_eval's default); a query with no relevant document scores 0 on every metric, as in trec_eval."""
     relevant = {d for d, g in judged.items() if g > 0}
     gains = [max(judged.get(d, 0), 0) for d in ranked_docids[:10]]  # raw grade as gain (ndcg_cut)
     ideal = sorted((g for g in judged.values() if g > 0), reverse=True)[:10]
@@ -612,11 +562,9 @@ def query_metrics(ranked_docids, judged):
 
 
 def compute_metrics(run, qrels):
-    """run = {qid: {docid: score}}, qrels = {qid: {docid: grade}} -> (means, per_query).
-
-    Counted queries: every query of the qrels, as trec_eval -c and pytrec_eval (BEIR) count them: one
-    whose judgments are all grade 0 scores 0, and so does one missing from the run; run queries absent
-    from the qrels are ignored. means = {metric: mean over counted queries}; per_query = {qid: {metric: value}}."""
+    """run = {qid: {docid: score}}, qrels = {qid: {docid: grade}} -> (means, per_query {qid: {metric: value}}).
+    Every query of the qrels counts, as in trec_eval -c and pytrec_eval (BEIR): one missing from the run or with
+    no relevant document scores 0; run queries absent from the qrels are ignored."""
     per_query = {}
     for qid, judged in qrels.items():
         ranked = [d for d, _ in trec_order(run.get(qid, {}))]
@@ -630,10 +578,9 @@ def compute_metrics(run, qrels):
 # Paired two-tailed t-test (scipy.stats.ttest_rel)
 # ---------------------------------------------------------------------------------------------
 def paired_t_test(a, b):
-    """Two-tailed paired t-test of per-query values a vs b (same queries, same order) -> (t, p):
-    t = mean(d) / (sd(d) / sqrt(n)), d = a - b, sd with n - 1, df = n - 1 (scipy.stats.ttest_rel).
-    Where scipy answers nan we answer what a table would: identical runs (sd 0) give t 0, p 1; a
-    constant non-zero difference gives t = +-inf, p 0. Fewer than 2 queries: (nan, nan)."""
+    """Two-tailed paired t-test of per-query values a vs b -> (t, p): t = mean(d) / (sd(d) / sqrt(n)), d = a - b,
+    df = n - 1 (scipy.stats.ttest_rel). Where scipy says nan: sd 0 gives t 0, p 1 (identical runs), or t = +-inf,
+    p 0 (a constant difference). Fewer than 2 queries: (nan, nan)."""
     from scipy.stats import ttest_rel  # here: scipy takes a second to import
 
     d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
@@ -647,11 +594,8 @@ def paired_t_test(a, b):
 
 
 def bootstrap_difference(a, b, resamples=10000, seed=0, level=0.95):
-    """Percentile interval of mean(a - b) from a bootstrap over seeds x queries: a, b (seeds, queries)
-    arrays of a per-query metric, row s of both from seed s (the pairing is kept: a resample draws
-    seeds and queries with replacement and takes the same cells of a and b). A resample's mean is
-    w_s' D w_q / (S Q), D = a - b, w the draw counts, so all resamples are two matrix products.
-    Fixed rng (seed): the same interval every time. -> (low, high)."""
+    """Percentile interval of mean(a - b) from a paired bootstrap over seeds x queries: a, b (seeds, queries), row
+    s from seed s. A resample's mean is w_s' D w_q / (S Q), D = a - b, w the draw counts. -> (low, high)."""
     d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)             # (S, Q)
     n_seeds, n_queries = d.shape
     rng = np.random.default_rng(seed)
@@ -664,8 +608,7 @@ def bootstrap_difference(a, b, resamples=10000, seed=0, level=0.95):
 
 
 def compare_per_query(per_query_a, per_query_b, metrics=METRICS):
-    """Paired t-test of two systems' per-query metrics over the queries both were scored on
-    (with the same qrels that is every counted query). -> {metric: {mean_a, mean_b, t, p, n}}."""
+    """Paired t-test of two systems' per-query metrics over common queries -> {metric: {mean_a, mean_b, t, p, n}}."""
     qids = sorted(set(per_query_a) & set(per_query_b))
     out = {}
     for m in metrics:
@@ -681,18 +624,14 @@ def compare_per_query(per_query_a, per_query_b, metrics=METRICS):
 # Runs: BM25 and dense retrieval, saved and scored
 # ---------------------------------------------------------------------------------------------
 def trec_tag(tag):
-    """The tag as one word, so that every line of a run file keeps its 6 fields: the spaces of a folder name
-    (the default tag) or of --tag "my model" become '-'."""
+    """The tag as one word (spaces -> '-'), so that every line of a run file keeps its 6 fields."""
     return "-".join(str(tag).split()) or "run"
 
 
 def save_and_score(run, qrels, out_dir, tag, info=None):
-    """Write run.trec, then score the run AS READ BACK from that file (so the numbers are exactly what
-    trec_eval would report on it, rounding of the written scores included), and write metrics.json with
-    the means, the per-query values and `info`; the tag made one word (trec_tag). run.trec is written
-    under a temporary name and renamed into place last, once it reads back and metrics.json is written:
-    an evaluation that fails (a full disk is one line) leaves the previous pair as it was.
-    Returns (means, per_query)."""
+    """Write run.trec, score the run AS READ BACK from it (what trec_eval would report, rounding included), and
+    write metrics.json (means, per-query values, `info`). run.trec is renamed into place last: a failed evaluation
+    (a full disk is one line) leaves the previous pair as it was. Returns (means, per_query)."""
     out_dir, tag, scored = Path(out_dir), trec_tag(tag), []
 
     def write_and_score(tmp):
@@ -713,8 +652,7 @@ def save_and_score(run, qrels, out_dir, tag, info=None):
 
 
 def evaluate_bm25(corpus, queries, qrels, out_dir, k1=1.2, b=0.75, depth=1000, verbose=True):
-    """The papers' BM25 row: BM25 over the corpus, top `depth` per judged query.
-    Documents sharing no term with the query (score 0) are not retrieved, as in Lucene."""
+    """The papers' BM25 row: top `depth` per judged query; score-0 documents are not retrieved, as in Lucene."""
     doc_ids = list(corpus)
     qids = sorted(qrels)
     t0 = time.time()
@@ -733,10 +671,8 @@ def evaluate_bm25(corpus, queries, qrels, out_dir, k1=1.2, b=0.75, depth=1000, v
 
 def evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c, device, tag="dense",
                      depth=1000, doc_vecs=None):
-    """Dense retrieval with retrieve() (corpus sharded across ranks, faiss search with c.index), then
-    rank 0 saves and scores the run, prints the metrics and returns (means, per_query); other ranks
-    return None. doc_vecs: this rank's corpus shard already encoded (evaluate_splits). Every rank must
-    call this."""
+    """retrieve(), then rank 0 saves and scores the run, prints the metrics and returns (means, per_query); other
+    ranks None. doc_vecs: this rank's corpus shard already encoded (evaluate_splits). Every rank calls this."""
     rank, world = rank_and_world()
     tag = trec_tag(tag)                            # the run file's, in the printouts too
     doc_ids = list(corpus)
@@ -762,9 +698,7 @@ def evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c, dev
 
 
 def evaluate_splits(encoder, tokenizer, splits, c, device, tag="dense", depth=1000):
-    """evaluate_encoder on each (corpus, queries, qrels, out_dir) of splits, encoding a corpus once for
-    all the splits that share it (BEIR's splits share corpus.jsonl): dev and test cost one encoding.
-    Returns evaluate_encoder's result per split. Every rank must call this."""
+    """evaluate_encoder on each (corpus, queries, qrels, out_dir), a shared corpus encoded once; every rank calls it."""
     results, encoded = [], (None, None)                    # (the corpus, this rank's shard vectors)
     for corpus, queries, qrels, out_dir in splits:
         doc_ids = list(corpus)
@@ -784,8 +718,7 @@ def evaluate_splits(encoder, tokenizer, splits, c, device, tag="dense", depth=10
 
 
 def format_table(rows, title="", baseline=None, metrics=METRICS):
-    """Metrics table, one row per system: rows = {name: (means, per_query)}. With a baseline row,
-    '*' marks a significant difference from it (paired two-tailed t-test, p <= 0.05)."""
+    """Metrics table of rows = {name: (means, per_query)}; '*': p <= 0.05 against the baseline row (paired t-test)."""
     width = max([len(n) for n in rows] + [len(title), 6])
     lines = [f"{title:<{width}}  " + "  ".join(f"{m:>11}" for m in metrics)]
     for name, (means, per_query) in rows.items():
@@ -798,8 +731,7 @@ def format_table(rows, title="", baseline=None, metrics=METRICS):
 
 
 def format_pairs(rows, names, metrics=("NDCG@10", "Recall@100")):
-    """One line per pair of the named rows (each against every row before it): the difference of the
-    means and the paired two-tailed t-test's p per metric."""
+    """One line per pair of the named rows (each against every one before it): the difference and the t-test's p."""
     lines = []
     for i, b in enumerate(names):
         for a in names[:i]:
@@ -835,10 +767,7 @@ def _save_figure(fig, path):
 
 
 def git_state(folder=data.HERE):
-    """(commit, dirty) of the checkout at `folder` (this repository's by default), for every row and results
-    file that records its code. dirty = a .py file other than the tests (test_*.py, conftest.py) differs from
-    the commit or is new to it: the code a result ran, not the pages or tests beside it. Outside a git
-    checkout: ("unknown", False)."""
+    """(commit, dirty: a non-test .py file differs from the commit or is new) of a checkout; else ('unknown', False)."""
     import subprocess
 
     def git(*args):           # its output, or None where git fails (no repository, no git); a hang is one line
@@ -861,10 +790,9 @@ GIT_TIMEOUT_S = 60   # git answers these in well under a second; a minute withou
 # How a model folder declares its pooling, similarity and lengths (finetune.py writes them)
 # ---------------------------------------------------------------------------------------------
 def read_retriever_settings(folder):
-    """{'pooling': ..., 'similarity': 'dot' | 'cos', 'query_len': .., 'passage_len': ..} as a model folder
-    declares them: what finetune.py wrote (retriever.json), or a sentence-transformers layout
-    (modules.json, 1_Pooling/config.json, a Normalize module = cosine, sentence_bert_config.json's
-    max_seq_length for both lengths). {} when it declares nothing."""
+    """{'pooling', 'similarity', 'query_len', 'passage_len'} as a model folder declares them: finetune.py's
+    retriever.json, or a sentence-transformers layout (a Normalize module = cosine; max_seq_length for both
+    lengths). {} when it declares nothing."""
     folder = Path(folder)
     if (folder / "retriever.json").is_file():
         return data.read_json(folder / "retriever.json")
@@ -893,8 +821,7 @@ def read_retriever_settings(folder):
 
 
 def write_retriever_settings(folder, pooling, similarity, query_len, passage_len):
-    """retriever.json (read by evaluate.py) plus the sentence-transformers files, so that
-    SentenceTransformer(folder) encodes with the same pooling and similarity as the fine-tuning."""
+    """retriever.json plus the sentence-transformers files: SentenceTransformer(folder) pools as fine-tuning did."""
     folder = Path(folder)
     data.atomic_write_json(folder / "retriever.json", {"pooling": pooling, "similarity": similarity,
                                                        "query_len": query_len, "passage_len": passage_len})
@@ -917,8 +844,7 @@ def write_retriever_settings(folder, pooling, similarity, query_len, passage_len
 # Command line
 # ---------------------------------------------------------------------------------------------
 def resolve_retriever(c):
-    """Pooling, similarity and lengths: the command line, else what the folder declares (finetune.py's
-    retriever.json, or a sentence-transformers layout), else the papers' defaults (cls, dot, 32, 128)."""
+    """Pooling, similarity and lengths: the flags, else what the folder declares, else (cls, dot, 32, 128)."""
     saved = read_retriever_settings(c.model) if c.model else {}
     c = dataclasses.replace(c, pooling=c.pooling or saved.get("pooling", "cls"),
                             similarity=c.similarity or saved.get("similarity", "dot"),
@@ -935,12 +861,12 @@ def resolve_vocab(c):
     return str(own) if c.model and own.is_file() else str(data.VOCAB)
 
 
-def check_lengths(c, max_position):
+def check_lengths(c, max_position, model):
     """Before any work: queries and passages are cut to these lengths, which must fit the model's positions."""
     for flag in ("query_len", "passage_len"):
         if getattr(c, flag) > max_position:
             raise ValueError(f"--{flag} {getattr(c, flag)} is more than the {max_position} positions of the "
-                                 f"model {c.model} (max_position)")
+                             f"model{f' {model}' if model else ''} (max_position)")
 
 
 def default_out_dir(c):
@@ -964,9 +890,7 @@ def load_qrels_only(c):
 
 
 def compare_command(c):
-    """--compare A,B: per-metric means and paired two-tailed t-tests of run A against run B, over the judged
-    queries both runs have (a query one run lacks would count 0 there: not a pair); one line says how many
-    were left out. Fewer than 2 in common: refused."""
+    """--compare A,B: per-metric means and paired t-tests over the judged queries both runs have (at least 2)."""
     paths = [p for p in c.compare.split(",") if p]
     if len(paths) != 2:
         raise ValueError(f"--compare expects two run files 'A.trec,B.trec', got {c.compare!r}")
@@ -1001,7 +925,7 @@ def main(c):
     if c.model:
         model_list(c)   # one model: several go with mechanisms.py's figures and measurements
     rank, _, device = setup_distributed()
-    out_dirs = output_folders(c, names)            # before 'minilm' becomes a folder
+    out_dirs = [split_out_dir(c, name, len(names) > 1) for name in names]   # before 'minilm' becomes a folder
     new = sorted({p for f in out_dirs for p in (f, *f.absolute().parents) if not p.exists()}, key=lambda p: -len(p.parts))
     try:
         hold_out_dirs(out_dirs)
@@ -1014,16 +938,9 @@ def main(c):
                 folder.rmdir()
 
 
-def output_folders(c, names):
-    """The folders this evaluation writes into: one per split."""
-    return [split_out_dir(c, name, len(names) > 1) for name in names]
-
-
 def hold_out_dirs(folders):
-    """evaluate.py never writes where a live run does: refused in one line when an output folder, or the
-    folder that holds it, is held by another run (run.lock_run_folder; the default out_dir, eval-{split}/,
-    is inside the model's run folder). Only that one level up: a study holds the root of the run folders
-    whose evaluations it starts. Else each output folder is this evaluation's until it ends."""
+    """evaluate.py never writes where a live run does: refused in one line when an output folder, or the one that
+    holds it (eval-{split}/ is inside the model's run folder), is held by another run; else each is locked."""
     for folder in folders:
         run.check_writable(folder)
         above = Path(folder).resolve().parent
@@ -1055,10 +972,8 @@ def run_commands(c, names, out_dirs, rank, device):
 
 
 def model_list(c, several=False):
-    """--model and --tag as [(model, tag)]. --model is one model when the whole of it is a path that exists (a
-    folder whose name holds a comma), else comma-separated models, where several may be (mechanisms.py's
-    figures and measurements). No --tag: each model folder's parent name (its run folder), or the model id;
-    the paths as given where two of those names are the same."""
+    """--model and --tag as [(model, tag)]: one model when the whole is a path that exists, else comma-separated
+    (several: mechanisms.py). No --tag: each folder's parent name or the model id; the paths where those clash."""
     models = [c.model] if Path(c.model).exists() else [m.strip() for m in c.model.split(",") if m.strip()]
     if len(models) > 1 and not several:
         raise ValueError(f"--model {c.model}: several models go with --tsne or --cls_by_length (or --word_shares, "
@@ -1078,7 +993,7 @@ def model_settings(c, model, tag):
 def load_model(c, device):
     """(encoder, tokenizer) of c.model, checked against c's lengths and its vocabulary's size."""
     encoder = load_encoder(c.model).to(device)
-    check_lengths(c, encoder.config.max_position)
+    check_lengths(c, encoder.config.max_position, c.model)
     vocab = resolve_vocab(c)
     if Path(vocab).is_file() and data.vocab_size_of(vocab) != encoder.config.vocab_size:   # (missing: load_tokenizer)
         raise data.DataError(f"{vocab}: {data.vocab_size_of(vocab)} entries, but the model {c.model} has vocab_size "
@@ -1087,8 +1002,7 @@ def load_model(c, device):
 
 
 def split_names(c, one_split=("corpus", "compare")):
-    """--split as a list. Several (dev,test) share one corpus, encoded once: BEIR folders only, and not
-    with the flags that act on one split (one_split; mechanisms.py adds --tsne, --words, --discrimination)."""
+    """--split as a list. Several (dev,test) share one corpus encoding (BEIR only), not with one_split's flags."""
     names = [s.strip() for s in c.split.split(",") if s.strip()]
     if not names:
         raise ValueError("--split: give a split (test) or several, comma-separated (dev,test)")
@@ -1122,10 +1036,8 @@ def load_eval_split(c, split):
 # ==============================================================================================
 # --- shared: begin encoder ---
 def drop_mask(shape, p):
-    """A boolean mask, each element True (dropped) with probability p, for dropout on CPU. It comes from
-    numpy's PCG64, seeded from torch's generator (so torch.manual_seed still fixes every mask), one
-    uniform 32-bit integer per element: P(True) = round(p * 2^32) / 2^32. 4x faster than torch's
-    bernoulli_, which was a third of the training step (results/speed/micro.py)."""
+    """A boolean mask, each element True (dropped) with probability p, for dropout on CPU: numpy's PCG64 seeded
+    from torch's generator, one uniform int32 per element; 4x faster than torch's bernoulli_ (results/speed)."""
     n = int(np.prod(shape))
     bits = np.random.PCG64(int(torch.randint(2**62, ()))).random_raw((n + 1) // 2)   # uint64: 2 draws each
     draws = torch.from_numpy(bits.view(np.int32)[:n]).view(shape)                   # uniform int32
@@ -1133,8 +1045,7 @@ def drop_mask(shape, p):
 
 
 def dropout(x, p, training):
-    """BERT's dropout: each element zeroed with probability p, the others scaled by 1 / (1 - p);
-    drop_mask on CPU, F.dropout on GPU."""
+    """BERT's dropout: each element zeroed with probability p, the others scaled by 1 / (1 - p)."""
     if not training or p == 0.0:
         return x
     if x.device.type != "cpu":
@@ -1160,12 +1071,9 @@ class Embeddings(nn.Module):
 
 
 def attention(q, k, v, attend, p):
-    """softmax(q k^T / sqrt(d)) v per head, with dropout p on the probabilities (BERT's attention
-    dropout). q, k, v (B, heads, L, d); attend (B, 1, 1, L) or (L, L), True = key visible.
-    scaled_dot_product_attention (fused kernels) on GPU, and on CPU without gradients (encoding).
-    Training on CPU writes the equation out: 2.7x as fast there as SDPA, whose CPU kernel has no
-    dropout (it falls back to its math path and torch's slow dropout) and a slow backward
-    (results/speed/micro.py)."""
+    """softmax(q k^T / sqrt(d)) v per head, dropout p on the probabilities. q, k, v (B, heads, L, d); attend
+    (B, 1, 1, L) or (L, L), True = key visible. SDPA on GPU and in encoding; training on CPU writes the
+    equation out, 2.7x as fast there as SDPA's kernel with dropout (results/speed/micro.py)."""
     if q.device.type != "cpu" or not torch.is_grad_enabled():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=p)
     hide = torch.zeros(attend.shape).masked_fill(~attend, torch.finfo(torch.float32).min)  # like attend
@@ -1183,10 +1091,7 @@ class SelfAttention(nn.Module):
     def __init__(self, c):
         super().__init__()
         self.heads, self.dropout = c.num_heads, c.dropout
-        self.query = nn.Linear(c.hidden_size, c.hidden_size)
-        self.key = nn.Linear(c.hidden_size, c.hidden_size)
-        self.value = nn.Linear(c.hidden_size, c.hidden_size)
-        self.out = nn.Linear(c.hidden_size, c.hidden_size)
+        self.query, self.key, self.value, self.out = (nn.Linear(c.hidden_size, c.hidden_size) for _ in range(4))
 
     def forward(self, x, attend):                       # x (B, L, H); attend (B, 1, 1, L) True = key visible
         B, L, H = x.shape
@@ -1230,9 +1135,8 @@ class MLMHead(nn.Module):
 
 
 class Encoder(nn.Module):
-    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
-    forward returns the last hidden states, from which text_vector takes the text's vector. Loading
-    and saving Hugging Face folders: run.load_pretrained(Encoder, folder, c), run.save_pretrained."""
+    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler. forward returns
+    the last hidden states. Hugging Face folders: run.load_pretrained(Encoder, folder, c), run.save_pretrained."""
 
     def __init__(self, c):
         super().__init__()
@@ -1261,9 +1165,8 @@ class Encoder(nn.Module):
 
 # --- shared: begin distributed ---
 def setup_distributed(timeout_s=600.0):
-    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
-    CPU. Plain `python x.py` runs one process. A rank that waits timeout_s for the others at a collective
-    ends the job (torch's default for gloo is 30 minutes). Returns (rank, world, device)."""
+    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on CPU; plain
+    `python x.py` runs one. A rank that waits timeout_s at a collective ends the job. -> (rank, world, device)."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -1287,9 +1190,8 @@ def rank_and_world():
 
 
 class GatherWithGrad(torch.autograd.Function):
-    """all_gather that keeps gradients: every rank's loss used this rank's vectors as candidates, so
-    backward hands each rank the sum over ranks of the gradient of its own slice. (The same as the
-    deprecated torch.distributed.nn.functional.all_gather; equal sizes on every rank.)"""
+    """all_gather that keeps gradients: every rank's loss used this rank's vectors as candidates, so backward
+    hands each rank the sum over ranks of the gradient of its own slice (equal sizes on every rank)."""
 
     @staticmethod
     def forward(ctx, t):                                                  # (n, ...)

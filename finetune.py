@@ -1,11 +1,9 @@
 """Fine-tune a pre-trained encoder into a dense retriever, as the papers do (COSTA 4.5.2, CPDAE 4.1.3,
-SEED-Encoder 4.2): a bi-encoder with ONE shared BERT, softmax over the positive, its sampled negatives
-and every other passage of the global batch (CPDAE 4.1.3 uses a pairwise loss instead: --loss hinge).
-The papers use [CLS] vectors and a dot product; a sentence-transformers starting point (--init minilm)
-brings its own mean pooling and cosine similarity. One file, top to bottom: config, model, loss, data
-(examples, negatives, batches), mining (BM25 and dense negatives through evaluate.py, the retrieval
-layer: this file imports it, never the reverse), training loop, checkpoint, pipeline; then the shared
-blocks (BERT encoder, distributed and training helpers, the same bytes as costa.py's).
+SEED-Encoder 4.2): a bi-encoder with ONE shared BERT, softmax over the positive, its sampled negatives and
+every other passage of the global batch (CPDAE 4.1.3's pairwise loss: --loss hinge). The papers use [CLS]
+and a dot product; a sentence-transformers starting point (--init minilm) brings its mean pooling and cosine.
+Top to bottom: config, model, loss, data, mining (through evaluate.py, the retrieval layer, which has the
+shared encoder), training loop, checkpoint, pipeline.
 
     python finetune.py --pretrain costa                   # the quick start: minilm zero-shot, fine-tuned, + costa
     python finetune.py --init runs/costa/encoder          # stage 1 (BM25 negatives), test metrics
@@ -17,14 +15,12 @@ blocks (BERT encoder, distributed and training helpers, the same bytes as costa.
     python finetune.py --init X --resume                  # continue where a killed run stopped
     python finetune.py --init X --overwrite               # start again in an out_dir that holds a run (else refused)
 
-Stage 1: each epoch, every query's negatives are sampled from BM25's top `bm25_depth` minus its positives.
-`--epochs 0` skips it: COSTA 4.5.2 and CPDAE 4.1.3 fine-tune documents from the passage-tuned model, mining
-twice, 1 epoch each, because more BM25 negatives "decreases the performance greatly" (COSTA).
-Stage 2 (`rounds` times): static hard negatives are mined ONCE per round with faiss from the current
-model (top `hard_depth`, first `hard_skip` ranks skipped, positives removed); training continues from the
-previous stage's encoder with a fresh optimizer and warm-up, as Tevatron's two-stage recipe does.
+Stage 1: each epoch, every query's negatives are sampled from BM25's top `bm25_depth` minus its positives
+(`--epochs 0` skips it: COSTA and CPDAE fine-tune documents from the passage-tuned model, mining twice).
+Stage 2 (`rounds` times): hard negatives mined ONCE per round from the current model (top `hard_depth`, the
+first `hard_skip` skipped, positives removed), trained with a fresh optimizer and warm-up (Tevatron's recipe).
 Outputs in out_dir: stage1/, stage2/, ... (encoder/, state.pt, log.jsonl, config.json each), the negatives
-files, the final encoder in encoder/ and the test evaluation in eval-{split}/ (see evaluate.py).
+files, the final encoder/ and eval-{split}/ (see evaluate.py).
 """
 import contextlib
 import dataclasses
@@ -40,7 +36,6 @@ from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -164,8 +159,7 @@ FLAG_RULES = {
 
 
 def retriever_settings(c):
-    """c with pooling and similarity filled in: the command line, else what the init folder declares
-    (finetune.py's retriever.json or a sentence-transformers layout), else the papers' cls and dot."""
+    """c with pooling and similarity: the flags, else what the init folder declares, else the papers' cls and dot."""
     declared = evaluate.read_retriever_settings(c.init) if c.init else {}
     c = dataclasses.replace(c, pooling=c.pooling or declared.get("pooling", "cls"),
                             similarity=c.similarity or declared.get("similarity", "dot"))
@@ -174,8 +168,7 @@ def retriever_settings(c):
 
 
 class BiEncoder(nn.Module):
-    """One shared encoder for queries and passages; relevance = dot product of the pooled vectors
-    (normalised first for cosine similarity, then divided by the temperature tau)."""
+    """One shared encoder for queries and passages; relevance: the pooled vectors' dot product (cosine: / tau)."""
 
     def __init__(self, encoder, c):
         super().__init__()
@@ -216,9 +209,8 @@ def loss_function(name):
 
 
 def other_positives(candidate_docs, query_positives, labels):
-    """(B, N) True where candidate j is a known positive of query i other than its target: another
-    query in the batch can share a positive (SciFact does), and it must not count as a negative.
-    candidate_docs (N,) corpus indices; query_positives (B, P) padded with -1; labels (B,)."""
+    """(B, N) True where candidate j is a known positive of query i other than its target (queries can share one):
+    not a negative. candidate_docs (N,) corpus indices; query_positives (B, P) padded with -1; labels (B,)."""
     same = (candidate_docs[None, :, None] == query_positives[:, None, :]).any(-1)  # (B, N)
     target = F.one_hot(labels, candidate_docs.shape[0]).bool()                     # (B, N)
     return same & ~target
@@ -229,10 +221,9 @@ def softmax_loss(q, p, labels, exclude=None, tau=1.0):
     equation). The default. Departure (finetune-softmax): CPDAE 4.1.3 fine-tunes with a pairwise loss (--loss hinge).
         L = -1/B sum_i log( exp(q_i . p_i+ / tau) / sum_j exp(q_i . p_j / tau) ),
     j over the global batch's passages: the query's positive, its own negatives and every other
-    query's passages. The papers: dot product, tau = 1. Cosine (unit vectors) needs a small tau
-    (sentence-transformers' MultipleNegativesRankingLoss: 0.05). Returns (loss, fp32 scores (B, N)).
-    q (B, H) local anchors; p (N, H) candidates from every rank; labels (B,) global index of the
-    positive; exclude (B, N) True = drop the candidate from the denominator (other known positives)."""
+    query's passages. The papers: dot product, tau = 1; cosine needs a small tau (sentence-transformers': 0.05).
+    q (B, H) local anchors; p (N, H) candidates from every rank; labels (B,) global index of the positive;
+    exclude (B, N) True = not in the denominator (other known positives). -> (loss, fp32 scores (B, N))."""
     with torch.autocast(q.device.type, enabled=False):   # fp32 scores even under bf16 autocast
         scores = q.float() @ p.float().T / tau                                     # (B, N)
     if exclude is not None:
@@ -243,9 +234,8 @@ def softmax_loss(q, p, labels, exclude=None, tau=1.0):
 def hinge_loss(q, p, labels, exclude=None, tau=1.0, margin=1.0):
     """SEED-Encoder 4.2 (unnumbered equation), and the pairwise loss of CPDAE 4.1.3 (which gives no
     equation): L = sum relu(1 - (s(q, d+) - s(q, d-))) over triples.
-    Here: mean over each query's negatives (its own and the batch's, as softmax_loss sees them), then
-    over queries (the paper sums; a mean keeps the learning rate independent of the batch size).
-    Same arguments and returns as softmax_loss; tau is unused (the margin sets the scale)."""
+    Here: mean over each query's negatives (its own and the batch's), then over queries (the paper sums; a mean
+    keeps the lr independent of the batch size). softmax_loss's arguments and returns; tau unused."""
     with torch.autocast(q.device.type, enabled=False):   # fp32 scores even under bf16 autocast
         scores = q.float() @ p.float().T                                           # (B, N)
     positive = scores.gather(1, labels[:, None])                                   # (B, 1)
@@ -270,8 +260,7 @@ class Example(NamedTuple):
 
 
 def make_examples(queries, qrels, doc_index, n_queries=0, seed=0):
-    """Training examples, one per query with a relevant document. n_queries > 0: a random sample of that
-    many queries (the low-resource setting; the same seed gives the same sample)."""
+    """Training examples, one per query with a relevant document; n_queries > 0: a seeded sample (low-resource)."""
     examples = [Example(q, queries[q], [doc_index[d] for d, g in qrels[q].items() if g > 0], [])
                 for q in sorted(qrels) if any(g > 0 for g in qrels[q].values())]
     if n_queries:
@@ -283,21 +272,13 @@ def make_examples(queries, qrels, doc_index, n_queries=0, seed=0):
 
 
 def negatives_from_ranking(ranked, positives, skip=0):
-    """Candidate negatives of one query: its ranking (best first) after the first `skip` ranks,
-    positives removed, duplicates removed, order kept."""
+    """A query's candidate negatives: its ranking after the first `skip`, positives and repeats removed, in order."""
     positives = set(positives)
-    seen, out = set(), []
-    for d in ranked[skip:]:
-        d = int(d)
-        if d >= 0 and d not in positives and d not in seen:
-            seen.add(d)
-            out.append(d)
-    return out
+    return [d for d in dict.fromkeys(int(d) for d in ranked[skip:]) if d >= 0 and d not in positives]
 
 
 def sample_negatives(pool, positives, n, n_docs, rng):
-    """n negatives for one query from its pool: without replacement when the pool is large enough,
-    else the whole pool topped up with random corpus documents that are not positives."""
+    """n negatives from a query's pool, without replacement; a short pool topped up with random non-positives."""
     if len(pool) >= n:
         return [int(pool[i]) for i in rng.choice(len(pool), n, replace=False)]
     out, positives = list(pool), set(positives)
@@ -309,9 +290,8 @@ def sample_negatives(pool, positives, n, n_docs, rng):
 
 
 class TrainBatches(torch.utils.data.Dataset):
-    """Item m is this rank's batch at micro-step m, a pure function of (seed, rank, m): each epoch draws
-    a fresh positive (when a query has several) and fresh negatives per query, and a resumed run sees
-    exactly the batches an uninterrupted run would have seen."""
+    """Item m is this rank's batch at micro-step m, a pure function of (seed, rank, m): each epoch draws a fresh
+    positive and fresh negatives per query; a resumed run sees exactly the same batches."""
 
     def __init__(self, c, examples, doc_texts, tokenizer, rank, world):
         self.c, self.examples, self.doc_texts, self.tokenizer = c, examples, doc_texts, tokenizer
@@ -362,72 +342,33 @@ def write_negatives(path, negatives, doc_ids):
 # ==============================================================================================
 # Mining: negatives from BM25 and from the current model (evaluate.py's retrieval layer)
 # ==============================================================================================
-
-
-def broadcast_rank0_choice(flag, device):
-    """Rank 0's boolean, on every rank (so that all ranks take the same branch around collectives)."""
-    return bool(broadcast_rank0_int(int(flag), device))
-
-
-def broadcast_rank0_int(value, device):
-    """Rank 0's integer, on every rank."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    t = torch.tensor([value], device=device, dtype=torch.long)
-    dist.broadcast(t, 0)
-    return int(t.item())
-
-
 def bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, path, device, is_rank0):
-    """Stage-1 pools: BM25's top bm25_depth for each training query minus its positives. Every rank
-    builds the index and searches its own share of the queries; the shares are exchanged through files
-    (share_through_files: no collective waits while another rank still searches) and rank 0 caches
-    them in `path` for --resume. --bm25_negatives reads the pools instead (MS MARCO: Tevatron's)."""
+    """Stage-1 pools: BM25's top bm25_depth for each training query minus its positives. Every rank searches its
+    share of the queries, exchanged through files (run.share_through_files), rank 0 caches them in `path` for
+    --resume. --bm25_negatives reads the pools instead (MS MARCO: Tevatron's)."""
     if c.bm25_negatives:
         ranked = read_negatives(c.bm25_negatives, doc_index)
-    elif broadcast_rank0_choice(c.resume and path.is_file(), device):
+    elif run.broadcast_rank0_choice(c.resume and path.is_file(), device):
         ranked = read_negatives(path, doc_index)
     else:
         rank, world = rank_and_world()
-        tag = broadcast_rank0_int(int(time.time() * 1000) % 2**40, device)   # this run's part files
+        tag = run.broadcast_rank0_int(int(time.time() * 1000) % 2**40, device)   # this run's part files
         t0 = time.time()
         mine = [examples[i] for i in data.shard(len(examples), rank, world)]
         _, ids = evaluate.BM25(doc_texts, c.k1, c.b).search([ex.query for ex in mine], c.bm25_depth)
         ranked = {ex.qid: row.tolist() for ex, row in zip(mine, ids)}
         if world > 1:
-            ranked = share_through_files(path, ranked, doc_ids, doc_index, tag, 2 * (time.time() - t0) + 600)
+            ranked = run.share_through_files(path, ranked, tag, 2 * (time.time() - t0) + 600)
         if is_rank0:
             write_negatives(path, ranked, doc_ids)
     return [ex._replace(negatives=negatives_from_ranking(ranked.get(ex.qid, [])[:c.bm25_depth], ex.positives))
             for ex in examples]
 
 
-def share_through_files(path, ranked, doc_ids, doc_index, tag, patience_s):
-    """Every rank's {qid: ranking} merged, on every rank, through one file per rank beside `path`. A rank
-    that finishes early polls the files instead of sitting in a collective whose timeout could expire
-    while a slower rank still searches; it gives up with one line after patience_s seconds. The
-    barrier comes after every rank has read every file, and rank 0 then removes them."""
-    rank, world = rank_and_world()
-    parts = [path.with_name(f"{path.stem}.{tag}.part{r}-of-{world}{path.suffix}") for r in range(world)]
-    write_negatives(parts[rank], ranked, doc_ids)
-    deadline = time.time() + patience_s
-    while missing := [p for p in parts if not p.is_file()]:
-        if time.time() > deadline:
-            raise data.DataError(f"{missing[0]}: not written by its rank within {patience_s:.0f} s of this one's")
-        time.sleep(1)
-    merged = {q: r for p in parts for q, r in read_negatives(p, doc_index).items()}
-    run.barrier()
-    if rank == 0:
-        for p in parts:
-            p.unlink()
-    return merged
-
-
 def hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc_index, path, device, is_rank0):
-    """Stage-2 pools, mined once from the current model: its top hard_depth for each training query,
-    the first hard_skip ranks skipped, positives removed. Sharded across ranks by evaluate.retrieve();
-    rank 0 caches the result in `path` (TSV) for --resume."""
-    if broadcast_rank0_choice(c.resume and path.is_file(), device):
+    """Stage-2 pools, mined once from the current model (evaluate.retrieve): its top hard_depth per training query,
+    hard_skip skipped, positives removed; rank 0 caches them in `path` for --resume."""
+    if run.broadcast_rank0_choice(c.resume and path.is_file(), device):
         ranked = read_negatives(path, doc_index)
     else:
         t0 = time.time()
@@ -457,13 +398,12 @@ def stage_steps(c, n_examples, epochs, world):
 
 
 def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epochs, is_rank0, step_offset=0):
-    """One fine-tuning stage on fixed negative pools; resumes from {out_dir}/{stage}/state.pt.
-    Returns the trained encoder (also saved in {out_dir}/{stage}/encoder), or None when halted
-    (--halt_at, counted from the first stage: step_offset = the steps of the stages before)."""
+    """One fine-tuning stage on fixed negative pools, resumable; the trained encoder (also in {stage}/encoder), or
+    None when halted (--halt_at counts from the first stage: step_offset = the steps of the stages before)."""
     rank, world = rank_and_world()
-    sc = dataclasses.replace(c, out_dir=str(Path(c.out_dir) / stage), vocab=tokenizer_vocab(c),
+    sc = dataclasses.replace(c, out_dir=str(Path(c.out_dir) / stage), vocab=run.run_vocab(c),
                              steps=stage_steps(c, len(examples), epochs, world))
-    if broadcast_rank0_choice(c.resume and (Path(sc.out_dir) / "done.json").is_file(), device):
+    if run.broadcast_rank0_choice(c.resume and (Path(sc.out_dir) / "done.json").is_file(), device):
         if is_rank0:
             print(f"{stage}: already finished, loading {Path(sc.out_dir) / 'encoder'}")
         return evaluate.load_encoder(Path(sc.out_dir) / "encoder", c).to(device)
@@ -528,12 +468,6 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
     return model.encoder
 
 
-def tokenizer_vocab(c):
-    """--vocab when given, else the init folder's vocab.txt (it matches the embedding), else BERT's: as the
-    pre-training scripts (run.run_vocab); train() checks it against the encoder."""
-    return run.run_vocab(c)
-
-
 def train(c, name=""):
     """Stage 1 (BM25 negatives), then c.rounds stages of mined hard negatives, then the evaluation.
     name: what the printouts call the starting model ("" = the init folder's parent or the hub id)."""
@@ -548,7 +482,7 @@ def train(c, name=""):
     run.lock_run_folder(c.out_dir)               # one run at a time in a run folder (if it exists yet)
     name = name or (Path(c.init).parent.name if Path(c.init).is_dir() else c.init) or "random init"  # for the printouts
     c = retriever_settings(dataclasses.replace(c, init=run.resolve_model(c.init)))
-    tokenizer = data.load_tokenizer(tokenizer_vocab(c))
+    tokenizer = data.load_tokenizer(run.run_vocab(c))
     corpus, queries, qrels = evaluate.load_split(c, c.train_split, c.queries, c.qrels)
     qrels, dev_qrels = evaluate.carve_dev(qrels, c.dev_queries) if c.dev_queries else (qrels, {})
     # a bad test file stops the run now, not after training; the corpus is read once, here
@@ -559,14 +493,11 @@ def train(c, name=""):
     examples = make_examples(queries, qrels, doc_index, c.n_queries, c.seed)
     encoder = evaluate.load_encoder(c.init, c) if c.init else _random_encoder(c)
     if encoder.config.vocab_size != tokenizer.get_vocab_size():
-        raise data.DataError(f"{tokenizer_vocab(c)}: {tokenizer.get_vocab_size()} entries but the encoder "
+        raise data.DataError(f"{run.run_vocab(c)}: {tokenizer.get_vocab_size()} entries but the encoder "
                              f"has vocab_size {encoder.config.vocab_size}")
     c = encoder.config                          # --init brings the checkpoint's model sizes
     evaluate.new_index(c.index, c.hidden_size)  # an --index these vectors cannot use fails now, not after stage 1
-    for flag in ("query_len", "passage_len"):
-        if getattr(c, flag) > c.max_position:
-            raise ValueError(f"--{flag} {getattr(c, flag)} is more than the {c.max_position} positions of "
-                                 f"the model{f' {c.init}' if c.init else ''} (max_position)")
+    evaluate.check_lengths(c, c.max_position, c.init)
     encoder = encoder.to(device)
     run.lock_run_folder(out, create=True)       # a new folder is locked as it is made
     if is_rank0:
@@ -620,9 +551,7 @@ RUN_FILES = ("config.json", "encoder", "stage1")
 
 
 def clear_stale_outputs(out):
-    """A fresh (not --resume) run must not mistake an older run's finished stages, checkpoints or mined
-    negatives for its own if it is resumed later, nor leave that run's evaluations (eval-{split}/) beside
-    its own encoder: remove those (rank 0, before any use)."""
+    """A fresh run removes an older run's finished stages, checkpoints, mined negatives and evaluations (rank 0)."""
     for path in [*out.glob("stage*/done.json"), *out.glob("stage*/state.pt"), *out.glob("negatives_*.tsv")]:
         path.unlink()
     for folder in out.glob("eval-*"):
@@ -639,19 +568,16 @@ def _random_encoder(c):
 # Checkpoint
 # ==============================================================================================
 def save_encoder(encoder, folder, c, vocab):
-    """Hugging Face BERT folder plus retriever.json recording how to use it as a retriever (pooling,
-    similarity, lengths): evaluate.py reads it, so evaluating the folder repeats the fine-tuning's own
-    evaluation. The sentence-transformers files next to it make SentenceTransformer(folder) agree."""
+    """Hugging Face BERT folder plus how to use it as a retriever (retriever.json, sentence-transformers' files)."""
     run.save_pretrained(encoder, folder, vocab)
     evaluate.write_retriever_settings(folder, c.pooling, c.similarity, c.query_len, c.passage_len)
 
 
 def save_final_encoder(encoder, out, c):
-    """{out}/encoder: the last stage's encoder again, where evaluate.py and the user look. A full disk is
-    one line: the last stage keeps it whole, and --resume writes it again."""
+    """{out}/encoder: the last stage's encoder again; a full disk is one line (the last stage keeps it)."""
     last = out / f"stage{c.rounds + 1}" / "encoder"
     try:
-        save_encoder(encoder, out / "encoder", c, tokenizer_vocab(c))
+        save_encoder(encoder, out / "encoder", c, run.run_vocab(c))
     except Exception as e:   # safetensors, numpy and torch.save each report a full disk their own way
         if not data.is_disk_full(e, out):
             raise
@@ -661,9 +587,7 @@ def save_final_encoder(encoder, out, c):
 
 
 def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved):
-    """The stage's encoder (save_encoder's folder) and its full training state for --resume, switched
-    together as the pre-training scripts do (run.save_checkpoint): a kill or a full disk leaves the last
-    checkpoint whole, encoder/ and state.pt of one step (a full disk is one line)."""
+    """The stage's encoder (save_encoder's folder) and training state, switched together (run.save_checkpoint)."""
     def settings(folder):   # the retriever's pooling and similarity, beside the encoder (save_encoder's)
         evaluate.write_retriever_settings(folder, c.pooling, c.similarity, c.query_len, c.passage_len)
     run.save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved, settings,
@@ -674,9 +598,7 @@ def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved):
 # Pipeline: pre-train, fine-tune, evaluate, compare with BM25
 # ==============================================================================================
 def pretrain(c):
-    """Continue pre-training c.init with {c.pretrain}.py (costa, seed or cpdae) on the fine-tuning
-    corpus (domain-adaptive, as the papers continue from BERT's checkpoint) into {out_dir}/pretrain;
-    returns its encoder folder. Skipped when a previous run finished it (done.json)."""
+    """Continue pre-training c.init with {c.pretrain}.py on the corpus into {out_dir}/pretrain; its encoder folder."""
     module, folder, pc = pretrain_config(c)
     if not (c.resume and (folder / "done.json").is_file()):
         if (folder / "done.json").is_file() and os.environ.get("RANK", "0") == "0":
@@ -701,8 +623,7 @@ def pretrain_config(c):
 
 
 def check_pretraining(c):
-    """Before any work, not after the zero-shot row and the baseline: --pretrain_args parse, and the token
-    cache has a place (a read-only corpus needs a complete cache next to it, or a --cache_dir)."""
+    """Before any work: --pretrain_args parse, and the token cache has a place (data.token_cache_folder)."""
     _, _, pc = pretrain_config(c)
     data.token_cache_folder(pc.corpus, run.run_vocab(pc), pc.cache_dir, pc.max_len,
                             flag='--pretrain_args "--cache_dir DIR"')
@@ -714,7 +635,7 @@ def evaluate_folder(c, folder, out_dir, tag):
     if (Path(out_dir) / "metrics.json").is_file() and c.resume:       # done before a crash: reuse it
         return evaluate.compute_metrics(data.read_run(Path(out_dir) / "run.trec"), qrels)
     encoder = evaluate.load_encoder(folder, c)
-    return evaluate.evaluate_encoder(encoder, data.load_tokenizer(tokenizer_vocab(c)), corpus,
+    return evaluate.evaluate_encoder(encoder, data.load_tokenizer(run.run_vocab(c)), corpus,
                                      queries, qrels, out_dir, c, setup_distributed()[2], tag=tag)
 
 

@@ -100,17 +100,15 @@ class TrainConfig:
                                   "save_minutes", "keep_last", "bad_bytes", "dist_timeout")
 
 
-# What every method's --preset paper adds for a multi-GPU run (docs/paper-scale.md): batches built ahead by 4
-# loader processes per GPU; a log line and a host sync every 100 steps; a checkpoint (~1.8 GB at BERT-base with
-# Adam's state) every 30 minutes or 20,000 steps, whichever comes first, the 2 before it kept; the vocabulary-sized
-# losses compiled (--compile: on one H200 CPDAE's step 1.11x and SEED's 1.31x as fast, results/gpu/README.md).
+# What every method's --preset paper adds for a multi-GPU run (docs/paper-scale.md): 4 loader processes per GPU;
+# a log line and a host sync every 100 steps; a checkpoint every 30 minutes or 20,000 steps, the 2 before it kept;
+# the vocabulary-sized losses compiled (--compile: on one H200 CPDAE's step 1.11x, SEED's 1.31x, results/gpu).
 PAPER_RUN = dict(workers=4, log_every=100, save_every=20_000, save_minutes=30.0, keep_last=3, compile=True)
 
 
-# --preset lab (each method adds its own head's flags): a run whose heads learn on a 2-core CPU in minutes,
-# for a course: all-MiniLM-L6-v2 (offline package) continued on SciFact's bundled corpus for 50 steps of
-# 32 x 128 tokens, its vector the mean of the output tokens, the new heads alone for the first 20 steps at
-# 20x the lr (results/figures/make.sh's settings, and README command 1's pre-training).
+# --preset lab (each method adds its own head's flags): heads that learn on a 2-core CPU in minutes: MiniLM on
+# SciFact's corpus, 50 steps of 32 x 128 tokens, the mean vector, the new heads alone for the first 20 steps at 20x
+# the lr (results/figures/make.sh's settings, and README command 1's pre-training).
 LAB_PRESET = dict(init="minilm", corpus=str(data.SCIFACT / "corpus.jsonl.gz"), lr=5e-5, steps=50, bottleneck="mean",
                   head_warmup=20, head_lr=20.0)
 
@@ -153,8 +151,7 @@ def resolve_batch(c, world):
 
 
 def init_encoder(Encoder, c):
-    """The run's encoder (the calling script's class): BERT's random init, or the --init checkpoint,
-    whose model sizes replace c's. Says so when the checkpoint brings no MLM head."""
+    """The run's encoder: BERT's random init, or the --init checkpoint (its sizes replace c's; no MLM head: said)."""
     if not c.init:
         return Encoder(c)
     encoder = load_pretrained(Encoder, c.init, c)
@@ -202,12 +199,11 @@ def resolve_schedule(c, world, n_windows):
 
 
 def make_optimizer(model, c, eps=1e-8):
-    """AdamW (eps: Adam's epsilon) without weight decay on biases and LayerNorm; linear warm-up, then linear
-    decay to 0. Departure (optimizer-decay): COSTA and CPDAE say only "Adam with warm-up"; weight decay and
-    linear decay are BERT's and SEED's recipe, kept for every method so that they differ only in their losses.
-    Heads new to the checkpoint (model.new_parameters()) learn alone for the first --head_warmup steps at
-    --head_lr times the lr (a random head's gradients would distort the pre-trained features; Kumar et al.,
-    ICLR 2022): the encoder's groups get lr factor 0 (DDP-safe), then their own warm-up and decay."""
+    """AdamW (eps: Adam's epsilon) without weight decay on biases and LayerNorm; linear warm-up, then linear decay
+    to 0. Departure (optimizer-decay): COSTA and CPDAE say only "Adam with warm-up"; weight decay and linear decay
+    are BERT's and SEED's recipe, kept for every method. Heads new to the checkpoint (model.new_parameters()) learn
+    alone for the first --head_warmup steps at --head_lr times the lr (Kumar et al., ICLR 2022): the encoder's
+    groups get lr factor 0 (DDP-safe), then their own warm-up and decay."""
     head_warmup, head_lr = getattr(c, "head_warmup", 0), getattr(c, "head_lr", 1.0)
     if head_warmup >= c.steps:
         raise ValueError(f"--head_warmup {head_warmup} leaves none of the {c.steps} steps to the encoder")
@@ -234,8 +230,7 @@ def make_optimizer(model, c, eps=1e-8):
 
 
 def encoder_and_head_lr(optimizer, scheduler):
-    """(the encoder's lr, the new heads' lr where it differs (--head_warmup, --head_lr), else None): the
-    encoder's is 0 while the heads warm up alone."""
+    """(the encoder's lr, 0 while the heads warm up alone; the new heads' lr where it differs, else None)."""
     lrs = scheduler.get_last_lr()                                   # group 0 is the encoder's
     heads = [lr for lr, group in zip(lrs, optimizer.param_groups) if group["head"] and lr != lrs[0]]
     return lrs[0], (heads[0] if heads else None)
@@ -267,15 +262,13 @@ class TrainingRun:
         self.progress = Progress(c, self.start_step, self.is_rank0)
 
     def waits_on_device(self, step):
-        """Whether this step may wait for the GPU to finish its queue (a host sync): on the CPU always (it
-        costs nothing), on a GPU only on log, checkpoint and last steps, so that the GPU never idles between."""
+        """Whether this step may sync with the GPU: on the CPU always; on a GPU at log, checkpoint and last steps."""
         c = self.c
         return (self.device.type != "cuda" or step % c.log_every == 0 or step % c.save_every == 0
                 or step in (c.steps, c.halt_at))
 
     def stop_if_not_finite(self, grad_norm, step):
-        """run.stop_if_not_finite at every step on the CPU; on a GPU the norms wait until the next step that
-        syncs anyway, which names the first non-finite one. Every checkpoint comes after that check."""
+        """run.stop_if_not_finite, on a GPU at the next step that syncs anyway; every checkpoint comes after it."""
         self.step = step
         self.unchecked.append((step, grad_norm))
         if self.waits_on_device(step):
@@ -285,8 +278,7 @@ class TrainingRun:
                 stop_if_not_finite(norms[bad[0]], steps[bad[0]], self.c, self.saved)
 
     def end_of_step(self, step):
-        """After the optimizer step: log, checkpoint, and whether to stop (--halt_at; SIGTERM raises).
-        On a GPU a SIGTERM is acted on at the next step that syncs anyway (the ranks' agreement is a sync)."""
+        """After the optimizer step: log, checkpoint; True to stop (--halt_at; SIGTERM waits for a syncing step)."""
         c, self.step = self.c, step
         logs = step % c.log_every == 0 or step == c.steps
         if logs:
@@ -324,8 +316,7 @@ class TrainingRun:
 
 def keep_previous_checkpoint(out, step, keep_last):
     """Before a new checkpoint replaces out/state.pt and out/encoder (of step `step`): keep them as
-    out/checkpoints/step-<step>/ by hard links (no copy; their space is freed only when pruned), then prune
-    that folder to its keep_last - 1 newest. The last checkpoint and the final encoder stay in out/."""
+    out/checkpoints/step-<step>/ by hard links (no copy), then prune that folder to its keep_last - 1 newest."""
     kept, tmp = out / "checkpoints" / f"step-{step}", out / "checkpoints" / f".step-{step}.tmp"
     if (out / "state.pt").is_file() and not kept.exists():
         shutil.rmtree(tmp, ignore_errors=True)
@@ -392,8 +383,7 @@ def stop_if_not_finite(grad_norm, step, c, last_saved=0):
 
 
 def batches(dataset, workers, micro_steps):
-    """dataset[i] for each micro-step i of the range (from the resumed step on), built ahead by `workers`
-    processes. The loader has its own generator: the global RNG (dropout) resumes exactly."""
+    """dataset[i] for each micro-step i of the range, built ahead by `workers` processes (dropout's RNG untouched)."""
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers, sampler=micro_steps,
                                          generator=torch.Generator(), worker_init_fn=_leave_sigterm_to_the_run,
                                          pin_memory=torch.cuda.is_available())   # page-locked: copied to the GPU async
@@ -401,15 +391,13 @@ def batches(dataset, workers, micro_steps):
 
 
 def _leave_sigterm_to_the_run(worker_id):
-    """In each data-loader worker. Slurm and systemd send SIGTERM to the whole process group: the run acts on
-    it (it ends the step, checkpoints, then shuts its workers down), so the worker only takes note; a second
-    SIGTERM (the loader's terminate() of a worker slow to leave) ends it. torch's handler would end it at once."""
+    """In each data-loader worker: a SIGTERM to the whole process group (Slurm, systemd) is the run's to act on
+    (end the step, checkpoint, shut the workers down); a second one (the loader's terminate()) ends the worker."""
     signal.signal(signal.SIGTERM, lambda *_: signal.signal(signal.SIGTERM, signal.SIG_DFL))
 
 
 def autocast_bf16(device, enabled=True):
-    """bf16 autocast on GPUs and on CPUs with native bf16 arithmetic (AVX512-BF16 or AMX, about twice
-    as fast as fp32 there); off elsewhere, where emulated bf16 would be slower than fp32."""
+    """bf16 autocast on GPUs and on CPUs with native bf16 (AVX512-BF16, AMX: ~2x fp32); off where it is emulated."""
     cpu_bf16 = [getattr(torch.cpu, f"_is_{x}_supported", lambda: False)() for x in ("avx512_bf16", "amx_tile")]
     native = device.type == "cuda" or (device.type == "cpu" and any(cpu_bf16))
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled and native)
@@ -419,11 +407,9 @@ _FUSED = {}   # loss function -> its compiled form (one per process: torch.compi
 
 
 def fused(loss, c, eager=None):
-    """`loss` as training runs it. With --compile: torch.compile(loss), one fused kernel per sweep where eager
-    mode makes a memory pass per operation (the JS and softmax terms over the vocabulary are such passes), and
-    the intermediates eager mode would keep for the backward are not kept; the first call's compile time is
-    printed once, and a platform where compiling fails says so in one line and stays eager. Without it:
-    `eager`, the same loss computed to save memory (in_row_chunks), else `loss` itself."""
+    """`loss` as training runs it. With --compile: torch.compile(loss), one fused kernel per sweep over the
+    vocabulary where eager mode makes a memory pass per operation; a platform where compiling fails says so in one
+    line and stays eager. Without it: `eager`, the same loss computed to save memory (in_row_chunks), else `loss`."""
     eager = eager or loss
     if not c.compile:
         return eager
@@ -459,10 +445,9 @@ def _compiled_or_eager(loss, eager):
 
 
 def in_row_chunks(fn, chunk):
-    """fn(x, *rest) computed `chunk` rows of x at a time, each under activation checkpointing (its
-    intermediates are freed after its forward and rebuilt in the backward), the outputs concatenated along
-    their first dimension (a tuple of them: each). Same values as fn(x, *rest) for a fn whose rows are
-    independent; the peak holds one chunk's intermediates. Eager mode's memory bound on the vocabulary terms."""
+    """fn(x, *rest) computed `chunk` rows of x at a time, each under activation checkpointing, the outputs (or
+    each of a tuple of them) concatenated: the same values for a fn whose rows are independent, the peak memory
+    one chunk's. Eager mode's memory bound on the vocabulary terms."""
     from torch.utils.checkpoint import checkpoint
 
     @functools.wraps(fn)
@@ -477,10 +462,9 @@ def in_row_chunks(fn, chunk):
 
 
 def pad_rows(rows, targets, bucket, ignore_index=-100):
-    """rows (N, ...) and targets (N,) padded with zero rows and ignore_index targets to N rounded up to a multiple
-    of `bucket`, so that a loss over a varying number of kept positions sees a few fixed shapes: no new kernel
-    per count (oneDNN on AMX builds one per matmul shape; torch.compile would recompile). A loss that ignores
-    ignore_index and divides by the targets it keeps is unchanged."""
+    """rows (N, ...) and targets (N,) padded with zero rows and ignore_index targets to a multiple of `bucket`: a
+    loss over a varying number of kept positions sees a few fixed shapes (no new kernel, no recompile, per count)
+    and, ignoring ignore_index and dividing by the targets it keeps, is unchanged."""
     extra = -rows.shape[0] % bucket
     if not extra:
         return rows, targets
@@ -489,9 +473,8 @@ def pad_rows(rows, targets, bucket, ignore_index=-100):
 
 
 def across_ranks(loss, gather):
-    """loss(a, b, *args) over every rank's a and b (gather: all-gather with gradients), this rank's n first as
-    the anchors (n_anchors=n; the sums are over sets). In one process, the loss itself. Accumulation adds no
-    negatives. The wrapper keeps loss's name and docstring (help() shows the equation), loss in __wrapped__."""
+    """loss(a, b, *args) over every rank's a and b (gather: all-gather with gradients), this rank's n first as the
+    anchors (n_anchors=n; the sums are over sets); in one process the loss itself. Keeps loss's name and docstring."""
     @functools.wraps(loss)
     def gathered(a, b, *args, **kwargs):                                  # a (n, ...), b (n, ...)
         n = a.shape[0]
@@ -502,9 +485,8 @@ def across_ranks(loss, gather):
 
 
 def in_fp32(f):
-    """f run with autocast off and its floating tensor arguments in fp32 at least (fp64 stays, for tests): the
-    precision guard a method file puts around its losses and the vectors that feed them, from outside (under
-    autocast a matmul runs in bf16 even on fp32 inputs)."""
+    """f with autocast off and its floating tensor arguments in fp32 at least (fp64 stays): the guard a method file
+    puts around its losses from outside (under autocast a matmul runs in bf16 even on fp32 inputs)."""
     def fp32(*args, **kwargs):
         device = next(a.device.type for a in args if torch.is_tensor(a))
         up = lambda a: a.to(torch.promote_types(a.dtype, torch.float32)) if torch.is_tensor(a) and a.is_floating_point() else a
@@ -536,8 +518,7 @@ class Progress:
         self.tokens += n_tokens
 
     def report(self, step, lr, device, head_lr=None):
-        """Every rank calls this at log steps (the average is a collective); rank 0 prints. lr: the encoder's;
-        head_lr: the new heads' where it differs (--head_warmup, --head_lr)."""
+        """At log steps, on every rank (the mean is a collective); rank 0 prints. head_lr: the heads' if it differs."""
         means = average_across_ranks({k: float(v) / self.count for k, v in self.sums.items()}, device)
         now = time.time()
         world = torch.distributed.get_world_size() if _distributed() else 1
@@ -551,8 +532,7 @@ class Progress:
                   f"elapsed {data.format_seconds(now - self.t0)} | eta {data.format_seconds(eta)}", flush=True)
             with open(self.log_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": step, **means, "lr": lr, **({} if head_lr is None else {"head_lr": head_lr}),
-                                    "tokens_per_s": tok_per_s,
-                                    "elapsed_s": now - self.t0}) + "\n")
+                                    "tokens_per_s": tok_per_s, "elapsed_s": now - self.t0}) + "\n")
             for line in chance_lines(means) if step == self.c.steps else []:  # at the end: each objective
                 print(line, flush=True)                                          # against its trivial baseline
         self.sums, self.count, self.tokens, self.t_last = {}, 0, 0, now
@@ -564,8 +544,7 @@ class Progress:
 
 
 def keep_log_until(path, step):
-    """Drop the log lines after `step` (written after the checkpoint a resumed run restarts from, or by a
-    replaced run) and a line cut by a kill, so that the log holds each step once."""
+    """Drop the log lines after `step` (a resumed or replaced run's) and a line cut by a kill: each step once."""
     def logged(line):
         try:
             return json.loads(line)["step"] <= step
@@ -607,6 +586,40 @@ def barrier():
     return _distributed() and torch.distributed.barrier()
 
 
+def broadcast_rank0_choice(flag, device):
+    """Rank 0's boolean, on every rank (so that all ranks take the same branch around collectives)."""
+    return bool(broadcast_rank0_int(int(flag), device))
+
+
+def broadcast_rank0_int(value, device):
+    """Rank 0's integer, on every rank."""
+    if not _distributed():
+        return value
+    t = torch.tensor([value], device=device, dtype=torch.long)
+    torch.distributed.broadcast(t, 0)
+    return int(t.item())
+
+
+def share_through_files(path, mine, tag, patience_s):
+    """Every rank's dict (JSON) merged, on every rank, through one file per rank beside `path`: a rank done early
+    polls the files (a collective could time out while a slower rank works), giving up with one line after
+    patience_s. Rank 0 removes the files once every rank has read them (the barrier)."""
+    rank, world = _rank(), torch.distributed.get_world_size() if _distributed() else 1
+    parts = [path.with_name(f"{path.stem}.{tag}.part{r}-of-{world}.json") for r in range(world)]
+    data.atomic_write_text(parts[rank], json.dumps(mine))
+    deadline = time.time() + patience_s
+    while missing := [p for p in parts if not p.is_file()]:
+        if time.time() > deadline:
+            raise data.DataError(f"{missing[0]}: not written by its rank within {patience_s:.0f} s of this one's")
+        time.sleep(1)
+    merged = {k: v for p in parts for k, v in data.read_json(p).items()}
+    barrier()
+    if rank == 0:
+        for p in parts:
+            p.unlink()
+    return merged
+
+
 def peak_memory_mb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -623,8 +636,7 @@ def max_rss_mib():
 # 4. Resume: a run continues exactly from its last checkpoint
 # ----------------------------------------------------------------------------------------------
 def check_resume_flags(c, saved, path):
-    """Stop with one line if state.pt is another script's, or if a flag that cannot change on resume
-    did. Returns the changed flags that may change, as '--lr 0.0005 -> 0.001' (or "")."""
+    """One line if state.pt is another script's or a frozen flag changed; the changed flags ('--lr 0.0005 -> 0.001')."""
     now = dataclasses.asdict(c)
     if foreign := sorted(set(saved) - set(now)):
         raise data.DataError(f"{path}: written by another script (it has --{foreign[0]}); resume it with that "
@@ -639,8 +651,7 @@ def check_resume_flags(c, saved, path):
 
 
 def apply_resume_flags(c, optimizer, scheduler):
-    """The state_dicts bring back the saved lr and weight decay: put today's in (the same numbers when
-    unchanged). The schedule itself is today's: make_optimizer built it from today's steps and warmup."""
+    """Today's lr and weight decay over the saved ones (the schedule is today's: make_optimizer built it)."""
     scheduler.base_lrs = [c.lr] * len(optimizer.param_groups)
     for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
         group["initial_lr"], group["lr"] = c.lr, c.lr * factor(scheduler.last_epoch)
@@ -696,15 +707,13 @@ def check_stream(c, saved, now, step, path):
 
 
 def save_training_state(path, state):
-    """Everything needed to resume (model, optimizer, scheduler, step) in one file (atomic; save_checkpoint's
-    commit adds its checksum); no RNG state: batches, masks and dropout are functions of (seed, rank, micro-step)."""
+    """What resuming needs, in one file (atomic); no RNG state: batches, masks, dropout are functions of the step."""
     data.atomic_write(path, lambda tmp: torch.save(state, tmp))
 
 
 def load_training_state(path):
-    """The dict save_training_state wrote; a one-line DataError for a missing, empty, truncated, damaged (its
-    checksum) or foreign file (torch.load raises many kinds of exception, none naming the file), or one whose
-    weights or optimizer state are not finite (a NaN row no batch reaches would pass a resumed run)."""
+    """The dict save_training_state wrote; one line (a DataError) for a missing, empty, truncated, damaged (its
+    checksum) or foreign file, or one whose weights or optimizer state are not finite."""
     if not Path(path).is_file():
         raise data.DataError(f"{path}: no training state to resume from")
     check_checksum(path, "resume from a copy of the run, or start again with --overwrite")
@@ -755,8 +764,7 @@ def check_run_folder(c, names=RUN_FILES):
 
 
 def check_writable(folder):
-    """Before any work (the token cache can take hours): the folder, or the nearest part of its path that
-    exists, is a writable folder; else the OSError the first write would raise, naming that part."""
+    """Before any work: the folder, or its nearest existing parent, is writable; else the OSError a write raises."""
     existing = next(p for p in (Path(folder).absolute(), *Path(folder).absolute().parents) if p.exists())
     if not existing.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
@@ -767,9 +775,8 @@ def check_writable(folder):
 
 
 def lock_run_folder(folder, create=False):
-    """Make `folder` this process's alone: an exclusive flock on the folder itself (no file added) until
-    release_run_folder or the process ends (kill -9 too). Rank 0 takes it, every rank hears: a second run is
-    refused in one line before it touches anything. A missing folder is made only with create."""
+    """Make `folder` this process's alone: an exclusive flock on the folder (no file added) until release_run_folder
+    or the process ends. Rank 0 takes it, every rank hears: a second run is refused in one line; create: mkdir."""
     import fcntl
     folder = Path(folder).resolve()
     error = ""
@@ -797,8 +804,7 @@ def release_run_folder(folder):
 
 
 def held_by_another_run(folder):
-    """Whether another process holds folder locked (lock_run_folder), asked without taking it: a shared
-    flock, refused only by an exclusive one, let go at once (so two askers never refuse each other)."""
+    """Whether another process holds folder locked (lock_run_folder), asked with a shared flock let go at once."""
     import fcntl
     folder = Path(folder).resolve()
     if folder in _LOCKS or not folder.is_dir():
@@ -814,8 +820,8 @@ def held_by_another_run(folder):
 
 
 def prepare_run_folder(c):
-    """Rank 0, after the last check, before the first write: killed writes' temporaries go, a cut checkpoint
-    switch is finished, and with --overwrite the replaced run's checkpoint goes (Progress trims its log)."""
+    """Rank 0, after the last check: killed writes' temporaries go, a cut checkpoint switch is finished, and with
+    --overwrite the replaced run's checkpoint goes (Progress trims its log)."""
     out = Path(c.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data.remove_dead_temporaries(out, locked=True)
@@ -831,10 +837,9 @@ def prepare_run_folder(c):
 # 6. Checkpoints: the encoder and the training state switched together; a full disk in one line
 # ----------------------------------------------------------------------------------------------
 def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved=0, extra_files=None, stream=None):
-    """Rank 0 writes the encoder (a Hugging Face folder, plus extra_files(folder)) and the training state for --resume,
-    both to temporaries, switched only when both are whole (finish_checkpoint_switch): a kill or a full disk leaves the
-    last checkpoint whole, encoder/ and state.pt of one step. A full disk is one line (disk_full_error). Weights
-    that are not finite are never saved: every rank stops alike (their weights are the same)."""
+    """Rank 0 writes the encoder (a Hugging Face folder, plus extra_files(folder)) and the training state, both to
+    temporaries switched only when both are whole (finish_checkpoint_switch): a kill or a full disk (one line) leaves
+    the last checkpoint whole. Weights that are not finite are never saved: every rank stops alike."""
     kept = f"{c.out_dir} keeps its last good checkpoint, step {last_saved}" if last_saved else "no checkpoint was written"
     check_finite(model.state_dict(), f"step {step}", f"stopped without saving; {kept}")
     if is_rank0:
@@ -866,8 +871,8 @@ def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved=0
 
 
 def finish_checkpoint_switch(out):
-    """Complete or undo a checkpoint switch cut short by a kill: .state.pt.new still there = state.pt
-    was not replaced yet, so drop the new files; else state.pt is new and .encoder.new its encoder."""
+    """Complete or undo a switch cut short by a kill: .state.pt.new still there = state.pt was not replaced yet
+    (drop the new files); else state.pt is new and .encoder.new its encoder."""
     out = Path(out)
     new_encoder, old_encoder, new_state = out / ".encoder.new", out / ".encoder.old", out / ".state.pt.new"
     if new_state.exists():
@@ -882,8 +887,7 @@ def finish_checkpoint_switch(out):
 
 
 def disk_full_error(target, out_dir, last_saved):
-    """The one line for a checkpoint that did not fit: the file, the space a checkpoint needs (as much as
-    the one kept; without one, more than is free), the last good step, what to do."""
+    """The one line for a checkpoint that did not fit: the file, the space needed, the last good step, what to do."""
     out = Path(out_dir)
     kept = [p for p in (out / "state.pt", *(out / "encoder").rglob("*")) if p.is_file()] if last_saved else []
     free = shutil.disk_usage(out).free if out.is_dir() else 0
@@ -898,8 +902,7 @@ def disk_full_error(target, out_dir, last_saved):
 # 7. Hugging Face BERT folders, and the starting checkpoints (a folder, minilm, a hub id)
 # ----------------------------------------------------------------------------------------------
 def save_tensors(path, tensors):
-    """A dict of tensors as safetensors (atomic, its checksum beside it: write_checked). Tied tensors are stored
-    once each (cloned)."""
+    """A dict of tensors as safetensors (atomic, its checksum beside it: write_checked); tied tensors cloned."""
     from safetensors.torch import save_file
     tensors = {k: v.detach().contiguous().cpu().clone() for k, v in tensors.items()}
     write_checked(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
@@ -954,9 +957,7 @@ def listed_checksums(path):
 
 
 def replace_checked(source, path):
-    """os.replace(source, path), path's checksum file kept true at every moment: before the rename it lists
-    the new digest and the old one, after it the new one alone, so that a kill anywhere leaves it naming
-    what path holds."""
+    """os.replace(source, path), path's checksum file listing the new (and, until the rename, the old) digest."""
     path, digest = Path(path), data.sha256_of(source)
     old = listed_checksums(path)[:1] if path.is_file() else []
     write_checksums = lambda digests: data.atomic_write_text(checksum_file(path), "".join(
@@ -1021,8 +1022,7 @@ def from_hf_name(name):
 
 
 def save_encoder_folder(folder, hf_state_dict, hf_config, vocab=data.VOCAB):
-    """A Hugging Face BERT folder: config.json, model.safetensors, vocab.txt, tokenizer_config.json.
-    transformers.AutoModel.from_pretrained(folder) and AutoTokenizer load it."""
+    """A Hugging Face BERT folder (config.json, model.safetensors, vocab.txt, tokenizer_config.json)."""
     folder = Path(folder)
     if data.vocab_size_of(vocab) != hf_config["vocab_size"]:
         raise data.DataError(f"{vocab}: {data.vocab_size_of(vocab)} entries, but the model has "
@@ -1047,8 +1047,7 @@ def check_hf_config(hf_config, path):
 
 
 def load_encoder_folder(folder):
-    """(hf_config, hf_state_dict) from a Hugging Face BERT folder, 'minilm' or a hub id: model.safetensors,
-    or pytorch_model.bin read with weights_only=True (no pickled code runs)."""
+    """(hf_config, hf_state_dict) of a BERT folder, 'minilm' or a hub id: model.safetensors, else pytorch_model.bin."""
     folder = Path(resolve_model(str(folder)))
     if not (folder / "config.json").is_file():
         raise data.DataError(f"{folder / 'config.json'}: not found ({folder} is not a Hugging Face model folder)")
@@ -1173,8 +1172,7 @@ RETRIEVER_FILES = ("retriever.json", "modules.json", "1_Pooling/config.json", "s
 
 
 def copy_retriever_settings(source, folder):
-    """Copy the files that declare a model folder's pooling and similarity from source to folder: a continued
-    pre-trained encoder keeps its starting checkpoint's (MiniLM: mean, cosine), not the papers' [CLS], dot."""
+    """The files declaring pooling and similarity, from source to folder (a continued MiniLM stays mean, cosine)."""
     for name in RETRIEVER_FILES:
         if (Path(source) / name).is_file():
             data.atomic_write(Path(folder) / name, lambda tmp, name=name: shutil.copyfile(Path(source) / name, tmp))
@@ -1187,9 +1185,8 @@ BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "n
 
 
 def parse_config(Config, argv, doc="", preset=None, rules=None, presets=None):
-    """A script's Config from '--field value' flags ('--flag' alone for a bool), each checked before any work: its
-    type, its domain (rules: FLAG_RULES), --preset paper (preset) or another named one (presets: {name: fields}).
-    --help prints doc and Config's source."""
+    """A script's Config from '--field value' flags ('--flag' alone for a bool), each checked (type, rules), with
+    --preset paper (preset) or another (presets: {name: fields}). --help prints doc and Config's source."""
     if argv[:1] in (["-h"], ["--help"]):               # the docstring, then every field with its comment
         try:
             sources = [inspect.getsource(k) for k in Config.__mro__[::-1] if dataclasses.is_dataclass(k)]
@@ -1236,9 +1233,7 @@ def parse_config(Config, argv, doc="", preset=None, rules=None, presets=None):
 
 @functools.cache                                       # once per process
 def say_mps_is_not_used():
-    """setup_distributed picks CUDA, else the CPU, never Apple's GPU (MPS): no run here was made on MPS
-    (autocast_bf16 knows no bf16 there; which ops it lacks is untested), so no test or number vouches for
-    it. On Apple silicon rank 0 says so in one line, so that the CPU's speed is not taken for the GPU's."""
+    """setup_distributed picks CUDA, else the CPU, never Apple's GPU (MPS, untested here): rank 0 says so."""
     if sys.platform == "darwin" and torch.backends.mps.is_available() and os.environ.get("RANK", "0") == "0":
         print("note: Apple's GPU (MPS) is not used, the CPU is: nothing here is tested on MPS (bf16 autocast, "
               "op coverage)", flush=True)
@@ -1287,8 +1282,7 @@ class RankTimeout(RuntimeError):        # under torchrun, a collective that anot
 
 
 def timed_out(error):
-    """Whether a collective's RuntimeError is its process group's timeout (gloo: 'Timed out waiting 600000ms
-    ...', 'Application timeout caused pair closure'); NCCL's watchdog ends the process itself."""
+    """Whether a collective's RuntimeError is gloo's process-group timeout (NCCL's watchdog ends the process)."""
     return _distributed() and bool(re.search(r"timed out|timeout", str(error), re.IGNORECASE))
 
 
@@ -1316,9 +1310,9 @@ def hold_ctrl_c():
 
 
 def catch_stop_signals(defer_term=False):
-    """Ctrl-C raises KeyboardInterrupt and is recorded (Python drops one raised in a finalizer: the loop
-    still stops at the step's end). SIGTERM raises Terminated, or with defer_term is acted on at the step's
-    end, after a checkpoint. An ignored signal stays ignored. Returns what puts the old handlers back."""
+    """Ctrl-C raises KeyboardInterrupt and is recorded (one Python drops still stops the loop at the step's end).
+    SIGTERM raises Terminated, or with defer_term is acted on at the step's end, after a checkpoint. An ignored
+    signal stays ignored. Returns what puts the old handlers back."""
     import threading
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
@@ -1339,9 +1333,8 @@ def catch_stop_signals(defer_term=False):
         STOP_SIGNALS["term"].append(signum)
         if not defer_term:
             raise Terminated
-        # Slurm and systemd send SIGTERM to the whole process group. A data-loader worker that met it before it
-        # could leave it to the run (run.batches) has died of it: no failure to raise mid-step or mid-checkpoint.
-        # torch's SIGCHLD handler stays aside until the stopped loop's loader is shut down (run_command_line).
+        # A SIGTERM to the process group may have killed a data-loader worker (run.batches): torch's SIGCHLD
+        # handler stays aside until the stopped loop's loader is shut down (run_command_line), not failing mid-step.
         if hasattr(signal, "SIGCHLD") and not STOP_SIGNALS["child_watch"]:
             STOP_SIGNALS["child_watch"].append(signal.signal(signal.SIGCHLD, signal.SIG_DFL))
     if before[signal.SIGINT] is signal.default_int_handler:
@@ -1415,8 +1408,7 @@ def exit_with(line, code):
     the process group left (as leave_distributed), exit code `code` (1 = bad input, 130 = Ctrl-C). No traceback."""
     rank0 = os.environ.get("RANK", "0") == "0"
     if not rank0:
-        time.sleep(10)   # rank 0 prints and exits first, then torchrun stops this rank: else torchrun could
-                         # stop rank 0 before its line (seen once in a loaded .ci/run)
+        time.sleep(10)   # rank 0 prints and exits first, then torchrun stops this rank (not rank 0 before its line)
     if _distributed():
         if rank0:
             print(line, file=sys.stderr, flush=True)
@@ -1431,8 +1423,7 @@ def exit_with(line, code):
 
 
 def leave_distributed(code=0):
-    """Under torchrun, after the last collective: NCCL's group is destroyed (else it warns of a leak); gloo's
-    teardown aborted a rank now and then (SIGABRT), so the process flushes and leaves at once (os._exit)."""
+    """After the last collective: NCCL's group destroyed; gloo's (whose teardown aborted now and then) left at once."""
     if not _distributed():
         return
     if torch.distributed.get_backend() == "nccl":

@@ -11,10 +11,9 @@ has to carry the text. The paper's equations and the functions:
     eq. 10    L = L_MLM + L_dec                                        PretrainModel.terms (L_MLM: mlm_loss)
     Figure 5  [CLS] cosine of random text pairs by length               mechanisms.py --cls_by_length
 
-It has costa.py's skeleton section for section, with COSTA's own parts (spans, projector, eq. 8)
-swapped for the weak decoder: `diff costa.py seed.py` shows that swap. The run machinery (run
-folder, resume, checkpoints, progress, Ctrl-C) is in run.py, one call each from train(). Each
-departure from the paper is said where it happens, tagged with its key; docs/departures.md lists them all.
+It has costa.py's skeleton section for section, COSTA's own parts swapped for the weak decoder (`diff costa.py
+seed.py`). The run machinery (run folder, resume, checkpoints, progress, Ctrl-C) is in run.py, one call each from
+train(). Each departure from the paper is said where it happens, tagged with its key; docs/departures.md lists them.
 
     python seed.py --preset lab                      # first: its head learns, on a CPU (docs/lab.md)
     python seed.py                                   # small model, bundled Wikipedia slice, CPU, from scratch
@@ -49,9 +48,8 @@ import run
 # ==============================================================================================
 @dataclass
 class Config(run.TrainConfig):
-    """SEED-Encoder's own flags (section 3.4; Figure 3 ablations). The flags every method shares
-    (corpus, model size, optimisation, run folder) are run.TrainConfig's. For --bottleneck mean the
-    decoder's memory is the masked mean of the output tokens instead of [CLS]."""
+    """SEED-Encoder's own flags (section 3.4; Figure 3 ablations); those every method shares are run.TrainConfig's.
+    With --bottleneck mean the decoder reads the masked mean of the output tokens instead of [CLS]."""
     dec_layers: int = 3           # decoder Transformer blocks (paper: 3; Figure 3 also tries 1 and 5)
     dec_span: int = 2             # self-attention span k of eq. 9 (paper: 2); 0 = full causal, the "strong decoder"
     dec_weight: float = 1.0       # weight of L_dec in eq. 10 (paper: 1, L_MLM + L_dec)
@@ -59,15 +57,11 @@ class Config(run.TrainConfig):
     out_dir: str = "runs/seed"    # checkpoints, config.json and log.jsonl go here
 
 
-# Departure (seed-heads): 12 heads, BERT-base's and the authors' code's (encoder_attention_heads=12), where
-# the paper's text says eight (it also says "the same with BERT-base", which has 12).
-# --preset paper: section 4.1 "Pre-training Details". From scratch (no --init), BERT-base sizes, 1M steps
-# at batch 256 over all ranks (global_batch: batch_size = 256 / processes), maximum length 512, 15% masks,
-# Adam eps 1e-6 (make_optimizer's call in train) and betas (0.9, 0.999), peak lr 1e-4 after 10k warm-up
-# steps (0.01 of 1M; with --steps or --epochs the fraction stays 1%), then linear decay to zero, dropout
-# 0.1, clip 1.0, weight decay 0.01 (Config's defaults).
-# Departure (seed-vocab): the paper's 32,768-token vocabulary (Ke et al., 2020) is not available; we use
-# BERT's 30,522.
+# --preset paper: section 4.1. From scratch, BERT-base sizes, 1M steps at batch 256 over all ranks, length 512,
+# 15% masks, Adam eps 1e-6 (train's make_optimizer) and betas (0.9, 0.999), lr 1e-4 after 1% warm-up, then
+# linear decay to zero, dropout 0.1, clip 1.0, weight decay 0.01 (Config's defaults).
+# Departure (seed-heads): 12 heads, BERT-base's and the authors' code's, where the paper's text says eight.
+# Departure (seed-vocab): BERT's 30,522-token vocabulary; the paper's 32,768 (Ke et al., 2020) is not available.
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=1e-4,
                     warmup=0.01, steps=1_000_000, global_batch=256, mask_prob=0.15, dropout=0.1, clip=1.0,
                     weight_decay=0.01, **run.PAPER_RUN)   # PAPER_RUN: workers, checkpoints
@@ -87,10 +81,9 @@ BOTTLENECKS = ("cls", "mean")   # --bottleneck: which vector of the encoder a me
 
 
 def text_vector(hidden, attention_mask, bottleneck="cls"):
-    """The text's vector, the one a method trains (and retrieval should read): "cls" = the last layer's
-    [CLS] state, the papers'; "mean" = the mean of the output tokens over the attention mask ([CLS],
-    [SEP] and [MASK] included, padding not), the pooling all-MiniLM-L6-v2 was trained with and
-    finetune.py reads for it. Departure (option-bottleneck-mean): the papers bottleneck through [CLS].
+    """The text's vector, the one a method trains (and retrieval should read): "cls" = the last layer's [CLS]
+    state, the papers'; "mean" = the mean of the output tokens over the attention mask (padding not), MiniLM's
+    pooling. Departure (option-bottleneck-mean): the papers bottleneck through [CLS].
     hidden (B, L, H), attention_mask (B, L) 1 = token -> (B, H)."""
     if bottleneck == "cls":
         return hidden[:, 0]                                                      # (B, H)
@@ -100,11 +93,10 @@ def text_vector(hidden, attention_mask, bottleneck="cls"):
 
 
 def window_mask(length, k=2, device=None):
-    """The weak decoder's self-attention mask (eq. 9), True = may attend: query i sees keys
-    {0} U {i-k+1, ..., i}, i.e. itself, the k-1 previous positions and the start symbol at 0 (as the
-    authors' code does). k = 0, None or "full" gives the plain causal mask: Figure 3's "strong decoder".
-    Applied in every layer, so the receptive field grows with depth (3 layers, k = 2: 0 and i-3..i),
-    as in the authors' code; eq. 9's condition on x_{t-k..t-1} holds exactly for one layer."""
+    """The weak decoder's self-attention mask (eq. 9), True = may attend: query i sees keys {0} U {i-k+1, ..., i},
+    itself, the k-1 previous positions and the start symbol at 0 (as the authors' code). k = 0, None or "full": the
+    causal mask, Figure 3's "strong decoder". In every layer, as the authors', so the receptive field grows with
+    depth (3 layers, k = 2: 0 and i-3..i); eq. 9's condition on x_{t-k..t-1} holds exactly for one layer."""
     query = torch.arange(length, device=device)[:, None]                        # (L, 1)
     key = torch.arange(length, device=device)[None, :]                          # (1, L)
     causal = key <= query                                                       # (L, L)
@@ -125,8 +117,7 @@ def decoder_inputs_and_targets(input_ids, attention_mask, ignore_index=-100):
 
 
 class WindowSelfAttention(nn.Module):
-    """The decoder's multi-head self-attention, BERT's (the encoder's) given the window mask:
-    softmax(q k^T / sqrt(d) + mask) v per head, dropout on the probabilities while training."""
+    """The decoder's self-attention, the encoder's with the window mask: softmax(q k^T / sqrt(d) + mask) v."""
 
     def __init__(self, c):
         super().__init__()
@@ -151,11 +142,9 @@ class DecoderBlock(nn.Module):
         super().__init__()
         self.attn = WindowSelfAttention(c)
         self.attn_norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
-        # Cross-attention to a memory of ONE vector, [CLS]: softmax over a single key is exactly 1, so
-        # every position receives out(value(h0)) whatever the query and key projections (those would
-        # only ever get zero gradient). We compute that directly (test_losses.py checks the equality).
-        # Departure (seed-cross-dropout): no attention-probability dropout here, unlike the authors' and
-        # BERT's attention, where it would zero the single weight 10% of the time.
+        # Cross-attention to a memory of ONE vector, [CLS]: softmax over a single key is exactly 1, so every position
+        # receives out(value(h0)) whatever the query and key projections: computed directly (test_losses checks).
+        # Departure (seed-cross-dropout): no attention-probability dropout here (it would zero the single weight).
         self.cross_value = nn.Linear(c.hidden_size, c.hidden_size)
         self.cross_out = nn.Linear(c.hidden_size, c.hidden_size)
         self.ffn_in = nn.Linear(c.hidden_size, c.ffn_size)
@@ -171,11 +160,9 @@ class DecoderBlock(nn.Module):
 
 
 class WeakDecoder(nn.Module):
-    """SEED's weak decoder (section 3.4): `dec_layers` blocks with self-attention span `dec_span`;
-    its only view of the encoder is h0 ([CLS], or the token mean with --bottleneck mean), in every
-    block. It shares the encoder's token embedding for its input and output projection (as the authors
-    do), has its own learned positions, and puts its embedded input through a LayerNorm (the authors'
-    layernorm_embedding=True, as in BERT's encoder). Dropped after pre-training."""
+    """SEED's weak decoder (section 3.4): `dec_layers` blocks of self-attention span `dec_span`, reading the
+    encoder only through h0, in every block. Input and output projection: the encoder's token embedding (as the
+    authors'); its own positions and embedding LayerNorm (layernorm_embedding=True). Dropped after pre-training."""
 
     def __init__(self, c, word_embedding):
         super().__init__()
@@ -216,11 +203,10 @@ def mlm_loss(hidden, labels, head):
 
         L_MLM = - sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = the masked positions
 
-    Departure (mlm-mean): the papers write this sum; we take the mean over the masked tokens (times
-    1/|m(x)|), as BERT's and SEED's code do, so that a loss weight (lambda) does not depend on how many
-    tokens a batch masks. Only the masked positions go through `head` (the vocabulary projection is most of the
-    cost). hidden (B, L, H), labels (B, L) with -100 where nothing is predicted, head: MLMHead. Returns (loss,
-    n_correct, n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
+    Departure (mlm-mean): the papers write this sum; we take the mean over the masked tokens, as BERT's and SEED's
+    code do, so that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
+    positions go through `head`. hidden (B, L, H), labels (B, L) -100 = none, head: MLMHead -> (loss, n_correct,
+    n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
     chosen = labels != -100                                     # (B, L)
     if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
         return head(hidden[:1, 0]).sum() * 0.0, 0, 0
@@ -237,13 +223,10 @@ def decoder_loss(states, weight, targets, reduction="mean"):
 
         L_dec = - sum_t log P(x_t | x_{t-k..t-1}, h0),   P(. | ...) = softmax(s_t E^T)
 
-    states (..., H): the decoder's outputs s_t; weight (V, H): the token embedding E, shared with the
-    encoder as the decoder's output projection (as in the authors' code); targets (...): x_t, -100
-    where nothing is predicted (padding). The (N, H) x (H, V) matmul runs in autocast's dtype, as the
-    MLM head's does (in fp32 it was 45 % of SEED's BERT-base step on an H100), the softmax in fp32.
-    Departure (seed-dec-mean): the mean over the target tokens where eq. 9 sums over t (as the
-    authors' code does), so the loss does not grow with text length; reduction "sum" gives eq. 9's sum.
-    Returns (loss, n_correct: targets that are the top-1 logit)."""
+    states (..., H): the decoder's outputs s_t; weight (V, H): the token embedding E (the encoder's, tied);
+    targets (...): x_t, -100 = none (padding). The matmul runs in autocast's dtype, as the MLM head's, the softmax
+    in fp32. Departure (seed-dec-mean): the mean over the target tokens where eq. 9 sums over t (as the authors'
+    code does); reduction "sum" gives eq. 9's sum. Returns (loss, n_correct: targets that are the top-1 logit)."""
     targets = targets.reshape(-1)                                                   # (N,)
     logits = (states.reshape(-1, states.shape[-1]) @ weight.T).float()              # (N, V) s_t E^T
     total = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")      # () sum of -log P
@@ -254,11 +237,8 @@ def decoder_loss(states, weight, targets, reduction="mean"):
 
 
 def chunked_decoder_loss(states, weight, targets, chunk):
-    """decoder_loss (eq. 9) computed `chunk` positions at a time: the sum of each chunk's decoder_loss,
-    over the N target tokens. Each chunk runs under activation checkpointing: its (chunk, V) logits are
-    freed after its forward and rebuilt in the backward, so the peak holds one chunk's logits instead of
-    all N x V (2 GB fp32 for 32 x 511 tokens at BERT's |V|). Same loss and gradients as decoder_loss
-    in one piece (test_losses). chunk 0 = all at once.
+    """decoder_loss (eq. 9) `chunk` positions at a time (0 = all at once), each under activation checkpointing, so
+    the peak holds one chunk's (chunk, V) logits, not all N x V; the same loss and gradients (test_losses).
     states (N, H), weight (V, H) the tied embedding, targets (N,) -100 = none -> (loss (), n_correct ())."""
     if chunk == 0 or states.shape[0] <= chunk:
         return decoder_loss(states, weight, targets)                                # (), ()
@@ -281,9 +261,8 @@ class PretrainModel(nn.Module):
         self.frequent_token = frequent_token   # the corpus' most frequent token: the unigram baseline
 
     def new_parameters(self):
-        """What the checkpoint did not bring (--head_warmup trains these first): the weak decoder (its
-        output projection is the encoder's embedding), and the MLM head's dense, LayerNorm and bias when
-        the checkpoint has none (its decoder is the embedding too)."""
+        """What the checkpoint did not bring (--head_warmup trains these first): the weak decoder, and the MLM
+        head's dense, LayerNorm and bias when the checkpoint has none (both project with the encoder's embedding)."""
         mlm_head = self.encoder.mlm_head.parameters() if getattr(self.encoder, "new_mlm_head", True) else []
         return [*self.decoder.parameters(), *mlm_head]
 
@@ -294,8 +273,7 @@ class PretrainModel(nn.Module):
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])       # (B, L, H) masked text
         mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)
         h0 = text_vector(hidden, batch["attention_mask"], c.bottleneck)  # (B, H) the only bridge
-        # The encoder reads the masked text, the decoder rebuilds the unmasked one, and h0 is not
-        # detached: L_dec trains the encoder through it (both choices the paper leaves open).
+        # The decoder rebuilds the unmasked text, h0 not detached (L_dec trains the encoder): the paper is silent
         states = self.decoder(batch["decoder_input"], h0)                        # (B, L-1, H)
         kept = batch["decoder_targets"] != -100                                  # (B, L-1) every real token
         targets = batch["decoder_targets"][kept]                                 # (N,)
@@ -303,8 +281,7 @@ class PretrainModel(nn.Module):
         padded, padded_targets = run.pad_rows(states[kept], targets, -(-c.batch_size * (c.max_len - 1) // 8))
         dec, dec_correct = run.fused(decoder_loss, c, lambda *a: chunked_decoder_loss(*a, c.dec_chunk))(
             padded, self.decoder.word_embedding[0].weight, padded_targets)      # eq. 9 (decoder_loss)
-        # Eq. 10 as the paper writes it, weights 1:1. (The authors' code uses 0.5:0.5, which only halves
-        # the gradient: AdamW's update is unchanged by that (up to eps), the clip norm (1.0) binds later.)
+        # Eq. 10 as the paper writes it, weights 1:1 (the authors' 0.5:0.5 only halves the gradient; AdamW undoes it)
         # Departure (option-seed-dec-weight): off by default; --dec_weight w weighs L_dec w times L_MLM.
         terms = {"L_MLM": mlm, "L_dec": dec} if c.dec_weight == 1 else {"L_MLM": mlm, "w L_dec": c.dec_weight * dec}
         return terms, {
@@ -349,9 +326,8 @@ class Batches(torch.utils.data.Dataset):
 # Training loop
 # ==============================================================================================
 def train(c):
-    """Pre-train with SEED-Encoder. Every check comes first (flags when parsed; here the run folder, --init,
-    the vocabulary, the batch arithmetic, the corpus), then the steps. The method (PretrainModel,
-    Batches) and the distributed steps are here; each piece of run machinery is one call into run.py."""
+    """Pre-train with SEED-Encoder. Every check comes first (flags when parsed; here the run folder, --init, the
+    vocabulary, the batch arithmetic, the corpus), then the steps. Run machinery: one call each into run.py."""
     rank, world, device = setup_distributed(c.dist_timeout)      # torchrun: one process per device
     torch.manual_seed(c.seed)                                    # the encoder's and the decoder's init
     c = run.start_run(c, world)                                  # --init found, run folder free, batch split
@@ -397,10 +373,8 @@ def train(c):
 # ==============================================================================================
 # --- shared: begin encoder ---
 def drop_mask(shape, p):
-    """A boolean mask, each element True (dropped) with probability p, for dropout on CPU. It comes from
-    numpy's PCG64, seeded from torch's generator (so torch.manual_seed still fixes every mask), one
-    uniform 32-bit integer per element: P(True) = round(p * 2^32) / 2^32. 4x faster than torch's
-    bernoulli_, which was a third of the training step (results/speed/micro.py)."""
+    """A boolean mask, each element True (dropped) with probability p, for dropout on CPU: numpy's PCG64 seeded
+    from torch's generator, one uniform int32 per element; 4x faster than torch's bernoulli_ (results/speed)."""
     n = int(np.prod(shape))
     bits = np.random.PCG64(int(torch.randint(2**62, ()))).random_raw((n + 1) // 2)   # uint64: 2 draws each
     draws = torch.from_numpy(bits.view(np.int32)[:n]).view(shape)                   # uniform int32
@@ -408,8 +382,7 @@ def drop_mask(shape, p):
 
 
 def dropout(x, p, training):
-    """BERT's dropout: each element zeroed with probability p, the others scaled by 1 / (1 - p);
-    drop_mask on CPU, F.dropout on GPU."""
+    """BERT's dropout: each element zeroed with probability p, the others scaled by 1 / (1 - p)."""
     if not training or p == 0.0:
         return x
     if x.device.type != "cpu":
@@ -435,12 +408,9 @@ class Embeddings(nn.Module):
 
 
 def attention(q, k, v, attend, p):
-    """softmax(q k^T / sqrt(d)) v per head, with dropout p on the probabilities (BERT's attention
-    dropout). q, k, v (B, heads, L, d); attend (B, 1, 1, L) or (L, L), True = key visible.
-    scaled_dot_product_attention (fused kernels) on GPU, and on CPU without gradients (encoding).
-    Training on CPU writes the equation out: 2.7x as fast there as SDPA, whose CPU kernel has no
-    dropout (it falls back to its math path and torch's slow dropout) and a slow backward
-    (results/speed/micro.py)."""
+    """softmax(q k^T / sqrt(d)) v per head, dropout p on the probabilities. q, k, v (B, heads, L, d); attend
+    (B, 1, 1, L) or (L, L), True = key visible. SDPA on GPU and in encoding; training on CPU writes the
+    equation out, 2.7x as fast there as SDPA's kernel with dropout (results/speed/micro.py)."""
     if q.device.type != "cpu" or not torch.is_grad_enabled():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=p)
     hide = torch.zeros(attend.shape).masked_fill(~attend, torch.finfo(torch.float32).min)  # like attend
@@ -458,10 +428,7 @@ class SelfAttention(nn.Module):
     def __init__(self, c):
         super().__init__()
         self.heads, self.dropout = c.num_heads, c.dropout
-        self.query = nn.Linear(c.hidden_size, c.hidden_size)
-        self.key = nn.Linear(c.hidden_size, c.hidden_size)
-        self.value = nn.Linear(c.hidden_size, c.hidden_size)
-        self.out = nn.Linear(c.hidden_size, c.hidden_size)
+        self.query, self.key, self.value, self.out = (nn.Linear(c.hidden_size, c.hidden_size) for _ in range(4))
 
     def forward(self, x, attend):                       # x (B, L, H); attend (B, 1, 1, L) True = key visible
         B, L, H = x.shape
@@ -505,9 +472,8 @@ class MLMHead(nn.Module):
 
 
 class Encoder(nn.Module):
-    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler.
-    forward returns the last hidden states, from which text_vector takes the text's vector. Loading
-    and saving Hugging Face folders: run.load_pretrained(Encoder, folder, c), run.save_pretrained."""
+    """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler. forward returns
+    the last hidden states. Hugging Face folders: run.load_pretrained(Encoder, folder, c), run.save_pretrained."""
 
     def __init__(self, c):
         super().__init__()
@@ -536,9 +502,8 @@ class Encoder(nn.Module):
 
 # --- shared: begin distributed ---
 def setup_distributed(timeout_s=600.0):
-    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on
-    CPU. Plain `python x.py` runs one process. A rank that waits timeout_s for the others at a collective
-    ends the job (torch's default for gloo is 30 minutes). Returns (rank, world, device)."""
+    """torchrun sets RANK / WORLD_SIZE / LOCAL_RANK: one process per device, NCCL on GPUs, gloo on CPU; plain
+    `python x.py` runs one. A rank that waits timeout_s at a collective ends the job. -> (rank, world, device)."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -562,9 +527,8 @@ def rank_and_world():
 
 
 class GatherWithGrad(torch.autograd.Function):
-    """all_gather that keeps gradients: every rank's loss used this rank's vectors as candidates, so
-    backward hands each rank the sum over ranks of the gradient of its own slice. (The same as the
-    deprecated torch.distributed.nn.functional.all_gather; equal sizes on every rank.)"""
+    """all_gather that keeps gradients: every rank's loss used this rank's vectors as candidates, so backward
+    hands each rank the sum over ranks of the gradient of its own slice (equal sizes on every rank)."""
 
     @staticmethod
     def forward(ctx, t):                                                  # (n, ...)

@@ -1,27 +1,23 @@
 """The study: SEED-Encoder, CPDAE and COSTA compared at an equal budget, as a results section.
 
-Every arm starts from the same checkpoint (--init), continues pre-training on the same corpus for the
-same number of steps (same batch and window length, so the same corpus tokens), and is fine-tuned
-identically by finetune.py; "none" fine-tunes the checkpoint directly and "mlm" is costa.py with
---gwc_weight 0 (the papers' BERT baseline). One vector throughout (--vector): the one each method's own
-objective trains (--bottleneck), fine-tuning trains and evaluation reads (--pooling), for every arm.
+Every arm starts from the same checkpoint (--init), continues pre-training on the same corpus for the same
+steps, batch and window length, and is fine-tuned identically by finetune.py; "none" fine-tunes the checkpoint
+directly, "mlm" is costa.py --gwc_weight 0 (the papers' BERT baseline). One vector throughout (--vector): what
+each objective trains (--bottleneck), fine-tuning trains and evaluation reads (--pooling).
 
 Design:
-- No test leakage: finetune.py --dev_queries holds out a fixed sample of training queries (split "dev",
-  evaluate.carve_dev, its own seed); every setting is chosen on dev; test is evaluated once per run.
-- Common random numbers: seed s gives every arm the same pre-training data order, masks, head init and
-  dropout, and the same fine-tuning query sample, order and negatives (each script derives them from --seed).
-- Statistics: headline = paired t-test over seeds (each seed's mean metric, df = seeds - 1); next to it a
-  95% percentile interval of the difference from a bootstrap over queries x seeds (evaluate.bootstrap_difference);
-  std over seeds with ddof=1.
-- Zero-shot column: every pre-trained encoder evaluated before fine-tuning, with the vector it was trained on.
-- Low-resource curve: n training queries (sample s with every arm's seed-s encoder), the same number of
-  optimizer steps as the full-data run at every n, for none, mlm and the best method on DEV.
-- Provenance: each run row records the commit, whether the scripts differed from it (dirty), a hash of the
-  scripts (`code`), every stage's command line, the torch version and the settings its numbers depend on; a table never
-  mixes rows of several codes or of other settings unless --allow_mixed. Rows that all come from one
-  other code are reported with that code named (a fresh clone of a later commit still prints the study).
-  Each stage runs as its own process (sys.executable script.py ...), so an edit cannot mix versions mid-run.
+- No test leakage: a fixed sample of training queries is held out as "dev" (evaluate.carve_dev); every setting
+  is chosen on dev; test is evaluated once per run.
+- Common random numbers: seed s gives every arm the same data order, masks, head init, dropout, fine-tuning
+  sample and negatives.
+- Statistics: paired t-test over seeds (each seed's mean, df = seeds - 1), beside a 95% percentile interval from
+  a bootstrap over queries x seeds (evaluate.bootstrap_difference); std over seeds with ddof=1.
+- Zero-shot column: every pre-trained encoder before fine-tuning, with the vector it was trained on.
+- Low-resource curve: n training queries (sample s with seed-s encoders), the full-data run's steps at every n,
+  for none, mlm and the best method on DEV.
+- Provenance: each row records the commit, dirty, a hash of the scripts (`code`), every stage's command, torch
+  and the settings; a table never mixes codes or settings unless --allow_mixed (rows all of one other code are
+  reported with it named). Each stage is its own process, so an edit cannot mix versions mid-run.
 
     python study.py                              # the whole study; resumable: rerun to continue, or to print the table
     python study.py --seeds 0 --low_resource ""  # one seed, no curve
@@ -29,10 +25,9 @@ Design:
     python study.py --report_only                # the table from the rows there are, while the study is part-way
     python study.py --quick --out_dir /tmp/q     # tiny end-to-end check (a tiny model on a SciFact subset)
 
-Outputs: results_dir (committed) holds runs/*.json (one row per finished run, written when it finishes,
-with per-query nDCG@10 / MRR@10 / Recall@100 on dev and test), table.md, differences.png and
-low_resource.png; out_dir (gitignored) holds the run folders (checkpoints, logs). A rerun skips every run
-whose row exists, so a fresh clone prints the same table without training.
+Outputs: results_dir (committed) holds runs/*.json (a row per finished run, with per-query nDCG@10 / MRR@10 /
+Recall@100 on dev and test), table.md and the figures; out_dir the run folders. A rerun skips every run whose
+row exists, so a fresh clone prints the same table without training.
 """
 import dataclasses
 import hashlib
@@ -136,10 +131,8 @@ def scripts_of(arm):
 
 
 def code_hash(names=SCRIPTS):
-    """sha256 of the scripts (12 hex digits): two rows with the same hash of their arm's scripts (a row's
-    `code`) ran the same code, so an edit to seed.py leaves the other arms' rows standing. run.py is read
-    without its METHODS table: which methods there are is no code an arm runs (its own file is hashed), so a
-    new method (its file and its entry there) leaves the other arms' rows standing too."""
+    """sha256 of the scripts (12 hex digits): rows with the same hash of their arm's scripts ran the same code (an
+    edit to seed.py leaves the other arms' rows). run.py without its METHODS table: a new method changes no arm."""
     h = hashlib.sha256()
     for name in names:
         text = (HERE / name).read_bytes()
@@ -150,8 +143,7 @@ def code_hash(names=SCRIPTS):
 
 
 def machine():
-    """Where the stages ran: the GPU, else the CPU's model and vector unit (bf16 matmuls take other kernels,
-    with other roundings, on AMX than on AVX512-BF16: rows from two machines are close, not identical)."""
+    """Where the stages ran: the GPU, else the CPU's model and vector unit (bf16 rounds differently on AMX)."""
     import torch
     if torch.cuda.is_available():
         return f"cuda: {torch.cuda.get_device_name(0)}"
@@ -171,8 +163,7 @@ def portable(path):
 
 
 def settings(c, arm):
-    """What a row's numbers depend on besides the code and the seed: a rerun with other settings must not
-    reuse the row (the arm's own flags only, so that changing one arm's flags leaves the others' rows)."""
+    """What a row's numbers depend on besides code and seed (the arm's own flags only): other settings, other rows."""
     out = {"init": c.init if c.init == "minilm" else portable(c.init), "vector": c.vector,
            "similarity": c.similarity, "dataset": portable(c.dataset), "dev_queries": c.dev_queries,
            "query_len": c.query_len, "passage_len": c.passage_len, "finetune_args": c.finetune_args}
@@ -194,9 +185,8 @@ def provenance(c, arm):
 # Stages: each its own process, its output in a log file next to its outputs
 # ----------------------------------------------------------------------------------------------
 def run_stage(cmd, log_path, hours):
-    """Run one stage (pre-train, evaluate, fine-tune) as `sys.executable script.py ...`; its output goes
-    to log_path. Returns (command line, seconds). A failed stage stops the study with its last lines; one
-    still running after `hours` (--stage_hours) is killed and stops it with one line naming it."""
+    """One stage as `sys.executable script.py ...`, its output in log_path -> (command line, seconds). A failed stage
+    stops the study with its last lines; one still running after `hours` is killed, named in one line."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with open(log_path, "w", encoding="utf-8") as log:
@@ -237,8 +227,7 @@ def last_log_line(folder):
 
 
 def pretrained_encoder(c, arm, seed, record):
-    """The arm's seed-`seed` encoder folder: pre-trained now unless a finished one is there (the curve
-    re-uses the full run's; on a fresh clone it is trained again, the same command). None for "none"."""
+    """The arm's seed-`seed` encoder folder, pre-trained unless a finished one is there; "none": the checkpoint."""
     if not ARMS[arm]:
         return c.init
     folder = Path(c.out_dir) / arm / f"seed{seed}" / "pretrain"
@@ -255,9 +244,8 @@ def pretrained_encoder(c, arm, seed, record):
 
 
 def zero_shot(c, arm, seed, encoder, row):
-    """The encoder before fine-tuning, on dev and test (one evaluate.py, one encoding of the corpus), with
-    the vector it was trained on: {split: means}. "none" has one encoder (the checkpoint) for every seed:
-    evaluated once, its folder re-used by the other seeds."""
+    """The encoder before fine-tuning, on dev and test (one evaluate.py), with the vector it was trained on: {split:
+    means}. "none" has one encoder for every seed, evaluated once."""
     out = Path(c.out_dir) / arm / (f"seed{seed}" if ARMS[arm] else "") / "zero-shot"
     cmd = [sys.executable, "evaluate.py", "--model", encoder, "--split", "dev,test", "--out_dir", str(out),
            "--tag", f"{arm}-zero-shot", *retriever_flags(c)]
@@ -270,8 +258,8 @@ def zero_shot(c, arm, seed, encoder, row):
 
 
 def run_one(c, arm, seed, n_queries=0, steps=0):
-    """One row: pre-training (unless "none"), zero-shot on dev and test (full-data runs), fine-tuning
-    (dev held out) and its evaluation on dev and test. n_queries > 0: the curve, with --steps steps."""
+    """One row: pre-training (unless "none"), zero-shot (full-data runs), fine-tuning and its evaluation on dev
+    and test. n_queries > 0: the curve, with --steps steps."""
     key = f"{arm}/seed{seed}" if not n_queries else f"{arm}/n{n_queries}/seed{seed}"
     folder = Path(c.out_dir) / key
     row = {"key": key, "arm": arm, "seed": seed, "n_queries": n_queries, "vector": c.vector,
@@ -297,10 +285,8 @@ def run_one(c, arm, seed, n_queries=0, steps=0):
 # Why a method does (not) act: the gradient each term of its objective sends into the encoder
 # ----------------------------------------------------------------------------------------------
 def gradient_norms(method, pretrain_folder, n_batches=4):
-    """L2 norm of each term's gradient on the encoder's parameters (mean over the run's first n_batches
-    batches), at the start (the init checkpoint, new heads, seeded as the run seeded them) and after
-    pre-training (state.pt): {when: {term: [loss, norm]}}. Terms come from PretrainModel.terms(batch).
-    Runs in its own process (the study imports no method file)."""
+    """L2 norm of each term's (PretrainModel.terms) gradient on the encoder (mean over the run's first n_batches),
+    at the start (as the run seeded it) and after pre-training: {when: {term: [loss, norm]}}. In its own process."""
     import torch
     module = importlib.import_module(method)
     saved = data.read_json(Path(pretrain_folder) / "config.json")
@@ -369,11 +355,9 @@ def design_order(rows):
 
 
 def check_rows(c, rows, runs_left):
-    """One table, one code per arm and one set of settings (unless --allow_mixed): a row made with other
-    settings (say --vector cls) is refused; so are rows of several codes for one arm or for the shared
-    scripts, and rows of another code while runs that would join them are left (runs_left: the plan's runs
-    without a row). Rows from other code, with nothing of theirs left to run, are reported as what they
-    are: the table names their commit and hash."""
+    """One table, one code per arm and one set of settings (unless --allow_mixed): refused are rows of other
+    settings, of several codes for one arm or the shared scripts, and of another code while runs that would join
+    them are left (runs_left). Rows of other code with nothing left to run are reported as what they are."""
     if c.allow_mixed:
         return
     for key, row in rows.items():
@@ -483,8 +467,7 @@ def per_query_matrix(runs, split, metric):
 
 
 def compare(a_runs, b_runs, split, metric, resamples):
-    """A vs B over the seeds both have: difference of means, paired t over seed means (p None with fewer
-    than 2 seeds), bootstrap interval (over queries only with 1 seed). None when no seed is shared."""
+    """A vs B over their common seeds (None: none): difference, paired t over seed means (1 seed: p None), interval."""
     seeds = sorted({r["seed"] for r in a_runs} & {r["seed"] for r in b_runs})
     if not seeds:
         return None
@@ -555,8 +538,7 @@ def chance_table(full):
 
 
 def curve_table(c, rows, split="test"):
-    """Mean +- std over seeds at every n, and each arm against none and mlm at the same n and seed
-    (paired t over seeds, bootstrap interval, Holm over the curve's tests)."""
+    """Mean +- std over seeds at every n; each arm against none and mlm at the same n and seed (Holm over the curve)."""
     curve = [r for r in rows.values() if r["n_queries"]]
     arms = list(dict.fromkeys(r["arm"] for r in curve))
     ns = sorted({r["n_queries"] for r in curve})
@@ -660,8 +642,7 @@ def plot_differences(c, full, path, split="test"):
 
 
 def plot_curve(rows, full, path, split="test"):
-    """Test nDCG@10 against training queries; y axis from 0; bars: std over seeds (ddof=1); dashed: each
-    arm's zero-shot mean (the encoder fine-tuning starts from)."""
+    """Test nDCG@10 against training queries; bars: std over seeds (ddof=1); dashed: each arm's zero-shot mean."""
     plt = evaluate._pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.5))
     curve = [r for r in rows.values() if r["n_queries"]]

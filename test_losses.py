@@ -209,7 +209,7 @@ def vocab_tokens(tokenizer):
 def tokenize(text, tokenizer, vocab_tokens):
     """One window of real text through the project's data path; returns (ids, tokens, word_starts, skip mask)."""
     (window,) = data.make_windows(tokenizer, [text], max_len=64)
-    mask = costa.skip_word_mask(window.input_ids, window.word_starts, vocab_tokens)
+    mask = data.skip_word_mask(window.input_ids, window.word_starts, vocab_tokens)
     return window.input_ids, [vocab_tokens[i] for i in window.input_ids], window.word_starts, mask
 
 
@@ -243,7 +243,7 @@ def test_all_stopword_text_falls_back_to_any_whole_word(tokenizer, vocab_tokens)
 
 
 def _loop_skip_word_mask(input_ids, word_starts, vocab_tokens):
-    """costa.skip_word_mask as it was first written, a Python loop over the words: the reference."""
+    """data.skip_word_mask as it was first written, a Python loop over the words: the reference."""
     from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
     mask = [False] * len(input_ids)
     starts = [i for i, start in enumerate(word_starts) if start] + [len(input_ids)]
@@ -277,12 +277,12 @@ def test_span_sampling_draws_exactly_what_the_python_loops_drew(tokenizer, vocab
     """The vectorised word tables and word spans give the loops' masks and the same spans from the same seed, on
     real windows of 512 and 128 tokens (COSTA's batches, and README command 1, bit for bit). Seen failing with
     a multi-piece word decided by its first piece alone ("in" + "##fin" + "##itive" taken for the stopword)."""
-    texts, tables = data.read_pretraining_texts(data.WIKI)[:12], costa.word_tables(vocab_tokens)
+    texts, tables = data.read_pretraining_texts(data.WIKI)[:12], data.word_tables(vocab_tokens)
     config = span_config(granularities="word,phrase,sentence,paragraph")
     for max_len in (512, 128):
         for k, w in enumerate(data.make_windows(tokenizer, texts, max_len=max_len)):
             ids, starts = np.asarray(w.input_ids), np.asarray(w.word_starts, dtype=bool)
-            mask = costa.skip_word_mask(ids, starts, vocab_tokens, tables)
+            mask = data.skip_word_mask(ids, starts, vocab_tokens, tables)
             assert mask.tolist() == _loop_skip_word_mask(w.input_ids, w.word_starts, vocab_tokens), (max_len, k)
             assert (costa.sample_spans(starts, len(ids), config, np.random.default_rng([0, k]), mask) ==
                     _loop_sample_spans(w.word_starts, len(ids), config, np.random.default_rng([0, k]), mask))

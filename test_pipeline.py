@@ -1031,11 +1031,9 @@ def test_bm25_sparse_top_k_equals_the_dense_rows_and_scifact_keeps_its_rankings(
 
 
 def _share_worker(rank, world, tmp_path):
-    doc_ids = [f"d{i}" for i in range(6)]
     if rank == 1:
         time.sleep(4)                      # a slower BM25 share: longer than the group's 2 s collective timeout
-    ranked = finetune.share_through_files(tmp_path / "negatives_bm25.tsv", {f"q{rank}": [rank, 5]}, doc_ids,
-                                          {d: i for i, d in enumerate(doc_ids)}, tag=7, patience_s=60)
+    ranked = run.share_through_files(tmp_path / "negatives_bm25.tsv", {f"q{rank}": [rank, 5]}, tag=7, patience_s=60)
     torch.save(ranked, tmp_path / f"rank{rank}.pt")
 
 
@@ -4367,8 +4365,8 @@ def test_evaluate_checks_vocab_against_the_model_and_leaves_no_folder(tmp_path):
 def test_finetune_uses_an_explicit_vocab_over_the_init_folders(tmp_path):
     init, vocab = _tiny_init(tmp_path / "init"), tmp_path / "vocab.txt"
     shutil.copyfile(data.VOCAB, vocab)
-    assert finetune.tokenizer_vocab(finetune.Config(init=init, vocab=str(vocab))) == str(vocab)
-    assert finetune.tokenizer_vocab(finetune.Config(init=init)) == str(Path(init) / "vocab.txt")
+    assert run.run_vocab(finetune.Config(init=init, vocab=str(vocab))) == str(vocab)
+    assert run.run_vocab(finetune.Config(init=init)) == str(Path(init) / "vocab.txt")
 
 
 def test_a_chance_of_zero_has_no_ratio():
