@@ -424,7 +424,7 @@ class Embeddings(nn.Module):
 def attention(q, k, v, attend, p):
     """softmax(q k^T / sqrt(d)) v per head, dropout p on the probabilities. q, k, v (B, heads, L, d); attend
     (B, 1, 1, L) or (L, L), True = key visible. SDPA on GPU and in encoding; training on CPU writes the
-    equation out, 2.7x as fast there as SDPA's kernel with dropout (results/speed/micro.py)."""
+    equation out, 2.7x as fast there as SDPA's kernel with dropout (results/speed/micro.md)."""
     if q.device.type != "cpu" or not torch.is_grad_enabled():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=p)
     hide = torch.zeros(attend.shape).masked_fill(~attend, torch.finfo(torch.float32).min)  # like attend
