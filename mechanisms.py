@@ -101,6 +101,7 @@ class Config(evaluate.Config):
     cl_positive: str = "own"      # --frozen cpdae: a view's positive, its text's other view or "other": the control arm
     confirm: bool = False         # --frozen: the confirmatory round's measures too (rank AUCs, entropy, per text; no-[SEP] slopes)
     device: str = "cpu"           # --frozen: where the decoder trains ("cuda", "cuda:1"); the encoder's vectors: on the CPU
+    compile: bool = False         # --frozen seed: eq. 9 compiled (run.fused); equal to eager to fp tolerance, not bit for bit
 
 
 # The domain of each numeric flag of its own, checked by run.parse_config before any work (evaluate.py's too).
@@ -706,11 +707,11 @@ TABLE4_TEXT = ("Nanotechnology raises many of the same issues as any new technol
 
 
 @torch.no_grad()
-def frozen_vectors(encoder, windows, pooling, mask_seed=0, batch=64):
+def frozen_vectors(encoder, windows, pooling, mask_seed=0, batch=64, names=("plain", "view1", "view2")):
     """The windows' ids and the frozen encoder's vectors of each: "plain" (the unmasked text: a text's word
     distribution at test time) and two independently masked views, "view1" and "view2" (BERT's 15 % masks, as
     the methods' encoders read them in training: CPDAE's two views, SEED's h0 from view1). The masks are drawn
-    once (mask_seed), the same for every trial. -> {name: tensor}, one row per window."""
+    once (mask_seed), the same for every trial; names: the vectors to compute. -> {name: tensor}, one row per window."""
     special = windows.special
     ids, mask = data.pad_batch([windows[i].input_ids for i in range(len(windows))])            # (N, L)
     maskable = mask.bool() & (ids != special["cls"]) & (ids != special["sep"])
@@ -720,7 +721,9 @@ def frozen_vectors(encoder, windows, pooling, mask_seed=0, batch=64):
     encoder.eval()
     out = {"ids": ids, "mask": mask}
     start = time.time()
-    for done, (name, source) in enumerate((("plain", ids), ("view1", views[0]), ("view2", views[1])), 1):
+    sources = [(name, source) for name, source in (("plain", ids), ("view1", views[0]), ("view2", views[1]))
+               if name in names]
+    for done, (name, source) in enumerate(sources, 1):
         parts = []
         for rows in torch.arange(len(ids)).split(batch):
             with run.autocast_bf16(torch.device("cpu")):
@@ -729,18 +732,23 @@ def frozen_vectors(encoder, windows, pooling, mask_seed=0, batch=64):
         out[name] = torch.cat(parts)                                                           # (N, H)
         elapsed = time.time() - start
         print(f"  {name}: {len(ids):,} windows encoded ({done * len(ids) / elapsed:.0f} windows/s; about "
-              f"{elapsed / done * (3 - done):.0f} s to go)", flush=True)
+              f"{elapsed / done * (len(sources) - done):.0f} s to go)", flush=True)
     return out
+
+
+def frozen_cache_path(c, corpus):
+    """Where cached_frozen_vectors keeps corpus's vectors: one file per model, corpus, length, pooling and mask draw."""
+    key = zlib.crc32(f"{Path(c.model).resolve()}|{data.corpus_signature(corpus, c.vocab or data.VOCAB)}|"
+                     f"{c.max_len}|{c.pooling}".encode())
+    masks = f"-m{c.mask_seed}" if c.mask_seed else ""   # each --mask_seed its own draw of the masked views
+    return Path(c.frozen_cache) / f"{Path(corpus).stem}-L{c.max_len}-{key:08x}{masks}.safetensors"
 
 
 def cached_frozen_vectors(c, corpus, encoder):
     """frozen_vectors of corpus's windows (--max_len), computed once per model, corpus and length and kept in
     --frozen_cache (tens of MB), so that every trial and seed reads the same vectors."""
     windows = data.token_windows(corpus, c.vocab or data.VOCAB, c.max_len, 0, "")
-    key = zlib.crc32(f"{Path(c.model).resolve()}|{data.corpus_signature(corpus, c.vocab or data.VOCAB)}|"
-                     f"{c.max_len}|{c.pooling}".encode())
-    masks = f"-m{c.mask_seed}" if c.mask_seed else ""   # each --mask_seed its own draw of the masked views
-    path = Path(c.frozen_cache) / f"{Path(corpus).stem}-L{c.max_len}-{key:08x}{masks}.safetensors"
+    path = frozen_cache_path(c, corpus)
     if path.is_file():
         return run.load_tensors(path)
     start = time.time()
@@ -1034,7 +1042,7 @@ def frozen_trial(c, encoder, tokenizer, train, held):
             states = decoder(decoder_input, train["view1"][rows])                              # (b, L-1, H)
             # every position, padding ignored by its -100 target: one shape a step (a varying count of kept
             # positions makes oneDNN compile a bf16 kernel per shape on CPUs, most of a step's time)
-            return seed.decoder_loss(states, decoder.word_embedding[0].weight, targets)[0]
+            return run.fused(seed.decoder_loss, c)(states, decoder.word_embedding[0].weight, targets)[0]
 
         def measure(split):
             if c.confirm:   # the same measures, and the slopes without each window's final [SEP] target
@@ -1110,7 +1118,7 @@ def frozen_command(c, out_dir):
                                            *(("cl_weight", "cl_tau", "rec_reduction", "n_common") if c.frozen == "cpdae"
                                              else ("dec_span", "dec_layers")),
                                            *(("mask_seed", "cl_positive", "confirm") if c.confirm else ()),
-                                           *(("device",) if c.device != "cpu" else ()))}
+                                           *(("device",) if c.device != "cpu" else ()), *(("compile",) if c.compile else ()))}
     row = mechanism_row(c, f"frozen_{c.frozen}", c.model, c.tag, {"settings": settings, "curve": curve,
                                                                   "seconds": round(time.time() - start)})
     row["seed"] = c.seed
