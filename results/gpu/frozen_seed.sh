@@ -34,6 +34,7 @@ for name, lines, keep in (('train', bundled, lambda i: i % 5 != 4), ('dev', new,
   && timeout 120 python3 results/gpu/frozen_seed_kit.py place --corpora "$WORK" --encoder "$WORK/encoder" \
        --cache "$WORK/vectors" 2>&1 \
   | grep -v "^token cache" | tee -a "$OUT/frozen_seed.txt" || { say "the kit could not be placed: stopping"; exit 1; }
+status=0
 SEED=$(python3 -c "import json; print(json.load(open('$KIT/kit.json'))['mask_seed'])")   # make.sh: --seed = --mask_seed
 for arm in weak:2 strong:0; do
   tag=seed-${arm%%:*}; span=${arm##*:}
@@ -42,10 +43,12 @@ for arm in weak:2 strong:0; do
     --seed "$SEED" --mask_seed "$SEED" --steps "$STEPS" --eval_every "$EVERY" --n_texts "$NTEXTS" --train_corpus "$WORK/wiki-train.jsonl" \
     --dev_corpus "$WORK/wiki-dev.jsonl" --corpus "$WORK/wiki-test.jsonl" --frozen_cache "$WORK/vectors" \
     --out_dir "$WORK/rows" --dec_span "$span" --device "$DEVICE" 2>&1 | grep -v "^token cache" | tee "$WORK/logs/$tag.txt"
-  say "$tag: exit ${PIPESTATUS[0]} (124: stopped by the timeout; its row is written only at the end)"
-  if grep -q "windows encoded" "$WORK/logs/$tag.txt"; then   # the kit's encoder has no layers: never encode with it
+  rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || status=1
+  say "$tag: exit $rc (124: stopped by the timeout; its row is written only at the end)"
+  if grep -q "windows encoded" "$WORK/logs/$tag.txt"; then   # the kit's encoder is zeros: never encode with it
     say "$tag encoded windows itself: the kit's vectors were not found, its row is not the trial's"; exit 1
   fi
 done
 tar -czf "$OUT/frozen_seed.tar.gz" -C "$WORK" rows logs
-say "done: $OUT/frozen_seed.tar.gz"
+say "done ($([ $status = 0 ] && echo "both trials ran" || echo "a trial failed: its log is in the tar")): $OUT/frozen_seed.tar.gz"
+exit $status

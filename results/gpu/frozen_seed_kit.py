@@ -1,14 +1,18 @@
 """What results/gpu/frozen_seed.sh needs on a GPU machine that has neither the MiniLM package nor internet, in one
 folder small enough to travel with the working tree (the device tool sends the tree and its `carry` paths, 64 MiB
-in all, of which the tracked files are ~14; MiniLM's weights are 87 MiB): runs/gpu-frozen-seed/, ~45 MiB.
+in all, of which the tracked files are ~14; MiniLM's weights are 87 MiB): runs/gpu-frozen-seed/, 47.8 MiB.
 
 The frozen SEED trial (mechanisms.py --frozen seed) reads two things of all-MiniLM-L6-v2: the encoder's vector of
 each window's first masked view (h0, computed once on the CPU and kept in --frozen_cache) and its word embedding
 (the decoder's input embedding and its tied output projection). Both are carried exactly, fp32 bit for bit: the
 decoder looks its input up in fp32 (autocast leaves embedding lookups alone), so bf16 weights would change its
-numbers, and the vectors are the CPU's own. The kit holds
-    encoder/            MiniLM's config.json with 0 layers (nothing of the encoder runs there), vocab.txt and the
-                        files that declare its pooling (mean), so mechanisms.py loads it as it loads 'minilm'
+numbers, and the vectors are the CPU's own. Only the words no window holds (5,519 of 30,522) are never looked
+up: the output projection alone reads them, in bf16 under autocast, so the kit keeps them rounded to bf16 (their
+low bytes zero, which compress away): bf16(bf16(w)) = bf16(w), exact wherever the trial runs under bf16 autocast
+(a GPU; a CPU with AVX512-BF16 or AMX). The kit holds
+    encoder/            MiniLM's config.json with 1 layer, of zeros (a config needs one; nothing of the encoder
+                        runs there), vocab.txt and the files that declare its pooling (mean), so that
+                        mechanisms.py loads it as it loads 'minilm'
     packed.safetensors  MiniLM's embedding layer and each corpus's view1 vectors, each fp32 tensor's 4 byte planes
                         zlib-compressed (lossless; the exponent bytes compress: 72 % of the size), CRC-32 checked
     kit.json            the mask draw, the shapes and checksums
@@ -84,8 +88,10 @@ def export(corpora, mask_seed, cache, kit):
     c, minilm = settings("minilm", mask_seed, cache), Path(run.resolve_model("minilm"))   # make.sh's --model minilm
     make_corpora(Path(corpora))                                                           # where missing
     encoder, _ = evaluate.load_model(evaluate.model_settings(c, c.model, ""), torch.device("cpu"))
-    tensors = {k: v for k, v in run.load_tensors(minilm / "model.safetensors").items() if ".embeddings." in f".{k}"}
-    checksums = {}
+    weights = run.load_tensors(minilm / "model.safetensors")
+    tensors = {k: v for k, v in weights.items() if ".embeddings." in f".{k}"}
+    tensors.update({k: torch.zeros_like(v) for k, v in weights.items() if ".layer.0." in f".{k}"})   # see encoder/
+    checksums, looked_up = {}, torch.zeros(encoder.config.vocab_size, dtype=torch.bool)   # ids some window holds
     for name in CORPORA:
         corpus = Path(corpora) / f"{name}.jsonl"
         path = mechanisms.frozen_cache_path(c, corpus)
@@ -97,13 +103,16 @@ def export(corpora, mask_seed, cache, kit):
         if not (torch.equal(ids, cached["ids"]) and torch.equal(mask, cached["mask"])):
             raise SystemExit(f"{corpus}: its windows are not those of the cached vectors")
         tensors[f"{name}.view1"] = cached["view1"]                                             # (N, H) fp32
+        looked_up = looked_up | torch.bincount(ids.flatten(), minlength=len(looked_up)).bool()
+    word = next(k for k in tensors if k.endswith("word_embeddings.weight"))
+    tensors[word] = torch.where(looked_up[:, None], tensors[word], tensors[word].bfloat16().float())   # (V, H)
     packed, shapes = {}, {}
     for name, tensor in tensors.items():
         packed[name], shapes[name] = pack(tensor.float())
     folder = kit / "encoder"
     folder.mkdir(parents=True, exist_ok=True)
     hf = json.loads((minilm / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": 0}, indent=1))
+    (folder / "config.json").write_text(json.dumps({**hf, "num_hidden_layers": 1}, indent=1))
     for name in RETRIEVER_FILES:
         if (minilm / name).is_file():
             (folder / name).parent.mkdir(parents=True, exist_ok=True)

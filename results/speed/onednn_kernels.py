@@ -7,6 +7,7 @@ per process), --steps steps on the same batches, bf16 autocast where the CPU has
 results/speed/onednn_kernels.md (benchmark.recorded).
 
     python results/speed/onednn_kernels.py --steps 20
+    python results/speed/onednn_kernels.py --shapes   # the kernels one step builds (onednn_kernels-shapes.md)
 """
 import argparse
 import ctypes
@@ -28,7 +29,7 @@ VARIANTS = {"padded": "run.pad_rows as seed.py calls it (multiples of 1/8 of the
             "unpadded": "run.pad_rows a no-op: the kept positions as they are"}
 
 
-def created(step):
+def created(step, lines_of=None):
     """Run step() and count the oneDNN primitives it created (verbose mode 2: creation lines on stdout, fd 1,
     captured in a file): -> (cache misses: kernels built, cache hits, seconds)."""
     libc = ctypes.CDLL(None)
@@ -47,6 +48,8 @@ def created(step):
             os.close(saved)
         log.seek(0)
         lines = [line for line in log if line.startswith("onednn_verbose") and ",create:" in line]
+    if lines_of is not None:
+        lines_of += [line.strip() for line in lines if "cache_miss" in line]
     return sum("cache_miss" in line for line in lines), sum("cache_hit" in line for line in lines), seconds
 
 
@@ -65,11 +68,34 @@ def one(variant, steps):
                       "seconds": [round(r[2], 3) for r in rows]}))
 
 
+def shapes():
+    """As shipped, the kernels the second step builds: each one's primitive kind and shapes (oneDNN's verbose line),
+    beside each batch's masked (MLM) and kept decoder positions."""
+    torch.manual_seed(0)
+    c = seed.Config()
+    c.steps = 10 ** 6
+    batches = benchmark.load_batches(seed, c, 2)
+    step = benchmark.pretrain_step(seed, c, batches)
+    step()
+    lines = []
+    created(step, lines)
+    print(f"seed.py's default step as shipped: masked (MLM) positions per batch "
+          f"{[int((b['labels'] != -100).sum()) for b in batches]}, kept decoder positions "
+          f"{[int((b['decoder_targets'] != -100).sum()) for b in batches]}; the kernels its second step built:\n")
+    print("| primitive | shapes |\n|---|---|")
+    for line in lines:
+        fields = line.split(",")
+        print(f"| {fields[5]} | {fields[-2]} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--one", default="", help=argparse.SUPPRESS)   # a child: one variant
+    parser.add_argument("--shapes", action="store_true", help="which kernels a step builds, as shipped")
     args = parser.parse_args()
+    if args.shapes:
+        return shapes()
     if args.one:
         return one(args.one, args.steps)
     out = {v: benchmark.in_fresh_process(__file__, "--one", v, "--steps", args.steps) for v in VARIANTS}
@@ -89,5 +115,6 @@ if __name__ == "__main__":
     if "--one" in sys.argv:
         main()
     else:
-        with benchmark.recorded(Path(__file__).with_suffix(".md")):
+        name = "onednn_kernels-shapes.md" if "--shapes" in sys.argv else "onednn_kernels.md"
+        with benchmark.recorded(Path(__file__).with_name(name)):
             main()
