@@ -128,8 +128,8 @@ def trials_table(args):
         for i, (name, (tree, extra)) in enumerate(arms.items()):
             runs[name].append(trial(tree, f"speed-{i}-{rep}", args, extra))
             print(f"  trial {rep + 1}, {name}: {runs[name][-1]}", flush=True)
-    print(f"\n| frozen SEED trial, weak decoder, {args.steps} steps, measured every {args.eval_every} (384 dev + 384 test "
-          f"windows) | row seconds, each trial | median | wall s, median | final train loss |\n|---|---|---|---|---|")
+    print(f"\n| frozen SEED trial, weak decoder, {args.steps} steps, measured every {args.eval_every} ({args.n_texts} dev + "
+          f"{args.n_texts} test windows) | row seconds, each trial | median | wall s, median | final train loss |\n|---|---|---|---|---|")
     medians = {}
     for name, rows in runs.items():
         medians[name] = float(np.median([r["seconds"] for r in rows]))
