@@ -100,6 +100,8 @@ class Config(evaluate.Config):
     mask_seed: int = 0            # --frozen: the draw of every window's two masked views (0: the first round's one draw)
     cl_positive: str = "own"      # --frozen cpdae: a view's positive, its text's other view or "other": the control arm
     confirm: bool = False         # --frozen: the confirmatory round's measures too (rank AUCs, entropy, per text; no-[SEP] slopes)
+    device: str = "cpu"           # --frozen: where the decoder trains ("cuda", "cuda:1"); the encoder's vectors: on the CPU
+    compile: bool = False         # --frozen seed: eq. 9 compiled (run.fused); equal to eager to fp tolerance, not bit for bit
 
 
 # The domain of each numeric flag of its own, checked by run.parse_config before any work (evaluate.py's too).
@@ -705,11 +707,11 @@ TABLE4_TEXT = ("Nanotechnology raises many of the same issues as any new technol
 
 
 @torch.no_grad()
-def frozen_vectors(encoder, windows, pooling, mask_seed=0, batch=64):
+def frozen_vectors(encoder, windows, pooling, mask_seed=0, batch=64, names=("plain", "view1", "view2")):
     """The windows' ids and the frozen encoder's vectors of each: "plain" (the unmasked text: a text's word
     distribution at test time) and two independently masked views, "view1" and "view2" (BERT's 15 % masks, as
     the methods' encoders read them in training: CPDAE's two views, SEED's h0 from view1). The masks are drawn
-    once (mask_seed), the same for every trial. -> {name: tensor}, one row per window."""
+    once (mask_seed), the same for every trial; names: the vectors to compute. -> {name: tensor}, one row per window."""
     special = windows.special
     ids, mask = data.pad_batch([windows[i].input_ids for i in range(len(windows))])            # (N, L)
     maskable = mask.bool() & (ids != special["cls"]) & (ids != special["sep"])
@@ -719,7 +721,9 @@ def frozen_vectors(encoder, windows, pooling, mask_seed=0, batch=64):
     encoder.eval()
     out = {"ids": ids, "mask": mask}
     start = time.time()
-    for done, (name, source) in enumerate((("plain", ids), ("view1", views[0]), ("view2", views[1])), 1):
+    sources = [(name, source) for name, source in (("plain", ids), ("view1", views[0]), ("view2", views[1]))
+               if name in names]
+    for done, (name, source) in enumerate(sources, 1):
         parts = []
         for rows in torch.arange(len(ids)).split(batch):
             with run.autocast_bf16(torch.device("cpu")):
@@ -728,18 +732,23 @@ def frozen_vectors(encoder, windows, pooling, mask_seed=0, batch=64):
         out[name] = torch.cat(parts)                                                           # (N, H)
         elapsed = time.time() - start
         print(f"  {name}: {len(ids):,} windows encoded ({done * len(ids) / elapsed:.0f} windows/s; about "
-              f"{elapsed / done * (3 - done):.0f} s to go)", flush=True)
+              f"{elapsed / done * (len(sources) - done):.0f} s to go)", flush=True)
     return out
+
+
+def frozen_cache_path(c, corpus):
+    """Where cached_frozen_vectors keeps corpus's vectors: one file per model, corpus, length, pooling and mask draw."""
+    key = zlib.crc32(f"{Path(c.model).resolve()}|{data.corpus_signature(corpus, c.vocab or data.VOCAB)}|"
+                     f"{c.max_len}|{c.pooling}".encode())
+    masks = f"-m{c.mask_seed}" if c.mask_seed else ""   # each --mask_seed its own draw of the masked views
+    return Path(c.frozen_cache) / f"{Path(corpus).stem}-L{c.max_len}-{key:08x}{masks}.safetensors"
 
 
 def cached_frozen_vectors(c, corpus, encoder):
     """frozen_vectors of corpus's windows (--max_len), computed once per model, corpus and length and kept in
     --frozen_cache (tens of MB), so that every trial and seed reads the same vectors."""
     windows = data.token_windows(corpus, c.vocab or data.VOCAB, c.max_len, 0, "")
-    key = zlib.crc32(f"{Path(c.model).resolve()}|{data.corpus_signature(corpus, c.vocab or data.VOCAB)}|"
-                     f"{c.max_len}|{c.pooling}".encode())
-    masks = f"-m{c.mask_seed}" if c.mask_seed else ""   # each --mask_seed its own draw of the masked views
-    path = Path(c.frozen_cache) / f"{Path(corpus).stem}-L{c.max_len}-{key:08x}{masks}.safetensors"
+    path = frozen_cache_path(c, corpus)
     if path.is_file():
         return run.load_tensors(path)
     start = time.time()
@@ -750,11 +759,16 @@ def cached_frozen_vectors(c, corpus, encoder):
     return vectors
 
 
+def bag_of_words(ids, vocab_size, special):
+    """cpdae.bag_of_words (eq. 4's y, which it builds on the CPU) on the device of ids (B, L). -> (B, V)."""
+    return cpdae.bag_of_words(ids.cpu(), vocab_size, special).to(ids.device)
+
+
 def df_log_odds(ids, vocab_size, special):
     """CPDAE's constant predictor: every text gets the same logits, the log-odds of each word's document
     frequency in the training windows (smoothed by half a window, so every logit is finite). The reference a
     decoder that reads its text must beat. ids (N, L) -> ((V,) logits, (V,) document frequency)."""
-    df = cpdae.bag_of_words(ids, vocab_size, special).sum(0)                                   # (V,) windows
+    df = bag_of_words(ids, vocab_size, special).sum(0)                                   # (V,) windows
     p = (df + 0.5) / (len(ids) + 1)                                                            # (V,)
     return torch.log(p) - torch.log1p(-p), df
 
@@ -791,7 +805,7 @@ def cpdae_measures(decoder, held, constant, common, special, c):
     m, sums = c.batch_size, {}
     batches = [rows for rows in torch.arange(len(held["ids"])).split(m) if len(rows) == m]
     for rows in batches:
-        bag = cpdae.bag_of_words(held["ids"][rows], len(constant), special)                    # (m, V)
+        bag = bag_of_words(held["ids"][rows], len(constant), special)                          # (m, V)
         with torch.no_grad():
             _, parts, logits = cpdae_step(decoder, held["view1"][rows], held["view2"][rows], bag,
                                           dataclasses.replace(c, rec_reduction="sum"))
@@ -818,7 +832,7 @@ def cpdae_control_step(decoder, train, rows, other, bag, vocab, special, c):
     `other`, each view reconstructing its own text, text i's positive the view of other[i]: L_CL can pull and
     spread z~ as in the CL arm, but no text's two views meet. bag (m, V) the texts of rows. -> the loss."""
     logits = decoder(torch.cat([train["view1"][rows], train["view2"][other]]))                 # (2m, V) eq. 2
-    bags = torch.cat([bag, cpdae.bag_of_words(train["ids"][other], vocab, special)])           # (2m, V)
+    bags = torch.cat([bag, bag_of_words(train["ids"][other], vocab, special)])                 # (2m, V)
     rec = cpdae.reconstruction_loss(logits, bags, None, c.rec_reduction)                       # eq. 4
     similarity = partial(run.in_row_chunks(cpdae.js_similarity, 8), tau=c.cl_tau)
     cl, _ = cpdae.contrastive_loss(*cpdae.word_distribution(logits).chunk(2), similarity)     # eq. 5
@@ -831,6 +845,7 @@ def rank_auc(scores, positive, negative):
     of a row's scores, so any increasing map of them (a rescaling, a temperature, a mix with the uniform)
     leaves it as it is. scores (N, V); positive, negative (N, V) bool, disjoint. -> (N,) float64, nan where a
     row lacks positives or negatives."""
+    scores, positive, negative = scores.cpu(), positive.cpu(), negative.cpu()                  # numpy's
     keep = (positive | negative).numpy()
     values = np.where(keep, scores.double().numpy(), -np.inf)                                  # (N, V) the rest lowest
     ranks = stats.rankdata(values, axis=1) - (~keep).sum(1, keepdims=True)                     # (N, V) 1.. among kept
@@ -848,7 +863,7 @@ def text_word_measures(logits, bag, common, special):
     of z~'s non-common mass; entropy: of z~ (nats); sigmoid_sum: sum_j sigmoid(z_j), which eq. 3 divides by.
     logits (N, V); bag (N, V) 0/1 (never a special token); common (V,) bool; special: ids. -> {name: (N,)}."""
     probs = cpdae.word_distribution(logits)                                                    # (N, V)
-    ordinary = torch.ones(logits.shape[1], dtype=torch.bool)
+    ordinary = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)
     ordinary[list(special)] = False                                                            # (V,)
     bag, common = bag.bool(), common.bool()
     own = bag & ~common                                                                        # (N, V)
@@ -868,9 +883,9 @@ def cpdae_text_measures(decoder, held, common, special, batch_size):
     parts = {}
     for rows in torch.arange(len(held["ids"])).split(batch_size):
         logits = decoder(held["plain"][rows]).float()                                          # (b, V)
-        bag = cpdae.bag_of_words(held["ids"][rows], logits.shape[1], special)                  # (b, V)
+        bag = bag_of_words(held["ids"][rows], logits.shape[1], special)                        # (b, V)
         for name, value in text_word_measures(logits, bag, common, special).items():
-            parts.setdefault(name, []).append(value.double())
+            parts.setdefault(name, []).append(value.double().cpu())
     out = {}
     for name, chunks in parts.items():
         value = torch.cat(chunks)                                                              # (N,)
@@ -922,9 +937,11 @@ def seed_measures(decoder, held, unigram, batch=16):
     of its states with h0 by position (Figure 4 as drawn), each curve's slope over t >= 1 (per 100 positions),
     and the unigram model's loss (unigram: (V,) log-probabilities of the training tokens)."""
     decoder.eval()
-    sums = {k: torch.zeros(held["ids"].shape[1] - 1, dtype=torch.float64) for k in ("own", "other", "cosine", "n")}
+    device = held["ids"].device
+    sums = {k: torch.zeros(held["ids"].shape[1] - 1, dtype=torch.float64, device=device)
+            for k in ("own", "other", "cosine", "n")}
     for rows in torch.arange(len(held["ids"])).split(batch):
-        with run.autocast_bf16(torch.device("cpu")):   # as in training: the (B, L, V) logits' matmul in bf16
+        with run.autocast_bf16(device):   # as in training: the (B, L, V) logits' matmul in bf16
             grids = seed_token_losses(decoder, held["view1"][rows], held["ids"][rows], held["mask"][rows])
         for name, grid in zip(("own", "other", "cosine", "n"), grids):
             sums[name] += grid.double().sum(0)                                               # (L-1,)
@@ -948,10 +965,11 @@ def seed_confirm_measures(decoder, held, unigram, sep, batch=16):
     targets, [SEP] included, as "gap") for a test across texts. sep: [SEP]'s id."""
     decoder.eval()
     names = ("own", "other", "cosine", "n", "gap_nosep", "cosine_nosep", "n_nosep")
-    sums = {k: torch.zeros(held["ids"].shape[1] - 1, dtype=torch.float64) for k in names}
+    device = held["ids"].device
+    sums = {k: torch.zeros(held["ids"].shape[1] - 1, dtype=torch.float64, device=device) for k in names}
     gap_by_text = []
     for rows in torch.arange(len(held["ids"])).split(batch):
-        with run.autocast_bf16(torch.device("cpu")):   # as in training: the (B, L, V) logits' matmul in bf16
+        with run.autocast_bf16(device):   # as in training: the (B, L, V) logits' matmul in bf16
             own, other, cosine, kept = seed_token_losses(decoder, held["view1"][rows], held["ids"][rows],
                                                          held["mask"][rows])
         targets = seed.decoder_inputs_and_targets(held["ids"][rows], held["mask"][rows])[1]   # (b, L-1)
@@ -987,20 +1005,25 @@ def unigram_log_probs(ids, mask, vocab_size):
 def frozen_trial(c, encoder, tokenizer, train, held):
     """--frozen cpdae or seed: the paper's decoder (and nothing else) trained on the frozen vectors of the
     training windows, --batch_size windows a step for --steps steps, AdamW at --lr after WARMUP_STEPS of linear
-    warm-up, clip 1; every --eval_every steps its measures on each held-out split. -> [{step, split: measures}]."""
+    warm-up, clip 1; every --eval_every steps its measures on each held-out split, on --device (train and held:
+    the vectors on the CPU, moved there). -> [{step, split: measures}]."""
+    device = torch.device(c.device)
+    train = {name: tensor.to(device) for name, tensor in train.items()}
+    held = {split: {name: tensor.to(device) for name, tensor in vectors.items()} for split, vectors in held.items()}
     torch.manual_seed(c.seed)
     order = np.random.default_rng(c.seed)
     special, vocab = list(data.special_ids(tokenizer).values()), encoder.config.vocab_size
     if c.frozen == "cpdae":
         constant, df = df_log_odds(train["ids"], vocab, special)
         common = torch.zeros(vocab, dtype=torch.bool)
-        common[torch.as_tensor(common_token_ids(-df.numpy(), c.n_common, special))] = True   # the most frequent
+        common[torch.as_tensor(common_token_ids(-df.cpu().numpy(), c.n_common, special))] = True   # the most frequent
         decoder = cpdae.Decoder(encoder.config.hidden_size, vocab, encoder.config.layer_norm_eps)
         with torch.no_grad():   # Departure (frozen-df-bias): from BERT's init (bias 0) L_REC stays near |V| ln 2
             decoder.out.bias.copy_(constant)                  # for hundreds of steps; start at the constant predictor
+        common = common.to(device)
 
         def step_loss(rows):
-            bag = cpdae.bag_of_words(train["ids"][rows], vocab, special)                       # (m, V)
+            bag = bag_of_words(train["ids"][rows], vocab, special)                             # (m, V)
             if c.cl_positive == "other":   # the control arm: the second views are m other texts'
                 return cpdae_control_step(decoder, train, rows, other_texts(order, len(train["ids"]), rows), bag,
                                           vocab, special, c)
@@ -1012,19 +1035,20 @@ def frozen_trial(c, encoder, tokenizer, train, held):
                 else numbers
     else:
         unigram = unigram_log_probs(train["ids"], train["mask"], vocab)
-        decoder = seed_decoder(c, encoder)
+        decoder = seed_decoder(c, encoder)   # its tied embedding (the encoder's) goes to --device with it
 
         def step_loss(rows):
             decoder_input, targets = seed.decoder_inputs_and_targets(train["ids"][rows], train["mask"][rows])
             states = decoder(decoder_input, train["view1"][rows])                              # (b, L-1, H)
             # every position, padding ignored by its -100 target: one shape a step (a varying count of kept
             # positions makes oneDNN compile a bf16 kernel per shape on CPUs, most of a step's time)
-            return seed.decoder_loss(states, decoder.word_embedding[0].weight, targets)[0]
+            return run.fused(seed.decoder_loss, c)(states, decoder.word_embedding[0].weight, targets)[0]
 
         def measure(split):
             if c.confirm:   # the same measures, and the slopes without each window's final [SEP] target
                 return seed_confirm_measures(decoder, split, unigram, data.special_ids(tokenizer)["sep"])
             return seed_measures(decoder, split, unigram)
+    decoder.to(device)
     params = [p for p in decoder.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=c.lr, weight_decay=0.01)
     curve, start = [], time.time()
@@ -1032,7 +1056,7 @@ def frozen_trial(c, encoder, tokenizer, train, held):
         decoder.train()
         for group in optimizer.param_groups:
             group["lr"] = c.lr * min(1.0, step / WARMUP_STEPS)
-        with run.autocast_bf16(torch.device("cpu")):
+        with run.autocast_bf16(device):
             loss = step_loss(torch.as_tensor(order.choice(len(train["ids"]), c.batch_size, replace=False)))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -1048,8 +1072,8 @@ def frozen_trial(c, encoder, tokenizer, train, held):
         ids, mask = data.encode_texts(tokenizer, [TABLE4_TEXT], c.max_len)
         with torch.no_grad():
             decoder.eval()
-            probs = cpdae.word_distribution(decoder(pool(encoder(ids, mask), mask, c.pooling)))[0]
-        curve[-1]["table4_words"] = word_probabilities(probs.numpy(), TABLE4_TEXT, tokenizer)
+            probs = cpdae.word_distribution(decoder(pool(encoder(ids, mask), mask, c.pooling).to(device)))[0]
+        curve[-1]["table4_words"] = word_probabilities(probs.cpu().numpy(), TABLE4_TEXT, tokenizer)
     return curve
 
 
@@ -1063,13 +1087,26 @@ def held_out_windows(vectors, n, batch_size, corpus):
     return {name: tensor[rows] for name, tensor in vectors.items()}
 
 
-def frozen_command(c, out_dir, device):
+def frozen_device(name):
+    """--device: a torch device this machine has (the CPU, or a GPU torch sees), else one line naming the flag."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name}: not a device name (cpu, cuda, cuda:1)") from None
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s) that torch can use "
+                         f"(CUDA available: {torch.cuda.is_available()}); run without --device for the CPU")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: the frozen trials run on cpu or cuda")
+    return device
+
+
+def frozen_command(c, out_dir):
     """--frozen: frozen_trial of --model's vectors (--train_corpus to train on; --dev_corpus, where the pilot
-    chooses, and --corpus, where the claims are judged, held out), one row: {measure}-{tag}-seed{seed}.json."""
-    if device.type != "cpu":
-        raise ValueError("--frozen runs on the CPU (its vectors and the decoders are small)")
+    chooses, and --corpus, where the claims are judged, held out), one row: {measure}-{tag}-seed{seed}.json. The
+    encoder runs on the CPU (its vectors, once per draw, are the same wherever the decoder trains: --device)."""
     m = model_settings(c, c.model, c.tag or Path(c.model).name)
-    encoder, tokenizer = load_model(m, device)
+    encoder, tokenizer = load_model(m, torch.device("cpu"))
     encoder.requires_grad_(False)   # frozen: only the decoder trains (SEED's tied output projection included)
     c = dataclasses.replace(c, pooling=m.pooling, tag=m.tag)
     train = cached_frozen_vectors(c, c.train_corpus, encoder)
@@ -1080,7 +1117,8 @@ def frozen_command(c, out_dir, device):
     settings = {k: getattr(c, k) for k in ("max_len", "pooling", "steps", "eval_every", "batch_size", "lr", "n_texts",
                                            *(("cl_weight", "cl_tau", "rec_reduction", "n_common") if c.frozen == "cpdae"
                                              else ("dec_span", "dec_layers")),
-                                           *(("mask_seed", "cl_positive", "confirm") if c.confirm else ()))}
+                                           *(("mask_seed", "cl_positive", "confirm") if c.confirm else ()),
+                                           *(("device",) if c.device != "cpu" else ()), *(("compile",) if c.compile else ()))}
     row = mechanism_row(c, f"frozen_{c.frozen}", c.model, c.tag, {"settings": settings, "curve": curve,
                                                                   "seconds": round(time.time() - start)})
     row["seed"] = c.seed
@@ -1197,6 +1235,9 @@ def main(c):
                          "--decoder_reliance, --discrimination, --heads, --frozen); evaluate.py evaluates a retriever")
     if c.frozen and not (c.train_corpus and c.dev_corpus and c.corpus):
         raise ValueError("--frozen: give --train_corpus (trained on), --dev_corpus and --corpus (held out)")
+    if c.device != "cpu" and not c.frozen:
+        raise ValueError(f"--device {c.device} is --frozen's (the other measurements run where evaluate.py's do)")
+    frozen_device(c.device)   # before any work
     if c.bm25 or c.compare or not c.model:
         raise ValueError("give --model FOLDER (a saved encoder; several, comma-separated); --bm25 and --compare "
                          "are evaluate.py's")
@@ -1212,7 +1253,7 @@ def main(c):
 def run_commands(c, split, out_dir, rank, device):
     """main's work, in the folder it holds: the measurements, else a figure (--cls_by_length, --tsne, --words)."""
     if c.frozen:
-        return frozen_command(c, out_dir, device) if rank == 0 else None
+        return frozen_command(c, out_dir) if rank == 0 else None
     if any(getattr(c, m) for m in MECHANISMS):
         return mechanisms_command(c, split, out_dir, device) if rank == 0 else None
     if c.cls_by_length:

@@ -1856,6 +1856,21 @@ def test_a_frozen_cpdae_trial_starts_at_the_constant_predictor_and_writes_one_ro
     assert json.loads((tmp_path / "rows" / "frozen_cpdae-cl-seed1.json").read_text()) == json.loads(json.dumps(row))
 
 
+def test_frozen_device_absent_or_unknown_is_one_line_before_any_work(tmp_path, wiki_texts):
+    """--device names where a --frozen trial's decoder trains (the CPU by default); a GPU this machine lacks, or a
+    name that is no device, stops it before any work with one line naming the flag, and --device without --frozen
+    is refused."""
+    flags = dict(model=str(tmp_path / "no-model-read"), frozen="seed", out_dir=str(tmp_path / "rows"),
+                 **_frozen_corpora(tmp_path, wiki_texts))
+    assert mechanisms.Config().device == "cpu"
+    for name, said in (("cuda:99", "--device cuda:99: this machine has"), ("nowhere", "--device nowhere: not a")):
+        with pytest.raises(ValueError, match=said):
+            mechanisms.main(mechanisms.Config(device=name, **flags))
+    with pytest.raises(ValueError, match="is --frozen's"):
+        mechanisms.main(mechanisms.Config(**{**flags, "frozen": "", "heads": True, "device": "cuda"}))
+    assert not (tmp_path / "rows").exists()
+
+
 def test_seed_measures_no_gap_when_h0_is_cut_off_and_slopes_of_a_line():
     """The h0-swap gap is 0 at every position for a decoder whose cross-attention output is zero, and not for one
     that reads h0; slope() is per 100 positions, fitted from position 1."""

@@ -10,6 +10,7 @@ docs/speed.md cites.
     python results/speed/st.py                  # s/step and peak RSS of both tools, then the two goals
     python results/speed/st.py --memory         # resident between steps and peak: malloc as is and pinned
     python results/speed/st.py --one ours:8:2   # one tool in this process (steps:warmup), as JSON
+    python results/speed/st.py --profile        # where each tool's step time goes, by op kind (st-profile.md)
     python results/speed/st.py --one "ours:8:2:fused qkv"   # ... with one of levers.py's encoder changes
 """
 import argparse
@@ -66,6 +67,8 @@ def st_one(which, n_steps, warmup, lever="as shipped"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+    if os.environ.get("ST_PROFILE"):   # --profile's child: the op kinds' shares of the timed steps' self time
+        return profiled(step, n_steps, warmup)
     times, between = [], 0.0
     benchmark.reset_peak_rss()            # the training steps' peak: BM25 and the batches are the same for both
     for i in range(n_steps + warmup):
@@ -77,6 +80,36 @@ def st_one(which, n_steps, warmup, lever="as shipped"):
     return {"which": which, "step_s": float(np.median(times[warmup:])), "peak_mib": benchmark.peak_rss_mib(),
             "between_mib": between, "precision": "bf16" if benchmark.cpu_bf16() else "fp32",
             "cpu_bf16": benchmark.machine("")["cpu_bf16"]}
+
+
+def profiled(step, n_steps, warmup):
+    """torch.profiler's self time of n_steps steps after warmup, by op kind (profile_ops.py's groups), top ops."""
+    from profile_ops import OP_GROUPS, op_group  # beside this file
+    for _ in range(warmup):
+        step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(n_steps):
+            step()
+    ops = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]
+    total = sum(t for _, t in ops) or 1
+    share = dict.fromkeys([g for g, _ in OP_GROUPS] + ["elementwise and other"], 0.0)
+    for name, t in ops:
+        share[op_group(name)] += t / total
+    top = [(n.split("::")[-1], t / total) for n, t in sorted(ops, key=lambda o: -o[1])[:6]]
+    return {"ms_per_step": total / 1000 / n_steps, "share": share, "top": top}
+
+
+def profile_table(n_steps, warmup):
+    """Each tool's step by op kind, each in a fresh process (torch.profiler slows both: read the shares)."""
+    env = {**os.environ, "ST_PROFILE": "1"}
+    rows = {which: fresh(which, n_steps, warmup, env) for which in ("ours", "st")}
+    groups = list(rows["ours"]["share"])
+    print(f"Fine-tuning step by op kind, self time of {n_steps} steps after {warmup} (torch.profiler):\n")
+    print("| tool | profiled ms/step | " + " | ".join(groups) + " | top ops |\n|---|---|" + "---|" * len(groups) + "---|")
+    for which, r in rows.items():
+        print(f"| {'finetune.py' if which == 'ours' else 'sentence-transformers'} | {r['ms_per_step']:,.0f} | " +
+              " | ".join(f"{r['share'][g]:.0%}" for g in groups) + " | " +
+              ", ".join(f"{n} {t:.0%}" for n, t in r["top"]) + " |")
 
 
 def fresh(which, n_steps, warmup, env=None):
@@ -128,11 +161,15 @@ if __name__ == "__main__":
     parser.add_argument("--memory", action="store_true", help="where fine-tuning's memory goes, malloc as is and pinned")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per process")
     parser.add_argument("--pairs", type=int, default=2, help="process pairs, alternated")
+    parser.add_argument("--profile", action="store_true", help="each tool's step by op kind (torch.profiler)")
     parser.add_argument("--one", metavar="WHICH:STEPS:WARMUP[:LEVER]", help="one tool in this process, as JSON")
     args = parser.parse_args()
     if args.one:
         which, n_steps, warmup, *lever = args.one.split(":")
         print(json.dumps(st_one(which, int(n_steps), int(warmup), *lever)))
+    elif args.profile:
+        with benchmark.recorded(Path(__file__).parent / "st-profile.md"):
+            profile_table(3, 1)
     elif args.memory:
         with benchmark.recorded(Path(__file__).parent / "st-memory.md"):
             st_memory_table()
