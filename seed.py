@@ -65,8 +65,8 @@ class Config(run.TrainConfig):
 PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072, max_len=512, lr=1e-4,
                     warmup=0.01, steps=1_000_000, global_batch=256, mask_prob=0.15, dropout=0.1, clip=1.0,
                     weight_decay=0.01, **run.PAPER_RUN)   # PAPER_RUN: workers, checkpoints
-# --preset lab: run.LAB_PRESET (MiniLM on SciFact), L_dec weighed 8 times L_MLM, 100 steps (50: docs/lab.md).
-LAB_PRESET = dict(run.LAB_PRESET, dec_weight=8.0, steps=100)
+# --preset lab: run.LAB_PRESET (MiniLM on SciFact), L_dec weighed 8 times L_MLM, 100 steps of 16 windows (docs/lab.md).
+LAB_PRESET = dict(run.LAB_PRESET, dec_weight=8.0, steps=100, batch_size=16)
 
 
 # The domain of each of SEED's flags, checked by run.parse_config before any work (with TrainConfig's).
