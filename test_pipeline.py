@@ -782,8 +782,8 @@ def test_docs_study_table_is_results_study_table():
 
 
 def test_results_mechanisms_reprint_from_their_rows_and_the_pages_quote_them(tmp_path):
-    """results/mechanisms/report.py (and from-scratch/report.py) train and measure nothing: from a copy of the
-    committed rows each writes its table.md as committed (the same figures' names beside it); every table row
+    """results/mechanisms/report.py (and from-scratch/report.py, confirm/report.py) train and measure nothing: from
+    a copy of the committed rows each writes its table.md as committed (the same figures' names beside it); every table row
     and every verdict line that the README's figures section and docs/mechanisms.md give is a line of a table.md."""
     tables = []
     for folder in (HERE / "results" / "mechanisms", HERE / "results" / "mechanisms" / "from-scratch"):
@@ -793,6 +793,13 @@ def test_results_mechanisms_reprint_from_their_rows_and_the_pages_quote_them(tmp
         tables.append((folder / "table.md").read_text())
         assert (copy / "table.md").read_text() == tables[-1]
         assert {p.name for p in copy.glob("*.png")} <= {p.name for p in folder.glob("*.png")}
+    confirm = HERE / "results" / "mechanisms" / "confirm"   # its table names plan.md's first commit: git only
+    copy = tmp_path / "confirm"
+    shutil.copytree(confirm / "rows", copy / "rows")
+    shutil.copy(confirm / "plan.md", copy)
+    subprocess.run([PY, str(confirm / "report.py"), str(copy)], check=True, capture_output=True, timeout=300)
+    tables.append((confirm / "table.md").read_text())
+    assert (copy / "table.md").read_text() == re.sub(r" \(first commit \w+\)", "", tables[-1])
     table = "\n".join(tables)
     readme = (HERE / "README.md").read_text()
     figures = readme[readme.index("## Figures"):readme.index("## The study, in brief")]
