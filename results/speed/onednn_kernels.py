@@ -1,6 +1,7 @@
 """oneDNN primitives created per step of seed.py's default (4 x 256) pre-training step on its own batches: with the
 decoder's kept positions padded by run.pad_rows to a multiple of one eighth of their most, as seed.py does, against
-the kept positions unpadded (their count changes with every batch). On a CPU with AMX (or AVX512) oneDNN builds a
+the kept positions unpadded (their count changes with every batch), and against the MLM head's masked positions
+padded as well (a multiple of 64). On a CPU with AMX (or AVX512) oneDNN builds a
 kernel for each new matmul shape (a primitive cache miss, printed by its verbose mode on creation) and then reuses
 it; a step that builds none runs on kernels it has. Each variant runs in a fresh process (the primitive cache is
 per process), --steps steps on the same batches, bf16 autocast where the CPU has it; what it prints goes to
@@ -26,7 +27,19 @@ import run
 import seed
 
 VARIANTS = {"padded": "run.pad_rows as seed.py calls it (multiples of 1/8 of the most kept positions)",
-            "unpadded": "run.pad_rows a no-op: the kept positions as they are"}
+            "unpadded": "run.pad_rows a no-op: the kept positions as they are",
+            "mlm padded": "padded, and the MLM head's masked positions too (run.pad_rows, multiples of 64)"}
+MLM_BUCKET = 64
+
+
+def padded_mlm_loss(hidden, labels, head):
+    """seed.mlm_loss with the masked positions padded by run.pad_rows to a multiple of MLM_BUCKET before the head
+    (zero rows, target -100: the same loss; the head's matmuls see a few shapes, not one per batch)."""
+    chosen = labels != -100                                                         # (B, L)
+    rows, targets = run.pad_rows(hidden[chosen], labels[chosen], MLM_BUCKET)        # (M', H), (M',)
+    logits = head(rows).float()                                                     # (M', V)
+    n_correct = (logits.argmax(-1) == targets).sum()                                # () padding never counts
+    return torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100), n_correct, int(chosen.sum())
 
 
 def created(step, lines_of=None):
@@ -57,6 +70,8 @@ def one(variant, steps):
     """In this (fresh) process: kernels built and time of each of `steps` SEED steps. -> JSON on the last line."""
     if variant == "unpadded":
         run.pad_rows = lambda rows, targets, bucket, ignore_index=-100: (rows, targets)
+    if variant == "mlm padded":
+        seed.mlm_loss = padded_mlm_loss
     torch.manual_seed(0)
     c = seed.Config()
     c.steps = 10 ** 6
