@@ -783,8 +783,9 @@ def test_docs_study_table_is_results_study_table():
 
 def test_results_mechanisms_reprint_from_their_rows_and_the_pages_quote_them(tmp_path):
     """results/mechanisms/report.py (and from-scratch/report.py, confirm/report.py) train and measure nothing: from
-    a copy of the committed rows each writes its table.md as committed (the same figures' names beside it); every table row
-    and every verdict line that the README's figures section and docs/mechanisms.md give is a line of a table.md."""
+    a copy of the committed rows each writes its table.md as committed (the same figures' names beside it); every
+    table row and every verdict line that the README's figures section and docs/mechanisms.md give is a line of a
+    table.md."""
     tables = []
     for folder in (HERE / "results" / "mechanisms", HERE / "results" / "mechanisms" / "from-scratch"):
         copy = tmp_path / folder.name
