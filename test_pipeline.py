@@ -4403,6 +4403,7 @@ import torch
 import costa, run
 def work():
     costa.setup_distributed(timeout_s=float(sys.argv[1]))
+    torch.distributed.all_reduce(torch.ones(1))                 # both ranks are past gloo's connect (see below)
     if os.environ["RANK"] == "0":
         os.kill(os.getpid(), signal.SIGSTOP)                    # rank 0 stops answering
     with run.stops_cleanly(lambda: (6, 5, "runs/x")):
@@ -4412,6 +4413,8 @@ run.run_command_line(work)
 
 
 def test_a_rank_that_stops_answering_ends_the_job_within_dist_timeout(tmp_path):
+    """Rank 0 stops after a first collective: one stopped inside init_process_group, during gloo's connect, left
+    rank 1 waiting past the timeout in 1 of 3 loaded runs (gloo's listener drops it: pytorch/gloo#520)."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
