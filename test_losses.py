@@ -1273,9 +1273,10 @@ def _contrastive_and_decoder(js, dec, dist_logits, states, weight, targets):
     return (cl, loss, correct), torch.autograd.grad(cl + loss, (dist_logits, states, weight))
 
 
-def test_compiled_losses_equal_eager_values_and_gradients(capsys):
+def test_compiled_losses_equal_eager_values_and_gradients(monkeypatch, capsys):
     """run.fused with --compile (torch.compile): eq. 5's -JS in a contrastive loss and eq. 9's decoder loss
     give the eager values and gradients within the tolerances above (fp32; fp64 is checked eager)."""
+    monkeypatch.setattr(run, "_FUSED", {})   # compiled here, not by an earlier test's run (--compile is the default)
     torch.manual_seed(0)
     dist_logits = torch.randn(6, 50, requires_grad=True)                     # 3 texts x 2 views, V = 50
     states, weight = torch.randn(24, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True)
