@@ -201,7 +201,7 @@ def js_similarity(anchors, candidates, tau=1.0):
     of 1/2.
 
     The mixture term is an (a, b, V) tensor (64 x 128 x 30,522 fp32 = 1 GB at the paper's batch): training
-    runs this function compiled (--compile: one fused sweep, nothing kept of it) or, eager, on js_chunk
+    runs this function compiled (--compile: one fused sweep, and one per input backward) or, eager, on js_chunk
     anchors at a time under checkpointing (run.in_row_chunks): the same values either way. fp32.
     JS is in [0, ln 2], so eq. 5's L_CL is bounded: ln m <= L_CL <= ln(4m - 3) with m texts (ln(2m - 1)
     when every similarity is equal), and barely moves. Departure (option-cpdae-cl-tau): tau (--cl_tau;
@@ -293,7 +293,8 @@ class PretrainModel(nn.Module):
             return {"L_REC": rec, "L_MLM": mlm}, metrics
         if c.cl_mode == "js":                                                    # CPDAE, eq. 5
             view1, view2 = word_distribution(logits).chunk(2)                    # (B, V) each, z_tilde
-            similarity = partial(run.fused(js_similarity, c, run.in_row_chunks(js_similarity, c.js_chunk)), tau=c.cl_tau)
+            minus_js = run.fused(js_similarity, c, run.in_row_chunks(js_similarity, c.js_chunk), sweep_per_input=True)
+            similarity = partial(minus_js, tau=c.cl_tau)
         else:                                                                    # CPDAE_R
             view1, view2 = h_cls.chunk(2)                                        # (B, H) each
             similarity = partial(cosine_similarity, temperature=c.cls_temperature)

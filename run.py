@@ -406,22 +406,48 @@ def autocast_bf16(device, enabled=True):
 _FUSED = {}   # loss function -> its compiled form (one per process: torch.compile's cache is per function object)
 
 
-def fused(loss, c, eager=None):
-    """`loss` as training runs it. With --compile: torch.compile(loss), one fused kernel per sweep over the
-    vocabulary where eager mode makes a memory pass per operation; a platform where compiling fails says so in one
-    line and stays eager. Without it: `eager`, the same loss computed to save memory (in_row_chunks), else `loss`."""
-    eager = eager or loss
+def fused(loss, c, eager=None, sweep_per_input=False):
+    """`loss` as training runs it. With --compile: torch.compile(loss), one fused kernel per sweep over the vocabulary
+    where eager makes a memory pass per operation (sweep_per_input: the backward too, one sweep per input); a failed
+    compile says so in one line and stays eager. Without it: `eager` (the loss in less memory), or `loss`."""
     if not c.compile:
-        return eager
+        return eager or loss
     if loss not in _FUSED:
-        _FUSED[loss] = _compiled_or_eager(loss, eager)
+        _FUSED[loss] = _compiled_or_eager(loss, eager or loss, compiled_per_input if sweep_per_input else torch.compile)
     return _FUSED[loss]
 
 
-def _compiled_or_eager(loss, eager):
-    """torch.compile(loss), timing its first call (the forward's compile; the backward's is the first backward);
+def compiled_per_input(loss):
+    """torch.compile(loss), its backward one compiled sweep per input (torch.func.vjp in that input alone). For a
+    loss that broadcasts a (a, V) against b (b, V) (cpdae.js_similarity) torch.compile's own backward writes the
+    (a, b, V) gradient out and reads it once per input (250 MB a step at CPDAE's default): this keeps none of it."""
+    forward = torch.compile(loss)
+
+    @functools.cache
+    def grad_of(i):
+        def vjp(grad, inputs, kwargs):
+            return torch.func.vjp(lambda x: loss(*inputs[:i], x, *inputs[i + 1:], **kwargs), inputs[i])[1](grad)[0]
+        return torch.compile(vjp)
+
+    class SweepPerInput(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, kwargs, *inputs):
+            ctx.kwargs = kwargs
+            ctx.save_for_backward(*inputs)
+            return forward(*inputs, **kwargs)
+
+        @staticmethod
+        def backward(ctx, grad):
+            inputs, wanted = ctx.saved_tensors, ctx.needs_input_grad[1:]
+            return None, *(grad_of(i)(grad, inputs, ctx.kwargs) if wanted[i] else None for i in range(len(inputs)))
+
+    return lambda *inputs, **kwargs: SweepPerInput.apply(kwargs, *inputs)
+
+
+def _compiled_or_eager(loss, eager, compile):
+    """compile(loss), timing its first call (the forward's compile; the backward's is the first backward);
     any error there (no C++ compiler, an unsupported platform) -> one line, and eager from then on."""
-    compiled, state = torch.compile(loss), {"first": True, "failed": False}
+    compiled, state = compile(loss), {"first": True, "failed": False}
 
     @functools.wraps(loss)
     def call(*args, **kwargs):

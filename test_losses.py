@@ -1282,10 +1282,11 @@ def test_compiled_losses_equal_eager_values_and_gradients(monkeypatch, capsys):
     states, weight = torch.randn(24, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True)
     targets = torch.randint(0, 50, (24,)).masked_fill(torch.arange(24) >= 20, -100)   # 4 padded positions
     c = SimpleNamespace(compile=True)
-    compiled = _contrastive_and_decoder(run.fused(cpdae.js_similarity, c), run.fused(seed.decoder_loss, c),
-                                        dist_logits, states, weight, targets)
+    js = run.fused(cpdae.js_similarity, c, sweep_per_input=True)              # as cpdae.py runs it
+    compiled = _contrastive_and_decoder(js, run.fused(seed.decoder_loss, c), dist_logits, states, weight, targets)
     said = capsys.readouterr().out
     assert "js_similarity compiled in" in said and "decoder_loss compiled in" in said, said   # not eager
+    assert js(dist_logits[:2], dist_logits).grad_fn.name() == "SweepPerInputBackward"    # one sweep per input
     eager = _contrastive_and_decoder(run.in_row_chunks(cpdae.js_similarity, 2),
                                      partial(seed.chunked_decoder_loss, chunk=5), dist_logits, states, weight, targets)
     for got, want in zip(compiled[0], eager[0]):
@@ -1305,7 +1306,8 @@ def test_a_compiler_failure_is_one_line_and_the_loss_runs_eager(monkeypatch, cap
     monkeypatch.setattr(run, "_FUSED", {})
     p, q = random_distributions(3, 20, seed=0), random_distributions(5, 20, seed=1)
     assert run.fused(cpdae.js_similarity, SimpleNamespace(compile=False)) is cpdae.js_similarity
-    loss = run.fused(cpdae.js_similarity, SimpleNamespace(compile=True), run.in_row_chunks(cpdae.js_similarity, 2))
+    loss = run.fused(cpdae.js_similarity, SimpleNamespace(compile=True), run.in_row_chunks(cpdae.js_similarity, 2),
+                     sweep_per_input=True)
     for _ in range(2):
         torch.testing.assert_close(loss(p, q), cpdae.js_similarity(p, q))
     assert capsys.readouterr().out == ("--compile: js_similarity not compiled (RuntimeError: no C++ compiler found); "
