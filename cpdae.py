@@ -201,7 +201,7 @@ def js_similarity(anchors, candidates, tau=1.0):
     of 1/2.
 
     The mixture term is an (a, b, V) tensor (64 x 128 x 30,522 fp32 = 1 GB at the paper's batch): training
-    runs this function compiled (--compile: one fused sweep, and one per input backward) or, eager, on js_chunk
+    runs this function compiled (--compile: one fused sweep forward, one per input backward) or, eager, on js_chunk
     anchors at a time under checkpointing (run.in_row_chunks): the same values either way. fp32.
     JS is in [0, ln 2], so eq. 5's L_CL is bounded: ln m <= L_CL <= ln(4m - 3) with m texts (ln(2m - 1)
     when every similarity is equal), and barely moves. Departure (option-cpdae-cl-tau): tau (--cl_tau;
