@@ -418,16 +418,17 @@ def fused(loss, c, eager=None, sweep_per_input=False):
 
 
 def compiled_per_input(loss):
-    """torch.compile(loss), its backward one compiled sweep per input (torch.func.vjp in that input alone). For a
-    loss that broadcasts a (a, V) against b (b, V) (cpdae.js_similarity) torch.compile's own backward writes the
-    (a, b, V) gradient out and reads it once per input (250 MB a step at CPDAE's default): this keeps none of it."""
+    """torch.compile(loss), its backward one compiled sweep per input (torch.func.vjp in that input alone, eager if
+    that fails). For a loss that broadcasts a (a, V) against b (b, V) (cpdae.js_similarity) torch.compile's own
+    backward writes the (a, b, V) gradient out and reads it once per input (250 MB a step at CPDAE's default)."""
     forward = torch.compile(loss)
 
     @functools.cache
     def grad_of(i):
         def vjp(grad, inputs, kwargs):
             return torch.func.vjp(lambda x: loss(*inputs[:i], x, *inputs[i + 1:], **kwargs), inputs[i])[1](grad)[0]
-        return torch.compile(vjp)
+        vjp.__name__ = f"{loss.__name__}'s backward in input {i}"
+        return _compiled_or_eager(vjp, vjp, torch.compile)
 
     class SweepPerInput(torch.autograd.Function):
         @staticmethod
@@ -445,8 +446,8 @@ def compiled_per_input(loss):
 
 
 def _compiled_or_eager(loss, eager, compile):
-    """compile(loss), timing its first call (the forward's compile; the backward's is the first backward);
-    any error there (no C++ compiler, an unsupported platform) -> one line, and eager from then on."""
+    """compile(loss), timing its first call (its compile; torch.compile's own backward compiles at the first
+    backward); any error there (no C++ compiler, an unsupported platform) -> one line, and eager from then on."""
     compiled, state = compile(loss), {"first": True, "failed": False}
 
     @functools.wraps(loss)
@@ -1394,8 +1395,7 @@ def os_error_line(e):
              errno.EDQUOT: "disk quota exceeded; free some space or choose another disk (--out_dir)",
              errno.ENOTDIR: "a path on the way is a file, not a folder; choose another path",
              errno.EEXIST: "already exists as a file; choose another path",
-             errno.EISDIR: "is a folder where a file is expected; choose another path",
-             errno.ENOENT: "not found"}
+             errno.EISDIR: "is a folder where a file is expected; choose another path", errno.ENOENT: "not found"}
     return f"error: {path}: {fixes.get(e.errno, e.strerror or str(e))}"
 
 

@@ -1314,6 +1314,31 @@ def test_a_compiler_failure_is_one_line_and_the_loss_runs_eager(monkeypatch, cap
                                        "eager\n")
 
 
+def test_a_compiler_failure_in_the_backward_alone_is_one_line_and_the_gradient_eager(monkeypatch, capsys):
+    """CPDAE's compiled backward (run.compiled_per_input) compiles at the first backward, after the forward
+    compiled: a failure there says so once per input and the gradients come from the eager vector-Jacobian
+    product, equal to autograd's of the plain loss."""
+    def compile_all_but_the_backward(fn):
+        def call(*args, **kwargs):
+            if "backward" in fn.__name__:
+                raise RuntimeError("no vjp here\nmore lines")
+            return fn(*args, **kwargs)
+        return call
+    monkeypatch.setattr(torch, "compile", compile_all_but_the_backward)
+    monkeypatch.setattr(run, "_FUSED", {})
+    p, q = (random_distributions(n, 20, seed=n).double().requires_grad_() for n in (3, 5))
+    loss = run.fused(cpdae.js_similarity, SimpleNamespace(compile=True), sweep_per_input=True)
+    upstream = torch.randn(3, 5, dtype=torch.float64)
+    for _ in range(2):
+        got = torch.autograd.grad(loss(p, q), (p, q), upstream)
+    want = torch.autograd.grad(cpdae.js_similarity(p, q), (p, q), upstream)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    said = capsys.readouterr().out.splitlines()
+    assert said[0].startswith("--compile: js_similarity compiled in ") and said[1:] == [
+        f"--compile: js_similarity's backward in input {i} not compiled (RuntimeError: no vjp here); eager" for i in (0, 1)]
+
+
 def test_padding_the_kept_decoder_positions_leaves_the_loss():
     """seed.py pads the N kept decoder positions to a multiple of a bucket (run.pad_rows): a few shapes recur,
     and eq. 9's mean, its correct count and its gradients are those of the N positions alone."""
