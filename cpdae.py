@@ -61,7 +61,7 @@ class Config(run.TrainConfig):
     cl_tau: float = 1.0           # eq. 5's similarity is -JS / cl_tau (1 = the paper's; -JS alone keeps L_CL near ln(2m-1))
     rec_reduction: str = "sum"    # eq. 4 over the vocabulary: "sum" (the paper's) or "mean" (/|V|, as DupMAE's BoW loss)
 
-    compile: bool = True          # eq. 5 fused (run.fused): the step 1.89x as fast on a CPU (results/speed/benchmark-compile.md)
+    compile: bool = True          # eq. 5 fused (run.fused): the step 2.01x as fast on a CPU (results/speed/benchmark-intel.md)
     out_dir: str = "runs/cpdae"   # checkpoints, config.json and log.jsonl go here
 
 

@@ -54,7 +54,7 @@ class Config(run.TrainConfig):
     dec_span: int = 2             # self-attention span k of eq. 9 (paper: 2); 0 = full causal, the "strong decoder"
     dec_weight: float = 1.0       # weight of L_dec in eq. 10 (paper: 1, L_MLM + L_dec)
     dec_chunk: int = 2048         # decoder positions per chunk of vocabulary logits (peak ~ chunk x |V| fp32); 0 = all
-    compile: bool = True          # eq. 9 fused (run.fused): the step 1.76x as fast on a CPU (results/speed/benchmark-compile.md)
+    compile: bool = True          # eq. 9 fused (run.fused): the step 1.85x as fast on a CPU (results/speed/benchmark-intel.md)
     out_dir: str = "runs/seed"    # checkpoints, config.json and log.jsonl go here
 
 
