@@ -1395,7 +1395,8 @@ def os_error_line(e):
              errno.EDQUOT: "disk quota exceeded; free some space or choose another disk (--out_dir)",
              errno.ENOTDIR: "a path on the way is a file, not a folder; choose another path",
              errno.EEXIST: "already exists as a file; choose another path",
-             errno.EISDIR: "is a folder where a file is expected; choose another path", errno.ENOENT: "not found"}
+             errno.EISDIR: "is a folder where a file is expected; choose another path",
+             errno.ENOENT: "not found"}
     return f"error: {path}: {fixes.get(e.errno, e.strerror or str(e))}"
 
 

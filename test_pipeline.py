@@ -884,10 +884,10 @@ def test_data_imports_no_module_of_ours_and_run_only_data():
     data. And their budgets: each reads in a sitting, what a method needs at its top. (They grew by what makes
     every process end: the token cache's pool under bounds, the data-loader workers under a group's SIGTERM; then by
     the checks on every weight file read, a paper-scale run's levers, --compile's wrappers (eq. 5's backward a sweep
-    per input among them), the wrappers that keep distribution and precision out of the method sections, --preset
-    lab, WikiExtractor's formats and BM25's sparse top-k.)"""
+    per input among them, its compile failing to eager as the forward's does), the wrappers that keep distribution
+    and precision out of the method sections, --preset lab, WikiExtractor's formats and BM25's sparse top-k.)"""
     assert len((HERE / "data.py").read_text().splitlines()) <= 1270
-    assert len((HERE / "run.py").read_text().splitlines()) <= 1460
+    assert len((HERE / "run.py").read_text().splitlines()) <= 1461
     assert len((HERE / "evaluate.py").read_text().splitlines()) <= 1320   # retrieval, metrics, statistics, runs
     ours = {path.stem for path in HERE.glob("*.py")}
     for name, allowed in (("data", set()), ("run", {"data"})):

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root
+import js_backward  # this script's folder (results/speed) is on the path when it runs
+
 import benchmark
 import costa
 import cpdae
@@ -40,10 +42,7 @@ def minus_js_grads(grad, p, q):
 def eq5_calls(anchors, views):
     """(forward + backward, forward alone, forward + the hand-written backward) of the compiled -JS on word
     distributions of the step's shapes."""
-    g = torch.Generator().manual_seed(0)
-    vocab = cpdae.Config().vocab_size
-    p, q = (cpdae.word_distribution(2 * torch.randn(n, vocab, generator=g)).requires_grad_() for n in (anchors, views))
-    upstream = torch.randn(anchors, views, generator=g)
+    p, q, upstream = js_backward.inputs(anchors, views)
     both, forward = run.compiled_per_input(cpdae.js_similarity), torch.compile(cpdae.js_similarity)
     by_hand = torch.compile(minus_js_grads)
     exact = torch.autograd.grad(cpdae.js_similarity(p.double(), q.double()), (p, q), upstream.double())

@@ -36,6 +36,7 @@ def similarity(way, js_chunk):
 
 
 def inputs(anchors, views):
+    """Seeded word distributions P (anchors, V) and Q (views, V), and an upstream gradient (anchors, views)."""
     g = torch.Generator().manual_seed(0)
     vocab = cpdae.Config().vocab_size
     p, q = (cpdae.word_distribution(2 * torch.randn(n, vocab, generator=g)).requires_grad_() for n in (anchors, views))
