@@ -64,8 +64,8 @@ def release_run_folders():
     """A run that stopped with an error keeps its run folder locked until its process ends; a test is
     not the end of the pytest process, so the next test's subprocess may use the folder again."""
     yield
-    for folder in list(run._LOCKS):
-        run.release_run_folder(folder)
+    for folder in list(run.folders._LOCKS):
+        run.folders.release_run_folder(folder)
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,6 @@ import contextlib
 import datetime
 import functools
 import os
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,22 +157,15 @@ def mlm_loss(hidden, labels, head):
 
 
 def gwc_loss(text_vecs, span_vecs, tau, n_anchors=None, sim="dot"):
-    """Group-wise contrastive loss (eq. 8), the function training runs (fp32, all ranks: wrapped after train()):
+    """Group-wise contrastive loss (eq. 8): each text's vector z_i against its own S = 4T spans S(i), its positives:
 
-        L_GWC = sum_{i=1..N} -1/(4T) sum_{p in S(i)} log( exp(sim(z_i, z_p) / tau)
-                                                          / sum_{j=1..N(4T+1)} 1[i != j] exp(sim(z_i, z_j) / tau) )
+        L_GWC = sum_i -1/(4T) sum_{p in S(i)} log( exp(sim(z_i, z_p) / tau) / sum_{j != i} exp(sim(z_i, z_j) / tau) )
 
-    S(i): the S = 4T spans of text i, its positives; j runs over the N text vectors and N*S span vectors but
-    z_i itself. text_vecs (N, H) the z_i; span_vecs (N, S, H); anchors: texts 0 .. n_anchors-1 (default all).
-    The logits' columns, e.g. N = 2 texts with S = 3 spans each: 0-1 the texts, 2-4 text 0's spans,
-    5-7 text 1's. Anchor 0: positives 2-4, column 0 dropped, columns 1 and 5-7 negatives; each positive
-    is scored against all the others, its fellow positives included.
-    Departure (option-costa-gwc-cos): sim="cos" (--gwc_sim cos): cosine / tau, bounded by 1/tau; the dot product
-    of unnormalised vectors makes logits of any size (89 nats at step 10 from MiniLM, against MLM's 10).
-    Departure (costa-gwc-mean): the mean over the anchors where eq. 8 sums, so lambda does not scale with the batch.
-    Returns (loss, accuracy: the fraction of anchors whose best candidate is one of its own spans; a random
-    guess scores S / (N(S+1) - 1), gwc_chance).
-    """
+    text_vecs (N, H), span_vecs (N, S, H); j runs over the N texts and N*S spans. Columns for N = 2, S = 3: 0-1 the
+    texts, 2-4 text 0's spans, 5-7 text 1's. n_anchors (passed by train()'s all-ranks wrapper): texts 0..n-1 anchor.
+    -> (loss, accuracy: the share of anchors whose best candidate is one of their own spans)."""
+    # Departure (costa-gwc-mean): the mean over the anchors where eq. 8 sums, so lambda does not scale with the batch.
+    # Departure (option-costa-gwc-cos): sim="cos" is cosine / tau, bounded by 1 / tau (the paper's: "dot").
     N, S = span_vecs.shape[:2]
     n = N if n_anchors is None else n_anchors
     candidates = torch.cat([text_vecs, span_vecs.reshape(N * S, -1)])           # (N(S+1), H) all z_j
@@ -196,12 +188,14 @@ class PretrainModel(nn.Module):
     computed on the MASKED input, in the MLM forward pass (our choice: the paper does not say which
     input eq. 5-7 see; one pass costs half of two)."""
 
-    def __init__(self, c, encoder, frequent_token=None):
+    def __init__(self, c, encoder, frequent_token=None, world=1):
         super().__init__()
         self.config, self.encoder = c, encoder
         # no projector in the MLM-only baseline: DDP rejects parameters that get no gradient
         self.projector = Projector(c.hidden_size, c.projector) if c.gwc_weight else None
         self.frequent_token = frequent_token   # the corpus' most frequent token: MLM's trivial baseline
+        self.span_vectors, self.gwc_loss = span_vectors, gwc_loss   # eq. 7 and 8 (train() wraps them: fp32, ranks)
+        self.world = world                     # processes whose texts are eq. 8's candidates (gwc_chance's N)
 
     def new_parameters(self):
         """What the checkpoint did not bring (--head_warmup trains these first): the projector, and the
@@ -221,9 +215,9 @@ class PretrainModel(nn.Module):
             return {"L_MLM": mlm}, metrics
         h0 = text_vector(hidden, batch["attention_mask"], c.bottleneck)          # (B, H) [CLS] or mean
         text_vecs = self.projector(h0)                                           # (B, H) z_0, eq. 6
-        span_vecs = span_vectors(hidden, batch["spans"])                         # (B, S, H) eq. 7
-        gwc, accuracy = gwc_loss(text_vecs, span_vecs, c.tau, sim=c.gwc_sim)     # eq. 8
-        N, S = text_vecs.shape[0] * rank_and_world()[1], span_vecs.shape[1]      # texts of one micro-step, all ranks
+        span_vecs = self.span_vectors(hidden, batch["spans"])                    # (B, S, H) eq. 7
+        gwc, accuracy = self.gwc_loss(text_vecs, span_vecs, c.tau, sim=c.gwc_sim)  # eq. 8
+        N, S = text_vecs.shape[0] * self.world, span_vecs.shape[1]               # texts of one micro-step, all ranks
         return {"L_MLM": mlm, "lambda L_GWC": c.gwc_weight * gwc}, {             # eq. 10: lambda L_GWC + L_MLM
             **metrics, "gwc": gwc.detach(), "gwc_acc": accuracy, "gwc_chance": S / (N * (S + 1) - 1)}
 
@@ -261,24 +255,15 @@ def word_spans(word_starts, n_tokens, stopword_mask=None):
 
 
 def sample_spans(word_starts, n_tokens, config, rng, stopword_mask=None):
-    """Multi-granularity span sampling for one window [CLS] x_1 .. x_m [SEP] (eq. 1-3).
-
-    Returns exactly config.span_T spans (start, end), end exclusive, per granularity in
-    config.granularities, in that order (S = T x granularities, so batches stack). Every span lies in
-    1 .. n_tokens - 2: never [CLS], [SEP] or padding. rng: numpy Generator; draws are independent.
-    - phrase / sentence / paragraph: l = l_min + p (l_max - l_min), p ~ Beta(span_alpha, span_beta)
-      (eq. 1), rounded to the nearest integer; start ~ U(1, n_tokens - 1 - l) inclusive (eq. 2, the
-      paper's n being m + 1); span [start, start + l) (eq. 3).
-      Departure (costa-short-text): the paper's lengths assume a text longer than l; here l is clipped
-      to m, so a body shorter than l gives the whole body.
-    - word: one whole word (first piece and its "##" pieces), uniform over the words whose
-      stopword_mask is False (mask[i] is for the word starting at token i; None = keep all), drawn with
-      replacement (our choice: the paper does not say), so a word can be a positive twice. All
-      stopwords: any whole word. A window cut inside a word may start with "##" pieces: that fragment
-      is not a whole word (its start is in the previous window) and is skipped, unless the window has no
-      word start at all, then the fragment is the word. (A last word cut by the window's end ends at [SEP].)
-    Raises DataError if the body is empty (n_tokens < 3).
-    """
+    """Multi-granularity span sampling for one window [CLS] x_1 .. x_m [SEP] (eq. 1-3): config.span_T spans
+    [start, end) per granularity of config.granularities, in that order, all within tokens 1 .. m.
+    - phrase / sentence / paragraph: l = round(l_min + p (l_max - l_min)), p ~ Beta(span_alpha, span_beta) (eq. 1);
+      start ~ U(1, n_tokens - 1 - l) (eq. 2, the paper's n being m + 1); the span [start, start + l) (eq. 3).
+    - word: one whole word (its first piece and its "##" pieces), uniform over the words that are not stopwords
+      (stopword_mask[i] for the word starting at token i), with replacement (our choice: the paper does not say).
+    word_starts (n_tokens,) bool: True where a word begins; rng: a numpy Generator. DataError if m = 0."""
+    # Departure (costa-short-text): the paper's lengths assume a text longer than l; l is clipped to m here.
+    # A window cut inside a word starts with "##" pieces: not a whole word, skipped unless it has no word start.
     body = n_tokens - 2                                                          # m
     if body < 1:
         raise data.DataError("span sampling needs a window with a token between [CLS] and [SEP]")
@@ -349,7 +334,13 @@ def train(c):
     c = run.resolve_vocab(encoder.config)                        # --init brings its sizes and vocabulary
     windows = run.load_windows(c, rank)                          # the token cache, built once by rank 0
     c = run.resolve_schedule(c, world, len(windows))             # --epochs -> steps
-    model = PretrainModel(c, encoder, data.most_frequent_token(windows)).to(device)
+    model = PretrainModel(c, encoder, data.most_frequent_token(windows), world).to(device)
+    # The method's pieces as training runs them, a wrapper a line: eq. 5-8 in fp32 (under bf16 autocast a matmul runs
+    # in bf16, even on fp32 inputs), and eq. 8 against every rank's texts and spans (its negatives; n_anchors).
+    model.span_vectors = run.in_fp32(span_vectors)
+    model.gwc_loss = run.across_ranks(run.in_fp32(gwc_loss), gather_across_ranks)
+    if model.projector:
+        model.projector.forward = run.in_fp32(model.projector.forward)
     optimizer, scheduler = run.make_optimizer(model, c, eps=1e-8)    # Adam's eps: torch's (the paper gives none)
     training = run.TrainingRun(c, model, optimizer, scheduler, device, windows)  # resume, run folder, log
     # Each rank trains on its own slice of every global batch (data.batch_indices); DDP averages the
@@ -386,24 +377,6 @@ def train(c):
 # give no lines in a diff of two method files): the BERT encoder and the distributed steps.
 # ==============================================================================================
 # --- shared: begin encoder ---
-def drop_mask(shape, p):
-    """A boolean mask, each element True (dropped) with probability p, for dropout on CPU: numpy's PCG64 seeded
-    from torch's generator, one uniform int32 per element; 4x faster than torch's bernoulli_ (results/speed)."""
-    n = int(np.prod(shape))
-    bits = np.random.PCG64(int(torch.randint(2**62, ()))).random_raw((n + 1) // 2)   # uint64: 2 draws each
-    draws = torch.from_numpy(bits.view(np.int32)[:n]).view(shape)                   # uniform int32
-    return draws < round(p * 2**32) - 2**31
-
-
-def dropout(x, p, training):
-    """BERT's dropout: each element zeroed with probability p, the others scaled by 1 / (1 - p)."""
-    if not training or p == 0.0:
-        return x
-    if x.device.type != "cpu":
-        return F.dropout(x, p, True)
-    return x.masked_fill(drop_mask(x.shape, p), 0.0) * (1 / (1 - p))
-
-
 class Embeddings(nn.Module):
     """Token + learned absolute position + token-type embeddings, then LayerNorm and dropout."""
 
@@ -418,22 +391,16 @@ class Embeddings(nn.Module):
     def forward(self, input_ids):                                               # (B, L)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
         x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]  # (B, L, H)
-        return dropout(self.norm(x), self.dropout, self.training)
+        return F.dropout(self.norm(x), self.dropout, self.training)
 
 
-def attention(q, k, v, attend, p):
+def attention(q, k, v, attend, p=0.0):
     """softmax(q k^T / sqrt(d)) v per head, dropout p on the probabilities. q, k, v (B, heads, L, d); attend
-    (B, 1, 1, L) or (L, L), True = key visible. SDPA on GPU and in encoding; training on CPU writes the
-    equation out, 2.7x as fast there as SDPA's kernel with dropout (results/speed/micro.md)."""
-    if q.device.type != "cpu" or not torch.is_grad_enabled():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=p)
-    hide = torch.zeros(attend.shape).masked_fill(~attend, torch.finfo(torch.float32).min)  # like attend
-    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2) + hide              # (B, heads, L, L) fp32
-    probs = scores.softmax(-1).to(v.dtype)                                       # (B, heads, L, L)
-    if p == 0:
-        return probs @ v                                                         # (B, heads, L, d)
-    # dropout on the probabilities; its 1 / (1 - p) is applied to the 4x smaller output
-    return (probs.masked_fill(drop_mask(probs.shape, p), 0.0) @ v) * (1 / (1 - p))   # (B, heads, L, d)
+    (B, 1, 1, L) or (L, L), True = key visible."""
+    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5            # (B, heads, L, L) fp32 softmax
+    scores = scores.masked_fill(~attend, torch.finfo(torch.float32).min)        # a hidden key gets weight 0
+    probs = F.dropout(scores.softmax(-1), p, training=p > 0)                     # (B, heads, L, L)
+    return probs.to(v.dtype) @ v                                                 # (B, heads, L, d)
 
 
 class SelfAttention(nn.Module):
@@ -465,9 +432,9 @@ class Block(nn.Module):
         self.dropout = c.dropout
 
     def forward(self, x, attend):                                                    # (B, L, H)
-        x = self.attn_norm(x + dropout(self.attn(x, attend), self.dropout, self.training))
+        x = self.attn_norm(x + F.dropout(self.attn(x, attend), self.dropout, self.training))
         ffn = self.ffn_out(F.gelu(self.ffn_in(x)))                                   # (B, L, H)
-        return self.ffn_norm(x + dropout(ffn, self.dropout, self.training))          # (B, L, H)
+        return self.ffn_norm(x + F.dropout(ffn, self.dropout, self.training))        # (B, L, H)
 
 
 class MLMHead(nn.Module):
@@ -565,15 +532,5 @@ def gather_across_ranks(t):
 # --- shared: end distributed ---
 
 
-# ==============================================================================================
-# What train() wraps around the method, from outside (last, once every name exists): eq. 5-8 in fp32
-# (a matmul under bf16 autocast runs in bf16), and eq. 8 over every rank's texts and spans (across_ranks)
-# ==============================================================================================
-Projector.forward = run.in_fp32(Projector.forward)
-span_vectors = run.in_fp32(span_vectors)
-gwc_loss = run.across_ranks(run.in_fp32(gwc_loss), gather_across_ranks)
-
-
 if __name__ == "__main__":
-    run.run_command_line(lambda: train(run.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES,
-                                                        {"lab": LAB_PRESET})))
+    run.main(train, Config, __doc__, PAPER_PRESET, FLAG_RULES, {"lab": LAB_PRESET})

@@ -123,7 +123,7 @@ class Decoder(nn.Module):
     @classmethod
     def from_pretrained(cls, folder):
         """The decoder that save_checkpoint wrote beside the encoder (folder/decoder.safetensors)."""
-        state = run.load_tensors(Path(folder) / "decoder.safetensors")
+        state = run.files.load_tensors(Path(folder) / "decoder.safetensors")
         eps = json.loads((Path(folder) / "config.json").read_text()).get("layer_norm_eps", 1e-12)
         decoder = cls(state["out.weight"].shape[1], state["out.weight"].shape[0], eps)
         decoder.load_state_dict(state)
@@ -293,7 +293,7 @@ class PretrainModel(nn.Module):
             return {"L_REC": rec, "L_MLM": mlm}, metrics
         if c.cl_mode == "js":                                                    # CPDAE, eq. 5
             view1, view2 = word_distribution(logits).chunk(2)                    # (B, V) each, z_tilde
-            minus_js = run.fused(js_similarity, c, run.in_row_chunks(js_similarity, c.js_chunk), sweep_per_input=True)
+            minus_js = run.speed.fused(js_similarity, c, run.speed.in_row_chunks(js_similarity, c.js_chunk), sweep_per_input=True)
             similarity = partial(minus_js, tau=c.cl_tau)
         else:                                                                    # CPDAE_R
             view1, view2 = h_cls.chunk(2)                                        # (B, H) each
@@ -355,9 +355,9 @@ def cached_idf(windows, vocab_size, rank, chunk=1 << 16):
             df += document_frequency(windows.tokens[positions].astype(np.int64), offsets, vocab_size)
         for token in (windows.special["cls"], windows.special["sep"]):   # once in every window
             df[token] = len(windows)
-        data.atomic_save_npy(path, df)
+        run.files.atomic_save_npy(path, df)
 
-    data.rank0_builds(path.is_file, build, rank, str(path))
+    run.cache.rank0_builds(path.is_file, build, rank, str(path))
     return idf_from_df(np.load(path), len(windows))
 
 
@@ -401,7 +401,7 @@ def train(c):
     idf = cached_idf(windows, c.vocab_size, rank) if c.idf_rec else None   # IDF-REC: once, from the token cache
     model = PretrainModel(c, encoder, idf, data.most_frequent_token(windows)).to(device)
     optimizer, scheduler = run.make_optimizer(model, c, eps=1e-8)    # Adam's eps: torch's (the paper gives none)
-    save_decoder = lambda folder: run.save_tensors(Path(folder) / "decoder.safetensors", model.decoder.state_dict())
+    save_decoder = lambda folder: run.files.save_tensors(Path(folder) / "decoder.safetensors", model.decoder.state_dict())
     training = run.TrainingRun(c, model, optimizer, scheduler, device, windows, save_decoder)  # resume, folder, log
     # Each rank trains on its own slice of every global batch (data.batch_indices); DDP averages the
     # gradients over the ranks, and eq. 5 sees every rank's views (gather_across_ranks).
@@ -437,24 +437,6 @@ def train(c):
 # give no lines in a diff of two method files): the BERT encoder and the distributed steps.
 # ==============================================================================================
 # --- shared: begin encoder ---
-def drop_mask(shape, p):
-    """A boolean mask, each element True (dropped) with probability p, for dropout on CPU: numpy's PCG64 seeded
-    from torch's generator, one uniform int32 per element; 4x faster than torch's bernoulli_ (results/speed)."""
-    n = int(np.prod(shape))
-    bits = np.random.PCG64(int(torch.randint(2**62, ()))).random_raw((n + 1) // 2)   # uint64: 2 draws each
-    draws = torch.from_numpy(bits.view(np.int32)[:n]).view(shape)                   # uniform int32
-    return draws < round(p * 2**32) - 2**31
-
-
-def dropout(x, p, training):
-    """BERT's dropout: each element zeroed with probability p, the others scaled by 1 / (1 - p)."""
-    if not training or p == 0.0:
-        return x
-    if x.device.type != "cpu":
-        return F.dropout(x, p, True)
-    return x.masked_fill(drop_mask(x.shape, p), 0.0) * (1 / (1 - p))
-
-
 class Embeddings(nn.Module):
     """Token + learned absolute position + token-type embeddings, then LayerNorm and dropout."""
 
@@ -469,22 +451,16 @@ class Embeddings(nn.Module):
     def forward(self, input_ids):                                               # (B, L)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
         x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]  # (B, L, H)
-        return dropout(self.norm(x), self.dropout, self.training)
+        return F.dropout(self.norm(x), self.dropout, self.training)
 
 
-def attention(q, k, v, attend, p):
+def attention(q, k, v, attend, p=0.0):
     """softmax(q k^T / sqrt(d)) v per head, dropout p on the probabilities. q, k, v (B, heads, L, d); attend
-    (B, 1, 1, L) or (L, L), True = key visible. SDPA on GPU and in encoding; training on CPU writes the
-    equation out, 2.7x as fast there as SDPA's kernel with dropout (results/speed/micro.md)."""
-    if q.device.type != "cpu" or not torch.is_grad_enabled():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=p)
-    hide = torch.zeros(attend.shape).masked_fill(~attend, torch.finfo(torch.float32).min)  # like attend
-    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2) + hide              # (B, heads, L, L) fp32
-    probs = scores.softmax(-1).to(v.dtype)                                       # (B, heads, L, L)
-    if p == 0:
-        return probs @ v                                                         # (B, heads, L, d)
-    # dropout on the probabilities; its 1 / (1 - p) is applied to the 4x smaller output
-    return (probs.masked_fill(drop_mask(probs.shape, p), 0.0) @ v) * (1 / (1 - p))   # (B, heads, L, d)
+    (B, 1, 1, L) or (L, L), True = key visible."""
+    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5            # (B, heads, L, L) fp32 softmax
+    scores = scores.masked_fill(~attend, torch.finfo(torch.float32).min)        # a hidden key gets weight 0
+    probs = F.dropout(scores.softmax(-1), p, training=p > 0)                     # (B, heads, L, L)
+    return probs.to(v.dtype) @ v                                                 # (B, heads, L, d)
 
 
 class SelfAttention(nn.Module):
@@ -516,9 +492,9 @@ class Block(nn.Module):
         self.dropout = c.dropout
 
     def forward(self, x, attend):                                                    # (B, L, H)
-        x = self.attn_norm(x + dropout(self.attn(x, attend), self.dropout, self.training))
+        x = self.attn_norm(x + F.dropout(self.attn(x, attend), self.dropout, self.training))
         ffn = self.ffn_out(F.gelu(self.ffn_in(x)))                                   # (B, L, H)
-        return self.ffn_norm(x + dropout(ffn, self.dropout, self.training))          # (B, L, H)
+        return self.ffn_norm(x + F.dropout(ffn, self.dropout, self.training))        # (B, L, H)
 
 
 class MLMHead(nn.Module):
@@ -624,5 +600,4 @@ def gather_across_ranks(t):
 contrastive_loss = run.across_ranks(contrastive_loss, gather_across_ranks)
 
 if __name__ == "__main__":
-    run.run_command_line(lambda: train(run.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES,
-                                                        {"lab": LAB_PRESET})))
+    run.main(train, Config, __doc__, PAPER_PRESET, FLAG_RULES, {"lab": LAB_PRESET})

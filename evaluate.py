@@ -121,7 +121,7 @@ class EncoderConfig:
 def load_encoder(folder, c=None):
     """Encoder from a Hugging Face BERT folder, without the MLM head (unused, it would make DDP fail). c: a Config
     with the encoder's fields (finetune.py's), else EncoderConfig; the folder's config.json replaces its sizes."""
-    encoder = run.load_pretrained(Encoder, folder, c or EncoderConfig())
+    encoder = run.hub.load_pretrained(Encoder, folder, c or EncoderConfig())
     encoder.mlm_head = None
     encoder.source = str(folder)    # what check_finite names
     return encoder
@@ -182,8 +182,8 @@ class BM25:
             raise ValueError(f"BM25 needs k1 >= 0 and 0 <= b <= 1, got k1={k1}, b={b}")
         self.k1, self.b = k1, b
         self.vectorizer = CountVectorizer(lowercase=True, stop_words="english", dtype=np.float32)
-        progress = data.ProgressLine("BM25 indexing:", len(doc_texts), "documents")
-        tf = self.vectorizer.fit_transform(data.counted(doc_texts, progress)).tocsr()  # (N, T) term counts
+        progress = run.files.ProgressLine("BM25 indexing:", len(doc_texts), "documents")
+        tf = self.vectorizer.fit_transform(run.files.counted(doc_texts, progress)).tocsr()  # (N, T) term counts
         n_docs = tf.shape[0]
         doc_len = np.asarray(tf.sum(axis=1)).ravel()  # (N,) tokens per document
         df = np.bincount(tf.indices, minlength=tf.shape[1])  # (T,) documents containing each term
@@ -219,7 +219,7 @@ class BM25:
         q = self.vectorizer.transform(query_texts).tocsr()  # (M, T) query term counts
         cost = np.cumsum((q > 0).astype(np.int64) @ self.df.astype(np.int64))  # (M,) postings up to each query
         scores, ids = np.zeros((len(query_texts), k), np.float32), np.zeros((len(query_texts), k), np.int64)
-        progress = data.ProgressLine("BM25 search:", len(query_texts), "queries")
+        progress = run.files.ProgressLine("BM25 search:", len(query_texts), "queries")
         start = 0
         while start < len(query_texts):
             done = cost[start - 1] if start else 0
@@ -237,7 +237,7 @@ class BM25:
         k = min(k, self.n_docs)
         chunk = max(1, int(2e7 // max(self.n_docs, 1)))  # bound the dense block to ~80 MB
         all_scores, all_ids = [np.zeros((0, k), np.float32)], [np.zeros((0, k), np.int64)]
-        progress = data.ProgressLine("BM25 search:", len(query_texts), "queries")
+        progress = run.files.ProgressLine("BM25 search:", len(query_texts), "queries")
         for start in range(0, len(query_texts), chunk):
             s = self.score(query_texts[start:start + chunk])  # (m, N)
             progress.add(len(s))
@@ -348,7 +348,7 @@ def search(query_vecs, doc_vecs, k, index="Flat", nprobe=0, ef_search=0, train_s
     index = build_index(doc_vecs, index, train_size)
     set_search_parameters(index, nprobe, ef_search)
     scores, ids = [np.zeros((0, k), np.float32)], [np.zeros((0, k), np.int64)]
-    progress = data.ProgressLine("searching:", len(query_vecs), "queries")
+    progress = run.files.ProgressLine("searching:", len(query_vecs), "queries")
     for start in range(0, len(query_vecs), batch):
         s, i = index.search(query_vecs[start:start + batch], k)  # (m, k) each
         progress.add(len(s))
@@ -400,11 +400,11 @@ def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16
         out.flush()
         del out                                    # unmapped: its written pages leave this process
     try:
-        data.atomic_write(path, write)
+        run.files.atomic_write(path, write)
     except Exception as e:
-        if not data.is_disk_full(e, Path(path).parent):
+        if not run.files.is_disk_full(e, Path(path).parent):
             raise
-        raise data.disk_full_line(Path(path).parent, "the corpus vectors need", shape[0] * shape[1] * 2, "",
+        raise run.files.disk_full_line(Path(path).parent, "the corpus vectors need", shape[0] * shape[1] * 2, "",
                                   "free some space, or give another --vectors_dir") from None
     return np.load(path, mmap_mode="r")
 
@@ -431,7 +431,7 @@ def _encode_into(out, encoder, pooling, tokenizer, texts, max_len, batch_size, d
     encoder.eval()
     autocast = run.autocast_bf16(device, bf16)
     order = np.argsort([len(t) for t in texts], kind="stable")
-    progress = data.ProgressLine("encoding:", len(texts), "texts")
+    progress = run.files.ProgressLine("encoding:", len(texts), "texts")
     for start in range(0, len(texts), batch_size):
         rows = order[start:start + batch_size]
         ids, mask = data.encode_texts(tokenizer, [texts[i] for i in rows], max_len)          # (b, L)
@@ -628,25 +628,34 @@ def trec_tag(tag):
     return "-".join(str(tag).split()) or "run"
 
 
-def save_and_score(run, qrels, out_dir, tag, info=None):
+def write_run(path, ranking, tag="dense"):
+    """Write {qid: {docid: score}} as a TREC run file, each query ranked by score (atomic)."""
+    lines = []
+    for qid, scores in ranking.items():
+        ranked = sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))
+        lines += [f"{qid} Q0 {docid} {rank} {score:.6f} {tag}\n" for rank, (docid, score) in enumerate(ranked, start=1)]
+    run.files.atomic_write_text(path, "".join(lines))
+
+
+def save_and_score(ranking, qrels, out_dir, tag, info=None):
     """Write run.trec, score the run AS READ BACK from it (what trec_eval would report, rounding included), and
     write metrics.json (means, per-query values, `info`). run.trec is renamed into place last: a failed evaluation
     (a full disk is one line) leaves the previous pair as it was. Returns (means, per_query)."""
     out_dir, tag, scored = Path(out_dir), trec_tag(tag), []
 
     def write_and_score(tmp):
-        data.write_run(tmp, run, tag)
+        write_run(tmp, ranking, tag)
         scored.extend(compute_metrics(data.read_run(tmp), qrels))
-        data.atomic_write_json(out_dir / "metrics.json", {"tag": tag, "n_queries": len(scored[1]), "metrics": scored[0],
+        run.files.atomic_write_json(out_dir / "metrics.json", {"tag": tag, "n_queries": len(scored[1]), "metrics": scored[0],
                                                           "info": info or {}, "per_query": scored[1]})
     try:
-        data.atomic_write(out_dir / "run.trec", write_and_score)
+        run.files.atomic_write(out_dir / "run.trec", write_and_score)
     except Exception as e:
-        if not data.is_disk_full(e, out_dir):
+        if not run.files.is_disk_full(e, out_dir):
             raise
-        needs = sum(len(f"{q} Q0 {d} {len(docs)} {score:.6f} {tag}\n") for q, docs in run.items()   # write_run's
+        needs = sum(len(f"{q} Q0 {d} {len(docs)} {score:.6f} {tag}\n") for q, docs in ranking.items()   # write_run's
                     for d, score in docs.items())                                                       # lines, at most
-        raise data.disk_full_line(out_dir, "run.trec needs", needs, "its run.trec and metrics.json are the previous ones; ",
+        raise run.files.disk_full_line(out_dir, "run.trec needs", needs, "its run.trec and metrics.json are the previous ones; ",
                                   "free some space, or give another --out_dir") from None
     return tuple(scored)
 
@@ -823,20 +832,20 @@ def read_retriever_settings(folder):
 def write_retriever_settings(folder, pooling, similarity, query_len, passage_len):
     """retriever.json plus the sentence-transformers files: SentenceTransformer(folder) pools as fine-tuning did."""
     folder = Path(folder)
-    data.atomic_write_json(folder / "retriever.json", {"pooling": pooling, "similarity": similarity,
+    run.files.atomic_write_json(folder / "retriever.json", {"pooling": pooling, "similarity": similarity,
                                                        "query_len": query_len, "passage_len": passage_len})
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
     if similarity == "cos":
         modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
     hidden = data.read_json(folder / "config.json")["hidden_size"]
-    data.atomic_write_json(folder / "1_Pooling" / "config.json", {
+    run.files.atomic_write_json(folder / "1_Pooling" / "config.json", {
         "word_embedding_dimension": hidden, "pooling_mode_cls_token": pooling == "cls",
         "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": False,
         "pooling_mode_mean_sqrt_len_tokens": False})
-    data.atomic_write_json(folder / "modules.json", modules)
-    data.atomic_write_json(folder / "sentence_bert_config.json", {"max_seq_length": passage_len, "do_lower_case": False})
-    data.atomic_write_json(folder / "config_sentence_transformers.json",
+    run.files.atomic_write_json(folder / "modules.json", modules)
+    run.files.atomic_write_json(folder / "sentence_bert_config.json", {"max_seq_length": passage_len, "do_lower_case": False})
+    run.files.atomic_write_json(folder / "config_sentence_transformers.json",
                            {"similarity_fn_name": "cosine" if similarity == "cos" else "dot"})
 
 
@@ -932,7 +941,7 @@ def main(c):
         return run_commands(c, names, out_dirs, rank, device)
     finally:
         for folder in out_dirs:
-            run.release_run_folder(folder)
+            run.folders.release_run_folder(folder)
         for folder in new if rank == 0 else []:    # a refused run leaves no folder it made (deepest first;
             with contextlib.suppress(OSError):     # one with files in it stays)
                 folder.rmdir()
@@ -942,18 +951,18 @@ def hold_out_dirs(folders):
     """evaluate.py never writes where a live run does: refused in one line when an output folder, or the one that
     holds it (eval-{split}/ is inside the model's run folder), is held by another run; else each is locked."""
     for folder in folders:
-        run.check_writable(folder)
+        run.folders.check_writable(folder)
         above = Path(folder).resolve().parent
-        if run.held_by_another_run(above):
+        if run.folders.held_by_another_run(above):
             raise data.DataError(f"{above} is in use by another run, and {folder} is inside it; wait for it to "
                                  f"end, or give another --out_dir")
-        run.lock_run_folder(folder, create=True)
+        run.folders.lock_run_folder(folder, create=True)
 
 
 def run_commands(c, names, out_dirs, rank, device):
     """main's work, in the folders it holds: the evaluation of --model or --bm25 on each split."""
     tag = c.tag or (Path(c.model).resolve().parent.name if Path(c.model).is_dir() else c.model)
-    c = resolve_retriever(dataclasses.replace(c, model=run.resolve_model(c.model)))    # 'minilm', a hub id -> a folder
+    c = resolve_retriever(dataclasses.replace(c, model=run.hub.resolve_model(c.model)))    # 'minilm', a hub id -> a folder
     splits = [(*load_eval_split(c, name), out) for name, out in zip(names, out_dirs)]
     if c.bm25:
         if rank != 0:
@@ -987,7 +996,7 @@ def model_list(c, several=False):
 
 def model_settings(c, model, tag):
     """c for one model: its folder ('minilm' or a hub id resolved), its tag, pooling, similarity, lengths."""
-    return resolve_retriever(dataclasses.replace(c, model=run.resolve_model(model), tag=tag))
+    return resolve_retriever(dataclasses.replace(c, model=run.hub.resolve_model(model), tag=tag))
 
 
 def load_model(c, device):
@@ -1035,24 +1044,6 @@ def load_eval_split(c, split):
 # file that has them (a test checks); read them once in costa.py
 # ==============================================================================================
 # --- shared: begin encoder ---
-def drop_mask(shape, p):
-    """A boolean mask, each element True (dropped) with probability p, for dropout on CPU: numpy's PCG64 seeded
-    from torch's generator, one uniform int32 per element; 4x faster than torch's bernoulli_ (results/speed)."""
-    n = int(np.prod(shape))
-    bits = np.random.PCG64(int(torch.randint(2**62, ()))).random_raw((n + 1) // 2)   # uint64: 2 draws each
-    draws = torch.from_numpy(bits.view(np.int32)[:n]).view(shape)                   # uniform int32
-    return draws < round(p * 2**32) - 2**31
-
-
-def dropout(x, p, training):
-    """BERT's dropout: each element zeroed with probability p, the others scaled by 1 / (1 - p)."""
-    if not training or p == 0.0:
-        return x
-    if x.device.type != "cpu":
-        return F.dropout(x, p, True)
-    return x.masked_fill(drop_mask(x.shape, p), 0.0) * (1 / (1 - p))
-
-
 class Embeddings(nn.Module):
     """Token + learned absolute position + token-type embeddings, then LayerNorm and dropout."""
 
@@ -1067,22 +1058,16 @@ class Embeddings(nn.Module):
     def forward(self, input_ids):                                               # (B, L)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
         x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]  # (B, L, H)
-        return dropout(self.norm(x), self.dropout, self.training)
+        return F.dropout(self.norm(x), self.dropout, self.training)
 
 
-def attention(q, k, v, attend, p):
+def attention(q, k, v, attend, p=0.0):
     """softmax(q k^T / sqrt(d)) v per head, dropout p on the probabilities. q, k, v (B, heads, L, d); attend
-    (B, 1, 1, L) or (L, L), True = key visible. SDPA on GPU and in encoding; training on CPU writes the
-    equation out, 2.7x as fast there as SDPA's kernel with dropout (results/speed/micro.md)."""
-    if q.device.type != "cpu" or not torch.is_grad_enabled():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=p)
-    hide = torch.zeros(attend.shape).masked_fill(~attend, torch.finfo(torch.float32).min)  # like attend
-    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2) + hide              # (B, heads, L, L) fp32
-    probs = scores.softmax(-1).to(v.dtype)                                       # (B, heads, L, L)
-    if p == 0:
-        return probs @ v                                                         # (B, heads, L, d)
-    # dropout on the probabilities; its 1 / (1 - p) is applied to the 4x smaller output
-    return (probs.masked_fill(drop_mask(probs.shape, p), 0.0) @ v) * (1 / (1 - p))   # (B, heads, L, d)
+    (B, 1, 1, L) or (L, L), True = key visible."""
+    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5            # (B, heads, L, L) fp32 softmax
+    scores = scores.masked_fill(~attend, torch.finfo(torch.float32).min)        # a hidden key gets weight 0
+    probs = F.dropout(scores.softmax(-1), p, training=p > 0)                     # (B, heads, L, L)
+    return probs.to(v.dtype) @ v                                                 # (B, heads, L, d)
 
 
 class SelfAttention(nn.Module):
@@ -1114,9 +1099,9 @@ class Block(nn.Module):
         self.dropout = c.dropout
 
     def forward(self, x, attend):                                                    # (B, L, H)
-        x = self.attn_norm(x + dropout(self.attn(x, attend), self.dropout, self.training))
+        x = self.attn_norm(x + F.dropout(self.attn(x, attend), self.dropout, self.training))
         ffn = self.ffn_out(F.gelu(self.ffn_in(x)))                                   # (B, L, H)
-        return self.ffn_norm(x + dropout(ffn, self.dropout, self.training))          # (B, L, H)
+        return self.ffn_norm(x + F.dropout(ffn, self.dropout, self.training))        # (B, L, H)
 
 
 class MLMHead(nn.Module):
@@ -1215,5 +1200,5 @@ def gather_across_ranks(t):
 
 
 if __name__ == "__main__":
-    run.run_command_line(lambda: main(run.parse_config(Config, sys.argv[1:], __doc__, rules=FLAG_RULES)),
+    run.cli.run_command_line(lambda: main(run.cli.parse_config(Config, sys.argv[1:], __doc__, rules=FLAG_RULES)),
                          interrupted="interrupted; run it again to evaluate")

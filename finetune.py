@@ -335,7 +335,7 @@ def read_negatives(path, doc_index):
 
 def write_negatives(path, negatives, doc_ids):
     """Atomic TSV 'qid<TAB>docid,docid,...' of {qid: [corpus index]}."""
-    data.atomic_write_text(path, "".join(f"{q}\t{','.join(doc_ids[d] for d in negs)}\n"
+    run.files.atomic_write_text(path, "".join(f"{q}\t{','.join(doc_ids[d] for d in negs)}\n"
                                          for q, negs in negatives.items()))
 
 
@@ -348,17 +348,17 @@ def bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, path, device
     --resume. --bm25_negatives reads the pools instead (MS MARCO: Tevatron's)."""
     if c.bm25_negatives:
         ranked = read_negatives(c.bm25_negatives, doc_index)
-    elif run.broadcast_rank0_choice(c.resume and path.is_file(), device):
+    elif run.ranks.broadcast_rank0_choice(c.resume and path.is_file(), device):
         ranked = read_negatives(path, doc_index)
     else:
         rank, world = rank_and_world()
-        tag = run.broadcast_rank0_int(int(time.time() * 1000) % 2**40, device)   # this run's part files
+        tag = run.ranks.broadcast_rank0_int(int(time.time() * 1000) % 2**40, device)   # this run's part files
         t0 = time.time()
         mine = [examples[i] for i in data.shard(len(examples), rank, world)]
         _, ids = evaluate.BM25(doc_texts, c.k1, c.b).search([ex.query for ex in mine], c.bm25_depth)
         ranked = {ex.qid: row.tolist() for ex, row in zip(mine, ids)}
         if world > 1:
-            ranked = run.share_through_files(path, ranked, tag, 2 * (time.time() - t0) + 600)
+            ranked = run.ranks.share_through_files(path, ranked, tag, 2 * (time.time() - t0) + 600)
         if is_rank0:
             write_negatives(path, ranked, doc_ids)
     return [ex._replace(negatives=negatives_from_ranking(ranked.get(ex.qid, [])[:c.bm25_depth], ex.positives))
@@ -368,7 +368,7 @@ def bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, path, device
 def hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc_index, path, device, is_rank0):
     """Stage-2 pools, mined once from the current model (evaluate.retrieve): its top hard_depth per training query,
     hard_skip skipped, positives removed; rank 0 caches them in `path` for --resume."""
-    if run.broadcast_rank0_choice(c.resume and path.is_file(), device):
+    if run.ranks.broadcast_rank0_choice(c.resume and path.is_file(), device):
         ranked = read_negatives(path, doc_index)
     else:
         t0 = time.time()
@@ -378,7 +378,7 @@ def hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc
         if is_rank0:
             write_negatives(path, ranked, doc_ids)
             print(f"mined: top-{c.hard_depth} of {len(examples)} queries over {len(doc_texts):,} passages "
-                  f"in {data.format_seconds(time.time() - t0)} -> {path}", flush=True)
+                  f"in {run.files.format_seconds(time.time() - t0)} -> {path}", flush=True)
     return [ex._replace(negatives=negatives_from_ranking(ranked.get(ex.qid, [])[:c.hard_depth], ex.positives,
                                                          c.hard_skip))
             for ex in examples]
@@ -403,17 +403,17 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
     rank, world = rank_and_world()
     sc = dataclasses.replace(c, out_dir=str(Path(c.out_dir) / stage), vocab=run.run_vocab(c),
                              steps=stage_steps(c, len(examples), epochs, world))
-    if run.broadcast_rank0_choice(c.resume and (Path(sc.out_dir) / "done.json").is_file(), device):
+    if run.ranks.broadcast_rank0_choice(c.resume and (Path(sc.out_dir) / "done.json").is_file(), device):
         if is_rank0:
             print(f"{stage}: already finished, loading {Path(sc.out_dir) / 'encoder'}")
         return evaluate.load_encoder(Path(sc.out_dir) / "encoder", c).to(device)
     model = BiEncoder(encoder, c).to(device)
     optimizer, scheduler = run.make_optimizer(model, sc)
-    start_step = run.load_checkpoint(sc, model, optimizer, scheduler, is_rank0, {"processes": world}) if c.resume else 0
+    start_step = run.folders.load_checkpoint(sc, model, optimizer, scheduler, is_rank0, {"processes": world}) if c.resume else 0
     global_batch = c.batch_size * world
     if is_rank0:
         Path(sc.out_dir).mkdir(parents=True, exist_ok=True)
-        run.write_config(sc.out_dir, sc)
+        run.folders.write_config(sc.out_dir, sc)
         pools = [len(ex.negatives) for ex in examples]
         print(f"{stage}: {len(examples)} queries | {sc.steps} steps ({sc.steps * global_batch * c.grad_accum / len(examples):.1f} "
               f"epochs) | global batch {global_batch} queries x (1 + {c.n_negatives}) passages | "
@@ -428,7 +428,7 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
     progress = run.Progress(sc, start_step, is_rank0)
     saved, step = start_step, start_step
     model.train()
-    with run.stops_cleanly(lambda: (step, saved, sc.out_dir)):    # Ctrl-C, SIGTERM: one line, then --resume
+    with run.folders.stops_cleanly(lambda: (step, saved, sc.out_dir)):    # Ctrl-C, SIGTERM: one line, then --resume
         for step in range(start_step + 1, sc.steps + 1):
             for micro in range(c.grad_accum):
                 micro_step = (step_offset + step - 1) * c.grad_accum + micro   # counted across stages
@@ -443,7 +443,7 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
                         loss, metrics = ddp(batch)
                     (loss / c.grad_accum).backward()
                 progress.add(metrics, n_tokens)
-            run.stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, sc, saved)
+            run.folders.stop_if_not_finite(torch.nn.utils.clip_grad_norm_(model.parameters(), c.clip), step, sc, saved)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -456,15 +456,15 @@ def train_stage(c, stage, encoder, examples, doc_texts, tokenizer, device, epoch
                 nonlocal saved
                 save_checkpoint(sc, model, optimizer, scheduler, step, is_rank0, saved)
                 saved = step
-            run.checkpoint_or_stop(step, saved, due, c.save_every, save, device)    # SIGTERM: save, then stop
+            run.folders.checkpoint_or_stop(step, saved, due, c.save_every, save, device)    # SIGTERM: save, then stop
             if halt:
                 if is_rank0:
                     print(f"{stage}: halted at step {step} (--halt_at {c.halt_at})")
                 return None
     if is_rank0:
-        data.atomic_write_json(Path(sc.out_dir) / "done.json", {"steps": sc.steps})
+        run.files.atomic_write_json(Path(sc.out_dir) / "done.json", {"steps": sc.steps})
         print(f"{stage}: done: {progress.summary(device)}", flush=True)
-    run.barrier()
+    run.ranks.barrier()
     return model.encoder
 
 
@@ -478,10 +478,10 @@ def train(c, name=""):
     loss_function(c.loss)                       # a bad --loss stops here, before any work
     if not c.epochs and not c.rounds:
         raise ValueError("--epochs 0 skips the BM25 stage, so --rounds must be >= 1 (else nothing trains)")
-    run.check_run_folder(c, RUN_FILES)
-    run.lock_run_folder(c.out_dir)               # one run at a time in a run folder (if it exists yet)
+    run.folders.check_run_folder(c, RUN_FILES)
+    run.folders.lock_run_folder(c.out_dir)               # one run at a time in a run folder (if it exists yet)
     name = name or (Path(c.init).parent.name if Path(c.init).is_dir() else c.init) or "random init"  # for the printouts
-    c = retriever_settings(dataclasses.replace(c, init=run.resolve_model(c.init)))
+    c = retriever_settings(dataclasses.replace(c, init=run.hub.resolve_model(c.init)))
     tokenizer = data.load_tokenizer(run.run_vocab(c))
     corpus, queries, qrels = evaluate.load_split(c, c.train_split, c.queries, c.qrels)
     qrels, dev_qrels = evaluate.carve_dev(qrels, c.dev_queries) if c.dev_queries else (qrels, {})
@@ -499,14 +499,14 @@ def train(c, name=""):
     evaluate.new_index(c.index, c.hidden_size)  # an --index these vectors cannot use fails now, not after stage 1
     evaluate.check_lengths(c, c.max_position, c.init)
     encoder = encoder.to(device)
-    run.lock_run_folder(out, create=True)       # a new folder is locked as it is made
+    run.folders.lock_run_folder(out, create=True)       # a new folder is locked as it is made
     if is_rank0:
-        data.remove_dead_temporaries(out, locked=True)
+        run.files.remove_dead_temporaries(out, locked=True)
         for stage in out.glob("stage*"):
-            run.finish_checkpoint_switch(stage)     # a save cut short by a kill: complete it or drop it
+            run.folders.finish_checkpoint_switch(stage)     # a save cut short by a kill: complete it or drop it
         if not c.resume:
             clear_stale_outputs(out)
-        run.write_config(out, c)
+        run.folders.write_config(out, c)
         n_params = sum(p.numel() for p in encoder.parameters())
         print(f"model: {name} ({n_params / 1e6:.1f}M parameters, {c.pooling} pooling, "
               f"{c.similarity}{f' / tau {c.tau}' if c.similarity == 'cos' else ''}) | "
@@ -531,7 +531,7 @@ def train(c, name=""):
     if is_rank0:
         save_final_encoder(encoder, out, c)
         print(f"fine-tuned encoder: {out / 'encoder'}", flush=True)
-    run.barrier()
+    run.ranks.barrier()
     splits = []                                 # dev (the held-out training queries: where settings are chosen), test
     if dev_qrels:
         splits.append((corpus, {q: queries[q] for q in dev_qrels}, dev_qrels, out / "eval-dev"))
@@ -569,7 +569,7 @@ def _random_encoder(c):
 # ==============================================================================================
 def save_encoder(encoder, folder, c, vocab):
     """Hugging Face BERT folder plus how to use it as a retriever (retriever.json, sentence-transformers' files)."""
-    run.save_pretrained(encoder, folder, vocab)
+    run.hub.save_pretrained(encoder, folder, vocab)
     evaluate.write_retriever_settings(folder, c.pooling, c.similarity, c.query_len, c.passage_len)
 
 
@@ -579,10 +579,10 @@ def save_final_encoder(encoder, out, c):
     try:
         save_encoder(encoder, out / "encoder", c, run.run_vocab(c))
     except Exception as e:   # safetensors, numpy and torch.save each report a full disk their own way
-        if not data.is_disk_full(e, out):
+        if not run.files.is_disk_full(e, out):
             raise
         needs = sum(p.stat().st_size for p in last.rglob("*") if p.is_file())
-        raise data.disk_full_line(out / "encoder", "the encoder needs", needs, f"{last} holds it whole; ",
+        raise run.files.disk_full_line(out / "encoder", "the encoder needs", needs, f"{last} holds it whole; ",
                                   "free some space and continue with --resume") from None
 
 
@@ -590,7 +590,7 @@ def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved):
     """The stage's encoder (save_encoder's folder) and training state, switched together (run.save_checkpoint)."""
     def settings(folder):   # the retriever's pooling and similarity, beside the encoder (save_encoder's)
         evaluate.write_retriever_settings(folder, c.pooling, c.similarity, c.query_len, c.passage_len)
-    run.save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved, settings,
+    run.folders.save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved, settings,
                         stream={"processes": rank_and_world()[1]})   # what --resume checks besides the flags
 
 
@@ -605,7 +605,7 @@ def pretrain(c):
             (folder / "done.json").unlink()  # a fresh run: an older run's marker must not survive a crash
         module.train(pc)
         if rank_and_world()[0] == 0 and (folder / "encoder").is_dir():
-            data.atomic_write_json(folder / "done.json", {"method": c.pretrain, "steps": pc.steps})
+            run.files.atomic_write_json(folder / "done.json", {"method": c.pretrain, "steps": pc.steps})
     elif rank_and_world()[0] == 0:
         print(f"pretrain: already finished, using {folder / 'encoder'}")
     return str(folder / "encoder")
@@ -619,13 +619,13 @@ def pretrain_config(c):
     argv = (["--init", c.init, "--corpus", corpus, "--lr", "5e-5", "--steps", str(c.pretrain_steps)]
             + shlex.split(c.pretrain_args) + ["--out_dir", str(folder), "--seed", str(c.seed)]
             + (["--resume"] if c.resume else []) + (["--overwrite"] if c.overwrite else []))
-    return module, folder, run.parse_config(module.Config, argv, module.__doc__, module.PAPER_PRESET, module.FLAG_RULES)
+    return module, folder, run.cli.parse_config(module.Config, argv, module.__doc__, module.PAPER_PRESET, module.FLAG_RULES)
 
 
 def check_pretraining(c):
     """Before any work: --pretrain_args parse, and the token cache has a place (data.token_cache_folder)."""
     _, _, pc = pretrain_config(c)
-    data.token_cache_folder(pc.corpus, run.run_vocab(pc), pc.cache_dir, pc.max_len,
+    run.cache.token_cache_folder(pc.corpus, run.run_vocab(pc), pc.cache_dir, pc.max_len,
                             flag='--pretrain_args "--cache_dir DIR"')
 
 
@@ -657,12 +657,12 @@ def pipeline(c):
                          f"torchrun ... {c.pretrain}.py --out_dir DIR, then torchrun ... finetune.py --init DIR/encoder")
     if not c.eval_split:
         raise ValueError("--pretrain compares models on the evaluation split: give --eval_split")
-    run.check_run_folder(c, RUN_FILES + ("pretrain", "zero-shot", "no-pretrain"))   # before any work, not after it
-    run.lock_run_folder(c.out_dir)               # one run at a time in a run folder (if it exists yet)
+    run.folders.check_run_folder(c, RUN_FILES + ("pretrain", "zero-shot", "no-pretrain"))   # before any work, not after it
+    run.folders.lock_run_folder(c.out_dir)               # one run at a time in a run folder (if it exists yet)
     out, name = Path(c.out_dir), Path(c.init).name if Path(c.init).is_dir() else c.init
-    c = retriever_settings(dataclasses.replace(c, init=run.resolve_model(c.init)))
+    c = retriever_settings(dataclasses.replace(c, init=run.hub.resolve_model(c.init)))
     check_pretraining(c)
-    run.lock_run_folder(out, create=True)       # a new folder is locked as it is made
+    run.folders.lock_run_folder(out, create=True)       # a new folder is locked as it is made
     rows = {f"{name} zero-shot": evaluate_folder(c, c.init, out / f"zero-shot/eval-{c.eval_split}", f"{name}-zero-shot")}
     if c.baseline:
         rows[f"{name} + fine-tune"] = train(dataclasses.replace(c, out_dir=str(out / "no-pretrain")), name)
@@ -677,20 +677,20 @@ def pipeline(c):
     print()
     print(evaluate.format_table(rows, title=f"{c.eval_split} split, {len(qrels)} queries", baseline=bm25_name))
     print(evaluate.format_pairs(rows, list(rows)[1:]))
-    print(f"pipeline: {data.format_seconds(time.time() - t0)} in all; outputs in {c.out_dir}")
+    print(f"pipeline: {run.files.format_seconds(time.time() - t0)} in all; outputs in {c.out_dir}")
 
 
 def main(argv):
-    c = run.parse_config(Config, argv, __doc__, PAPER_PRESET, FLAG_RULES)
+    c = run.cli.parse_config(Config, argv, __doc__, PAPER_PRESET, FLAG_RULES)
     if c.pretrain:
         pipeline(c)
-        run.release_run_folder(c.out_dir)
+        run.folders.release_run_folder(c.out_dir)
         return
     train(c)
-    run.barrier()   # every rank is past its last collective before the group ends (run.leave_distributed)
-    run.release_run_folder(c.out_dir)
+    run.ranks.barrier()   # every rank is past its last collective before the group ends (run.leave_distributed)
+    run.folders.release_run_folder(c.out_dir)
 
 
 if __name__ == "__main__":
-    run.run_command_line(lambda: main(sys.argv[1:]),
+    run.cli.run_command_line(lambda: main(sys.argv[1:]),
                          interrupted="interrupted; continue with --resume (each stage from its last checkpoint)")

@@ -279,8 +279,8 @@ class PretrainModel(nn.Module):
         kept = batch["decoder_targets"] != -100                                  # (B, L-1) every real token
         targets = batch["decoder_targets"][kept]                                 # (N,)
         # N varies per batch: padded up to a multiple of 1/8 of its most, so that only a few shapes recur
-        padded, padded_targets = run.pad_rows(states[kept], targets, -(-c.batch_size * (c.max_len - 1) // 8))
-        dec, dec_correct = run.fused(decoder_loss, c, lambda *a: chunked_decoder_loss(*a, c.dec_chunk))(
+        padded, padded_targets = run.speed.pad_rows(states[kept], targets, -(-c.batch_size * (c.max_len - 1) // 8))
+        dec, dec_correct = run.speed.fused(decoder_loss, c, lambda *a: chunked_decoder_loss(*a, c.dec_chunk))(
             padded, self.decoder.word_embedding[0].weight, padded_targets)      # eq. 9 (decoder_loss)
         # Eq. 10 as the paper writes it, weights 1:1 (the authors' 0.5:0.5 only halves the gradient; AdamW undoes it)
         # Departure (option-seed-dec-weight): off by default; --dec_weight w weighs L_dec w times L_MLM.
@@ -373,24 +373,6 @@ def train(c):
 # give no lines in a diff of two method files): the BERT encoder and the distributed steps.
 # ==============================================================================================
 # --- shared: begin encoder ---
-def drop_mask(shape, p):
-    """A boolean mask, each element True (dropped) with probability p, for dropout on CPU: numpy's PCG64 seeded
-    from torch's generator, one uniform int32 per element; 4x faster than torch's bernoulli_ (results/speed)."""
-    n = int(np.prod(shape))
-    bits = np.random.PCG64(int(torch.randint(2**62, ()))).random_raw((n + 1) // 2)   # uint64: 2 draws each
-    draws = torch.from_numpy(bits.view(np.int32)[:n]).view(shape)                   # uniform int32
-    return draws < round(p * 2**32) - 2**31
-
-
-def dropout(x, p, training):
-    """BERT's dropout: each element zeroed with probability p, the others scaled by 1 / (1 - p)."""
-    if not training or p == 0.0:
-        return x
-    if x.device.type != "cpu":
-        return F.dropout(x, p, True)
-    return x.masked_fill(drop_mask(x.shape, p), 0.0) * (1 / (1 - p))
-
-
 class Embeddings(nn.Module):
     """Token + learned absolute position + token-type embeddings, then LayerNorm and dropout."""
 
@@ -405,22 +387,16 @@ class Embeddings(nn.Module):
     def forward(self, input_ids):                                               # (B, L)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)   # (L,)
         x = self.word(input_ids) + self.position(positions) + self.token_type.weight[0]  # (B, L, H)
-        return dropout(self.norm(x), self.dropout, self.training)
+        return F.dropout(self.norm(x), self.dropout, self.training)
 
 
-def attention(q, k, v, attend, p):
+def attention(q, k, v, attend, p=0.0):
     """softmax(q k^T / sqrt(d)) v per head, dropout p on the probabilities. q, k, v (B, heads, L, d); attend
-    (B, 1, 1, L) or (L, L), True = key visible. SDPA on GPU and in encoding; training on CPU writes the
-    equation out, 2.7x as fast there as SDPA's kernel with dropout (results/speed/micro.md)."""
-    if q.device.type != "cpu" or not torch.is_grad_enabled():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=p)
-    hide = torch.zeros(attend.shape).masked_fill(~attend, torch.finfo(torch.float32).min)  # like attend
-    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2) + hide              # (B, heads, L, L) fp32
-    probs = scores.softmax(-1).to(v.dtype)                                       # (B, heads, L, L)
-    if p == 0:
-        return probs @ v                                                         # (B, heads, L, d)
-    # dropout on the probabilities; its 1 / (1 - p) is applied to the 4x smaller output
-    return (probs.masked_fill(drop_mask(probs.shape, p), 0.0) @ v) * (1 / (1 - p))   # (B, heads, L, d)
+    (B, 1, 1, L) or (L, L), True = key visible."""
+    scores = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5            # (B, heads, L, L) fp32 softmax
+    scores = scores.masked_fill(~attend, torch.finfo(torch.float32).min)        # a hidden key gets weight 0
+    probs = F.dropout(scores.softmax(-1), p, training=p > 0)                     # (B, heads, L, L)
+    return probs.to(v.dtype) @ v                                                 # (B, heads, L, d)
 
 
 class SelfAttention(nn.Module):
@@ -452,9 +428,9 @@ class Block(nn.Module):
         self.dropout = c.dropout
 
     def forward(self, x, attend):                                                    # (B, L, H)
-        x = self.attn_norm(x + dropout(self.attn(x, attend), self.dropout, self.training))
+        x = self.attn_norm(x + F.dropout(self.attn(x, attend), self.dropout, self.training))
         ffn = self.ffn_out(F.gelu(self.ffn_in(x)))                                   # (B, L, H)
-        return self.ffn_norm(x + dropout(ffn, self.dropout, self.training))          # (B, L, H)
+        return self.ffn_norm(x + F.dropout(ffn, self.dropout, self.training))        # (B, L, H)
 
 
 class MLMHead(nn.Module):
@@ -553,5 +529,4 @@ def gather_across_ranks(t):
 
 
 if __name__ == "__main__":
-    run.run_command_line(lambda: train(run.parse_config(Config, sys.argv[1:], __doc__, PAPER_PRESET, FLAG_RULES,
-                                                        {"lab": LAB_PRESET})))
+    run.main(train, Config, __doc__, PAPER_PRESET, FLAG_RULES, {"lab": LAB_PRESET})

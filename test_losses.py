@@ -469,7 +469,7 @@ def test_js_equals_float64_loop_on_random_distributions():
     q = random_distributions(4, 30, seed=3)
     q[0, :10] = 0.0  # exact zeros: 0 log 0 = 0
     q = q / q.sum(-1, keepdim=True)
-    got = -run.in_row_chunks(cpdae.js_similarity, 2)(p, q)                 # eager training's form
+    got = -run.speed.in_row_chunks(cpdae.js_similarity, 2)(p, q)                 # eager training's form
     for a in range(3):
         for b in range(4):
             assert abs(got[a, b].item() - js_loop(p[a], q[b])) < 1e-6
@@ -490,7 +490,7 @@ def test_chunked_pairwise_js_equals_naive_values_and_gradients():
     (ref_grad,) = torch.autograd.grad((ref * weights).sum(), logits)
     for chunk in (0, 1, 5, 12, 64):                                     # 0: js_similarity in one piece
         dist = cpdae.word_distribution(logits)
-        got = -(run.in_row_chunks(cpdae.js_similarity, chunk) if chunk else cpdae.js_similarity)(dist, dist)
+        got = -(run.speed.in_row_chunks(cpdae.js_similarity, chunk) if chunk else cpdae.js_similarity)(dist, dist)
         (grad,) = torch.autograd.grad((got * weights).sum(), logits)
         torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-4)
@@ -582,7 +582,7 @@ def test_js_contrastive_equals_eq5_loop():
     m, v = 4, 25
     dist1 = random_distributions(m, v, seed=4)
     dist2 = random_distributions(m, v, seed=5)
-    got = cpdae.contrastive_loss(dist1, dist2, run.in_row_chunks(cpdae.js_similarity, 3))[0]
+    got = cpdae.contrastive_loss(dist1, dist2, run.speed.in_row_chunks(cpdae.js_similarity, 3))[0]
     assert abs(got.item() - contrastive_loop(dist1, dist2)) < 1e-5
 
 
@@ -590,7 +590,7 @@ def test_js_contrastive_gradient_matches_float64():
     m, v = 3, 15
     logits = torch.randn(2 * m, v, dtype=torch.float64, requires_grad=True)
     dist = cpdae.word_distribution(logits).double()  # fp32 path as in training
-    got = cpdae.contrastive_loss(dist[:m], dist[m:], run.in_row_chunks(cpdae.js_similarity, 2))[0]
+    got = cpdae.contrastive_loss(dist[:m], dist[m:], run.speed.in_row_chunks(cpdae.js_similarity, 2))[0]
     (grad,) = torch.autograd.grad(got, logits)
     p = torch.sigmoid(logits)
     p = p / p.sum(-1, keepdim=True)  # float64 reference, same formula through autograd
@@ -614,7 +614,7 @@ def _contrastive_worker(rank, world, tmp_path, inputs):
         x2 = full2[rank * m:(rank + 1) * m].clone().requires_grad_()
         if mode == "js":
             loss, _ = cpdae.contrastive_loss(cpdae.word_distribution(x1), cpdae.word_distribution(x2),
-                                                run.in_row_chunks(cpdae.js_similarity, 2))
+                                                run.speed.in_row_chunks(cpdae.js_similarity, 2))
         else:
             loss, _ = cpdae.contrastive_loss(x1, x2, partial(cpdae.cosine_similarity, temperature=0.1))
         loss.backward()
@@ -761,7 +761,7 @@ def test_checkpoint_keeps_the_decoder_beside_the_encoder(tmp_path):
     c = tiny_cpdae(out_dir=str(tmp_path / "run"), corpus=str(corpus), steps=1, batch_size=2, bf16=False)
     cpdae.train(c)                                              # train() hands save_checkpoint the decoder
     decoder = cpdae.Decoder.from_pretrained(tmp_path / "run" / "encoder")
-    state = run.load_training_state(tmp_path / "run" / "state.pt")
+    state = run.folders.load_training_state(tmp_path / "run" / "state.pt")
     for name, tensor in decoder.state_dict().items():
         assert torch.equal(state["model"][f"decoder.{name}"], tensor)
     assert transformers.AutoModel.from_pretrained(tmp_path / "run" / "encoder").config.hidden_size == 32
@@ -866,10 +866,10 @@ def test_resuming_a_state_of_another_decoder_layout_is_one_clear_error(tmp_path)
     model = seed.PretrainModel(c, seed.Encoder(c))
     optimizer, scheduler = run.make_optimizer(model, c)
     old = {k: v for k, v in model.state_dict().items() if not k.startswith("decoder.final_norm.")}  # post-LN days
-    run.save_training_state(tmp_path / "state.pt", {"step": 1, "model": old, "optimizer": optimizer.state_dict(),
+    run.folders.save_training_state(tmp_path / "state.pt", {"step": 1, "model": old, "optimizer": optimizer.state_dict(),
                                                     "scheduler": scheduler.state_dict(), "config": dataclasses.asdict(c)})
     with pytest.raises(data.DataError, match=r"state\.pt: its weights do not fit this model \(Missing key"):
-        run.load_checkpoint(c, model, optimizer, scheduler, True)
+        run.folders.load_checkpoint(c, model, optimizer, scheduler, True)
 
 
 def test_seed_uses_the_papers_adam_epsilon():
@@ -1258,9 +1258,9 @@ def test_gwc_cosine_is_eq8_on_unit_vectors_and_dot_is_the_default():
                                        ("cpdae", "cl_mode"), ("seed", "bottleneck")])
 def test_string_flags_are_checked_against_their_choices(name, flag):
     module = importlib.import_module(name)
-    run.parse_config(module.Config, [], "", module.PAPER_PRESET, module.FLAG_RULES)
+    run.cli.parse_config(module.Config, [], "", module.PAPER_PRESET, module.FLAG_RULES)
     with pytest.raises(SystemExit, match=f"--{flag} must be one of .*, got 'avg'"):
-        run.parse_config(module.Config, [f"--{flag}", "avg"], "", module.PAPER_PRESET, module.FLAG_RULES)
+        run.cli.parse_config(module.Config, [f"--{flag}", "avg"], "", module.PAPER_PRESET, module.FLAG_RULES)
 
 
 # ==============================================================================================
@@ -1276,18 +1276,18 @@ def _contrastive_and_decoder(js, dec, dist_logits, states, weight, targets):
 def test_compiled_losses_equal_eager_values_and_gradients(monkeypatch, capsys):
     """run.fused with --compile (torch.compile): eq. 5's -JS in a contrastive loss and eq. 9's decoder loss
     give the eager values and gradients within the tolerances above (fp32; fp64 is checked eager)."""
-    monkeypatch.setattr(run, "_FUSED", {})   # compiled here, not by an earlier test's run (--compile is the default)
+    monkeypatch.setattr(run.speed, "_FUSED", {})   # compiled here, not by an earlier test's run (--compile is the default)
     torch.manual_seed(0)
     dist_logits = torch.randn(6, 50, requires_grad=True)                     # 3 texts x 2 views, V = 50
     states, weight = torch.randn(24, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True)
     targets = torch.randint(0, 50, (24,)).masked_fill(torch.arange(24) >= 20, -100)   # 4 padded positions
     c = SimpleNamespace(compile=True)
-    js = run.fused(cpdae.js_similarity, c, sweep_per_input=True)              # as cpdae.py runs it
-    compiled = _contrastive_and_decoder(js, run.fused(seed.decoder_loss, c), dist_logits, states, weight, targets)
+    js = run.speed.fused(cpdae.js_similarity, c, sweep_per_input=True)              # as cpdae.py runs it
+    compiled = _contrastive_and_decoder(js, run.speed.fused(seed.decoder_loss, c), dist_logits, states, weight, targets)
     said = capsys.readouterr().out
     assert "js_similarity compiled in" in said and "decoder_loss compiled in" in said, said   # not eager
     assert js(dist_logits[:2], dist_logits).grad_fn.name() == "SweepPerInputBackward"    # one sweep per input
-    eager = _contrastive_and_decoder(run.in_row_chunks(cpdae.js_similarity, 2),
+    eager = _contrastive_and_decoder(run.speed.in_row_chunks(cpdae.js_similarity, 2),
                                      partial(seed.chunked_decoder_loss, chunk=5), dist_logits, states, weight, targets)
     for got, want in zip(compiled[0], eager[0]):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
@@ -1303,10 +1303,10 @@ def test_a_compiler_failure_is_one_line_and_the_loss_runs_eager(monkeypatch, cap
             raise RuntimeError("no C++ compiler found\nmore lines")
         return call
     monkeypatch.setattr(torch, "compile", failing_compile)
-    monkeypatch.setattr(run, "_FUSED", {})
+    monkeypatch.setattr(run.speed, "_FUSED", {})
     p, q = random_distributions(3, 20, seed=0), random_distributions(5, 20, seed=1)
-    assert run.fused(cpdae.js_similarity, SimpleNamespace(compile=False)) is cpdae.js_similarity
-    loss = run.fused(cpdae.js_similarity, SimpleNamespace(compile=True), run.in_row_chunks(cpdae.js_similarity, 2),
+    assert run.speed.fused(cpdae.js_similarity, SimpleNamespace(compile=False)) is cpdae.js_similarity
+    loss = run.speed.fused(cpdae.js_similarity, SimpleNamespace(compile=True), run.speed.in_row_chunks(cpdae.js_similarity, 2),
                      sweep_per_input=True)
     for _ in range(2):
         torch.testing.assert_close(loss(p, q), cpdae.js_similarity(p, q))
@@ -1325,9 +1325,9 @@ def test_a_compiler_failure_in_the_backward_alone_is_one_line_and_the_gradient_e
             return fn(*args, **kwargs)
         return call
     monkeypatch.setattr(torch, "compile", compile_all_but_the_backward)
-    monkeypatch.setattr(run, "_FUSED", {})
+    monkeypatch.setattr(run.speed, "_FUSED", {})
     p, q = (random_distributions(n, 20, seed=n).double().requires_grad_() for n in (3, 5))
-    loss = run.fused(cpdae.js_similarity, SimpleNamespace(compile=True), sweep_per_input=True)
+    loss = run.speed.fused(cpdae.js_similarity, SimpleNamespace(compile=True), sweep_per_input=True)
     upstream = torch.randn(3, 5, dtype=torch.float64)
     for _ in range(2):
         got = torch.autograd.grad(loss(p, q), (p, q), upstream)
@@ -1345,8 +1345,8 @@ def test_padding_the_kept_decoder_positions_leaves_the_loss():
     torch.manual_seed(0)
     states, weight = torch.randn(13, 8, requires_grad=True), torch.randn(SMALL_VOCAB, 8)
     targets = torch.randint(0, SMALL_VOCAB, (13,))
-    padded, padded_targets = run.pad_rows(states, targets, 8)
-    assert padded.shape == (16, 8) and padded_targets[13:].eq(-100).all() and run.pad_rows(padded, padded_targets, 8)[0] is padded
+    padded, padded_targets = run.speed.pad_rows(states, targets, 8)
+    assert padded.shape == (16, 8) and padded_targets[13:].eq(-100).all() and run.speed.pad_rows(padded, padded_targets, 8)[0] is padded
     for chunk in (0, 5):
         loss, correct = seed.chunked_decoder_loss(states, weight, targets, chunk)
         padded_loss, padded_correct = seed.chunked_decoder_loss(padded, weight, padded_targets, chunk)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The study's 50-query curve: is the full-data recipe (lr 2e-4, 40 steps) the right one for 50 queries?
-# The "none" arm fine-tuned on the curve's own 50-query samples (--n_queries 50 --steps 40, as study.py's
+# The "none" arm fine-tuned on the curve's own 50-query samples (--n_queries 50 --steps 40, as research/study.py's
 # curve runs) at lower lrs, scored on DEV only (--eval_split ""); the study's curve rows hold lr 2e-4.
 #   PYTHON=/path/to/python bash results/dev/curve-lr.sh
 set -euo pipefail

@@ -1,5 +1,5 @@
 #!/bin/bash
-# benchmark.py --gpu with and without --compile: BERT-base, batch 32 x 512, bf16 autocast, each of MLM-only,
+# python -m research.benchmark --gpu with and without --compile: BERT-base, batch 32 x 512, bf16 autocast, each of MLM-only,
 # CPDAE and SEED (the last two eager and compiled, in one process), MFU against the card's nominal bf16 peak.
 # From the repository root; what it prints goes to $OUT (default results/gpu/out). Every step is bounded by
 # `timeout`, the whole in about 4 minutes. DRY=1: the same path on the CPU at a tiny size (is it runnable?).
@@ -7,7 +7,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-results/gpu/out}
 mkdir -p "$OUT"
-env_check='import sys, torch, benchmark   # what benchmark.py imports (faiss, sklearn: not needed here)
+env_check='import sys, torch, research.benchmark   # what research/benchmark.py imports (faiss, sklearn: not needed here)
 print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "available",
       torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else "")'
 { date -u; nproc; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | head -3
@@ -22,6 +22,6 @@ if [ "${DRY:-0}" = 1 ]; then
 else
     args=(--steps 10 --warmup 3); limit=$((235 - SECONDS))   # the whole script within ~4 minutes
 fi
-timeout $limit python3 benchmark.py --gpu --compile --variants costa-mlm,cpdae,seed "${args[@]}" \
+timeout $limit python3 -m research.benchmark --gpu --compile --variants costa-mlm,cpdae,seed "${args[@]}" \
     --out "$OUT/benchmark-gpu-compile.md" 2>&1 | grep -v "^token cache\|^data:" | tee "$OUT/benchmark_gpu_compile.txt"
 echo "exit ${PIPESTATUS[0]} at $(date -u)" | tee -a "$OUT/benchmark_gpu_compile.txt"

@@ -1,6 +1,6 @@
 #!/bin/bash
 # SEED's two decoders on one GPU, 5,000 steps each: the frozen SEED trial of results/mechanisms/confirm/make.sh
-# (mechanisms.py --frozen seed --confirm, seed 5 and its mask draw 5 (the kit's), the weak decoder --dec_span 2 and the
+# (python -m research.mechanisms --frozen seed --confirm, seed 5 and its mask draw 5 (the kit's), the weak decoder --dec_span 2 and the
 # strong one --dec_span 0, held-out measures on 384 dev and 384 test windows) run 5,000 steps instead of 600, measured
 # every 250, with --device cuda. The machine has no MiniLM package and no internet: it reads the kit that
 # results/gpu/frozen_seed_kit.py exports here (runs/gpu-frozen-seed: MiniLM's embedding layer and the cached h0
@@ -39,7 +39,7 @@ SEED=$(python3 -c "import json; print(json.load(open('$KIT/kit.json'))['mask_see
 for arm in weak:2 strong:0; do
   tag=seed-${arm%%:*}; span=${arm##*:}
   say "$tag (--dec_span $span): $STEPS steps on $DEVICE (timeout $LIMIT s)"
-  timeout -k 5 "$LIMIT" python3 mechanisms.py --model "$WORK/encoder" --frozen seed --confirm --tag "$tag" \
+  timeout -k 5 "$LIMIT" python3 -m research.mechanisms --model "$WORK/encoder" --frozen seed --confirm --tag "$tag" \
     --seed "$SEED" --mask_seed "$SEED" --steps "$STEPS" --eval_every "$EVERY" --n_texts "$NTEXTS" --train_corpus "$WORK/wiki-train.jsonl" \
     --dev_corpus "$WORK/wiki-dev.jsonl" --corpus "$WORK/wiki-test.jsonl" --frozen_cache "$WORK/vectors" \
     --out_dir "$WORK/rows" --dec_span "$span" --device "$DEVICE" 2>&1 | grep -v "^token cache" | tee "$WORK/logs/$tag.txt"

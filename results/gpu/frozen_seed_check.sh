@@ -11,7 +11,7 @@ PY=${PYTHON:-python}; OUT=/tmp/frozen-seed-check; R=runs/frozen-speed
 rm -rf "$OUT"; mkdir -p "$OUT"
 DEVICE=cpu STEPS=2 EVERY=2 NTEXTS=32 LIMIT=900 OUT=$OUT bash results/gpu/frozen_seed.sh | grep "^\[\|windows$" || exit 1
 SEED=$("$PY" -c "import json; print(json.load(open('runs/gpu-frozen-seed/kit.json'))['mask_seed'])")
-"$PY" mechanisms.py --model minilm --frozen seed --confirm --tag seed-weak --seed "$SEED" --mask_seed "$SEED" --steps 2 \
+"$PY" -m research.mechanisms --model minilm --frozen seed --confirm --tag seed-weak --seed "$SEED" --mask_seed "$SEED" --steps 2 \
   --eval_every 2 --n_texts 32 --train_corpus $R/wiki-train.jsonl --dev_corpus $R/wiki-dev.jsonl --corpus $R/wiki-test.jsonl \
   --frozen_cache $R/vectors --out_dir "$OUT/minilm" --dec_span 2 2>&1 | grep -v "^token cache" || exit 1
 tar -xzf "$OUT/frozen_seed.tar.gz" -C "$OUT"

@@ -2,7 +2,7 @@
 folder small enough to travel with the working tree (the device tool sends the tree and its `carry` paths, 64 MiB
 in all, of which the tracked files are ~14; MiniLM's weights are 87 MiB): runs/gpu-frozen-seed/, 47.8 MiB.
 
-The frozen SEED trial (mechanisms.py --frozen seed) reads two things of all-MiniLM-L6-v2: the encoder's vector of
+The frozen SEED trial (research.mechanisms --frozen seed) reads two things of all-MiniLM-L6-v2: the encoder's vector of
 each window's first masked view (h0, computed once on the CPU and kept in --frozen_cache) and its word embedding
 (the decoder's input embedding and its tied output projection). Both are carried exactly, fp32 bit for bit: the
 decoder looks its input up in fp32 (autocast leaves embedding lookups alone), so bf16 weights would change its
@@ -12,18 +12,18 @@ low bytes zero, which compress away): bf16(bf16(w)) = bf16(w), exact wherever th
 (a GPU; a CPU with AVX512-BF16 or AMX). The kit holds
     encoder/            MiniLM's config.json with 1 layer, of zeros (a config needs one; nothing of the encoder
                         runs there), vocab.txt and the files that declare its pooling (mean), so that
-                        mechanisms.py loads it as it loads 'minilm'
+                        research/mechanisms.py loads it as it loads 'minilm'
     packed.safetensors  MiniLM's embedding layer and each corpus's view1 vectors, each fp32 tensor's 4 byte planes
                         zlib-compressed (lossless; the exponent bytes compress: 72 % of the size), CRC-32 checked
     kit.json            the mask draw, the shapes and checksums
 The windows' ids and masks are not carried: `place` rebuilds them there from the corpus files (made from the
 tracked data/ as results/mechanisms/confirm/make.sh makes them), checks them against the kit's checksums, writes
-the encoder folder with its weights unpacked and each corpus's cache file where mechanisms.py looks for it.
+the encoder folder with its weights unpacked and each corpus's cache file where research/mechanisms.py looks for it.
 
     python results/gpu/frozen_seed_kit.py export --corpora runs/frozen-speed --mask_seed 5   # here (a CPU)
     python results/gpu/frozen_seed_kit.py place --corpora /tmp/w --encoder /tmp/w/encoder --cache /tmp/w/vec  # there
 
-`export` reads the vectors from --cache (mechanisms.py's --frozen_cache; default runs/frozen-speed/vectors, which
+`export` reads the vectors from --cache (--frozen_cache of research.mechanisms; default runs/frozen-speed/vectors, which
 results/speed/frozen_seed.py's SEED trials read too), else computes view1's as mechanisms.frozen_vectors does (the
 full MiniLM on this CPU, the same draw of the masks) and keeps them there: a cache of view1 alone, for SEED trials.
 """
@@ -41,19 +41,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root
 import data
 import evaluate
-import mechanisms
 import run
+from research import mechanisms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "speed"))   # make_corpora: make.sh's wiki-*.jsonl
 from frozen_seed import make_corpora
 
 KIT = Path("runs/gpu-frozen-seed")
 CORPORA = ("wiki-train", "wiki-dev", "wiki-test")   # make.sh's: trained on, dev, test
-RETRIEVER_FILES = ("vocab.txt", *run.RETRIEVER_FILES)
+RETRIEVER_FILES = ("vocab.txt", *run.hub.RETRIEVER_FILES)
 
 
 def settings(model, mask_seed, cache, max_len=128):
-    """mechanisms.py's Config as frozen_command has it for --model (the name as given, which the cache's key
+    """research/mechanisms.py's Config as frozen_command has it for --model (the name as given, which the cache's key
     reads; its pooling the folder's: MiniLM's mean)."""
     c = mechanisms.Config(model=str(model), mask_seed=mask_seed, frozen_cache=str(cache), max_len=max_len)
     return dataclasses.replace(c, pooling=evaluate.model_settings(c, c.model, "").pooling)
@@ -61,7 +61,7 @@ def settings(model, mask_seed, cache, max_len=128):
 
 def windows_of(c, corpus):
     """The corpus's windows' ids and mask, padded as frozen_vectors pads them, and their checksum."""
-    windows = data.token_windows(corpus, c.vocab or data.VOCAB, c.max_len, 0, "")
+    windows = run.cache.token_windows(corpus, c.vocab or data.VOCAB, c.max_len, 0, "")
     ids, mask = data.pad_batch([windows[i].input_ids for i in range(len(windows))])            # (N, L)
     return ids, mask, zlib.crc32(ids.numpy().tobytes()) ^ zlib.crc32(mask.numpy().tobytes())
 
@@ -85,10 +85,10 @@ def unpack(blob, info):
 
 def export(corpora, mask_seed, cache, kit):
     """The kit from the frozen cache (view1 computed where it is missing) and the MiniLM package, into kit."""
-    c, minilm = settings("minilm", mask_seed, cache), Path(run.resolve_model("minilm"))   # make.sh's --model minilm
+    c, minilm = settings("minilm", mask_seed, cache), Path(run.hub.resolve_model("minilm"))   # make.sh's --model minilm
     make_corpora(Path(corpora))                                                           # where missing
     encoder, _ = evaluate.load_model(evaluate.model_settings(c, c.model, ""), torch.device("cpu"))
-    weights = run.load_tensors(minilm / "model.safetensors")
+    weights = run.files.load_tensors(minilm / "model.safetensors")
     tensors = {k: v for k, v in weights.items() if ".embeddings." in f".{k}"}
     tensors.update({k: torch.zeros_like(v) for k, v in weights.items() if ".layer.0." in f".{k}"})   # see encoder/
     checksums, looked_up = {}, torch.zeros(encoder.config.vocab_size, dtype=torch.bool)   # ids some window holds
@@ -96,9 +96,9 @@ def export(corpora, mask_seed, cache, kit):
         corpus = Path(corpora) / f"{name}.jsonl"
         path = mechanisms.frozen_cache_path(c, corpus)
         if not path.is_file():   # view1 only, all a SEED trial reads (a CPDAE trial needs its own --frozen_cache)
-            windows = data.token_windows(corpus, c.vocab or data.VOCAB, c.max_len, 0, "")
-            run.save_tensors(path, mechanisms.frozen_vectors(encoder, windows, c.pooling, mask_seed, names=("view1",)))
-        cached = run.load_tensors(path)
+            windows = run.cache.token_windows(corpus, c.vocab or data.VOCAB, c.max_len, 0, "")
+            run.files.save_tensors(path, mechanisms.frozen_vectors(encoder, windows, c.pooling, mask_seed, names=("view1",)))
+        cached = run.files.load_tensors(path)
         ids, mask, checksums[name] = windows_of(c, corpus)
         if not (torch.equal(ids, cached["ids"]) and torch.equal(mask, cached["mask"])):
             raise SystemExit(f"{corpus}: its windows are not those of the cached vectors")
@@ -117,7 +117,7 @@ def export(corpora, mask_seed, cache, kit):
         if (minilm / name).is_file():
             (folder / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(minilm / name, folder / name)
-    run.save_tensors(kit / "packed.safetensors", packed)
+    run.files.save_tensors(kit / "packed.safetensors", packed)
     (kit / "kit.json").write_text(json.dumps({"mask_seed": mask_seed, "max_len": c.max_len, "windows": checksums,
                                               "tensors": shapes}))
     size = sum(f.stat().st_size for f in kit.rglob("*") if f.is_file()) / 2**20
@@ -125,13 +125,13 @@ def export(corpora, mask_seed, cache, kit):
 
 
 def place(corpora, encoder_dir, cache, kit):
-    """The encoder folder (the kit's, its embedding layer unpacked) and each corpus's cache file as mechanisms.py
+    """The encoder folder (the kit's, its embedding layer unpacked) and each corpus's cache file as research.mechanisms
     --model encoder_dir finds it: its windows' ids and mask rebuilt here (checked) and the kit's view1 vectors."""
     info = json.loads((kit / "kit.json").read_text())
-    blobs = run.load_tensors(kit / "packed.safetensors")
+    blobs = run.files.load_tensors(kit / "packed.safetensors")
     tensors = {name: unpack(blobs[name], shape) for name, shape in info["tensors"].items()}
     shutil.copytree(kit / "encoder", encoder_dir, dirs_exist_ok=True)
-    run.save_tensors(Path(encoder_dir) / "model.safetensors", {k: v for k, v in tensors.items() if ".view1" not in k})
+    run.files.save_tensors(Path(encoder_dir) / "model.safetensors", {k: v for k, v in tensors.items() if ".view1" not in k})
     c = settings(encoder_dir, info["mask_seed"], cache, info["max_len"])
     for name in CORPORA:
         corpus = Path(corpora) / f"{name}.jsonl"
@@ -140,7 +140,7 @@ def place(corpora, encoder_dir, cache, kit):
             raise SystemExit(f"{corpus}: its windows differ from those the kit's vectors were computed on")
         path = mechanisms.frozen_cache_path(c, corpus)
         path.parent.mkdir(parents=True, exist_ok=True)
-        run.save_tensors(path, {"ids": ids, "mask": mask, "view1": tensors[f"{name}.view1"]})
+        run.files.save_tensors(path, {"ids": ids, "mask": mask, "view1": tensors[f"{name}.view1"]})
         print(f"{path}: {len(ids):,} windows")
 
 

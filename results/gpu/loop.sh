@@ -1,7 +1,7 @@
 #!/bin/bash
 # One lent GPU, from the repository root, in about 4 minutes: each method's real loop (torchrun, --preset paper:
 # BERT-base sizes from random weights, bf16, 4 loader workers, fused AdamW, TF32; logged every 20 steps) for a few
-# hundred steps, then results/gpu/loop_mfu.py: the loop's tokens/s and MFU against benchmark.py's step at the same
+# hundred steps, then results/gpu/loop_mfu.py: the loop's tokens/s and MFU against research/benchmark.py's step at the same
 # config. Outputs under $OUT (the device tool's; ./results/gpu/out elsewhere). Every part has its own timeout.
 #   bash results/gpu/loop.sh              # on the GPU
 #   DRY=1 bash results/gpu/loop.sh        # on a CPU: tiny sizes, a few steps: checks that the script works

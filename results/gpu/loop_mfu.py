@@ -1,4 +1,4 @@
-"""The real training loop against benchmark.py's step, per method: each run folder's logged tokens/s (its
+"""The real training loop against research/benchmark.py's step, per method: each run folder's logged tokens/s (its
 log.jsonl, the median of its log intervals after the first, which holds the start-up) next to the same model,
 batch and precision timed as benchmark.pretrain_step does (no data loader, no logging, no checkpoints), and
 both as MFU: FLOPs per token (torch's FlopCounterMode on one step, forward + backward) x tokens/s over the
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root
-import benchmark
+from research import benchmark
 
 
 def loop_tokens_per_s(folder):

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Fifth GPU pass, one call: results/gpu/loop.sh (each method's real loop, --preset paper) then results/gpu/compile.sh
-# (benchmark.py --gpu, eager against --compile). faiss-cpu travels as a wheel in .whl/ (the machine reaches no index).
+# (python -m research.benchmark --gpu, eager against --compile). faiss-cpu travels as a wheel in .whl/ (the machine reaches no index).
 # The device tool brings back at most 8 files: the scripts write to a scratch folder, which is packed into one
 # archive beside the few text files a reader opens first.
 set -o pipefail

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Each paper's mechanism against its own ablation, where its precondition holds: results/mechanisms/plan.md says
 # what runs, where, with how many seeds, the gates and the tests; report.py applies it to the rows.
-#   decoder side, all-MiniLM-L6-v2 frozen (mechanisms.py --frozen):
+#   decoder side, all-MiniLM-L6-v2 frozen (research.mechanisms --frozen):
 #     cpdae-cl-VARIANT / cpdae-nocl-REDUCTION   CPDAE's MLP decoder with and without L_CL (section 3.3)
 #     seed-weak / seed-strong                   SEED's decoder, span 2 and full causal (sections 3.2-3.4, Figure 4)
 #   encoder side, MiniLM pre-trained further on wiki-train, then fine-tuned on SciFact:
@@ -43,7 +43,7 @@ frozen() {   # frozen KIND TAG SEED STEPS EVAL_EVERY FLAGS...: one decoder trial
     [ -f "$ROWS/frozen_$kind-$tag-seed$seed.json" ] && return 0
     prepare
     echo "== $kind $tag seed $seed: $(date -u +%H:%M:%S)"
-    "$PY" mechanisms.py --model minilm --frozen "$kind" --tag "$tag" --seed "$seed" --steps "$steps" \
+    "$PY" -m research.mechanisms --model minilm --frozen "$kind" --tag "$tag" --seed "$seed" --steps "$steps" \
         --eval_every "$every" --n_texts 384 --train_corpus "$RUNS/wiki-train.jsonl" --dev_corpus "$RUNS/wiki-dev.jsonl" \
         --corpus "$RUNS/wiki-test.jsonl" --frozen_cache "$RUNS/vectors" --out_dir "$ROWS" "$@"
 }
@@ -110,7 +110,7 @@ heads() {   # heads SPLIT SEED ARM...: each run's own heads on the split's windo
     local split=$1 seed=$2 models="" tags="" arm
     shift 2
     for arm in "$@"; do models+="${models:+,}$RUNS/enc-$arm-seed$seed/encoder"; tags+="${tags:+,}$arm"; done
-    "$PY" mechanisms.py --model "$models" --tag "$tags" --heads --corpus "$RUNS/wiki-$split.jsonl" --n_texts 384 \
+    "$PY" -m research.mechanisms --model "$models" --tag "$tags" --heads --corpus "$RUNS/wiki-$split.jsonl" --n_texts 384 \
         --out_dir "$ROWS/heads-$split"
 }
 
@@ -136,7 +136,7 @@ for halt in 100 200; do
     for arm in costa mlm; do
         [ -f "$ROWS/heads-dev/heads-pilot-$arm-seed0-step$halt.json" ] && continue
         pretrain "$arm" 0 200 "$halt" pilot
-        "$PY" mechanisms.py --model "$RUNS/pilot-$arm-seed0/encoder" --tag "pilot-$arm" --heads \
+        "$PY" -m research.mechanisms --model "$RUNS/pilot-$arm-seed0/encoder" --tag "pilot-$arm" --heads \
             --corpus "$RUNS/wiki-dev.jsonl" --n_texts 384 --out_dir "$ROWS/heads-dev"
     done
     [ "$("$PY" "$OUT/report.py" "$OUT" --choose encoder)" = 100 ] && break
@@ -155,7 +155,7 @@ if [ "$steps" != none ]; then
             [ -f "$ROWS/heads-test/heads-$arm-seed$seed-step$steps.json" ] || heads test "$seed" "$arm"
             finetuned "$arm" "$seed"
         done
-        "$PY" mechanisms.py --model "$RUNS/ft-costa-seed$seed/encoder,$RUNS/ft-mlm-seed$seed/encoder,$RUNS/ft-seed-seed$seed/encoder" \
+        "$PY" -m research.mechanisms --model "$RUNS/ft-costa-seed$seed/encoder,$RUNS/ft-mlm-seed$seed/encoder,$RUNS/ft-seed-seed$seed/encoder" \
             --tag costa,mlm,seed --discrimination --dataset data/scifact --split test --out_dir "$ROWS"
     done
 fi

@@ -4,8 +4,8 @@ primary tests with Holm's correction, the exploratory numbers, and the figures.
     python results/mechanisms/report.py results/mechanisms                 # make.sh runs it last
     python results/mechanisms/report.py results/mechanisms --choose cpdae  # a pilot's choice (make.sh asks)
 
-Reads {folder}/rows/ (mechanisms.py's JSON rows, one file a row), writes {folder}/table.md and the figures beside
-it. It trains and measures nothing: on a fresh clone it reprints the committed table.md exactly.
+Reads {folder}/rows/ (research/mechanisms.py's JSON rows, one file a row), writes {folder}/table.md and the figures
+beside it. It trains and measures nothing: on a fresh clone it reprints the committed table.md exactly.
 """
 import json
 import sys
@@ -443,7 +443,7 @@ def exploratory_tables(folder):
 # ---------------------------------------------------------------------------------------------
 def draw_figures(folder):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    import mechanisms  # the repository's: its plotting helpers
+    from research import mechanisms  # the repository's: its plotting helpers
 
     plt = mechanisms._pyplot()
     c, sd = cpdae_rows(folder), seed_rows(folder)

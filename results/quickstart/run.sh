@@ -15,7 +15,7 @@ py=${PYTHON:-python}
 if [ -e "$run" ]; then echo "$run exists: move it away first (command 1 writes there)" >&2; exit 1; fi
 cmd=(finetune.py --pretrain costa --lr 2e-4 --dev_queries 150
      --pretrain_args "--bottleneck mean --head_warmup 20 --head_lr 20 --gwc_sim cos")
-"$py" -c 'import benchmark, json, sys; print(json.dumps(benchmark.machine(sys.argv[1]), indent=1))' \
+"$py" -c 'import json, sys; from research import benchmark; print(json.dumps(benchmark.machine(sys.argv[1]), indent=1))' \
     'python finetune.py --pretrain costa --lr 2e-4 --dev_queries 150 --pretrain_args "--bottleneck mean --head_warmup 20 --head_lr 20 --gwc_sim cos"' \
     > "$here/machine.json"
 start=$(date +%s)

@@ -18,11 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import torch
 
-import benchmark
 import conftest
 import cpdae
 import data
 import run
+from research import benchmark
 
 TINY = ["--hidden_size", "32", "--num_layers", "2", "--num_heads", "2", "--ffn_size", "64", "--max_len", "64",
         "--log_every", "1", "--steps", "4", "--compile", "true"]
@@ -61,7 +61,7 @@ def _gathered_worker(rank, world, tmp_path, full1, full2):
     """One rank of two: eq. 5 over every rank's views (cpdae.contrastive_loss, as training runs it), -JS compiled."""
     m = full1.shape[0] // world
     x1, x2 = (x[rank * m:(rank + 1) * m].clone().requires_grad_() for x in (full1, full2))
-    similarity = run.fused(cpdae.js_similarity, SimpleNamespace(compile=True), sweep_per_input=True)
+    similarity = run.speed.fused(cpdae.js_similarity, SimpleNamespace(compile=True), sweep_per_input=True)
     loss, _ = cpdae.contrastive_loss(cpdae.word_distribution(x1), cpdae.word_distribution(x2), similarity)
     loss.backward()
     torch.save({"loss": loss.detach(), "g1": x1.grad, "g2": x2.grad}, Path(tmp_path) / f"rank{rank}.pt")
@@ -76,7 +76,7 @@ def two_processes_equal_one():
     with tempfile.TemporaryDirectory() as tmp:
         ranks = conftest._run_on_two_ranks(_gathered_worker, Path(tmp), full1, full2)
     x1, x2 = full1.clone().requires_grad_(), full2.clone().requires_grad_()
-    similarity = run.fused(cpdae.js_similarity, SimpleNamespace(compile=True), sweep_per_input=True)
+    similarity = run.speed.fused(cpdae.js_similarity, SimpleNamespace(compile=True), sweep_per_input=True)
     loss = cpdae.contrastive_loss(cpdae.word_distribution(x1), cpdae.word_distribution(x2), similarity)[0]
     loss.backward()
     checks = {"loss": ((ranks[0]["loss"] + ranks[1]["loss"]) / 2, loss.detach()),

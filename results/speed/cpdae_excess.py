@@ -2,7 +2,7 @@
 and, at the step's own shapes (32 anchors against 64 views, |V| = 30,522, fp32), eq. 5's -JS as `--compile` runs
 it (run.compiled_per_input: forward + backward) and its compiled forward alone (one sweep over the (a, b, |V|)
 mixture), all round-robin in one process (median of --reps), at 4 x 256 and 6 x 384 (batch 32 x 128, bf16 where
-the CPU has it). It prints each step's time over MLM-only's, over their FLOP ratio (benchmark.py's goal <= 1.1),
+the CPU has it). It prints each step's time over MLM-only's, over their FLOP ratio (research.benchmark's goal <= 1.1),
 as measured, less the eq. 5 call's time (-JS is elementwise work over m x 2m x |V| terms, which the FLOP count of
 matmuls does not see), and with eq. 5's backward written out by hand instead (an estimate: the step less its eq. 5
 call plus the hand-written one's time; not shipped, autograd derives the gradient in training); and against
@@ -22,10 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root
 import js_backward  # this script's folder (results/speed) is on the path when it runs
 
-import benchmark
 import costa
 import cpdae
 import run
+from research import benchmark
 
 
 def minus_js_grads(grad, p, q):
@@ -43,7 +43,7 @@ def eq5_calls(anchors, views):
     """(forward + backward, forward alone, forward + the hand-written backward) of the compiled -JS on word
     distributions of the step's shapes."""
     p, q, upstream = js_backward.inputs(anchors, views)
-    both, forward = run.compiled_per_input(cpdae.js_similarity), torch.compile(cpdae.js_similarity)
+    both, forward = run.speed.compiled_per_input(cpdae.js_similarity), torch.compile(cpdae.js_similarity)
     by_hand = torch.compile(minus_js_grads)
     exact = torch.autograd.grad(cpdae.js_similarity(p.double(), q.double()), (p, q), upstream.double())
     error = max(float((got - want).abs().max()) for got, want in zip(by_hand(upstream, p.detach(), q.detach()), exact))

@@ -1,4 +1,4 @@
-"""The frozen SEED decoder trial (mechanisms.py --frozen seed, results/mechanisms/): the whole trial as the first
+"""The frozen SEED decoder trial (research.mechanisms --frozen seed, results/mechanisms/): the whole trial as the first
 round's code (FIRST_ROUND, the commit of results/mechanisms/rows/frozen_seed-*.json) ran it against today's, the
 same flags, steps and evaluation schedule, alternated (--trials of each, each trial a fresh process on the same
 corpora and cached vectors, its time the row's own `seconds`: the steps and the evaluations); then where its time
@@ -28,9 +28,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root
 from profile_ops import OP_GROUPS, op_group
 
-import benchmark
 import run
 import seed
+from research import benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 FIRST_ROUND = "a4678b4"   # results/mechanisms/rows/frozen_seed-*.json's commit: 1,437-2,053 s per 600 steps (AMD)
@@ -101,9 +101,11 @@ def first_round_tree():
 def trial(tree, tag, args, extra=()):
     """One frozen SEED trial (the weak decoder, seed 0, 384 held-out windows) with `tree`'s mechanisms.py in a fresh
     process (run from this checkout, so that both codes read the same cached vectors); its row's seconds (steps +
-    evaluations), the wall time and the final train loss."""
+    evaluations), the wall time and the final train loss. The first round's mechanisms.py sits at its tree's root;
+    today's is research/mechanisms.py, run as `python -m research.mechanisms` (tree is then this checkout, the cwd)."""
     out = CORPORA / "rows" / tag
-    command = [sys.executable, str(tree / "mechanisms.py"), "--model", "minilm", "--frozen", "seed", "--tag", tag, "--seed", "0",
+    script = [str(tree / "mechanisms.py")] if (tree / "mechanisms.py").is_file() else ["-m", "research.mechanisms"]
+    command = [sys.executable, *script, "--model", "minilm", "--frozen", "seed", "--tag", tag, "--seed", "0",
                "--steps", str(args.steps), "--eval_every", str(args.eval_every), "--n_texts", str(args.n_texts),
                "--train_corpus", str(CORPORA / "wiki-train.jsonl"), "--dev_corpus", str(CORPORA / "wiki-dev.jsonl"),
                "--corpus", str(CORPORA / "wiki-test.jsonl"), "--frozen_cache", str(CORPORA / "vectors"),
@@ -174,7 +176,7 @@ def main():
     if not args.reps:
         return
     variants = {"as shipped (seed.decoder_loss, eager)": frozen_step(seed.decoder_loss),
-                "--compile (run.fused(seed.decoder_loss))": frozen_step(run.fused(seed.decoder_loss,
+                "--compile (run.fused(seed.decoder_loss))": frozen_step(run.speed.fused(seed.decoder_loss,
                                                                                   argparse.Namespace(compile=True))),
                 "logits kept in bf16 (no fp32 copy)": frozen_step(bf16_logits_loss),
                 "128 positions at a time, checkpointed (seed.chunked_decoder_loss)": frozen_step(chunked(128)),

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root
-import benchmark
 import cpdae
 import run
+from research import benchmark
 
 WAYS = {"eager (--compile false)": "eager", "torch.compile's backward": "compile",
         "a sweep per input (--compile)": "per_input"}
@@ -31,8 +31,8 @@ WAYS = {"eager (--compile false)": "eager", "torch.compile's backward": "compile
 def similarity(way, js_chunk):
     """One way's js_similarity (not run.fused's: it keeps one compiled form per loss and process)."""
     if way == "eager":
-        return run.in_row_chunks(cpdae.js_similarity, js_chunk)
-    return torch.compile(cpdae.js_similarity) if way == "compile" else run.compiled_per_input(cpdae.js_similarity)
+        return run.speed.in_row_chunks(cpdae.js_similarity, js_chunk)
+    return torch.compile(cpdae.js_similarity) if way == "compile" else run.speed.compiled_per_input(cpdae.js_similarity)
 
 
 def inputs(anchors, views):

@@ -22,8 +22,8 @@ from torch.utils.checkpoint import checkpoint
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))   # the repository root
-import benchmark
 import run
+from research import benchmark
 
 LEVERS = ("as shipped", "fused qkv", "attention recomputed in the backward", "no attention dropout",
           "no attention dropout, SDPA", "fused qkv + no attention dropout, SDPA")
@@ -79,7 +79,7 @@ def lever_table(reps, memory=True):
     """Each lever's step on the batches of st.py with random negatives (times, first loss) and, with
     memory, on its BM25 batches (peak RSS)."""
     batches, *_ = benchmark.finetune_batches(4)
-    init = str(run.resolve_model("minilm"))
+    init = str(run.hub.resolve_model("minilm"))
     steps, losses = {}, {}
     for lever in LEVERS:
         torch.manual_seed(0)

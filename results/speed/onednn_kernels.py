@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root
-import benchmark
 import run
 import seed
+from research import benchmark
 
 VARIANTS = {"padded": "run.pad_rows as seed.py calls it (multiples of 1/8 of the most kept positions)",
             "unpadded": "run.pad_rows a no-op: the kept positions as they are",
@@ -36,7 +36,7 @@ def padded_mlm_loss(hidden, labels, head):
     """seed.mlm_loss with the masked positions padded by run.pad_rows to a multiple of MLM_BUCKET before the head
     (zero rows, target -100: the same loss; the head's matmuls see a few shapes, not one per batch)."""
     chosen = labels != -100                                                         # (B, L)
-    rows, targets = run.pad_rows(hidden[chosen], labels[chosen], MLM_BUCKET)        # (M', H), (M',)
+    rows, targets = run.speed.pad_rows(hidden[chosen], labels[chosen], MLM_BUCKET)        # (M', H), (M',)
     logits = head(rows).float()                                                     # (M', V)
     n_correct = (logits.argmax(-1) == targets).sum()                                # () padding never counts
     return torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100), n_correct, int(chosen.sum())
@@ -69,7 +69,7 @@ def created(step, lines_of=None):
 def one(variant, steps):
     """In this (fresh) process: kernels built and time of each of `steps` SEED steps. -> JSON on the last line."""
     if variant == "unpadded":
-        run.pad_rows = lambda rows, targets, bucket, ignore_index=-100: (rows, targets)
+        run.speed.pad_rows = lambda rows, targets, bucket, ignore_index=-100: (rows, targets)
     if variant == "mlm padded":
         seed.mlm_loss = padded_mlm_loss
     torch.manual_seed(0)

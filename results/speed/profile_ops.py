@@ -14,7 +14,7 @@ from pathlib import Path
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root
-import benchmark
+from research import benchmark
 
 OP_GROUPS = (("matmul", ("mm", "addmm", "bmm", "matmul", "linear")),
              ("softmax / log-softmax", ("_softmax", "_log_softmax", "_softmax_backward_data",

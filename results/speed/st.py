@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository root
-import benchmark
 import data
 import run
+from research import benchmark
 
 
 def rss_mib():
@@ -42,7 +42,7 @@ def st_one(which, n_steps, warmup, lever="as shipped"):
     levers.py) or "st" (sentence-transformers' MultipleNegativesRankingLoss) on finetune.py's BM25 batches.
     Returns the median step seconds, the peak RSS of the steps and the resident set between two steps."""
     batches, doc_texts, _, c = benchmark.finetune_batches(n_steps + warmup, bm25=True)
-    init = str(run.resolve_model("minilm"))
+    init = str(run.hub.resolve_model("minilm"))
     torch.manual_seed(0)
     if which == "ours":
         from levers import apply_lever  # beside this file

@@ -1,6 +1,6 @@
 """Test nDCG@10 on SciFact, finetune.py against sentence-transformers at the same recipe: one full
 fine-tuning of all-MiniLM-L6-v2 per tool and seed, scored by evaluate.py; a row per run in this folder
-(ours-seedS.json, st-seedS.json; a row already here is kept, not run again), which benchmark.py's goals
+(ours-seedS.json, st-seedS.json; a row already here is kept, not run again), which research/benchmark.py's goals
 table reads. See README.md here.
 
     python results/st-ndcg/st_ndcg.py 0,1,2                  # seeds; run folders in runs/st-ndcg
@@ -20,11 +20,11 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
-import benchmark
 import data
 import evaluate
 import finetune
 import run
+from research import benchmark
 
 
 def st_triplets(batches, step):
@@ -52,7 +52,7 @@ def st_ndcg_one(which, seed, out_root):
             sys.exit(f"error: {' '.join(cmd)} failed")
         return json.loads((ours_dir / "eval-test" / "metrics.json").read_text())
     from sentence_transformers import SentenceTransformer, losses
-    init = str(run.resolve_model("minilm"))
+    init = str(run.hub.resolve_model("minilm"))
     c = finetune.retriever_settings(finetune.Config(init=init, seed=seed))
     corpus, queries, qrels = data.load_beir(str(data.SCIFACT), "train")
     doc_ids = list(corpus)
@@ -114,7 +114,7 @@ def st_ndcg_table(seeds, out_root, results=HERE):
             row = {"which": which, "seed": seed, "metrics": m["metrics"], "per_query": m["per_query"],
                    "seconds": round(time.time() - t0), "commit": commit, "torch": torch.__version__,
                    "command": command, **{k: where[k] for k in ("cpu", "cpu_bf16", "precision", "date")}}
-            data.atomic_write_json(path, row)
+            run.files.atomic_write_json(path, row)
             print(f"{which} seed {seed}: test nDCG@10 {m['metrics']['NDCG@10']:.4f} ({row['seconds']} s) -> {path}",
                   flush=True)
     print(benchmark.st_ndcg_summary(results) or "no rows")

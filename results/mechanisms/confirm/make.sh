@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The confirmatory mechanisms round: every run plan.md fixes (read it first), on the new held-out texts
 # (data/wiki-confirm.jsonl.gz), seeds 5-9, no pilot and no choice:
-#   decoder side, all-MiniLM-L6-v2 frozen (mechanisms.py --frozen --confirm, --mask_seed = the seed):
+#   decoder side, all-MiniLM-L6-v2 frozen (research.mechanisms --frozen --confirm, --mask_seed = the seed):
 #     cpdae-cl / cpdae-nocl / cpdae-control   CPDAE's MLP decoder, eq. 4 averaged, lambda 0.003 / 0 / 0.003 with
 #                                             positives from other texts (section 3.3)
 #     seed-weak / seed-strong                 SEED's decoder, span 2 and full causal (sections 3.2-3.4, Figure 4)
@@ -70,7 +70,7 @@ frozen() {   # frozen KIND ARM SEED: one decoder trial's row (skipped when it is
     prepare
     echo "== $arm seed $seed: $(date -u +%H:%M:%S)"
     # shellcheck disable=SC2086
-    "$PY" mechanisms.py --model minilm --frozen "$kind" --confirm --tag "$arm" --seed "$seed" --mask_seed "$seed" \
+    "$PY" -m research.mechanisms --model minilm --frozen "$kind" --confirm --tag "$arm" --seed "$seed" --mask_seed "$seed" \
         --steps 600 --eval_every 600 --n_texts 384 --train_corpus "$RUNS/wiki-train.jsonl" \
         --dev_corpus "$RUNS/wiki-dev.jsonl" --corpus "$RUNS/wiki-test.jsonl" --frozen_cache "$RUNS/vectors" \
         --out_dir "$ROWS" ${ARM_FLAGS[$arm]}
@@ -99,7 +99,7 @@ pretrain() {   # pretrain ARM SEED: command 1's settings, the schedule of 200 st
 
 heads() {   # heads ARM SEED SPLIT: the run's own heads on the split's windows and its random-pair cosine by length
     [ -f "$ROWS/heads-$3/heads-$1-seed$2-step100.json" ] && return 0
-    "$PY" mechanisms.py --model "$RUNS/enc-$1-seed$2/encoder" --tag "$1" --heads --corpus "$RUNS/wiki-$3.jsonl" \
+    "$PY" -m research.mechanisms --model "$RUNS/enc-$1-seed$2/encoder" --tag "$1" --heads --corpus "$RUNS/wiki-$3.jsonl" \
         --n_texts 384 --out_dir "$ROWS/heads-$3"
 }
 

@@ -1,6 +1,6 @@
 """The from-scratch regime's tables and figures, from its rows (evaluate.py's JSON rows, one file a row), kept
 as the record of the gates that failed there (docs/mechanisms.md); make.sh at its commits (6f305f5, eae4f19) wrote
-the rows, from a 2-layer BERT trained from scratch; the measurements are mechanisms.py's now.
+the rows, from a 2-layer BERT trained from scratch; the measurements are research/mechanisms.py's now.
 
     python results/mechanisms/from-scratch/report.py results/mechanisms/from-scratch
 

@@ -12,14 +12,14 @@ What each paper claims or draws, and the function that measures it:
     SEED Figure 5    cosine of random text pairs' vectors, by length                        cls_similarity_by_length
     every run        each term of its own objective on held-out windows, beside chance      held_out_heads
 
-    python mechanisms.py --model DIR --tsne auto                          # COSTA Figure 3 for one query
-    python mechanisms.py --model minilm,DIR --tsne auto                   # the same, one panel per model, side by side
-    python mechanisms.py --model runs/cpdae/encoder --words "Some text"   # CPDAE Table 4 figure
-    python mechanisms.py --model minilm,runs/seed/encoder --cls_by_length # SEED-Encoder Figure 5, one line per model
-    python mechanisms.py --model A,B --tag on,off --word_shares --corpus T # CPDAE 3.3 per model (docs/mechanisms.md)
-    python mechanisms.py --model A,B --decoder_reliance --corpus T        # SEED h0 swap and Figure 4, one row per model
-    python mechanisms.py --model A,B --discrimination --split test        # COSTA 5.4 over every test query
-    python mechanisms.py --model A,B --heads --corpus HELD_OUT            # each run's own losses on held-out windows
+    python -m research.mechanisms --model DIR --tsne auto                           # COSTA Figure 3 for one query
+    python -m research.mechanisms --model minilm,DIR --tsne auto                    # the same, a panel per model
+    python -m research.mechanisms --model runs/cpdae/encoder --words "Some text"    # CPDAE Table 4 figure
+    python -m research.mechanisms --model minilm,runs/seed/encoder --cls_by_length  # SEED Figure 5, a line per model
+    python -m research.mechanisms --model A,B --tag on,off --word_shares --corpus T # CPDAE 3.3, a row per model
+    python -m research.mechanisms --model A,B --decoder_reliance --corpus T         # SEED h0 swap and Figure 4, ditto
+    python -m research.mechanisms --model A,B --discrimination --split test         # COSTA 5.4 over every test query
+    python -m research.mechanisms --model A,B --heads --corpus HELD_OUT             # each run's own held-out losses
 
 Outputs in out_dir (default: the first model's, as evaluate.py's): the figures as PNG, and each measurement's
 JSON rows, one file a row (write_rows), each with the command that remakes it. The flags are evaluate.py's
@@ -413,7 +413,7 @@ def load_seed_decoder(folder, encoder):
     if run_config(folder).get("script") != "seed.py":
         raise data.DataError(f"{folder}: not the encoder of a seed.py run (no {path.parent / 'config.json'} "
                              f"naming seed.py); --decoder_reliance needs SEED's decoder")
-    state = run.load_training_state(path)
+    state = run.folders.load_training_state(path)
     names = {f.name for f in dataclasses.fields(seed.Config)}
     c = seed.Config(**{k: v for k, v in state["config"].items() if k in names})
     decoder = seed.WeakDecoder(c, encoder.embeddings.word)
@@ -484,13 +484,15 @@ def run_config(folder):
 
 
 def command_line(c):
-    """The command that remakes c: `python mechanisms.py` and every flag that differs from its default."""
+    """The command that remakes c: `python -m research.mechanisms` (from the repository root) and every flag that
+    differs from its default. (Rows written before the research package recorded it as `python mechanisms.py ...`.)"""
     flags = []
     for f in dataclasses.fields(Config):
         value = getattr(c, f.name)
         if value != f.default:
             flags += [f"--{f.name}"] + ([] if value is True else [str(value).lower() if value is False else str(value)])
-    return shlex.join(["python", "mechanisms.py", *flags])
+    return shlex.join(["python", "-m", "research.mechanisms", *flags])
+
 
 
 def mechanism_row(c, measure, model, tag, numbers):
@@ -511,7 +513,7 @@ def write_rows(out_dir, measure, rows):
     for row in rows:
         seed = "" if row["seed"] is None else f"-seed{row['seed']}"
         step = f"-step{row['step']}" if measure == "heads" else ""
-        data.atomic_write_json(Path(out_dir) / f"{measure}-{trec_tag(row['arm'])}{seed}{step}.json", row)
+        run.files.atomic_write_json(Path(out_dir) / f"{measure}-{trec_tag(row['arm'])}{seed}{step}.json", row)
 
 
 def held_out_texts(c, model):
@@ -537,7 +539,7 @@ def word_shares_command(c, device):
             raise data.DataError(f"{m.model}: not the encoder of a cpdae.py run (no config.json beside it naming "
                                  f"cpdae.py); --word_shares needs the run's corpus for its common words")
         decoder = load_cpdae_decoder(m.model).to(device)
-        windows = data.token_windows(config["corpus"], config["vocab"], config["max_len"], 0, config.get("cache_dir", ""))
+        windows = run.cache.token_windows(config["corpus"], config["vocab"], config["max_len"], 0, config.get("cache_dir", ""))
         common = common_token_ids(cpdae.cached_idf(windows, decoder.out.weight.shape[0], 0).numpy(), c.n_common,
                                   data.special_ids(tokenizer).values())
         texts, held_out = held_out_texts(c, m.model)
@@ -625,17 +627,17 @@ def held_out_heads(folder, corpus, n_windows, device="cpu"):
     dropout off, in fp32 (training ran under run.autocast_bf16: its logged losses differ by bf16's
     rounding). The pilot's curve of a head against the step, and the check that a head trained past
     chance on windows it never saw. -> {name: mean over the batches}."""
-    state = run.load_training_state(Path(folder).resolve().parent / "state.pt")
+    state = run.folders.load_training_state(Path(folder).resolve().parent / "state.pt")
     module = importlib.import_module(Path(run_config(folder)["script"]).stem)
     names = {f.name for f in dataclasses.fields(module.Config)}
     c = module.Config(**{k: v for k, v in state["config"].items() if k in names})
     c = dataclasses.replace(c, init="", grad_accum=1, steps=max(1, n_windows // c.batch_size))
-    trained_on = data.token_windows(c.corpus, c.vocab, c.max_len, 0, c.cache_dir)
+    trained_on = run.cache.token_windows(c.corpus, c.vocab, c.max_len, 0, c.cache_dir)
     idf = {"idf": module.cached_idf(trained_on, c.vocab_size, 0)} if getattr(c, "idf_rec", False) else {}
     model = module.PretrainModel(c, module.Encoder(c), frequent_token=data.most_frequent_token(trained_on), **idf)
     model.load_state_dict(state["model"])
     model.to(device).eval()
-    windows = data.token_windows(corpus, c.vocab, c.max_len, 0, "")
+    windows = run.cache.token_windows(corpus, c.vocab, c.max_len, 0, "")
     batches = module.Batches(c, windows, 0, 1)
     sums = {}
     with torch.no_grad():
@@ -738,7 +740,7 @@ def frozen_vectors(encoder, windows, pooling, mask_seed=0, batch=64, names=("pla
 
 def frozen_cache_path(c, corpus):
     """Where cached_frozen_vectors keeps corpus's vectors: one file per model, corpus, length, pooling and mask draw."""
-    key = zlib.crc32(f"{Path(c.model).resolve()}|{data.corpus_signature(corpus, c.vocab or data.VOCAB)}|"
+    key = zlib.crc32(f"{Path(c.model).resolve()}|{run.cache.corpus_signature(corpus, c.vocab or data.VOCAB)}|"
                      f"{c.max_len}|{c.pooling}".encode())
     masks = f"-m{c.mask_seed}" if c.mask_seed else ""   # each --mask_seed its own draw of the masked views
     return Path(c.frozen_cache) / f"{Path(corpus).stem}-L{c.max_len}-{key:08x}{masks}.safetensors"
@@ -747,13 +749,13 @@ def frozen_cache_path(c, corpus):
 def cached_frozen_vectors(c, corpus, encoder):
     """frozen_vectors of corpus's windows (--max_len), computed once per model, corpus and length and kept in
     --frozen_cache (tens of MB), so that every trial and seed reads the same vectors."""
-    windows = data.token_windows(corpus, c.vocab or data.VOCAB, c.max_len, 0, "")
+    windows = run.cache.token_windows(corpus, c.vocab or data.VOCAB, c.max_len, 0, "")
     path = frozen_cache_path(c, corpus)
     if path.is_file():
-        return run.load_tensors(path)
+        return run.files.load_tensors(path)
     start = time.time()
     vectors = frozen_vectors(encoder, windows, c.pooling, c.mask_seed)
-    run.save_tensors(path, vectors)
+    run.files.save_tensors(path, vectors)
     print(f"{corpus}: {len(windows):,} windows, the frozen encoder's vectors of each (plain and two masked views) in "
           f"{time.time() - start:.0f} s, kept in {path}", flush=True)
     return vectors
@@ -779,7 +781,7 @@ def cpdae_step(decoder, view1, view2, bag, c):
     view1, view2 (m, H); bag (m, V). -> (loss, {"rec", "cl", "cl_acc"}, logits (2m, V))."""
     logits = decoder(torch.cat([view1, view2]))                                                # (2m, V) eq. 2
     rec = cpdae.reconstruction_loss(logits, bag.repeat(2, 1), None, c.rec_reduction)           # eq. 4
-    similarity = partial(run.in_row_chunks(cpdae.js_similarity, 8), tau=c.cl_tau)
+    similarity = partial(run.speed.in_row_chunks(cpdae.js_similarity, 8), tau=c.cl_tau)
     cl, accuracy = cpdae.contrastive_loss(*cpdae.word_distribution(logits).chunk(2), similarity)  # eq. 5
     loss = rec + c.cl_weight * cl if c.cl_weight else rec                                      # eq. 6
     return loss, {"rec": rec, "cl": cl, "cl_acc": accuracy}, logits
@@ -792,7 +794,7 @@ def cpdae_gradient_ratio(logits, bag, c):
     z = logits.detach().requires_grad_()                                                       # (2m, V)
     rec = cpdae.reconstruction_loss(z, bag.repeat(2, 1), None, c.rec_reduction)
     cl, _ = cpdae.contrastive_loss(*cpdae.word_distribution(z).chunk(2),
-                                   partial(run.in_row_chunks(cpdae.js_similarity, 8), tau=c.cl_tau))
+                                   partial(run.speed.in_row_chunks(cpdae.js_similarity, 8), tau=c.cl_tau))
     return float(torch.autograd.grad(cl, z)[0].norm() / torch.autograd.grad(rec, z)[0].norm())
 
 
@@ -834,7 +836,7 @@ def cpdae_control_step(decoder, train, rows, other, bag, vocab, special, c):
     logits = decoder(torch.cat([train["view1"][rows], train["view2"][other]]))                 # (2m, V) eq. 2
     bags = torch.cat([bag, bag_of_words(train["ids"][other], vocab, special)])                 # (2m, V)
     rec = cpdae.reconstruction_loss(logits, bags, None, c.rec_reduction)                       # eq. 4
-    similarity = partial(run.in_row_chunks(cpdae.js_similarity, 8), tau=c.cl_tau)
+    similarity = partial(run.speed.in_row_chunks(cpdae.js_similarity, 8), tau=c.cl_tau)
     cl, _ = cpdae.contrastive_loss(*cpdae.word_distribution(logits).chunk(2), similarity)     # eq. 5
     return rec + c.cl_weight * cl                                                              # eq. 6
 
@@ -1042,7 +1044,7 @@ def frozen_trial(c, encoder, tokenizer, train, held):
             states = decoder(decoder_input, train["view1"][rows])                              # (b, L-1, H)
             # every position, padding ignored by its -100 target: one shape a step (a varying count of kept
             # positions makes oneDNN compile a bf16 kernel per shape on CPUs, most of a step's time)
-            return run.fused(seed.decoder_loss, c)(states, decoder.word_embedding[0].weight, targets)[0]
+            return run.speed.fused(seed.decoder_loss, c)(states, decoder.word_embedding[0].weight, targets)[0]
 
         def measure(split):
             if c.confirm:   # the same measures, and the slopes without each window's final [SEP] target
@@ -1202,7 +1204,7 @@ def cls_by_length_command(c, device):
             print(f"{tag}, {vector}: " + ", ".join(f"{n} {v:.3f}" for n, v in curves[tag, vector].items()), flush=True)
     title = f"SEED-Encoder Figure 5: random pairs of {Path(c.corpus or c.dataset).name} texts, 200 per length"
     plot_cls_by_length(curves, out_dir / "cls_by_length.png", title)
-    data.atomic_write_json(out_dir / "cls_by_length.json", [{"model": tag, "vector": vector, "cosine": values}
+    run.files.atomic_write_json(out_dir / "cls_by_length.json", [{"model": tag, "vector": vector, "cosine": values}
                                                             for (tag, vector), values in curves.items()])
     print(f"cosine of random text pairs by length: {out_dir / 'cls_by_length.png'}")
     return curves
@@ -1212,7 +1214,7 @@ def cls_by_length_command(c, device):
 def words_command(c, out_dir, device):
     """--words: CPDAE Table 4 for the text, the word distribution of the decoder (--decoder, else the model
     folder's) as words.png in the out_dir; prints each word's value."""
-    c = evaluate.resolve_retriever(dataclasses.replace(c, model=run.resolve_model(c.model)))  # 'minilm' -> a folder
+    c = evaluate.resolve_retriever(dataclasses.replace(c, model=run.hub.resolve_model(c.model)))  # 'minilm' -> a folder
     encoder, tokenizer = load_model(c, device)
     decoder = load_cpdae_decoder(c.decoder or c.model).to(device)
     bottleneck = trained_bottleneck(c.decoder or c.model)
@@ -1247,7 +1249,7 @@ def main(c):
     try:
         return run_commands(c, names[0], out_dir, rank, device)
     finally:
-        run.release_run_folder(out_dir)
+        run.folders.release_run_folder(out_dir)
 
 
 def run_commands(c, split, out_dir, rank, device):
@@ -1264,5 +1266,5 @@ def run_commands(c, split, out_dir, rank, device):
 
 
 if __name__ == "__main__":
-    run.run_command_line(lambda: main(run.parse_config(Config, sys.argv[1:], __doc__, rules=FLAG_RULES)),
+    run.cli.run_command_line(lambda: main(run.cli.parse_config(Config, sys.argv[1:], __doc__, rules=FLAG_RULES)),
                          interrupted="interrupted; run it again to measure (a --frozen trial starts over)")

@@ -19,11 +19,11 @@ Design:
   and the settings; a table never mixes codes or settings unless --allow_mixed (rows all of one other code are
   reported with it named). Each stage is its own process, so an edit cannot mix versions mid-run.
 
-    python study.py                              # the whole study; resumable: rerun to continue, or to print the table
-    python study.py --seeds 0 --low_resource ""  # one seed, no curve
-    python study.py --arm_args "costa:--head_warmup 20;cpdae:--cl_weight 1" --vector cls
-    python study.py --report_only                # the table from the rows there are, while the study is part-way
-    python study.py --quick --out_dir /tmp/q     # tiny end-to-end check (a tiny model on a SciFact subset)
+    python -m research.study                              # the whole study; rerun it to continue, or for the table
+    python -m research.study --seeds 0 --low_resource ""  # one seed, no curve
+    python -m research.study --arm_args "costa:--head_warmup 20;cpdae:--cl_weight 1" --vector cls
+    python -m research.study --report_only                # the table from the rows there are (a study part-way)
+    python -m research.study --quick --out_dir /tmp/q     # tiny end-to-end check (a tiny model on a SciFact subset)
 
 Outputs: results_dir (committed) holds runs/*.json (a row per finished run, with per-query nDCG@10 / MRR@10 /
 Recall@100 on dev and test), table.md and the figures; out_dir the run folders. A rerun skips every run whose
@@ -49,7 +49,7 @@ import data
 import evaluate
 import run
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent   # the repository root: the stages run there, the scripts are read there
 
 
 @dataclass
@@ -86,7 +86,8 @@ FLAG_RULES = {"pretrain_steps": ">= 1", "pretrain_lr": "> 0", "dev_queries": ">=
               "arms": f"names from {{{', '.join(ARMS)}}}", "vector": "one of {cls, mean}",
               "similarity": "one of {dot, cos} or empty", "curve_arms": f"names from {{{', '.join(ARMS)}}} or empty"}
 REPORTED = ("NDCG@10", "MRR@10", "Recall@100")       # what the rows keep per query
-SHARED = ("study.py", "data.py", "run.py", "evaluate.py", "finetune.py")   # what every row's stages run
+RUN_FILES = tuple(sorted(str(p.relative_to(HERE)) for p in (HERE / "run").rglob("*.py")))   # the run package's
+SHARED = ("research/study.py", "data.py", *RUN_FILES, "evaluate.py", "finetune.py")   # what every row's stages run
 SCRIPTS = SHARED + tuple(f"{m}.py" for m in run.METHODS)
 SET_BY_STUDY = ("init", "seed", "out_dir", "pooling", "similarity", "bottleneck", "dev_queries", "n_queries",
                 "dataset", "corpus", "query_len", "passage_len", "overwrite", "resume")
@@ -131,12 +132,13 @@ def scripts_of(arm):
 
 
 def code_hash(names=SCRIPTS):
-    """sha256 of the scripts (12 hex digits): rows with the same hash of their arm's scripts ran the same code (an
-    edit to seed.py leaves the other arms' rows). run.py without its METHODS table: a new method changes no arm."""
+    """sha256 of the scripts (12 hex digits, paths from the repository root): rows with the same hash of their arm's
+    scripts ran the same code (an edit to seed.py leaves the other arms' rows). The run package without its METHODS
+    table: a new method changes no arm."""
     h = hashlib.sha256()
     for name in names:
         text = (HERE / name).read_bytes()
-        if name == "run.py":
+        if Path(name).parts[0] == "run":
             text = re.sub(rb"(?ms)^METHODS = \(.*?\)$", b"METHODS = ...", text)
         h.update(name.encode() + b"\0" + text + b"\0")
     return h.hexdigest()[:12]
@@ -193,7 +195,7 @@ def run_stage(cmd, log_path, hours):
         try:
             code = subprocess.run(cmd, cwd=HERE, stdout=log, stderr=subprocess.STDOUT, timeout=hours * 3600).returncode
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"stage still running after {data.format_seconds(hours * 3600)}, taken for hung and "
+            raise RuntimeError(f"stage still running after {run.files.format_seconds(hours * 3600)}, taken for hung and "
                                f"killed (--stage_hours): {shlex.join(cmd)} (its output: {log_path})") from None
     if code:
         tail = "\n".join(log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-15:])
@@ -237,7 +239,7 @@ def pretrained_encoder(c, arm, seed, record):
     if not (done.is_file() and json.loads(done.read_text()) == marker):
         record["commands"]["pretrain"], record["seconds"]["pretrain"] = run_stage(cmd, folder.parent / "pretrain.log",
                                                                                   c.stage_hours)
-        data.atomic_write_json(done, marker)
+        run.files.atomic_write_json(done, marker)
     record["commands"].setdefault("pretrain", shlex.join(cmd))
     record["pretrain_log"] = last_log_line(folder)
     return str(folder / "encoder")
@@ -252,7 +254,7 @@ def zero_shot(c, arm, seed, encoder, row):
     marker = {"command": shlex.join(cmd), "code": code_hash(scripts_of(arm))}
     if not ((out / "study-done.json").is_file() and json.loads((out / "study-done.json").read_text()) == marker):
         row["seconds"]["zero_shot"] = run_stage(cmd, out / "log.txt", c.stage_hours)[1]
-        data.atomic_write_json(out / "study-done.json", marker)
+        run.files.atomic_write_json(out / "study-done.json", marker)
     row["commands"]["zero_shot"] = shlex.join(cmd)
     return {split: read_metrics(out / f"eval-{split}")[0] for split in ("dev", "test")}
 
@@ -300,7 +302,7 @@ def gradient_norms(method, pretrain_folder, n_batches=4):
         encoder = run.init_encoder(module.Encoder, c)
         model = module.PretrainModel(c, encoder, frequent_token=data.most_frequent_token(windows), **idf)  # as train() builds it
         if when == "after":
-            model.load_state_dict(run.load_training_state(Path(pretrain_folder) / "state.pt")["model"])
+            model.load_state_dict(run.folders.load_training_state(Path(pretrain_folder) / "state.pt")["model"])
         params = [p for p in model.encoder.parameters() if p.requires_grad]
         norms = {}
         for i in range(n_batches):
@@ -314,8 +316,8 @@ def gradient_norms(method, pretrain_folder, n_batches=4):
 
 
 def gradients_in_subprocess(method, folder, row, hours):
-    cmd = [sys.executable, "-c", "import json, sys, study; print(json.dumps(study.gradient_norms(sys.argv[1], sys.argv[2])))",
-           method, str(folder)]
+    code = "import json, sys; from research import study; print(json.dumps(study.gradient_norms(*sys.argv[1:3])))"
+    cmd = [sys.executable, "-c", code, method, str(folder)]
     log = Path(folder).parent / "gradients.log"
     row["commands"]["gradients"], row["seconds"]["gradients"] = run_stage(cmd, log, hours)
     return json.loads(log.read_text().strip().splitlines()[-1])
@@ -400,14 +402,14 @@ def run_plan(c, plan, rows, t0, done_before):
     total = len(plan)
     for i, (key, arm, seed, n, steps) in enumerate(todo):
         left = sum(run_cost(c, rows, a, m) for _, a, _, m, _ in todo[i:])
-        print(f"[{total - len(todo) + i + 1}/{total}] {key}: running | elapsed {data.format_seconds(time.time() - t0)} | "
-              f"eta {data.format_seconds(left)}", flush=True)
+        print(f"[{total - len(todo) + i + 1}/{total}] {key}: running | elapsed {run.files.format_seconds(time.time() - t0)} | "
+              f"eta {run.files.format_seconds(left)}", flush=True)
         before = code_hash(scripts_of(arm))
         row = run_one(c, arm, seed, n, steps)
         if code_hash(scripts_of(arm)) != before:
             raise RuntimeError(f"{key}: the scripts changed while it ran; its row is not written (rerun the study)")
         rows[key] = row
-        data.atomic_write_json(row_path(c, key), row)    # at once: a killed study continues from it
+        run.files.atomic_write_json(row_path(c, key), row)    # at once: a killed study continues from it
     return rows
 
 
@@ -452,7 +454,7 @@ def print_plan(c, rows):
     print(f"study plan: {len(full)} full-data runs ({len(full) - len(todo)} done), then {n_curve} curve runs "
           f"({curve_done} done) | "
           f"vector {c.vector}, {c.similarity}, {len(numbers(c.seeds))} seeds, dev {c.dev_queries} queries | estimated "
-          f"{data.format_seconds(seconds)} + curve up to {data.format_seconds(curve_seconds)} (medians of the finished stages, "
+          f"{run.files.format_seconds(seconds)} + curve up to {run.files.format_seconds(curve_seconds)} (medians of the finished stages, "
           f"else {DEFAULT_SECONDS})", flush=True)
 
 
@@ -609,7 +611,7 @@ def report(c, rows):
                      f"the same optimizer steps at every n as the full-data run; sample s with seed-s encoders)\n\n"
                      f"{curve_table(c, rows)}\n")
     text = "\n".join(parts)
-    data.atomic_write_text(Path(c.results_dir) / "table.md", text)
+    run.files.atomic_write_text(Path(c.results_dir) / "table.md", text)
     print(text)
     plot_differences(c, full, Path(c.results_dir) / "differences.png")
     if any(r["n_queries"] for r in rows.values()):
@@ -699,7 +701,7 @@ def quick_setup(c):
 
 
 def main(argv):
-    c = run.parse_config(Config, argv, __doc__, {}, FLAG_RULES)
+    c = run.cli.parse_config(Config, argv, __doc__, {}, FLAG_RULES)
     if c.quick:
         if c.out_dir == Config.out_dir:
             c = dataclasses.replace(c, out_dir="runs/study-quick")
@@ -708,9 +710,9 @@ def main(argv):
         c = quick_setup(c)
     check_flags(c)
     if not c.similarity:                      # the checkpoint's own similarity (MiniLM: cos), else the papers' dot
-        c = dataclasses.replace(c, similarity=evaluate.read_retriever_settings(run.resolve_model(c.init)).get("similarity", "dot"))
+        c = dataclasses.replace(c, similarity=evaluate.read_retriever_settings(run.hub.resolve_model(c.init)).get("similarity", "dot"))
     t0 = time.time()
-    run.lock_run_folder(c.results_dir)        # one study at a time writes these rows and tables ...
+    run.folders.lock_run_folder(c.results_dir)        # one study at a time writes these rows and tables ...
     rows = load_rows(c)
     if c.report_only:
         check_rows(c, rows, [])
@@ -721,15 +723,15 @@ def main(argv):
         report(c, design_order(present))                        # a study part-way: what there is
         return
     check_rows(c, rows, runs_left(c, rows))
-    run.lock_run_folder(c.results_dir, create=True)
-    run.lock_run_folder(c.out_dir, create=True)    # ... and runs in these run folders
+    run.folders.lock_run_folder(c.results_dir, create=True)
+    run.folders.lock_run_folder(c.out_dir, create=True)    # ... and runs in these run folders
     print_plan(c, rows)
     rows = run_plan(c, full_plan(c), rows, t0, len(rows))
     if numbers(c.low_resource):
         rows = run_plan(c, curve_plan(c, rows), rows, t0, len(rows))
     plan = full_plan(c) + (curve_plan(c, rows) if numbers(c.low_resource) else [])
     report(c, design_order({key: rows[key] for key, *_ in plan}))
-    print(f"study: {data.format_seconds(time.time() - t0)}; rows in {Path(c.results_dir) / 'runs'}")
+    print(f"study: {run.files.format_seconds(time.time() - t0)}; rows in {Path(c.results_dir) / 'runs'}")
 
 
 if __name__ == "__main__":
@@ -738,5 +740,5 @@ if __name__ == "__main__":
             main(sys.argv[1:])
         except RuntimeError as e:             # a stage failed, or the scripts changed under a run: say so
             raise data.DataError(str(e)) from None
-    run.run_command_line(study, interrupted="interrupted; the same command continues (finished runs are kept in "
+    run.cli.run_command_line(study, interrupted="interrupted; the same command continues (finished runs are kept in "
                                              "results/study/runs)")

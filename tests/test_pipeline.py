@@ -35,10 +35,10 @@ import costa
 import data
 import evaluate
 import finetune
-import mechanisms
 import run
+from research import mechanisms
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent   # the repository root
 PY = sys.executable
 
 
@@ -63,19 +63,19 @@ def test_tokenizer_is_bert_uncased(tokenizer):
 
 
 def test_train_wordpiece_on_a_small_corpus(tmp_path, wiki_texts):
-    new = data.train_wordpiece(wiki_texts, tmp_path / "vocab.txt", vocab_size=2000)
+    new = run.cache.train_wordpiece(wiki_texts, tmp_path / "vocab.txt", vocab_size=2000)
     assert 1000 < new.get_vocab_size() <= 2000
     assert data.special_ids(new)["pad"] == 0
     assert len(new.encode("the political philosophy").ids) >= 3
 
 
 def test_data_py_trains_a_vocabulary_from_the_command_line(tmp_path, small_corpus):
-    out = subprocess.run([PY, str(HERE / "data.py"), str(small_corpus), str(tmp_path / "v.txt"), "1000"],
+    out = subprocess.run([PY, "-m", "run.cache", str(small_corpus), str(tmp_path / "v.txt"), "1000"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     n = data.vocab_size_of(tmp_path / "v.txt")
     assert 500 < n <= 1000 and out.stdout.strip() == f"{tmp_path / 'v.txt'}: {n:,} entries, trained on {small_corpus}"
-    bad = subprocess.run([PY, str(HERE / "data.py"), str(tmp_path / "missing.txt"), str(tmp_path / "w.txt")],
+    bad = subprocess.run([PY, "-m", "run.cache", str(tmp_path / "missing.txt"), str(tmp_path / "w.txt")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1 and "missing.txt" in bad.stderr
     assert not (tmp_path / "w.txt").exists()
@@ -234,7 +234,7 @@ def small_cache_corpus(tmp_path, wiki_texts):
 def test_token_cache_windows_equal_make_windows(tokenizer, small_cache_corpus):
     texts = data.read_pretraining_texts(small_cache_corpus)
     for max_len in (64, 128):
-        windows = data.token_windows(small_cache_corpus, data.VOCAB, max_len, workers=2, verbose=False)
+        windows = run.cache.token_windows(small_cache_corpus, data.VOCAB, max_len, workers=2, verbose=False)
         expected = data.make_windows(tokenizer, texts, max_len)
         assert len(windows) == len(expected) and [windows[i] for i in range(len(windows))] == expected
         assert windows.n_tokens == sum(len(w.input_ids) for w in expected)
@@ -244,22 +244,22 @@ def test_token_cache_windows_equal_make_windows(tokenizer, small_cache_corpus):
 
 
 def test_token_cache_is_reused_and_rebuilt_when_the_corpus_changes(small_cache_corpus, monkeypatch):
-    first = data.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
+    first = run.cache.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
     built = []
-    real_build = data.build_token_cache
-    monkeypatch.setattr(data, "build_token_cache", lambda *a, **k: built.append(1) or real_build(*a, **k))
-    again = data.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
+    real_build = run.cache.build_token_cache
+    monkeypatch.setattr(run.cache, "build_token_cache", lambda *a, **k: built.append(1) or real_build(*a, **k))
+    again = run.cache.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
     assert built == [] and len(again) == len(first)                             # second run: no tokenizing
     with open(small_cache_corpus / "b.txt", "a", encoding="utf-8") as f:
         f.write("\na new document about the political philosophy of anarchism and its history\n")
-    changed = data.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
+    changed = run.cache.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
     assert built == [1] and len(changed) == len(first) + 1
     assert not list(changed.folder.glob(".*.tmp"))                              # no temporary left behind
 
 
 def test_token_windows_pickle_as_their_folder_and_feed_costa_batches(small_cache_corpus, tokenizer):
     import pickle
-    windows = data.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
+    windows = run.cache.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
     blob = pickle.dumps(windows)
     assert len(blob) < 1000                                                     # not the arrays
     assert pickle.loads(blob)[3] == windows[3]
@@ -272,7 +272,7 @@ def test_token_windows_pickle_as_their_folder_and_feed_costa_batches(small_cache
 def test_cpdae_cached_idf_equals_compute_idf(small_cache_corpus):
     import cpdae
     from test_losses import compute_idf
-    windows = data.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
+    windows = run.cache.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
     idf = cpdae.cached_idf(windows, 30522, rank=0, chunk=7)                     # chunks that cut anywhere
     assert torch.equal(idf, compute_idf([windows[i] for i in range(len(windows))], 30522))
     assert torch.equal(cpdae.cached_idf(windows, 30522, rank=1), idf)           # read back, not rebuilt
@@ -281,19 +281,19 @@ def test_cpdae_cached_idf_equals_compute_idf(small_cache_corpus):
 def test_token_cache_refuses_an_empty_corpus_and_keeps_nothing(tmp_path):
     for name, text in (("blank.txt", "\n\n  \n"), ("invisible.txt", "\u200b\u200d\n\n\u200b\n")):
         with pytest.raises(data.DataError, match="empty corpus" if name == "blank.txt" else "tokenized to nothing"):
-            data.token_windows(write(tmp_path / name, text), data.VOCAB, 64, verbose=False)
-        folder = data.token_cache_folder(tmp_path / name, data.VOCAB)
+            run.cache.token_windows(write(tmp_path / name, text), data.VOCAB, 64, verbose=False)
+        folder = run.cache.token_cache_folder(tmp_path / name, data.VOCAB)
         assert not folder.exists() or not any(folder.iterdir())              # no manifest, no temporary
 
 
 def test_other_ranks_wait_for_rank0_and_give_up_with_a_clear_error(monkeypatch):
     calls = []
-    data.rank0_builds(lambda: False, lambda: calls.append("built"), 0, "x")
-    data.rank0_builds(lambda: True, lambda: calls.append("built by rank 1"), 1, "x")
+    run.cache.rank0_builds(lambda: False, lambda: calls.append("built"), 0, "x")
+    run.cache.rank0_builds(lambda: True, lambda: calls.append("built by rank 1"), 1, "x")
     assert calls == ["built"]
-    monkeypatch.setattr(data, "CACHE_WAIT_S", 0)
+    monkeypatch.setattr(run.cache, "CACHE_WAIT_S", 0)
     with pytest.raises(data.DataError, match="rank 1: waited 0 s for rank 0 to build the cache; did rank 0 fail"):
-        data.rank0_builds(lambda: False, lambda: None, 1, "the cache")
+        run.cache.rank0_builds(lambda: False, lambda: None, 1, "the cache")
 
 
 def test_other_ranks_name_a_rank0_whose_cache_folder_stopped_changing(tmp_path, monkeypatch):
@@ -301,11 +301,11 @@ def test_other_ranks_name_a_rank0_whose_cache_folder_stopped_changing(tmp_path, 
     named (its folder, how long), not waited on for CACHE_WAIT_S (6 hours)."""
     (tmp_path / ".tokens.bin.123@host.tmp").write_bytes(b"x")
     os.utime(tmp_path / ".tokens.bin.123@host.tmp", (time.time() - 30, time.time() - 30))
-    monkeypatch.setattr(data, "CACHE_STALL_S", 2)
+    monkeypatch.setattr(run.cache, "CACHE_STALL_S", 2)
     t0 = time.time()
     with pytest.raises(data.DataError, match=rf"rank 1: waited \d+ s for rank 0 to build the cache; nothing in "
                                              rf"{re.escape(str(tmp_path))} changed for \d+ s; did rank 0 fail or hang"):
-        data.rank0_builds(lambda: False, lambda: None, 1, "the cache", tmp_path)
+        run.cache.rank0_builds(lambda: False, lambda: None, 1, "the cache", tmp_path)
     assert time.time() - t0 < 10
 
 
@@ -317,8 +317,8 @@ def test_token_cache_in_cache_dir_when_the_corpus_folder_is_read_only(tmp_path, 
         small_cache_corpus.parent.chmod(0o555)
     try:
         with pytest.raises(data.DataError, match="read-only.*--cache_dir"):
-            data.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
-        windows = data.token_windows(small_cache_corpus, data.VOCAB, 64, cache_dir=tmp_path / "cache", verbose=False)
+            run.cache.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
+        windows = run.cache.token_windows(small_cache_corpus, data.VOCAB, 64, cache_dir=tmp_path / "cache", verbose=False)
         assert windows.folder.parent == tmp_path / "cache" and len(windows) > 0
     finally:
         if os.geteuid() == 0:
@@ -367,7 +367,7 @@ def test_msmarco_and_trec_readers(tmp_path):
 def test_run_files_round_trip_atomically(tmp_path):
     run = {"q1": {"d1": 0.5, "d2": 1.5}, "q2": {"d3": -1.0}}
     path = tmp_path / "run.trec"
-    data.write_run(path, run, tag="test")
+    evaluate.write_run(path, run, tag="test")
     lines = path.read_text().splitlines()
     assert lines[0] == "q1 Q0 d2 1 1.500000 test" and lines[1] == "q1 Q0 d1 2 0.500000 test"
     assert data.read_run(path) == run
@@ -378,13 +378,13 @@ def test_run_files_round_trip_atomically(tmp_path):
 
 def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path):
     path = tmp_path / "state.pt"
-    run.save_training_state(path, {"step": 1})
+    run.folders.save_training_state(path, {"step": 1})
 
     class Unpicklable:
         def __reduce__(self):
             raise RuntimeError("boom")
     with pytest.raises(RuntimeError, match="boom"):
-        run.save_training_state(path, {"step": 2, "bad": Unpicklable()})
+        run.folders.save_training_state(path, {"step": 2, "bad": Unpicklable()})
     assert torch.load(path, weights_only=True) == {"step": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]
 
@@ -409,7 +409,7 @@ def test_encoder_equals_transformers_bert(tmp_path):
     torch.manual_seed(0)
     reference = transformers.BertForMaskedLM(config).eval()   # transformers' own random init
     reference.save_pretrained(tmp_path)
-    ours = run.load_pretrained(costa.Encoder, tmp_path, costa.Config()).eval()
+    ours = run.hub.load_pretrained(costa.Encoder, tmp_path, costa.Config()).eval()
     assert (ours.config.hidden_size, ours.config.num_layers, ours.config.num_heads) == (64, 3, 4)
     ids, mask = random_inputs()
     with torch.no_grad():
@@ -452,7 +452,7 @@ def test_hf_folder_round_trip_and_bin_checkpoints(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     ours = costa.Encoder(tiny_config(dropout=0.0)).eval()
-    run.save_pretrained(ours, tmp_path / "enc")
+    run.hub.save_pretrained(ours, tmp_path / "enc")
     assert {p.name for p in (tmp_path / "enc").iterdir()} == {
         "config.json", "model.safetensors", "model.safetensors.sha256", "vocab.txt", "tokenizer_config.json"}
     hf = transformers.AutoModel.from_pretrained(tmp_path / "enc").eval()
@@ -460,7 +460,7 @@ def test_hf_folder_round_trip_and_bin_checkpoints(tmp_path):
     with torch.no_grad():
         expected = ours(ids, mask)
         assert (hf(input_ids=ids, attention_mask=mask).last_hidden_state - expected)[mask.bool()].abs().max() < 1e-5
-        back = run.load_pretrained(costa.Encoder, tmp_path / "enc", costa.Config()).eval()
+        back = run.hub.load_pretrained(costa.Encoder, tmp_path / "enc", costa.Config()).eval()
         assert torch.equal(back(ids, mask), expected)
         assert torch.equal(back.mlm_head.bias, ours.mlm_head.bias)
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "enc")
@@ -468,35 +468,35 @@ def test_hf_folder_round_trip_and_bin_checkpoints(tmp_path):
     # An old-style folder: pytorch_model.bin, 'bert.' prefix, LayerNorm gamma/beta, a pooler to ignore.
     old = tmp_path / "old"
     old.mkdir()
-    state = {run.to_hf_name(k).replace("LayerNorm.weight", "LayerNorm.gamma")
+    state = {run.hub.to_hf_name(k).replace("LayerNorm.weight", "LayerNorm.gamma")
              .replace("LayerNorm.bias", "LayerNorm.beta"): v for k, v in ours.state_dict().items()}
     state["bert.pooler.dense.weight"] = torch.zeros(32, 32)
     torch.save(state, old / "pytorch_model.bin")
     (old / "config.json").write_text((tmp_path / "enc" / "config.json").read_text())
     with torch.no_grad():
-        assert torch.equal(run.load_pretrained(costa.Encoder, old, costa.Config()).eval()(ids, mask), expected)
+        assert torch.equal(run.hub.load_pretrained(costa.Encoder, old, costa.Config()).eval()(ids, mask), expected)
 
 
 def test_checkpoint_errors_name_the_problem(tmp_path):
     ours = costa.Encoder(tiny_config())
-    run.save_pretrained(ours, tmp_path / "enc")
+    run.hub.save_pretrained(ours, tmp_path / "enc")
     with pytest.raises(data.DataError, match="not a Hugging Face model folder"):
-        run.load_pretrained(costa.Encoder, tmp_path, costa.Config())
+        run.hub.load_pretrained(costa.Encoder, tmp_path, costa.Config())
     (tmp_path / "enc" / "vocab.txt").write_text("[PAD]\n[UNK]\n")
     with pytest.raises(data.DataError, match="vocab.txt: 2 entries, but config.json says vocab_size 30522"):
-        run.load_pretrained(costa.Encoder, tmp_path / "enc", costa.Config())
-    bad = {run.to_hf_name(k): v for k, v in ours.state_dict().items()}
+        run.hub.load_pretrained(costa.Encoder, tmp_path / "enc", costa.Config())
+    bad = {run.hub.to_hf_name(k): v for k, v in ours.state_dict().items()}
     bad["bert.encoder.layer.0.attention.self.query.weight"] = torch.zeros(8, 8)
-    run.save_encoder_folder(tmp_path / "bad", bad, run.hf_config(ours.config))
+    run.hub.save_encoder_folder(tmp_path / "bad", bad, run.hub.hf_config(ours.config))
     with pytest.raises(data.DataError, match=r"attention\.self\.query\.weight has shape \(8, 8\)"):
-        run.load_pretrained(costa.Encoder, tmp_path / "bad", costa.Config())
+        run.hub.load_pretrained(costa.Encoder, tmp_path / "bad", costa.Config())
 
 
 # ----------------------------------------------------------------------------------------------
 # Config and command line
 # ----------------------------------------------------------------------------------------------
 def test_config_overrides_by_field_name():
-    parse = lambda argv: run.parse_config(costa.Config, argv, costa.__doc__, costa.PAPER_PRESET, costa.FLAG_RULES)
+    parse = lambda argv: run.cli.parse_config(costa.Config, argv, costa.__doc__, costa.PAPER_PRESET, costa.FLAG_RULES)
     c = parse(["--lr", "1e-4", "--steps", "7", "--resume", "--bf16", "false"])
     assert (c.lr, c.steps, c.resume, c.bf16) == (1e-4, 7, True, False)
     paper = parse(["--preset", "paper", "--num_layers", "2"])
@@ -517,7 +517,7 @@ def test_config_overrides_by_field_name():
 ])
 def test_paper_presets_follow_the_papers(script, expected):
     module = __import__(script)
-    c = run.parse_config(module.Config, ["--preset", "paper"], "", module.PAPER_PRESET, module.FLAG_RULES)
+    c = run.cli.parse_config(module.Config, ["--preset", "paper"], "", module.PAPER_PRESET, module.FLAG_RULES)
     assert {k: getattr(c, k) for k in expected} == expected
     assert (c.hidden_size, c.num_layers, c.num_heads, c.ffn_size) == (768, 12, 12, 3072)
     if script == "seed":
@@ -617,7 +617,7 @@ def test_torchrun_two_processes_on_cpu(tmp_path, small_corpus):
                       "--out_dir", str(tmp_path / "ddp")], tmp_path, torchrun=True)
     assert "2 process(es)" in out and "done:" in out
     assert [r["step"] for r in read_log(tmp_path / "ddp")] == [1, 2]
-    assert run.load_pretrained(costa.Encoder, tmp_path / "ddp" / "encoder", costa.Config()).config.hidden_size == 32
+    assert run.hub.load_pretrained(costa.Encoder, tmp_path / "ddp" / "encoder", costa.Config()).config.hidden_size == 32
 
 
 def test_bad_input_gives_one_line_error(tmp_path):
@@ -1041,7 +1041,7 @@ def test_bm25_sparse_top_k_equals_the_dense_rows_and_scifact_keeps_its_rankings(
 def _share_worker(rank, world, tmp_path):
     if rank == 1:
         time.sleep(4)                      # a slower BM25 share: longer than the group's 2 s collective timeout
-    ranked = run.share_through_files(tmp_path / "negatives_bm25.tsv", {f"q{rank}": [rank, 5]}, tag=7, patience_s=60)
+    ranked = run.ranks.share_through_files(tmp_path / "negatives_bm25.tsv", {f"q{rank}": [rank, 5]}, tag=7, patience_s=60)
     torch.save(ranked, tmp_path / f"rank{rank}.pt")
 
 
@@ -1230,7 +1230,7 @@ def test_cls_by_length_and_side_by_side_tsne_one_line_or_panel_per_model(tmp_pat
     corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, n))}) + "\n" for n in (140, 150, 160, 200)))
     a = _tiny_init(tmp_path / "a")
     torch.manual_seed(1)
-    run.save_pretrained(finetune.Encoder(finetune.Config(**TINY)), tmp_path / "b")
+    run.hub.save_pretrained(finetune.Encoder(finetune.Config(**TINY)), tmp_path / "b")
     models = f"{a},{tmp_path / 'b'}"
     curves = mechanisms.main(mechanisms.Config(model=models, tag="A,B", cls_by_length=True, corpus=str(corpus),
                                                out_dir=str(tmp_path / "fig")))
@@ -1515,7 +1515,7 @@ def _scifact_subset(folder, n_train=24, n_test=16, n_other=120):
 def _tiny_init(folder):
     """A small random BERT folder, the starting checkpoint of the pipeline tests."""
     torch.manual_seed(0)
-    run.save_pretrained(finetune.Encoder(finetune.Config(**TINY)), folder)
+    run.hub.save_pretrained(finetune.Encoder(finetune.Config(**TINY)), folder)
     return str(folder)
 
 
@@ -1594,7 +1594,7 @@ def test_end_to_end_pretrain_finetune_evaluate(tmp_path, capsys):
 
 # ------------------------------------------------------------------ starting checkpoints (--init / --model)
 def test_minilm_short_name_is_the_checked_offline_package():
-    folder = run.resolve_model("minilm")
+    folder = run.hub.resolve_model("minilm")
     assert Path(folder).is_dir() and (Path(folder) / "model.safetensors").is_file()
     # A sentence-transformers folder: its declared mean pooling and Normalize module (= cosine) are read.
     assert evaluate.read_retriever_settings(folder) == {"pooling": "mean", "similarity": "cos", "query_len": 256,
@@ -1604,13 +1604,13 @@ def test_minilm_short_name_is_the_checked_offline_package():
 
 
 def test_minilm_with_a_different_sha256_is_refused(monkeypatch):
-    monkeypatch.setattr(run, "MINILM_SHA256", "0" * 64)
-    run._minilm_folder.cache_clear()
+    monkeypatch.setattr(run.hub, "MINILM_SHA256", "0" * 64)
+    run.hub._minilm_folder.cache_clear()
     try:
         with pytest.raises(data.DataError, match=r"model.safetensors: sha256 53aa5117\w+, expected 0{64}"):
-            run.resolve_model("minilm")
+            run.hub.resolve_model("minilm")
     finally:
-        run._minilm_folder.cache_clear()
+        run.hub._minilm_folder.cache_clear()
 
 
 def _fake_hub_cache(root, repo_id, save):
@@ -1681,9 +1681,9 @@ def test_cosine_bi_encoder_scores_are_cosines_over_tau():
 
 def test_a_checkpoint_without_mlm_head_gets_a_new_tied_one(tmp_path, wiki_texts):
     corpus = write(tmp_path / "corpus.txt", "\n\n".join(wiki_texts))
-    run.save_pretrained(evaluate.load_encoder(_tiny_init(tmp_path / "full")), tmp_path / "bare")    # no MLM head saved
+    run.hub.save_pretrained(evaluate.load_encoder(_tiny_init(tmp_path / "full")), tmp_path / "bare")    # no MLM head saved
     evaluate.write_retriever_settings(tmp_path / "bare", "mean", "cos", 64, 256)    # as a sentence-transformers folder
-    encoder = run.load_pretrained(costa.Encoder, tmp_path / "bare", costa.Config())
+    encoder = run.hub.load_pretrained(costa.Encoder, tmp_path / "bare", costa.Config())
     assert encoder.new_mlm_head and encoder.mlm_head.word_embedding[0] is encoder.embeddings.word
     printed = main_run([HERE / "costa.py", "--init", tmp_path / "bare", "--steps", "1", "--corpus", corpus,
                         "--batch_size", "2", "--max_len", "32", "--out_dir", tmp_path / "o"], HERE)
@@ -1701,7 +1701,7 @@ def test_halt_and_resume_equals_uninterrupted_run(tmp_path):
     finetune.main(base + ["--out_dir", str(tmp_path / "b"), "--halt_at", "4"])  # killed at step 1 of stage 2
     assert not (tmp_path / "b" / "encoder").exists() and (tmp_path / "b" / "stage2" / "state.pt").is_file()
     finetune.main(base + ["--out_dir", str(tmp_path / "b"), "--resume"])
-    a, b = (run.load_tensors(tmp_path / x / "encoder" / "model.safetensors") for x in ("a", "b"))
+    a, b = (run.files.load_tensors(tmp_path / x / "encoder" / "model.safetensors") for x in ("a", "b"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (tmp_path / "a" / "negatives_round1.tsv").read_text() == (tmp_path / "b" / "negatives_round1.tsv").read_text()
 
@@ -1723,9 +1723,9 @@ def test_word_distribution_figure_from_a_cpdae_folder(tmp_path):
 
     torch.manual_seed(0)
     encoder = finetune.Encoder(finetune.Config(**TINY))
-    run.save_pretrained(encoder, tmp_path / "enc")
+    run.hub.save_pretrained(encoder, tmp_path / "enc")
     decoder = cpdae.Decoder(TINY["hidden_size"], TINY["vocab_size"])
-    run.save_tensors(tmp_path / "enc" / "decoder.safetensors", decoder.state_dict())
+    run.files.save_tensors(tmp_path / "enc" / "decoder.safetensors", decoder.state_dict())
     text = "Nanotechnology raises many of the same issues as any new technology."
     probs = mechanisms.word_distribution(evaluate.load_encoder(tmp_path / "enc"), decoder, _tokenizer(), text, 64,
                                          torch.device("cpu"))
@@ -1738,7 +1738,7 @@ def test_word_distribution_figure_from_a_cpdae_folder(tmp_path):
     assert not np.allclose(mean, probs)
     mechanisms.main(mechanisms.Config(model=str(tmp_path / "enc"), words=text, out_dir=str(tmp_path / "fig")))
     assert (tmp_path / "fig" / "words.png").read_bytes()[:4] == b"\x89PNG"
-    run.save_pretrained(encoder, tmp_path / "plain")   # an encoder without a CPDAE decoder: a clear error
+    run.hub.save_pretrained(encoder, tmp_path / "plain")   # an encoder without a CPDAE decoder: a clear error
     with pytest.raises(data.DataError, match="decoder.safetensors: not found"):
         mechanisms.main(mechanisms.Config(model=str(tmp_path / "plain"), words=text))
 
@@ -1775,10 +1775,10 @@ def test_word_shares_known_answers():
 def _fake_run(folder, script, config, model, extra=None):
     """A pre-training run folder as run.py leaves one (config.json, state.pt, encoder/), without training."""
     folder.mkdir(parents=True)
-    data.atomic_write_json(folder / "config.json", {"script": script, **dataclasses.asdict(config)})
-    run.save_training_state(folder / "state.pt", {"step": 0, "model": model.state_dict(), "optimizer": {},
+    run.files.atomic_write_json(folder / "config.json", {"script": script, **dataclasses.asdict(config)})
+    run.folders.save_training_state(folder / "state.pt", {"step": 0, "model": model.state_dict(), "optimizer": {},
                                                   "scheduler": {}, "config": dataclasses.asdict(config)})
-    run.save_pretrained(model.encoder, folder / "encoder")
+    run.hub.save_pretrained(model.encoder, folder / "encoder")
     if extra:
         extra(folder / "encoder")
     return str(folder / "encoder")
@@ -1796,7 +1796,7 @@ def test_word_shares_of_a_decoder_that_knows_nothing_is_the_uniform_level(tmp_pa
     model = cpdae.PretrainModel(c, cpdae.Encoder(c))
     torch.nn.init.zeros_(model.decoder.out.weight)
     torch.nn.init.zeros_(model.decoder.out.bias)
-    save = lambda enc: run.save_tensors(enc / "decoder.safetensors", model.decoder.state_dict())
+    save = lambda enc: run.files.save_tensors(enc / "decoder.safetensors", model.decoder.state_dict())
     folder = _fake_run(tmp_path / "cpdae", "cpdae.py", c, model, save)
     rows = mechanisms.main(mechanisms.Config(model=folder, tag="cl on", word_shares=True, corpus=str(corpus), n_texts=8,
                                              n_common=10, out_dir=str(tmp_path / "out")))["word_shares"]
@@ -1930,7 +1930,7 @@ def test_mechanisms_report_holm_and_the_pilots_rules(tmp_path):
 
     def pilot(variant, rec, acc, ratio):
         dev = {"rec": rec, "rec_constant": 100.0, "cl_acc": acc, "cl_chance": 1 / 31, "grad_cl_over_rec": ratio}
-        data.atomic_write_json(rows / f"frozen_cpdae-cpdae-cl-{variant}-seed0.json",
+        run.files.atomic_write_json(rows / f"frozen_cpdae-cpdae-cl-{variant}-seed0.json",
                                {"settings": {"cl_weight": 0.1}, "curve": [{"step": 600, "dev": dev}]})
     assert report.CPDAE_ORDER[0] == "paper"
     pilot("paper", 90.0, 0.9, 1e-4)                         # the gradient gate fails
@@ -1954,17 +1954,17 @@ def test_mechanisms_report_judges_the_encoder_side_only_with_every_seed_and_gate
     heads = {"costa": {"gwc_acc": 0.5, "gwc_chance": 0.03}, "mlm": {"mlm_acc": 0.16, "mlm_chance": 0.05},
              "seed": {"dec_acc": 0.14, "dec_chance": 0.05}}
     for arm in ("costa", "mlm"):
-        data.atomic_write_json(rows / "heads-dev" / f"heads-pilot-{arm}-seed0-step100.json", heads[arm])
+        run.files.atomic_write_json(rows / "heads-dev" / f"heads-pilot-{arm}-seed0-step100.json", heads[arm])
     assert report.choose_encoder(tmp_path) == 100
     auc, cosine = {"costa": 0.96, "mlm": 0.955, "seed": 0.954}, {"costa": 0.2, "mlm": 0.3, "seed": 0.28}
 
     def write(arm, s, ndcg=0.74):
         wiggle = 0.001 * s * (s - 1)   # paired differences that vary over the seeds
-        data.atomic_write_json(rows / "heads-dev" / f"heads-{arm}-seed{s}-step100.json", heads[arm])
-        data.atomic_write_json(rows / "heads-test" / f"heads-{arm}-seed{s}-step100.json",
+        run.files.atomic_write_json(rows / "heads-dev" / f"heads-{arm}-seed{s}-step100.json", heads[arm])
+        run.files.atomic_write_json(rows / "heads-test" / f"heads-{arm}-seed{s}-step100.json",
                                {"cosine_by_length": {"128": cosine[arm] + wiggle}})
-        data.atomic_write_json(rows / f"finetune-{arm}-seed{s}.json", {"dev": {"NDCG@10": ndcg}})
-        data.atomic_write_json(rows / f"discrimination-{arm}-seed{s}.json", {"auc": auc[arm] + wiggle / 3})
+        run.files.atomic_write_json(rows / f"finetune-{arm}-seed{s}.json", {"dev": {"NDCG@10": ndcg}})
+        run.files.atomic_write_json(rows / f"discrimination-{arm}-seed{s}.json", {"auc": auc[arm] + wiggle / 3})
     for s in report.ENCODER_SEEDS:
         for arm in ("costa", "mlm", "seed"):
             write(arm, s)
@@ -2015,11 +2015,11 @@ def _confirm_rows(folder, report, control_auc=0.86, skip=()):
                          + noise, "gap_slope_nosep": 0.1 * weak + noise, "cosine_slope_nosep": 0.1 * weak + noise}
             else:
                 for split in ("dev", "test"):
-                    data.atomic_write_json(folder / "rows" / (path["row"].format(seed=s, split=split) + ".json"),
+                    run.files.atomic_write_json(folder / "rows" / (path["row"].format(seed=s, split=split) + ".json"),
                                            {"mlm_acc": 0.16, "mlm_chance": 0.05, "dec_acc": 0.14, "dec_chance": 0.05,
                                             "cosine_by_length": {"128": 0.29 - 0.03 * (arm == "seed") + noise}})
                 continue
-            data.atomic_write_json(folder / "rows" / (path["row"].format(seed=s) + ".json"),
+            run.files.atomic_write_json(folder / "rows" / (path["row"].format(seed=s) + ".json"),
                                    {"settings": {"cl_weight": 0.003}, "curve": [{"step": 600, "dev": point, "test": point}]})
     return plan, sha
 
@@ -2055,7 +2055,7 @@ def test_confirm_report_judges_by_its_plan_with_every_seed_the_control_beaten_an
 
     strong = json.loads((beaten / "rows" / "frozen_seed-seed-strong-seed5.json").read_text())
     strong["curve"][0]["dev"]["loss_other"] = 9.0                   # the full-causal decoder: the worse language model
-    data.atomic_write_json(beaten / "rows" / "frozen_seed-seed-strong-seed5.json", strong)
+    run.files.atomic_write_json(beaten / "rows" / "frozen_seed-seed-strong-seed5.json", strong)
     results, _ = report.judge(beaten, plan)
     assert all(r["verdict"].startswith("not testable") and r["p"] == 1.0 for r in results[4:7])
     assert results[7]["verdict"] != "pending" and results[0]["verdict"] == "shown"
@@ -2156,7 +2156,7 @@ def test_cpdae_control_arm_pairs_each_view_with_another_texts_and_seeds_draw_the
     cached = sorted(p.name for p in (tmp_path / "cache").glob("train-*.safetensors"))
     assert len(cached) == 1 and cached[0].endswith("-m5.safetensors")
     encoder = evaluate.load_encoder(tmp_path / "enc")
-    windows = data.token_windows(corpora["corpus"], data.VOCAB, 32, 0, "")
+    windows = run.cache.token_windows(corpora["corpus"], data.VOCAB, 32, 0, "")
     draws = [mechanisms.frozen_vectors(encoder, windows, "cls", seed) for seed in (0, 5)]
     assert torch.equal(draws[0]["plain"], draws[1]["plain"]) and not torch.equal(draws[0]["view1"], draws[1]["view1"])
 
@@ -2233,7 +2233,7 @@ def test_heads_rebuild_the_runs_objective_and_a_unigram_head_sits_at_chance(tmp_
         path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     torch.manual_seed(0)
     c = costa.Config(**TINY, max_len=64, batch_size=4, corpus=str(train), cache_dir=str(tmp_path / "cache"))
-    frequent = data.most_frequent_token(data.token_windows(c.corpus, c.vocab, c.max_len, 0, c.cache_dir))
+    frequent = data.most_frequent_token(run.cache.token_windows(c.corpus, c.vocab, c.max_len, 0, c.cache_dir))
     model = costa.PretrainModel(c, costa.Encoder(c), frequent_token=frequent)
     with torch.no_grad():
         model.encoder.mlm_head.bias[frequent] = 1e4                  # argmax = the most frequent token, always
@@ -2244,7 +2244,7 @@ def test_heads_rebuild_the_runs_objective_and_a_unigram_head_sits_at_chance(tmp_
         ("unigram", "costa", 0, 8, True)]
     assert rows[0]["mlm_acc"] == rows[0]["mlm_chance"] > 0
     model.eval()
-    batches = costa.Batches(dataclasses.replace(c, steps=2), data.token_windows(str(held_out), c.vocab, 64, 0, ""), 0, 1)
+    batches = costa.Batches(dataclasses.replace(c, steps=2), run.cache.token_windows(str(held_out), c.vocab, 64, 0, ""), 0, 1)
     with torch.no_grad():
         expected = [{**terms, **metrics} for terms, metrics in (model.terms(batches[i]) for i in range(2))]
     for name in ("L_MLM", "lambda L_GWC", "gwc", "gwc_acc", "gwc_chance"):
@@ -2342,7 +2342,7 @@ def run_in_process(args, cwd):
     their own. Signals, torchrun, locks a killed process held and resumes compared bit for bit keep theirs, and
     each script's one-line refusals are also checked in a process of its own (run_error)."""
     script, *argv = map(str, args)
-    out, err, held, cwd_before, argv_before = io.StringIO(), io.StringIO(), set(run._LOCKS), os.getcwd(), sys.argv
+    out, err, held, cwd_before, argv_before = io.StringIO(), io.StringIO(), set(run.folders._LOCKS), os.getcwd(), sys.argv
     quiet = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)  # Python's default
     code, threads = 0, torch.get_num_threads()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings(record=True) as shown, \
@@ -2362,8 +2362,8 @@ def run_in_process(args, cwd):
             os.chdir(cwd_before)
             sys.argv = argv_before
             torch.set_num_threads(threads)
-            for folder in set(run._LOCKS) - held:      # the end of the process would have let them go
-                run.release_run_folder(folder)
+            for folder in set(run.folders._LOCKS) - held:      # the end of the process would have let them go
+                run.folders.release_run_folder(folder)
     for w in shown:
         if not issubclass(w.category, quiet):
             err.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno))
@@ -2444,9 +2444,9 @@ def test_class3_duplicate_ids_and_judgments_are_refused(tmp_path):
 
 def test_class4_init_vocabulary_and_mismatched_state(tmp_path, small_corpus):
     # An --init folder with its own (smaller) vocabulary: pre-training uses the folder's vocab.txt.
-    new = data.train_wordpiece(data.read_pretraining_texts(small_corpus), tmp_path / "v.txt", vocab_size=1000)
+    new = run.cache.train_wordpiece(data.read_pretraining_texts(small_corpus), tmp_path / "v.txt", vocab_size=1000)
     torch.manual_seed(0)
-    run.save_pretrained(costa.Encoder(tiny_config(vocab_size=new.get_vocab_size())), tmp_path / "init", tmp_path / "v.txt")
+    run.hub.save_pretrained(costa.Encoder(tiny_config(vocab_size=new.get_vocab_size())), tmp_path / "init", tmp_path / "v.txt")
     common = ["--corpus", small_corpus, *TINY_ARGS, "--steps", "1", "--init", tmp_path / "init"]
     main_run([str(a) for a in [HERE / "cpdae.py", *common, "--out_dir", tmp_path / "a"]], tmp_path)
     assert data.vocab_size_of(tmp_path / "a" / "encoder" / "vocab.txt") == new.get_vocab_size()
@@ -2508,7 +2508,7 @@ def test_class6_flag_domains_and_non_finite_loss(tmp_path, small_corpus):
                            "--warmup", "0", "--save_every", "1", "--out_dir", out], tmp_path)
     assert (code, err) == (1, (f"error: step 2: the loss is not finite (gradient norm nan); stopped without saving; "
                               f"{out} keeps its last good checkpoint, step 1"))
-    state = run.load_training_state(out / "state.pt")
+    state = run.folders.load_training_state(out / "state.pt")
     assert state["step"] == 1 and all(torch.isfinite(v).all() for v in state["model"].values())
 
 
@@ -2627,7 +2627,7 @@ def test_bootstrap_difference_against_exact_enumeration():
 
 
 def test_study_flags_per_arm_and_refuses_its_own():
-    import study
+    from research import study
 
     assert study.parse_arm_args("costa:--head_warmup 20;cpdae:--cl_weight 1; costa:--tau 0.1", study.ARMS) == {
         "costa": "--head_warmup 20 --tau 0.1", "cpdae": "--cl_weight 1"}
@@ -2642,11 +2642,11 @@ def test_study_flags_per_arm_and_refuses_its_own():
             study.check_flags(dataclasses.replace(c, **bad))
     for flags in (["--vector", "max"], ["--arms", "none,bert"], ["--arms", "none,none"]):
         with pytest.raises(SystemExit, match=f"--{flags[0][2:]}"):
-            run.parse_config(study.Config, flags, "", {}, study.FLAG_RULES)
+            run.cli.parse_config(study.Config, flags, "", {}, study.FLAG_RULES)
 
 
 def test_study_quick_end_to_end_resumes_without_training_and_refuses_mixed_code(tmp_path, capsys, monkeypatch):
-    import study
+    from research import study
 
     out, results = tmp_path / "study", tmp_path / "results"
     argv = ["--quick", "--out_dir", str(out), "--results_dir", str(results)]
@@ -2734,7 +2734,7 @@ def test_study_quick_end_to_end_resumes_without_training_and_refuses_mixed_code(
 
 
 def test_study_code_hash_covers_the_shared_scripts_and_the_arms_own_method_file():
-    import study
+    from research import study
 
     assert study.scripts_of("none") == study.SHARED and "finetune.py" in study.SHARED and "data.py" in study.SHARED
     assert study.scripts_of("mlm") == study.scripts_of("costa") == study.SHARED + ("costa.py",)
@@ -2751,7 +2751,7 @@ def test_study_code_hash_covers_the_shared_scripts_and_the_arms_own_method_file(
 def test_study_code_hash_stays_for_every_other_arm_when_a_method_is_added(tmp_path, monkeypatch):
     """A new method is its file plus one entry in run.METHODS: that entry is no code any other arm runs,
     so their hashes stay and their rows stand. Any other edit to run.py is code: every arm's hash moves."""
-    import study
+    from research import study
 
     for name in study.SCRIPTS:
         shutil.copy(HERE / name, tmp_path / name)
@@ -2791,7 +2791,7 @@ def test_git_state_is_one_rule_dirty_is_a_script_changed_or_new(tmp_path):
     assert evaluate.git_state(tmp_path) == (commit, True)
 
 def test_holm_adjustment_by_hand():
-    import study
+    from research import study
 
     # sorted 0.01, 0.03, 0.04: x3 = 0.03, x2 = 0.06, x1 = 0.04 -> 0.06 (never below the one before)
     assert study.holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": None}) == pytest.approx(
@@ -2800,7 +2800,7 @@ def test_holm_adjustment_by_hand():
 
 
 def test_gradient_norms_per_term_start_where_training_started(tmp_path, small_corpus):
-    import study
+    from research import study
 
     main_run([str(a) for a in [HERE / "cpdae.py", "--corpus", small_corpus, *TINY_ARGS, "--steps", "2",
                                "--bf16", "false", "--out_dir", tmp_path / "cp"]], tmp_path)
@@ -2882,7 +2882,7 @@ def test_a_full_disk_keeps_the_last_checkpoint_whole_and_says_so(tmp_path, small
     import errno
     _cpdae, c, model, optimizer, scheduler = _tiny_training(tmp_path, small_corpus)
     out = Path(c.out_dir)
-    run.save_checkpoint(c, model, optimizer, scheduler, 2, True)
+    run.folders.save_checkpoint(c, model, optimizer, scheduler, 2, True)
     before = folder_bytes(out)
     with torch.no_grad():
         for p in model.parameters():
@@ -2891,12 +2891,12 @@ def test_a_full_disk_keeps_the_last_checkpoint_whole_and_says_so(tmp_path, small
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
     if fails == "encoder":
-        monkeypatch.setattr(run, "save_tensors", full)
+        monkeypatch.setattr(run.files, "save_tensors", full)
     else:   # torch.save reports a full disk as "RuntimeError: [enforce fail at inline_container.cc] unexpected pos"
         monkeypatch.setattr(data.torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("unexpected pos")))
         monkeypatch.setattr(data.shutil, "disk_usage", lambda folder: shutil_usage(free=0))
     with pytest.raises(data.DataError) as caught:
-        run.save_checkpoint(c, model, optimizer, scheduler, 4, True, 2)
+        run.folders.save_checkpoint(c, model, optimizer, scheduler, 4, True, 2)
     target = out / ("encoder" if fails == "encoder" else "state.pt")
     size = sum(p.stat().st_size for p in [out / "state.pt", *(out / "encoder").rglob("*")] if p.is_file())
     assert re.fullmatch(rf"{re.escape(str(target))}: the disk is full \(a checkpoint needs {size / 2**20:.1f} MiB, "
@@ -2914,7 +2914,7 @@ def shutil_usage(free):
 def test_a_checkpoint_switch_cut_by_a_kill_is_completed_or_dropped(tmp_path, small_corpus):
     _cpdae, c, model, optimizer, scheduler = _tiny_training(tmp_path, small_corpus)
     out = Path(c.out_dir)
-    run.save_checkpoint(c, model, optimizer, scheduler, 2, True)
+    run.folders.save_checkpoint(c, model, optimizer, scheduler, 2, True)
     step2 = folder_bytes(out)
     with torch.no_grad():
         for p in model.parameters():
@@ -2929,15 +2929,15 @@ def test_a_checkpoint_switch_cut_by_a_kill_is_completed_or_dropped(tmp_path, sma
     with pytest.MonkeyPatch.context() as m:
         m.setattr(data.os, "replace", killed_after_commit)
         with pytest.raises(KeyboardInterrupt):
-            run.save_checkpoint(c, model, optimizer, scheduler, 4, True, 2)
-    assert (out / ".encoder.new").is_dir() and run.load_training_state(out / "state.pt")["step"] == 4
-    run.prepare_run_folder(dataclasses.replace(c, resume=True))    # the next start completes the switch
+            run.folders.save_checkpoint(c, model, optimizer, scheduler, 4, True, 2)
+    assert (out / ".encoder.new").is_dir() and run.folders.load_training_state(out / "state.pt")["step"] == 4
+    run.folders.prepare_run_folder(dataclasses.replace(c, resume=True))    # the next start completes the switch
     assert not (out / ".encoder.new").exists() and not (out / ".encoder.old").exists()
     assert (out / "encoder" / "model.safetensors").read_bytes() != step2["encoder/model.safetensors"]
     # Killed before the commit: the new files are dropped, step 2 stays.
     (out / ".state.pt.new").write_bytes(b"")
     (out / ".encoder.new").mkdir()
-    run.prepare_run_folder(dataclasses.replace(c, resume=True))
+    run.folders.prepare_run_folder(dataclasses.replace(c, resume=True))
     assert not (out / ".encoder.new").exists() and not (out / ".state.pt.new").exists()
 
 
@@ -2971,7 +2971,7 @@ def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, small_corpus):
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    saved = run.load_training_state(out / "state.pt")["step"]
+    saved = run.folders.load_training_state(out / "state.pt")["step"]
     assert proc.returncode == 130 and "Traceback" not in err
     match = re.fullmatch(rf"interrupted at step (\d+); last checkpoint at step {saved} in {re.escape(str(out))}; "
                          rf"continue with --resume", err.strip())
@@ -3010,23 +3010,23 @@ def test_ctrl_c_during_a_checkpoint_finishes_it_and_names_it(tmp_path, small_cor
     # checkpoint at step 2" with step 4 on disk (1 in 10 runs of the test above, under load); now a
     # Ctrl-C during the save is held until the checkpoint is whole, and the line names it.
     import signal
-    real = run.finish_checkpoint_switch
+    real = run.folders.finish_checkpoint_switch
     def switch_then_ctrl_c(out):
         if (Path(out) / ".encoder.new").is_dir():         # in save_checkpoint (train's start calls it too)
             os.kill(os.getpid(), signal.SIGINT)           # delivered here, between the commit and the return
         real(out)
-    monkeypatch.setattr(run, "finish_checkpoint_switch", switch_then_ctrl_c)
+    monkeypatch.setattr(run.folders, "finish_checkpoint_switch", switch_then_ctrl_c)
     out = tmp_path / "run"
-    c = run.parse_config(costa.Config, ["--corpus", str(small_corpus), *TINY_ARGS, "--steps", "6", "--save_every", "2",
+    c = run.cli.parse_config(costa.Config, ["--corpus", str(small_corpus), *TINY_ARGS, "--steps", "6", "--save_every", "2",
                                         "--out_dir", str(out)], "", {}, costa.FLAG_RULES)
     outer = signal.signal(signal.SIGINT, signal.default_int_handler)   # as Python starts from a terminal
     try:
-        with pytest.raises(run.Interrupted) as stopped:
+        with pytest.raises(run.cli.Interrupted) as stopped:
             costa.train(c)
     finally:
         signal.signal(signal.SIGINT, outer)
     assert str(stopped.value) == f"interrupted at step 2; last checkpoint at step 2 in {out}; continue with --resume"
-    assert run.load_training_state(out / "state.pt")["step"] == 2 and (out / "encoder" / "config.json").is_file()
+    assert run.folders.load_training_state(out / "state.pt")["step"] == 2 and (out / "encoder" / "config.json").is_file()
     assert not (out / ".encoder.new").exists()
 
 
@@ -3035,30 +3035,30 @@ def test_catch_stop_signals_records_them_and_puts_the_old_handlers_back():
     outer = signal.signal(signal.SIGINT, signal.default_int_handler)   # as Python starts from a terminal
     term_before, chld_before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGCHLD)
     try:
-        restore = run.catch_stop_signals(defer_term=True)             # as the training loop installs them
+        restore = run.cli.catch_stop_signals(defer_term=True)             # as the training loop installs them
         assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
         with pytest.raises(KeyboardInterrupt):
             signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
-        with run.hold_ctrl_c():                                        # held: recorded only
+        with run.cli.hold_ctrl_c():                                        # held: recorded only
             signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
-        assert run.STOP_SIGNALS["int"] == [signal.SIGINT] * 2
+        assert run.cli.STOP_SIGNALS["int"] == [signal.SIGINT] * 2
         with pytest.raises(KeyboardInterrupt):                         # and raised again after the hold
             signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
         signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)         # deferred to the end of the step
-        assert run.STOP_SIGNALS["term"] == [signal.SIGTERM] and signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
-        run.watch_children_again()
+        assert run.cli.STOP_SIGNALS["term"] == [signal.SIGTERM] and signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
+        run.cli.watch_children_again()
         assert signal.getsignal(signal.SIGCHLD) == chld_before
         restore()
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         assert signal.getsignal(signal.SIGTERM) is term_before
-        restore = run.catch_stop_signals()                             # outside the loop: SIGTERM stops at once
-        with pytest.raises(run.Terminated):
+        restore = run.cli.catch_stop_signals()                             # outside the loop: SIGTERM stops at once
+        with pytest.raises(run.cli.Terminated):
             signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
         restore()
     finally:
         signal.signal(signal.SIGINT, outer)   # a suite started with nohup ... & ignores SIGINT
         signal.signal(signal.SIGTERM, term_before)
-        run.watch_children_again()            # torch's SIGCHLD handler, which the deferred SIGTERM set aside
+        run.cli.watch_children_again()            # torch's SIGCHLD handler, which the deferred SIGTERM set aside
 
 
 def test_bad_files_give_one_line_not_a_traceback(tmp_path):
@@ -3117,10 +3117,10 @@ def test_silent_inputs_are_refused_or_named(tmp_path, capsys, monkeypatch):
     # A path that looks local never goes to the hub.
     (tmp_path / "runs").mkdir()
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(run, "_hub_folder", lambda name: pytest.fail(f"{name} was sent to the hub"))
+    monkeypatch.setattr(run.hub, "_hub_folder", lambda name: pytest.fail(f"{name} was sent to the hub"))
     for name in ("runs/nonexistent_model", "./model", "/no/such/folder"):
         with pytest.raises(data.DataError, match=re.escape(f"{name}: no such model folder")):
-            run.resolve_model(name)
+            run.hub.resolve_model(name)
     # Empty queries are refused with file:line; empty documents are counted once.
     queries = write(tmp_path / "queries.jsonl", '{"_id": "q1", "text": "apples"}\n{"_id": "q2", "text": "  "}\n')
     with pytest.raises(data.DataError, match=re.escape(f"{queries}:2: empty query text")):
@@ -3141,15 +3141,15 @@ def test_silent_inputs_are_refused_or_named(tmp_path, capsys, monkeypatch):
     # A corpus error leaves no empty token cache folder behind.
     empty = write(tmp_path / "empty" / "blank.txt", "\n\n\n")
     with pytest.raises(data.DataError, match="empty corpus"):
-        data.token_windows(empty, data.VOCAB, 64, verbose=False)
+        run.cache.token_windows(empty, data.VOCAB, 64, verbose=False)
     assert [p.name for p in (tmp_path / "empty").iterdir()] == ["blank.txt"]
 
 
 def test_long_steps_print_progress_with_rate_and_eta(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(data, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(run.files, "PROGRESS_EVERY_S", 0.0)
     texts = data.read_pretraining_texts(data.WIKI)[:20]
     corpus = write(tmp_path / "wiki.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in texts))
-    data.build_token_cache(corpus, data.VOCAB, tmp_path / "cache", workers=1, chunk_chars=20_000)
+    run.cache.build_token_cache(corpus, data.VOCAB, tmp_path / "cache", workers=1, chunk_chars=20_000)
     index = evaluate.BM25(texts)
     index.search(["the first query", "another one"], 3)
     encoder = finetune.Encoder(finetune.Config(**TINY))
@@ -3165,7 +3165,7 @@ def test_long_steps_print_progress_with_rate_and_eta(tmp_path, capsys, monkeypat
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux only")
 def test_benchmark_peak_rss_counts_the_steps_not_the_setup():
-    import benchmark
+    from research import benchmark
 
     setup = np.ones(300 * 2**20, dtype=np.uint8)          # 300 MiB touched, as reading a corpus would
     before = benchmark.peak_rss_mib()
@@ -3207,7 +3207,7 @@ def test_benchmark_st_triplets_are_finetune_batches():
 def test_benchmark_st_ndcg_summary_pairs_the_seeds(tmp_path):
     from scipy.stats import ttest_rel
 
-    import benchmark
+    from research import benchmark
 
     ours, st = [0.72, 0.73, 0.71], [0.70, 0.74, 0.69]
     for which, values in (("ours", ours), ("st", st)):
@@ -3297,7 +3297,7 @@ def test_a_run_folder_in_use_refuses_a_second_run_and_kill_9_frees_it(tmp_path, 
         holder.kill()                                                            # kill -9: the kernel drops the lock
         holder.wait()
     main_run(["costa.py", "--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2", "--out_dir", str(out)], HERE)
-    assert run.load_training_state(out / "state.pt")["step"] == 2
+    assert run.folders.load_training_state(out / "state.pt")["step"] == 2
 
 
 def test_an_os_error_is_one_line_naming_the_path(tmp_path, small_corpus, monkeypatch, capsys):
@@ -3314,7 +3314,7 @@ def test_an_os_error_is_one_line_naming_the_path(tmp_path, small_corpus, monkeyp
         assert "\n" not in line and line.startswith("error: ") and str(a_file) in line, (script, line)
         assert "is a file, not a folder" in line or "already exists as a file" in line, (script, line)
     # Permission denied and a read-only file system (root ignores chmod, so the error is injected).
-    c = run.parse_config(costa.Config, ["--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2",
+    c = run.cli.parse_config(costa.Config, ["--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2",
                                         "--out_dir", str(tmp_path / "ro" / "run")], "", {}, costa.FLAG_RULES)
     for code, words in ((errno.EACCES, "permission denied"), (errno.EROFS, "read-only file system")):
         def refuse(self, *args, code=code, real=Path.mkdir, **kwargs):   # in ro/ only (not the token cache)
@@ -3323,7 +3323,7 @@ def test_an_os_error_is_one_line_naming_the_path(tmp_path, small_corpus, monkeyp
             raise OSError(code, os.strerror(code), str(self))
         monkeypatch.setattr(Path, "mkdir", refuse)
         with pytest.raises(SystemExit) as stopped:
-            run.run_command_line(lambda: costa.train(c))
+            run.cli.run_command_line(lambda: costa.train(c))
         monkeypatch.undo()
         assert stopped.value.code == f"error: {tmp_path / 'ro' / 'run'}: {words}; " + {
             errno.EACCES: "choose a folder you can write to (--out_dir) or fix its permissions",
@@ -3342,10 +3342,10 @@ def test_an_unwritable_out_dir_stops_the_run_before_the_token_cache_is_built(tmp
         f_flag=os.ST_RDONLY if Path(path) == read_only else real_statvfs(path).f_flag))
     for out_dir, problem, words in ((a_file / "run", a_file, "a path on the way is a file, not a folder"),
                                     (read_only / "new" / "run", read_only, "read-only file system")):
-        c = run.parse_config(costa.Config, ["--corpus", str(small_cache_corpus), *TINY_ARGS, "--steps", "2",
+        c = run.cli.parse_config(costa.Config, ["--corpus", str(small_cache_corpus), *TINY_ARGS, "--steps", "2",
                                             "--out_dir", str(out_dir)], "", {}, costa.FLAG_RULES)
         with pytest.raises(SystemExit) as stopped:
-            run.run_command_line(lambda c=c: costa.train(c))
+            run.cli.run_command_line(lambda c=c: costa.train(c))
         assert str(stopped.value.code).startswith(f"error: {problem}: {words}; "), stopped.value.code
         assert not list(small_cache_corpus.parent.glob("*.tokens-*")), "the token cache was built first"
     assert not (read_only / "new").exists()
@@ -3370,7 +3370,7 @@ def test_sigterm_saves_a_checkpoint_and_stops_with_one_line(tmp_path, small_corp
     stopped, saved = int(last[1]), int(last[2])
     # the step in progress finished; a checkpoint more than --save_every / 2 = 2 steps old was renewed first
     assert 3 <= stopped and 0 <= stopped - saved <= 2 and saved >= 3
-    assert run.load_training_state(out / "state.pt")["step"] == saved
+    assert run.folders.load_training_state(out / "state.pt")["step"] == saved
     code, printed, err = run_in_process(cmd[1:-2] + ["--steps", str(stopped + 2), "--out_dir", str(out), "--resume"], HERE)
     assert code == 0, err                               # and it continues from there
     assert f"resume: {out / 'state.pt'} at step {saved}" in printed
@@ -3398,7 +3398,7 @@ def test_finetune_sigterm_saves_a_checkpoint_and_stops_with_one_line(tmp_path):
     assert last, stderr
     stopped, saved = int(last[1]), int(last[2])
     assert 3 <= stopped and 0 <= stopped - saved <= 2 and saved >= 3
-    assert run.load_training_state(stage / "state.pt")["step"] == saved
+    assert run.folders.load_training_state(stage / "state.pt")["step"] == saved
     code, printed, err = run_in_process(cmd[1:] + ["--steps", str(stopped + 2), "--resume"], HERE)
     assert code == 0, err
     assert f"resume: {stage / 'state.pt'} at step {saved}" in printed
@@ -3409,16 +3409,16 @@ def test_non_finite_flags_are_refused_when_parsed():
     for module, flag in ((costa, "--lr"), (costa, "--tau"), (finetune, "--lr"), (evaluate, "--k1")):
         for value in ("inf", "nan", "-inf"):
             with pytest.raises(SystemExit) as stopped:
-                run.parse_config(module.Config, [flag, value], "", {}, getattr(module, "FLAG_RULES", {}))
+                run.cli.parse_config(module.Config, [flag, value], "", {}, getattr(module, "FLAG_RULES", {}))
             assert stopped.value.code == f"error: {flag} must be a finite number, got {float(value)!r}"
 
 
 def test_a_non_finite_loss_says_whether_a_checkpoint_is_kept(tmp_path):
     c = costa.Config(out_dir=str(tmp_path))
     with pytest.raises(data.DataError, match=r"stopped without saving; no checkpoint was written$"):
-        run.stop_if_not_finite(torch.tensor(float("nan")), 2, c, last_saved=0)
+        run.folders.stop_if_not_finite(torch.tensor(float("nan")), 2, c, last_saved=0)
     with pytest.raises(data.DataError, match=rf"{re.escape(str(tmp_path))} keeps its last good checkpoint, step 100$"):
-        run.stop_if_not_finite(torch.tensor(float("inf")), 120, c, last_saved=100)
+        run.folders.stop_if_not_finite(torch.tensor(float("inf")), 120, c, last_saved=100)
 
 
 def test_keep_last_keeps_older_checkpoints_as_hard_links_and_prunes_them(tmp_path):
@@ -3426,7 +3426,7 @@ def test_keep_last_keeps_older_checkpoints_as_hard_links_and_prunes_them(tmp_pat
     kept. Seen failing on the old code (no keep_previous_checkpoint) and with the prune's count off by one."""
     for step in (10, 20, 30, 40):
         if step > 10:
-            run.keep_previous_checkpoint(tmp_path, step - 10, keep_last=3)
+            run.folders.keep_previous_checkpoint(tmp_path, step - 10, keep_last=3)
         (tmp_path / "state.pt").unlink(missing_ok=True)               # as save_checkpoint's os.replace does
         (tmp_path / "encoder").mkdir(exist_ok=True)
         (tmp_path / "encoder" / "model.safetensors").unlink(missing_ok=True)
@@ -3457,10 +3457,10 @@ def test_on_a_gpu_the_finite_check_waits_for_a_log_step_and_names_the_first_bad_
 def test_paper_presets_build_batches_ahead_and_checkpoint_by_the_clock():
     """Seen failing on the old code (--workers 0, a checkpoint every 100 steps, nothing kept)."""
     for module in (costa, importlib.import_module("cpdae"), importlib.import_module("seed")):
-        c = run.parse_config(module.Config, ["--preset", "paper"], "", module.PAPER_PRESET, module.FLAG_RULES)
+        c = run.cli.parse_config(module.Config, ["--preset", "paper"], "", module.PAPER_PRESET, module.FLAG_RULES)
         assert c.workers >= 1 and c.save_minutes > 0 and c.save_every >= 10_000 and c.keep_last > 1, module
         assert c.compile, module                                       # it pays on a GPU at the paper's size
-    c = run.parse_config(finetune.Config, ["--preset", "paper"], "", finetune.PAPER_PRESET, finetune.FLAG_RULES)
+    c = run.cli.parse_config(finetune.Config, ["--preset", "paper"], "", finetune.PAPER_PRESET, finetune.FLAG_RULES)
     assert c.workers >= 1 and c.save_every >= 1000
 
 
@@ -3468,7 +3468,7 @@ def test_paper_presets_build_batches_ahead_and_checkpoint_by_the_clock():
 # ----------------------------------------------------------------------------------------------
 def _windows_of(corpus, **kwargs):
     """The corpus' 64-token windows from its token cache, as lists (and the cache folder)."""
-    windows = data.token_windows(corpus, data.VOCAB, 64, verbose=False, **kwargs)
+    windows = run.cache.token_windows(corpus, data.VOCAB, 64, verbose=False, **kwargs)
     return [windows[i] for i in range(len(windows))], windows.folder
 
 
@@ -3529,9 +3529,9 @@ def test_a_damaged_token_cache_is_rebuilt_saying_which_file_and_what_differed(sm
 def test_a_large_token_cache_reads_its_checksums_only_for_files_whose_time_changed(small_cache_corpus, capsys,
                                                                                    monkeypatch):
     expected, folder = _windows_of(small_cache_corpus)
-    monkeypatch.setattr(data, "CRC_EVERY_USE_BYTES", 0, raising=False)        # every cache is large now
-    read, real = [], data.file_record if hasattr(data, "file_record") else None
-    monkeypatch.setattr(data, "file_record", lambda path, *a: read.append(Path(path).name) or real(path, *a),
+    monkeypatch.setattr(run.cache, "CRC_EVERY_USE_BYTES", 0, raising=False)        # every cache is large now
+    read, real = [], run.cache.file_record if hasattr(run.cache, "file_record") else None
+    monkeypatch.setattr(run.cache, "file_record", lambda path, *a: read.append(Path(path).name) or real(path, *a),
                         raising=False)
     capsys.readouterr()
     assert _windows_of(small_cache_corpus)[0] == expected and read == []    # sizes and times: no file read
@@ -3548,9 +3548,9 @@ def test_a_large_token_cache_reads_its_checksums_only_for_files_whose_time_chang
 def test_other_ranks_never_map_a_damaged_token_cache(small_cache_corpus, monkeypatch):
     expected, folder = _windows_of(small_cache_corpus)
     _flip_a_byte(folder / "tokens.bin")
-    monkeypatch.setattr(data, "CACHE_WAIT_S", 0)
+    monkeypatch.setattr(run.cache, "CACHE_WAIT_S", 0)
     with pytest.raises(data.DataError, match="rank 1: waited 0 s for rank 0 to build the token cache"):
-        data.token_windows(small_cache_corpus, data.VOCAB, 64, rank=1, verbose=False)
+        run.cache.token_windows(small_cache_corpus, data.VOCAB, 64, rank=1, verbose=False)
     assert _windows_of(small_cache_corpus)[0] == expected                      # rank 0 rebuilds it
 
 
@@ -3574,12 +3574,12 @@ def test_reading_a_broken_token_cache_names_the_folder_and_how_to_rebuild(small_
     for size in (tokens.stat().st_size - 1, tokens.stat().st_size - 2000, 0):  # numpy's error, an IndexError later, none
         os.truncate(tokens, size)
         with pytest.raises(data.DataError) as error:
-            data.TokenWindows(folder, 64, special)                            # (as a data-loader worker maps it)
+            run.cache.TokenWindows(folder, 64, special)                            # (as a data-loader worker maps it)
         assert str(error.value).startswith(f"{folder}: ") and "tokens.bin" in str(error.value), str(error.value)
         assert f"delete the folder to rebuild it (rm -r {folder})" in str(error.value)
     (folder / "windows-L64.json").unlink()
     with pytest.raises(data.DataError, match=re.escape(f"{folder}: ") + ".*windows-L64.json.*rm -r"):
-        data.TokenWindows(folder, 64, special)
+        run.cache.TokenWindows(folder, 64, special)
 
 
 def test_resume_on_another_process_count_is_refused_naming_it(tmp_path, small_corpus):
@@ -3643,12 +3643,12 @@ def test_a_full_disk_while_building_the_token_cache_is_one_line(tmp_path, small_
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder / ".doc_offsets.npy.1@h.tmp"))
-    monkeypatch.setattr(data, "atomic_save_npy", full)
+    monkeypatch.setattr(run.files, "atomic_save_npy", full)
     with pytest.raises(data.DataError) as e:
-        data.build_token_cache(small_corpus, data.VOCAB, folder, workers=1, verbose=False)
-    need = data.cache_bytes_needed(small_corpus, data.VOCAB)
-    free = data.format_bytes(shutil.disk_usage(tmp_path).free)
-    assert str(e.value) == (f"{folder}: the disk is full (the token cache needs about {data.format_bytes(need)}, "
+        run.cache.build_token_cache(small_corpus, data.VOCAB, folder, workers=1, verbose=False)
+    need = run.cache.cache_bytes_needed(small_corpus, data.VOCAB)
+    free = run.files.format_bytes(shutil.disk_usage(tmp_path).free)
+    assert str(e.value) == (f"{folder}: the disk is full (the token cache needs about {run.files.format_bytes(need)}, "
                             f"{free} free); free some space, or give --cache_dir on another disk")
     assert not folder.exists()
 
@@ -3699,9 +3699,9 @@ def test_token_cache_workers_die_on_sigterm_and_ignore_ctrl_c_whatever_the_paren
     SIGINT ignored, both blocked from the fork until they are."""
     import signal
     term, ctrl_c = 1 << (signal.SIGTERM - 1), 1 << (signal.SIGINT - 1)
-    restore = run.catch_stop_signals()
+    restore = run.cli.catch_stop_signals()
     try:
-        pool = data._pool(data.VOCAB, 2)
+        pool = run.cache._pool(data.VOCAB, 2)
         try:
             pool.map(len, ["a", "bb"] * 8)
             deadline = time.time() + 60
@@ -3753,11 +3753,11 @@ def _sleep_for_ever(texts):
 
 def test_a_stuck_tokenizing_worker_is_named_and_the_build_stops_keeping_nothing(tmp_path, small_corpus,
                                                                                  monkeypatch):
-    monkeypatch.setattr(data, "_tokenize_chunk_sized", _sleep_for_ever)    # (the forked workers find it by name)
-    monkeypatch.setattr(data, "WORKER_SILENCE_S", 1)
+    monkeypatch.setattr(run.cache, "_tokenize_chunk_sized", _sleep_for_ever)    # (the forked workers find it by name)
+    monkeypatch.setattr(run.cache, "WORKER_SILENCE_S", 1)
     t0 = time.time()
     with pytest.raises(data.DataError) as stopped:
-        data.build_token_cache(small_corpus, data.VOCAB, tmp_path / "cache", workers=2, verbose=False)
+        run.cache.build_token_cache(small_corpus, data.VOCAB, tmp_path / "cache", workers=2, verbose=False)
     line = str(stopped.value)
     assert re.fullmatch(rf"token cache {re.escape(str(tmp_path / 'cache'))}: the tokenizing workers \(pids \d+, \d+\) "
                         r"gave nothing back for 1 s; they were stopped and no half-built cache is kept\. Run the "
@@ -3769,7 +3769,7 @@ def test_a_word_too_long_for_wordpiece_is_counted_in_the_cache_line(tmp_path, ca
     """A 200,000-character word is one [UNK] token: the build says how many characters went that way."""
     corpus = write(tmp_path / "c.jsonl", json.dumps({"text": "a short first document about proteins"}) + "\n"
                    + json.dumps({"text": "x" * 200_000 + " and " + "y" * 150}) + "\n")
-    data.build_token_cache(corpus, data.VOCAB, tmp_path / "cache", workers=1)
+    run.cache.build_token_cache(corpus, data.VOCAB, tmp_path / "cache", workers=1)
     assert ("token cache: 200,150 characters were in words over 100 characters long, each word now one [UNK] "
             "token (BERT's WordPiece reads no longer word)") in capsys.readouterr().out
 
@@ -3796,7 +3796,7 @@ def test_a_process_group_sigterm_with_data_loader_workers_saves_and_stops_with_o
     last = re.fullmatch(rf"terminated \(SIGTERM\) at step (\d+); last checkpoint at step (\d+) in {re.escape(str(out))}; "
                         r"continue with --resume", stderr.strip().splitlines()[-1])
     assert last and "DataLoader" not in stderr, stderr
-    assert run.load_training_state(out / "state.pt")["step"] == int(last[2])
+    assert run.folders.load_training_state(out / "state.pt")["step"] == int(last[2])
 
 
 def test_a_test_that_hangs_fails_with_its_traceback_and_the_suite_goes_on(tmp_path):
@@ -3851,7 +3851,7 @@ def test_a_stop_during_the_token_cache_build_inside_finetune_is_one_line_and_kee
 def test_the_next_build_removes_the_temporaries_of_a_killed_build(tmp_path, wiki_texts):
     import signal
     corpus = write(tmp_path / "wiki.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in wiki_texts))
-    folder = data.token_cache_folder(corpus, data.VOCAB)
+    folder = run.cache.token_cache_folder(corpus, data.VOCAB)
     # A build that hangs after its first documents (so it is surely mid-write), then is killed with -9.
     code = ("import sys, time, data\n"
             "real = data.iter_pretraining_texts\n"
@@ -3919,7 +3919,7 @@ def test_evaluate_never_writes_into_a_folder_that_a_live_run_holds(tmp_path):
         try:
             before = folder_bytes(tmp_path)
             with pytest.raises(SystemExit) as stopped:
-                run.run_command_line(lambda out_dir=out_dir: evaluate.main(evaluate.Config(
+                run.cli.run_command_line(lambda out_dir=out_dir: evaluate.main(evaluate.Config(
                     model=str(ft / "encoder"), dataset=str(beir), out_dir=out_dir)))
             assert stopped.value.code == line
             assert folder_bytes(tmp_path) == before and not (ft / "eval-test").exists()
@@ -3942,7 +3942,7 @@ def test_compare_pairs_only_the_queries_both_runs_have_and_refuses_fewer_than_tw
     for b_text, n in (("q5 Q0 d5 1 1.0 b\n", 0), ("q1 Q0 d1 1 1.0 b\nq5 Q0 d5 1 1.0 b\n", 1)):
         b.write_text(b_text)
         with pytest.raises(SystemExit) as stopped:
-            run.run_command_line(lambda: evaluate.main(evaluate.Config(compare=f"{a},{b}", qrels=str(qrels))))
+            run.cli.run_command_line(lambda: evaluate.main(evaluate.Config(compare=f"{a},{b}", qrels=str(qrels))))
         assert stopped.value.code == (f"error: --compare: {a} and {b} have {n} judged quer{'y' if n == 1 else 'ies'} "
                                       f"in common (of 4 and {n + 1}); a paired t-test needs at least 2")
         assert " inf " not in capsys.readouterr().out
@@ -3958,10 +3958,10 @@ def test_a_full_disk_is_recognised_by_what_each_writer_raises(tmp_path):
                   SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
                   OSError("100000 requested and 8176 written"),                                    # numpy's tofile
                   RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")):  # torch.save
-        assert data.is_disk_full(error, tmp_path), error
+        assert run.files.is_disk_full(error, tmp_path), error
     for error in (OSError(errno.EACCES, "Permission denied"), RuntimeError("CUDA error: out of memory"),
                   KeyError("state.pt")):
-        assert not data.is_disk_full(error, tmp_path), error
+        assert not run.files.is_disk_full(error, tmp_path), error
 
 
 def _ft_command(tmp_path, out):
@@ -3976,15 +3976,15 @@ def _ft_command(tmp_path, out):
 
 def _encoder_is_the_state(stage):
     """The stage's encoder/ holds the weights of its state.pt: the checkpoint is one unit. -> state's step."""
-    state = run.load_training_state(stage / "state.pt")
-    encoder = run.load_tensors(stage / "encoder" / "model.safetensors")
-    weights = {run.to_hf_name(k.removeprefix("encoder.")): v for k, v in state["model"].items()}
+    state = run.folders.load_training_state(stage / "state.pt")
+    encoder = run.files.load_tensors(stage / "encoder" / "model.safetensors")
+    weights = {run.hub.to_hf_name(k.removeprefix("encoder.")): v for k, v in state["model"].items()}
     assert weights.keys() == encoder.keys() and all(torch.equal(weights[k], encoder[k]) for k in weights)
     return state["step"]
 
 
 def _same_encoder(a, b):
-    a, b = (run.load_tensors(Path(x) / "encoder" / "model.safetensors") for x in (a, b))
+    a, b = (run.files.load_tensors(Path(x) / "encoder" / "model.safetensors") for x in (a, b))
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -3992,7 +3992,7 @@ def _same_encoder(a, b):
 def test_finetune_checkpoint_switches_encoder_and_state_together(tmp_path, monkeypatch, kill):
     straight, cut = tmp_path / "straight", tmp_path / "cut"
     finetune.main(_ft_command(tmp_path, straight))
-    real_save, real_replace = run.save_training_state, os.replace
+    real_save, real_replace = run.folders.save_training_state, os.replace
 
     def killed_writing_state(path, state):            # the kill lands after the encoder, before the state
         if state["step"] == 4:
@@ -4001,18 +4001,18 @@ def test_finetune_checkpoint_switches_encoder_and_state_together(tmp_path, monke
 
     def killed_after_state(src, dst):                 # ... or right after state.pt was replaced
         real_replace(src, dst)
-        if Path(dst).name == "state.pt" and run.load_training_state(dst)["step"] == 4:
+        if Path(dst).name == "state.pt" and run.folders.load_training_state(dst)["step"] == 4:
             raise KeyboardInterrupt
     with monkeypatch.context() as m:
         if kill == "before the switch":
-            m.setattr(run, "save_training_state", killed_writing_state)
+            m.setattr(run.folders, "save_training_state", killed_writing_state)
         else:
             m.setattr(data.os, "replace", killed_after_state)
         with pytest.raises(KeyboardInterrupt):
             finetune.main(_ft_command(tmp_path, cut))
     if kill == "before the switch":
         assert _encoder_is_the_state(cut / "stage1") == 2                  # encoder/ is not step 4's
-    run.release_run_folder(cut)
+    run.folders.release_run_folder(cut)
     finetune.main(_ft_command(tmp_path, cut) + ["--resume"])               # completes or drops the cut switch
     assert _encoder_is_the_state(cut / "stage1") == 4
     assert not [p.name for p in (cut / "stage1").iterdir() if p.name.startswith(".")]
@@ -4034,7 +4034,7 @@ def test_finetune_full_disk_is_one_line_and_keeps_the_last_checkpoint(tmp_path, 
         return real(tensors, path, *args, **kwargs)
     monkeypatch.setattr(safetensors.torch, "save_file", full)
     with pytest.raises(SystemExit) as stopped:
-        run.run_command_line(lambda: finetune.main(_ft_command(tmp_path, cut)))
+        run.cli.run_command_line(lambda: finetune.main(_ft_command(tmp_path, cut)))
     stage = cut / "stage1"
     if fails == "checkpoint":
         size = sum(p.stat().st_size for p in [stage / "state.pt", *(stage / "encoder").rglob("*")] if p.is_file())
@@ -4065,14 +4065,14 @@ def test_evaluate_full_disk_is_one_line_and_keeps_the_previous_files(tmp_path, m
     def full(*args, **kwargs):                          # what a text write on a full disk raises
         raise OSError(errno.ENOSPC, "No space left on device")
     with monkeypatch.context() as m:
-        m.setattr(data, "atomic_write_text", full)
+        m.setattr(run.files, "atomic_write_text", full)
         with pytest.raises(SystemExit) as stopped:
-            run.run_command_line(lambda: evaluate.main(evaluate.Config(**flags, tag="new")))
+            run.cli.run_command_line(lambda: evaluate.main(evaluate.Config(**flags, tag="new")))
     line = re.fullmatch(rf"error: {re.escape(str(out))}: the disk is full \(run.trec needs (\d+) B, [\d.]+ [KMG]iB "
                         r"free\); its run.trec and metrics.json are the previous ones; free some space, or give another "
                         r"--out_dir", stopped.value.code)
     assert line, stopped.value.code
-    data.write_run(tmp_path / "new.trec", data.read_run(out / "run.trec"), "new")      # what the write needed
+    evaluate.write_run(tmp_path / "new.trec", data.read_run(out / "run.trec"), "new")      # what the write needed
     assert (tmp_path / "new.trec").stat().st_size <= int(line[1]) <= 1.1 * (tmp_path / "new.trec").stat().st_size
     assert folder_bytes(out) == before
     # The corpus vectors (--vectors_dir): their space is reserved before the mapping is written (a full
@@ -4081,7 +4081,7 @@ def test_evaluate_full_disk_is_one_line_and_keeps_the_previous_files(tmp_path, m
     with monkeypatch.context() as m:
         m.setattr(os, "posix_fallocate", lambda fd, offset, size: full())
         with pytest.raises(SystemExit) as stopped:
-            run.run_command_line(lambda: evaluate.main(evaluate.Config(**flags, vectors_dir=str(vectors))))
+            run.cli.run_command_line(lambda: evaluate.main(evaluate.Config(**flags, vectors_dir=str(vectors))))
     assert re.fullmatch(rf"error: {re.escape(str(vectors))}: the disk is full \(the corpus vectors need "
                         rf"{3 * 32 * 2} B, [\d.]+ [KMG]iB free\); free some space, or give another "
                         r"--vectors_dir", stopped.value.code), stopped.value.code    # 3 documents x 32 fp16 values
@@ -4098,7 +4098,7 @@ def _nan_model(folder):
     encoder = finetune.Encoder(finetune.Config(**TINY))
     with torch.no_grad():
         encoder.blocks[1].ffn_out.weight.fill_(1e38)
-    run.save_pretrained(encoder, folder)
+    run.hub.save_pretrained(encoder, folder)
     return folder
 
 
@@ -4157,31 +4157,30 @@ def test_vectors_dir_without_posix_fallocate_as_on_macos(tmp_path, monkeypatch):
 def test_peak_memory_reads_ru_maxrss_in_bytes_on_macos(monkeypatch):
     import resource
 
-    import benchmark
+    from research import benchmark
     monkeypatch.setattr(resource, "getrusage", lambda who: types.SimpleNamespace(ru_maxrss=3 * 2**30))  # macOS: bytes
     monkeypatch.setattr(sys, "platform", "darwin")
     no_proc = types.SimpleNamespace(read_text=lambda: (_ for _ in ()).throw(FileNotFoundError("/proc")))
     monkeypatch.setattr(benchmark, "Path", lambda path: no_proc)                                   # macOS: no /proc
-    assert run.peak_memory_mb(torch.device("cpu")) == benchmark.peak_rss_mib() == 3072
+    assert run.ranks.peak_memory_mb(torch.device("cpu")) == benchmark.peak_rss_mib() == 3072
     monkeypatch.setattr(sys, "platform", "linux")                                                  # Linux: KiB
-    assert run.peak_memory_mb(torch.device("cpu")) == 3 * 2**20
+    assert run.ranks.peak_memory_mb(torch.device("cpu")) == 3 * 2**20
 
 
 def test_apple_silicon_is_told_once_why_its_gpu_is_not_used(monkeypatch, capsys):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     for platform, lines in (("linux", 0), ("darwin", 1)):
         monkeypatch.setattr(sys, "platform", platform)
-        if hasattr(run.say_mps_is_not_used, "cache_clear"):
-            run.say_mps_is_not_used.cache_clear()
+        if hasattr(run.cli.say_mps_is_not_used, "cache_clear"):
+            run.cli.say_mps_is_not_used.cache_clear()
         for _ in range(2):                               # finetune.py --pretrain parses the method's flags too
-            run.parse_config(evaluate.Config, ["--split", "dev"])
+            run.cli.parse_config(evaluate.Config, ["--split", "dev"])
         said = re.findall(r"^note: .*MPS.* not used.*$", capsys.readouterr().out, re.MULTILINE)
         assert len(said) == lines, (platform, said)
 
 
 def test_a_hung_child_of_the_study_or_the_benchmark_is_killed_and_named(tmp_path, monkeypatch):
-    import benchmark
-    import study
+    from research import benchmark, study
     hang = tmp_path / "hang.py"
     hang.write_text("import time\ntime.sleep(120)\n")
     t0 = time.time()
@@ -4226,13 +4225,13 @@ def read_only(folder):
 
 
 def test_a_complete_token_cache_next_to_a_read_only_corpus_is_read_as_it_is(tmp_path, small_cache_corpus):
-    built = data.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
+    built = run.cache.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
     before = folder_bytes(built.folder)
     with read_only(tmp_path):
-        windows = data.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
+        windows = run.cache.token_windows(small_cache_corpus, data.VOCAB, 64, verbose=False)
         assert windows.folder == built.folder and [windows[i] for i in range(5)] == [built[i] for i in range(5)]
         with pytest.raises(data.DataError, match=r"read-only\), and no complete one is there; pass --cache_dir DIR"):
-            data.token_windows(small_cache_corpus, data.VOCAB, 128, verbose=False)    # these windows were never cut
+            run.cache.token_windows(small_cache_corpus, data.VOCAB, 128, verbose=False)    # these windows were never cut
     assert folder_bytes(built.folder) == before
 
 
@@ -4259,7 +4258,7 @@ def test_pretrain_on_a_read_only_corpus_stops_before_any_work_naming_a_flag_that
 def _one_line_failure(call):
     """The line run.run_command_line prints for call()'s failure (exit code 1)."""
     with pytest.raises(SystemExit) as stopped:
-        run.run_command_line(call)
+        run.cli.run_command_line(call)
     assert isinstance(stopped.value.code, str) and "\n" not in stopped.value.code
     return stopped.value.code
 
@@ -4284,7 +4283,7 @@ def test_a_damaged_model_or_decoder_is_one_line_naming_the_file(tmp_path, how):
     import cpdae
     init = Path(_tiny_init(tmp_path / "run" / "encoder"))
     torch.manual_seed(0)
-    run.save_tensors(init / "decoder.safetensors", cpdae.Decoder(32, 30522, 1e-12).state_dict())
+    run.files.save_tensors(init / "decoder.safetensors", cpdae.Decoder(32, 30522, 1e-12).state_dict())
     assert (init / "model.safetensors.sha256").is_file() and (init / "decoder.safetensors.sha256").is_file()
     beir = tiny_beir(tmp_path / "beir")
     for name in ("model.safetensors", "decoder.safetensors"):
@@ -4309,10 +4308,10 @@ def test_a_damaged_model_or_decoder_is_one_line_naming_the_file(tmp_path, how):
 @pytest.mark.parametrize("where", ["word row", "position row"])
 def test_non_finite_weights_are_named_before_any_work(tmp_path, where):
     init = Path(_tiny_init(tmp_path / "init"))
-    state = run.load_tensors(init / "model.safetensors")
+    state = run.files.load_tensors(init / "model.safetensors")
     name = "bert.embeddings." + ("word_embeddings.weight" if where == "word row" else "position_embeddings.weight")
     state[name][5 if where == "word row" else 500] = float("nan") if where == "word row" else float("inf")
-    run.save_tensors(init / "model.safetensors", state)                     # a NaN the checksum vouches for
+    run.files.save_tensors(init / "model.safetensors", state)                     # a NaN the checksum vouches for
     beir, expected = tiny_beir(tmp_path / "beir"), rf"error: {re.escape(str(init / 'model.safetensors'))}: {name} holds 32 non-finite"
     line = _one_line_failure(lambda: evaluate.main(evaluate.Config(model=str(init), dataset=str(beir))))
     assert re.match(expected, line), line
@@ -4325,31 +4324,31 @@ def test_non_finite_weights_are_named_before_any_work(tmp_path, where):
 def test_a_damaged_training_state_is_refused_and_non_finite_weights_are_never_saved(tmp_path, small_corpus):
     _cpdae, c, model, optimizer, scheduler = _tiny_training(tmp_path, small_corpus)
     out = Path(c.out_dir)
-    run.save_checkpoint(c, model, optimizer, scheduler, 2, True)
+    run.folders.save_checkpoint(c, model, optimizer, scheduler, 2, True)
     assert sorted(p.name for p in out.iterdir()) == ["encoder", "state.pt", "state.pt.sha256"]
-    assert run.load_training_state(out / "state.pt")["step"] == 2
+    assert run.folders.load_training_state(out / "state.pt")["step"] == 2
     step2 = folder_bytes(out)
     with torch.no_grad():
         model.encoder.embeddings.word.weight[7, :3] = float("nan")
     with pytest.raises(data.DataError, match=r"^step 4: encoder.embeddings.word.weight holds 3 non-finite value\(s\) .*; "
                                              rf"stopped without saving; {re.escape(str(out))} keeps its last good "
                                              r"checkpoint, step 2$"):
-        run.save_checkpoint(c, model, optimizer, scheduler, 4, True, 2)
+        run.folders.save_checkpoint(c, model, optimizer, scheduler, 4, True, 2)
     assert folder_bytes(out) == step2
     _damage(out / "state.pt", "flipped")                                    # 200 bytes in its tensor data
     with pytest.raises(data.DataError, match=r"state.pt: sha256 \w{16}\.\.\. is not the \w{16}\.\.\. that state.pt.sha256 "
                                              r"recorded when it was written: the file is damaged"):
-        run.load_training_state(out / "state.pt")
+        run.folders.load_training_state(out / "state.pt")
     nan_state = {"step": 2, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "config": {}}
-    run.save_training_state(tmp_path / "state.pt", nan_state)               # no checksum: finiteness still checked
+    run.folders.save_training_state(tmp_path / "state.pt", nan_state)               # no checksum: finiteness still checked
     with pytest.raises(data.DataError, match=r"state.pt: model.encoder.embeddings.word.weight holds 3 non-finite"):
-        run.load_training_state(tmp_path / "state.pt")
+        run.folders.load_training_state(tmp_path / "state.pt")
 
 
 def test_a_checksum_names_what_the_file_holds_at_every_moment_of_a_switch(tmp_path, monkeypatch):
     path = tmp_path / "w.safetensors"
-    run.save_tensors(path, {"w": torch.zeros(2)})
+    run.files.save_tensors(path, {"w": torch.zeros(2)})
     real = os.replace
 
     def killed_after(src, dst):          # the kill lands right after the file was replaced, before its checksum
@@ -4358,10 +4357,10 @@ def test_a_checksum_names_what_the_file_holds_at_every_moment_of_a_switch(tmp_pa
             raise KeyboardInterrupt
     monkeypatch.setattr(os, "replace", killed_after)
     with pytest.raises(KeyboardInterrupt):
-        run.save_tensors(path, {"w": torch.ones(2)})
+        run.files.save_tensors(path, {"w": torch.ones(2)})
     monkeypatch.undo()
-    assert run.load_tensors(path)["w"].tolist() == [1.0, 1.0]               # the new file, verified
-    assert len(run.listed_checksums(path)) == 2 and not list(tmp_path.glob(".*.tmp"))
+    assert run.files.load_tensors(path)["w"].tolist() == [1.0, 1.0]               # the new file, verified
+    assert len(run.files.listed_checksums(path)) == 2 and not list(tmp_path.glob(".*.tmp"))
 
 
 def test_weight_files_get_the_folders_permissions(tmp_path):

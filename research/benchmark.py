@@ -11,12 +11,12 @@ per-variant table: every variant trains on the same real batches (the bundled Wi
 method's own masking), with the same model size and batch, for --steps optimizer steps after
 --warmup untimed ones, in a fresh process of its own so that peak memory is its own:
 
-    python benchmark.py                                   # speed table, goals, then all variants
-    python benchmark.py --quick --variants ''             # the methods at 4 x 256 only, eager and --compile
-    python benchmark.py --variants costa-mlm,hf-bert-mlm --steps 20
-    python benchmark.py --set batch_size=64 --set max_len=256
-    python benchmark.py --gpu                             # BERT-base, batch 32 x 512, on one GPU: MFU per method
-    python benchmark.py --gpu --compile                   # ... each of CPDAE and SEED eager and with --compile
+    python -m research.benchmark                          # speed table, goals, then all variants
+    python -m research.benchmark --quick --variants ''    # the methods at 4 x 256 only, eager and --compile
+    python -m research.benchmark --variants costa-mlm,hf-bert-mlm --steps 20
+    python -m research.benchmark --set batch_size=64 --set max_len=256
+    python -m research.benchmark --gpu                    # BERT-base, batch 32 x 512, on one GPU: MFU per method
+    python -m research.benchmark --gpu --compile          # ... each of CPDAE and SEED eager and with --compile
 
 Each run writes what it prints to results/speed/benchmark.md (--gpu: results/gpu/benchmark-gpu.md; --out
 FILE elsewhere), under a head naming the commit, the command, the CPU, its native bf16 support, the
@@ -55,7 +55,7 @@ import data
 import evaluate
 import run
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent   # the repository root
 # variant -> (module, Config overrides). "costa-mlm" is the papers' BERT/MLM baseline.
 VARIANTS = {
     "costa-mlm": ("costa", {"gwc_weight": 0.0}),
@@ -72,13 +72,17 @@ ST_NDCG_RESULTS = ROOT / "results" / "st-ndcg"   # st_ndcg.py's rows there (comm
 # Measurement helpers ------------------------------------------------------------------------------
 def in_fresh_process(script, *argv, env=None, hours=6.0):
     """Run `python script *argv` in a new process (so that its peak RSS is its own) and return the JSON
-    of its last stdout line; RuntimeError with its last stderr line if it fails. A measurement takes
-    minutes: one still running after `hours` is taken for hung, killed and named (RuntimeError too)."""
-    cmd = [sys.executable, str(script), *map(str, argv)]
+    of its last stdout line; RuntimeError with its last stderr line if it fails. script: a file, or a module of
+    this repository as its dotted name (a str not ending in .py, e.g. "research.benchmark"), run as `python -m`
+    from the repository root. A measurement takes minutes: one still running after `hours` is taken for hung,
+    killed and named (RuntimeError too)."""
+    module = isinstance(script, str) and not script.endswith(".py")
+    cmd = [sys.executable, *(["-m", script] if module else [str(script)]), *map(str, argv)]
     try:
-        result = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, timeout=hours * 3600)
+        result = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, timeout=hours * 3600,
+                                cwd=ROOT if module else None)
     except subprocess.TimeoutExpired:
-        raise RuntimeError(f"still running after {data.format_seconds(hours * 3600)}, taken for hung and killed: "
+        raise RuntimeError(f"still running after {run.files.format_seconds(hours * 3600)}, taken for hung and killed: "
                            f"{shlex.join(cmd)}") from None
     if result.returncode:
         raise RuntimeError((result.stderr.strip().splitlines() or ["?"])[-1])
@@ -101,7 +105,7 @@ def peak_rss_mib():
     try:
         return int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0]) / 1024
     except (OSError, IndexError):
-        return run.max_rss_mib()
+        return run.ranks.max_rss_mib()
 
 
 def cpu_bf16():
@@ -143,12 +147,19 @@ class _Tee:
             stream.flush()
 
 
+def command_line():
+    """This process's command as typed: `python -m research.benchmark ...` for a module run with -m (sys.argv[0] is
+    then its file's full path), else `python script ...`."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    return shlex.join(["python", *(["-m", spec.name, *sys.argv[1:]] if spec else sys.argv)])
+
+
 @contextlib.contextmanager
 def recorded(path):
     """Print as usual, and when the command finishes write what it printed to `path` (markdown, under
     results/), under a head from machine(): the commit, the command, the CPU, its native bf16 and so the
     precision, the date and how long it took. A page cites that file; a run that fails writes nothing."""
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    command = command_line()
     head, buffer, stdout, t0 = machine(command), io.StringIO(), sys.stdout, time.time()
     sys.stdout = _Tee(stdout, buffer)
     try:
@@ -161,7 +172,7 @@ def recorded(path):
             f"| {head['commit']} | {head['cpu']} | {native} | {head['precision']} | {head['threads']} | {head['torch']} "
             f"| {head['date']} | {time.time() - t0:,.0f} s |\n\n{buffer.getvalue()}")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    data.atomic_write_text(Path(path), text)
+    run.files.atomic_write_text(Path(path), text)
     print(f"(written to {path})")
 
 
@@ -463,7 +474,7 @@ def variant_table(variants, overrides, steps, warmup):
           "| variant | tokens/s | peak MiB | setup |\n|---|---|---|---|")
     for variant in variants:
         try:
-            r = in_fresh_process(__file__, "--child", "variant_row", json.dumps([variant, overrides, steps, warmup]))
+            r = in_fresh_process("research.benchmark", "--child", "variant_row", json.dumps([variant, overrides, steps, warmup]))
         except RuntimeError as e:
             print(f"| {variant} | failed: {e} | | |")
             continue
@@ -558,7 +569,7 @@ def parse_value(text):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m research.benchmark", description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", default=",".join(VARIANTS), help="per-variant table ('' = none); --gpu's too")
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
