@@ -142,12 +142,12 @@ def mlm_loss(hidden, labels, head):
 
         L_MLM = - sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = the masked positions
 
-    Departure (mlm-mean): the papers write this sum; we take the mean over the masked tokens, as BERT's and SEED's
-    code do, so that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
-    positions go through `head`. hidden (B, L, H), labels (B, L) -100 = none, head: MLMHead -> (loss, n_correct,
-    n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
+    hidden (B, L, H), labels (B, L) -100 = not masked, head: the MLMHead, which only the masked positions go
+    through -> (loss, n_correct, n_masked)."""
+    # Departure (mlm-mean): the mean over the masked tokens where the papers sum (as BERT's and SEED's code do), so a
+    # loss weight does not depend on how many tokens a batch masks; under torchrun, over this rank's tokens.
     chosen = labels != -100                                     # (B, L)
-    if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
+    if not chosen.any():     # nothing masked: a zero loss that still reaches every head parameter
         return head(hidden[:1, 0]).sum() * 0.0, 0, 0
     logits = head(hidden[chosen]).float()                       # (M, V) fp32 for the softmax
     targets = labels[chosen]                                    # (M,)

@@ -31,7 +31,6 @@ import contextlib
 import datetime
 import json
 import os
-import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -117,8 +116,7 @@ class Decoder(nn.Module):
 
     def forward(self, h_cls):                                                    # (N, H)
         h = self.norm(F.gelu(self.dense(h_cls)))                                 # (N, H)
-        with torch.autocast(h.device.type, enabled=False):  # z feeds L_REC and -JS: keep it fp32
-            return self.out(h.float())                                           # (N, V) logits z
+        return self.out(h)                                                       # (N, V) logits z (train(): fp32)
 
     @classmethod
     def from_pretrained(cls, folder):
@@ -139,12 +137,12 @@ def mlm_loss(hidden, labels, head):
 
         L_MLM = - sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = the masked positions
 
-    Departure (mlm-mean): the papers write this sum; we take the mean over the masked tokens, as BERT's and SEED's
-    code do, so that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
-    positions go through `head`. hidden (B, L, H), labels (B, L) -100 = none, head: MLMHead -> (loss, n_correct,
-    n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
+    hidden (B, L, H), labels (B, L) -100 = not masked, head: the MLMHead, which only the masked positions go
+    through -> (loss, n_correct, n_masked)."""
+    # Departure (mlm-mean): the mean over the masked tokens where the papers sum (as BERT's and SEED's code do), so a
+    # loss weight does not depend on how many tokens a batch masks; under torchrun, over this rank's tokens.
     chosen = labels != -100                                     # (B, L)
-    if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
+    if not chosen.any():     # nothing masked: a zero loss that still reaches every head parameter
         return head(hidden[:1, 0]).sum() * 0.0, 0, 0
     logits = head(hidden[chosen]).float()                       # (M, V) fp32 for the softmax
     targets = labels[chosen]                                    # (M,)
@@ -155,20 +153,14 @@ def mlm_loss(hidden, labels, head):
 
 
 def reconstruction_loss(logits, bag, idf=None, reduction="sum"):
-    """Non-autoregressive reconstruction, eq. 3-4 (multi-label binary cross-entropy):
+    """Non-autoregressive reconstruction, eq. 3-4 (multi-label binary cross-entropy), eq. 3's sigmoid inside it:
 
-        z_hat^j = sigmoid(z^j)                                                   (eq. 3)
-        L_REC   = - sum_j w_j [ y^j log z_hat^j + (1 - y^j) log(1 - z_hat^j) ]   (eq. 4)
+        L_REC = - sum_j w_j [ y^j log sigmoid(z^j) + (1 - y^j) log(1 - sigmoid(z^j)) ]
 
-    y^j = 1 iff word j occurs in the original text (bag_of_words). Departure (cpdae-eq4-typo): eq. 4 as
-    printed has log z_hat^j in its second term, a typo; we use log(1 - z_hat^j). Summed over the
-    vocabulary as eq. 4 writes it, then averaged over the N texts. w_j = 1, or idf[j] for IDF-REC.
-    Departure (option-cpdae-rec-mean): reduction="mean" (--rec_reduction mean), the mean over the
-    vocabulary instead of the sum, as DupMAE normalises its bag-of-words loss: the sum of 30,522 terms
-    (21,780 nats at MiniLM, results/levers) sends the encoder ~10^6 times the gradient of lambda L_CL, the mean 1/|V|.
-    Eq. 3's sigmoid is inside BCE-with-logits (as log-sigmoid), which keeps it finite for any logit. fp32.
-    logits (N, V), bag (N, V) 0/1, idf (V,) or None -> scalar.
-    """
+    logits z (N, V); bag y (N, V), 1 iff word j occurs in the text (bag_of_words); idf (V,) the w_j of IDF-REC, or
+    None (w_j = 1). Summed over the vocabulary (reduction "sum", eq. 4's) or averaged ("mean"); mean over texts."""
+    # Departure (cpdae-eq4-typo): eq. 4 as printed has log z_hat^j in its second term, a typo; log(1 - z_hat^j) here.
+    # Departure (option-cpdae-rec-mean): --rec_reduction mean divides the sum by |V|, as DupMAE does.
     per_word = F.binary_cross_entropy_with_logits(
         logits.float(), bag.float(), reduction="none")                 # (N, V) -[y log z + (1-y) log(1-z)]
     if idf is not None:
@@ -189,24 +181,14 @@ def _xlogx(x):
 
 
 def js_similarity(anchors, candidates, tau=1.0):
-    """CPDAE's similarity s = -JS of two word distributions (eq. 5), natural log, divided by tau (1, the
-    paper's: no temperature), for every row pair: anchors P (a, V) x candidates Q (b, V) -> (a, b) -JS(P, Q):
+    """CPDAE's similarity s = -JS / tau of two word distributions (eq. 5, 7), for every row pair:
 
-        JS(P, Q) = 1/2 KL(P || M) + 1/2 KL(Q || M),  M = (P + Q) / 2
-                 = 1/2 sum p log p + 1/2 sum q log q - sum m log m
+        JS(P, Q) = 1/2 sum p log p + 1/2 sum q log q - sum m log m,   M = (P + Q) / 2
 
-    Departure (cpdae-true-js): the paper's eq. 7 writes its -JS as -sum p log p - sum q log q +
-    sum (p + q) log(p + q), which is 2 (log 2 - JS) for the JS above: twice -JS plus a constant. We
-    use the true -JS; in eq. 5 the constant cancels, and eq. 7's factor 2 would act as a temperature
-    of 1/2.
-
-    The mixture term is an (a, b, V) tensor (64 x 128 x 30,522 fp32 = 1 GB at the paper's batch): training
-    runs this function compiled (--compile: one fused sweep forward, one per input backward) or, eager, on js_chunk
-    anchors at a time under checkpointing (run.in_row_chunks): the same values either way. fp32.
-    JS is in [0, ln 2], so eq. 5's L_CL is bounded: ln m <= L_CL <= ln(4m - 3) with m texts (ln(2m - 1)
-    when every similarity is equal), and barely moves. Departure (option-cpdae-cl-tau): tau (--cl_tau;
-    1 = the paper's): -JS / tau widens the logits to [-ln 2 / tau, 0].
-    """
+    anchors P (a, V), candidates Q (b, V), rows summing to 1 -> (a, b) -JS(P, Q) / tau, in [-ln 2 / tau, 0]. The
+    mixture M is (a, b, V): train() runs this compiled, or a few anchors at a time (docs/speed.md). fp32."""
+    # Departure (cpdae-true-js): eq. 7 writes 2 (ln 2 - JS); the true -JS here (the constant cancels in eq. 5).
+    # Departure (option-cpdae-cl-tau): tau = --cl_tau (1, the paper's: no temperature) widens the logits.
     dtype = torch.promote_types(anchors.dtype, torch.float32)                  # fp32 (fp64 stays, for tests)
     p, q = anchors.to(dtype), candidates.to(dtype)                              # (a, V), (b, V)
     m = 0.5 * (p[:, None, :] + q[None, :, :])                                    # (a, b, V) M = (P + Q) / 2
@@ -221,33 +203,22 @@ def js_divergence(p, q):
 
 
 def cosine_similarity(anchors, candidates, temperature=0.1):
-    """CPDAE_R's similarity of [CLS] vectors: cos / temperature (a, H) x (b, H) -> (a, b), fp32.
-    Departure (cpdae-r-cosine): the paper names no similarity for CPDAE_R; cosine / 0.1 (as SimCLR's) is ours."""
-    with torch.autocast(anchors.device.type, enabled=False):
-        a = F.normalize(anchors.float(), dim=-1)                                 # (a, H)
-        b = F.normalize(candidates.float(), dim=-1)                              # (b, H)
-        return a @ b.T / temperature                                             # (a, b)
+    """CPDAE_R's similarity of [CLS] vectors: cos / temperature, (a, H) x (b, H) -> (a, b) (train(): fp32)."""
+    # Departure (cpdae-r-cosine): the paper names no similarity for CPDAE_R; cosine / 0.1 (as SimCLR's) is ours.
+    a = F.normalize(anchors, dim=-1)                                             # (a, H)
+    b = F.normalize(candidates, dim=-1)                                          # (b, H)
+    return a @ b.T / temperature                                                 # (a, b)
 
 
 def contrastive_loss(view1, view2, similarity, n_anchors=None):
-    """CPDAE's contrastive loss (eq. 5), the function training runs (with every rank's views: the wrapper
-    after train()):
+    """CPDAE's contrastive loss (eq. 5): each text's first view d'_i against its second view d''_i:
 
         L_CL = - sum_{i=1..m} log  exp(s(z'_i, z''_i)) / sum_{k=1..2m} 1[k != i] exp(s(z'_i, z_k))
 
-    s = -JS of the word distributions z_tilde (js_similarity: CPDAE), or cosine / temperature of the
-    [CLS] vectors (cosine_similarity: CPDAE_R). view1, view2 (M, D): the first views d' and second
-    views d'' of the M texts; z_k runs over all 2M views [view1; view2]. Anchors: the first views
-    0 .. n_anchors-1 (default all M), as eq. 5 writes it (not SimCLR's all-2m-anchors form). For
-    anchor i the positive is its second view (column M + i), the anchor itself (column i) is left out
-    (k != i), and the other 2M-2 views are negatives. similarity(a, b): (n, D) x (2M, D) -> (n, 2M).
-    With s = -JS in [-ln 2, 0] (no temperature), ln M <= L_CL <= ln(4M - 3) (positive at -ln 2, every
-    other view at 0), and ln(2M - 1) when all similarities are equal: 3.47, 4.83 and 4.14 at M = 32.
-    Departure (cpdae-cl-mean): mean over anchors instead of eq. 5's sum, so lambda does not depend on
-    the batch size.
-    Returns (loss, accuracy = fraction of anchors whose positive scores highest; a random guess among
-    the 2M - 1 candidates scores 1 / (2M - 1), cl_chance). fp32.
-    """
+    view1, view2 (M, D): the M texts' first and second views; z_k runs over [view1; view2]; similarity(a, b):
+    (n, D) x (2M, D) -> (n, 2M). n_anchors (passed by train()'s all-ranks wrapper): first views 0..n-1 anchor.
+    -> (loss, accuracy: the share of anchors whose second view scores highest; chance 1 / (2M - 1))."""
+    # Departure (cpdae-cl-mean): the mean over anchors where eq. 5 sums, so lambda does not depend on the batch.
     M = view1.shape[0]
     n = M if n_anchors is None else n_anchors
     sim = similarity(view1[:n], torch.cat([view1, view2])).float()               # (n, 2M) s(z'_i, z_k)
@@ -263,12 +234,15 @@ class PretrainModel(nn.Module):
     """The encoder plus what pre-training adds on top of it. Returns the loss and what to log.
     Both masked views of the B texts go through the encoder as one batch of 2B rows."""
 
-    def __init__(self, c, encoder, idf=None, frequent_token=None):
+    def __init__(self, c, encoder, idf=None, frequent_token=None, world=1):
         super().__init__()
         self.config, self.encoder = c, encoder
         self.decoder = Decoder(c.hidden_size, c.vocab_size, c.layer_norm_eps)
         self.register_buffer("idf", idf)                                         # (V,) or None: IDF-REC
         self.frequent_token = frequent_token   # the corpus' most frequent token: MLM's trivial baseline
+        self.js_similarity, self.cosine_similarity = js_similarity, cosine_similarity   # train() wraps them
+        self.contrastive_loss = contrastive_loss                                 # (--compile, fp32, all ranks)
+        self.world = world                     # processes whose views are eq. 5's candidates (cl_chance's 2M)
 
     def new_parameters(self):
         """What the checkpoint did not bring (--head_warmup trains these first): the MLP decoder, and the
@@ -293,14 +267,13 @@ class PretrainModel(nn.Module):
             return {"L_REC": rec, "L_MLM": mlm}, metrics
         if c.cl_mode == "js":                                                    # CPDAE, eq. 5
             view1, view2 = word_distribution(logits).chunk(2)                    # (B, V) each, z_tilde
-            minus_js = run.speed.fused(js_similarity, c, run.speed.in_row_chunks(js_similarity, c.js_chunk), sweep_per_input=True)
-            similarity = partial(minus_js, tau=c.cl_tau)
+            similarity = partial(self.js_similarity, tau=c.cl_tau)
         else:                                                                    # CPDAE_R
             view1, view2 = h_cls.chunk(2)                                        # (B, H) each
-            similarity = partial(cosine_similarity, temperature=c.cls_temperature)
-        cl, accuracy = contrastive_loss(view1, view2, similarity)               # eq. 5
+            similarity = partial(self.cosine_similarity, temperature=c.cls_temperature)
+        cl, accuracy = self.contrastive_loss(view1, view2, similarity)          # eq. 5
         terms = {"L_REC": rec, "L_MLM": mlm, "lambda L_CL": c.cl_weight * cl}   # eq. 6: L_REC + L_MLM + lambda L_CL
-        views = 2 * view1.shape[0] * rank_and_world()[1]                         # 2M views: one micro-step, all ranks
+        views = 2 * view1.shape[0] * self.world                                  # 2M views: one micro-step, all ranks
         return terms, {**metrics, "cl": cl.detach(), "cl_acc": accuracy, "cl_chance": 1 / (views - 1)}
 
     def forward(self, batch):
@@ -399,7 +372,15 @@ def train(c):
     windows = run.load_windows(c, rank)                          # the token cache, built once by rank 0
     c = run.resolve_schedule(c, world, len(windows))             # --epochs -> steps
     idf = cached_idf(windows, c.vocab_size, rank) if c.idf_rec else None   # IDF-REC: once, from the token cache
-    model = PretrainModel(c, encoder, idf, data.most_frequent_token(windows)).to(device)
+    model = PretrainModel(c, encoder, idf, data.most_frequent_token(windows), world).to(device)
+    # The method's pieces as training runs them, a wrapper a line: eq. 2's logits in fp32 (under bf16 autocast a
+    # matmul runs in bf16), eq. 5's -JS compiled (--compile; else js_chunk anchors at a time, the same values), and
+    # eq. 5 against every rank's views (its negatives; n_anchors).
+    model.decoder.out.forward = run.in_fp32(model.decoder.out.forward)
+    model.cosine_similarity = run.in_fp32(cosine_similarity)
+    model.js_similarity = run.speed.fused(js_similarity, c, run.speed.in_row_chunks(js_similarity, c.js_chunk),
+                                          sweep_per_input=True)
+    model.contrastive_loss = run.across_ranks(contrastive_loss, gather_across_ranks)
     optimizer, scheduler = run.make_optimizer(model, c, eps=1e-8)    # Adam's eps: torch's (the paper gives none)
     save_decoder = lambda folder: run.files.save_tensors(Path(folder) / "decoder.safetensors", model.decoder.state_dict())
     training = run.TrainingRun(c, model, optimizer, scheduler, device, windows, save_decoder)  # resume, folder, log
@@ -592,12 +573,6 @@ def gather_across_ranks(t):
 # --- shared: end distributed ---
 
 
-
-# ==============================================================================================
-# What train() wraps around the method, from outside (last, once every name exists): eq. 5 over
-# every rank's views (across_ranks)
-# ==============================================================================================
-contrastive_loss = run.across_ranks(contrastive_loss, gather_across_ranks)
 
 if __name__ == "__main__":
     run.main(train, Config, __doc__, PAPER_PRESET, FLAG_RULES, {"lab": LAB_PRESET})

@@ -1,19 +1,15 @@
-"""Text and tokens: the data module every script shares. It imports no other module of this project.
-
-What a method's train() calls from here, in this order (sections 1-2):
-  most_frequent_token     1. the corpus' most frequent token: the MLM accuracy's trivial baseline
-  load_tokenizer          1. BERT's uncased WordPiece (Batches loads it once)
-  special_ids             1. the ids of [PAD], [UNK], [CLS], [SEP] and [MASK]
-  batch_indices           2. which windows this rank trains on at a micro-step (a function of the step alone)
-  batch_generator         2. the seeded generator a batch's masks are drawn from
-  pad_batch               2. token-id lists -> a padded (B, L) batch and its attention mask
-  mask_tokens             2. BERT's masking: 15 % of the tokens, 80/10/10, labels -100 elsewhere
-  step_seed               2. the seed of one micro-step's stream: COSTA's spans, every method's dropout
-  DataError               2. bad input in one line, 'file:line: what is wrong' (COSTA's span sampling raises it)
-  most_frequent_accuracy  2. an accuracy's chance: how often always predicting the most frequent token is right
-Its windows come from run.load_windows: a TokenWindows (5) of Window (4: token ids and word_starts). CPDAE's
---idf_rec adds rank0_builds (5) and atomic_save_npy (6). Then what builds them: 3. the readers, each bad line
-one DataError naming the file and line; 4. windows; 5. the token cache; 6. files written whole or not at all.
+"""Text and tokens: the data module every script shares; it imports no other module of this project. What a
+method file uses from it, in its reading order (run.load_windows maps the windows from the token cache, run/cache.py):
+  Window, word_starts      a window [CLS] x_1 .. x_m [SEP] of token ids; word_starts[i] = 1 where a word begins
+  most_frequent_token      the corpus' most frequent token: the MLM and decoder accuracies' trivial baseline
+  load_tokenizer, special_ids   BERT's uncased WordPiece; the ids of [PAD], [UNK], [CLS], [SEP] and [MASK]
+  batch_indices            which windows a rank trains on at a micro-step (a function of the step alone: exact resume)
+  batch_generator, step_seed   the seeded streams of one micro-step: masks, COSTA's spans, dropout
+  pad_batch, mask_tokens   a padded (B, L) batch and its attention mask; BERT's masking (15 %, 80/10/10, -100 else)
+  skip_word_mask, word_tables  COSTA's word spans: which words are stopwords or punctuation
+  most_frequent_accuracy   an accuracy's chance: how often always predicting the most frequent token is right
+  DataError                bad input in one line, 'file:line: what is wrong'
+Then the readers (pre-training text, BEIR, MS MARCO, TREC qrels and runs), each bad line one DataError.
 """
 import functools
 import gzip
@@ -172,7 +168,107 @@ def most_frequent_accuracy(targets, token=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. Readers: pre-training text, BEIR, MS MARCO, TREC qrels and run files; a rank's share of a list
+# 3. Windows: documents -> [CLS] ... [SEP] of at most max_len tokens, with word starts
+# ----------------------------------------------------------------------------------------------
+class Window(NamedTuple):
+    input_ids: list    # [CLS] tokens... [SEP]
+    word_starts: list  # True where a whole word starts; False at [CLS], [SEP] and '##' pieces
+
+
+def _cut_points(word_start, body):
+    """Chunk boundaries: at most `body` tokens each, moved back to the start of the word they would split."""
+    if body < 1:                      # no room between [CLS] and [SEP]: the loop below would never end
+        raise DataError(f"windows need at least one token between [CLS] and [SEP], got {body}")
+    cuts, start, n = [0], 0, len(word_start)
+    while start + body < n:
+        end = start + body
+        while end > start and not word_start[end]:
+            end -= 1
+        if end == start:
+            end = start + body
+        cuts.append(end)
+        start = end
+    return cuts + [n]
+
+
+def _encode_in_chunks(tokenizer, texts, chunk=64):
+    """encode_batch a few documents at a time: the same result, a fraction of the peak memory."""
+    for i in range(0, len(texts), chunk):
+        yield from tokenizer.encode_batch(texts[i:i + chunk], add_special_tokens=False)
+
+
+def make_windows(tokenizer, texts, max_len, min_tokens=8):
+    """Tokenize documents and cut each into windows '[CLS] ... [SEP]' of at most max_len tokens, ending on word
+    boundaries where possible. A last window shorter than min_tokens is dropped unless it is the whole document;
+    a document of no token at all gives no window."""
+    ids = special_ids(tokenizer)
+    body = max_len - 2
+    windows = []
+    for encoding in _encode_in_chunks(tokenizer, texts):
+        word_ids, tokens = encoding.word_ids, encoding.ids
+        if not tokens:
+            continue
+        word_start = [i == 0 or word_ids[i] != word_ids[i - 1] for i in range(len(tokens))]
+        cuts = _cut_points(word_start, body)
+        for a, b in itertools.pairwise(cuts):
+            if b - a < min_tokens and len(cuts) > 2:
+                continue
+            windows.append(Window([ids["cls"]] + tokens[a:b] + [ids["sep"]], [False] + word_start[a:b] + [False]))
+    if not windows:
+        raise DataError("no windows: every document tokenized to nothing")
+    return windows
+
+
+def encode_texts(tokenizer, texts, max_len):
+    """Queries or passages -> padded ('[CLS] text [SEP]', truncated to max_len) ids and mask."""
+    ids = special_ids(tokenizer)
+    encodings = tokenizer.encode_batch(list(texts), add_special_tokens=False)
+    seqs = [[ids["cls"]] + e.ids[:max_len - 2] + [ids["sep"]] for e in encodings]
+    return pad_batch(seqs, ids["pad"])
+
+
+# COSTA's word spans (costa.sample_spans) skip stopwords and words with no letter or digit: which words
+# those are is text machinery, not the paper's math
+def skip_word_mask(input_ids, word_starts, vocab_tokens, tables=None):
+    """True at the start of each word that must not be a word-level span: an English stopword (scikit-learn's
+    list, the whole word) or a word with no letter or digit. Departure (costa-word-punct): the paper filters
+    stopwords only; punctuation makes an equally empty positive. tables: word_tables(vocab_tokens), made once."""
+    skip_alone, is_piece, may_join = tables or word_tables(vocab_tokens)
+    ids, starts = np.asarray(input_ids), np.flatnonzero(word_starts)            # (L,), (W,) word starts
+    ends = np.append(starts[1:], len(ids))                                       # (W,)
+    joined = np.logical_or.reduceat(is_piece[ids], starts) if len(starts) else starts > 0  # (W,) has "##" pieces
+    mask = np.zeros(len(ids), dtype=bool)
+    mask[starts] = skip_alone[ids[starts]] & ~joined                             # one-piece words: the table
+    for start, end in zip(*(x[joined & may_join[ids[starts]]].tolist() for x in (starts, ends))):
+        parts = [vocab_tokens[t] for t in input_ids[start:end]]                  # a word of several pieces
+        word = parts[0] + "".join(p[2:] for p in parts[1:] if p.startswith("##"))  # not [SEP]
+        mask[start] = word in stopwords() or not any(ch.isalnum() for ch in word)
+    return mask
+
+
+@functools.cache
+def stopwords():
+    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS  # here: sklearn takes seconds to import
+    return ENGLISH_STOP_WORDS
+
+
+def word_tables(vocab_tokens):
+    """skip_word_mask's tables, (V,) bool each: skip_alone (the entry, as a whole word, is skipped); is_piece
+    (a "##" piece); may_join (a word that starts with it may join its pieces into a skipped word: it has no
+    letter or digit, or it begins a stopword that is no entry, WordPiece taking the longest prefix first)."""
+    index = {token: i for i, token in enumerate(vocab_tokens)}
+    no_alnum = np.array([not any(ch.isalnum() for ch in t) for t in vocab_tokens], dtype=bool)
+    skip_alone = no_alnum | np.array([t in stopwords() for t in vocab_tokens], dtype=bool)
+    may_join = no_alnum.copy()
+    for word in stopwords() - index.keys():
+        prefix = next((word[:k] for k in range(len(word) - 1, 0, -1) if word[:k] in index), None)
+        if prefix:
+            may_join[index[prefix]] = True
+    return skip_alone, np.array([t.startswith("##") for t in vocab_tokens], dtype=bool), may_join
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Readers: pre-training text, BEIR, MS MARCO, TREC qrels and run files; a rank's share of a list
 # ----------------------------------------------------------------------------------------------
 def read_lines(path, bad_bytes="stop"):
     """Yield (line_number, line) of a text file ('.gz' gunzipped), '\\r\\n' read as '\\n'. A byte not UTF-8 stops
@@ -495,126 +591,7 @@ def load_beir(folder, split="test", corpus=None):
     return corpus, {qid: queries[qid] for qid in qrels}, qrels
 
 
-def read_run(path):
-    """TREC run file 'qid Q0 docid rank score tag' -> {qid: {docid: score}}."""
-    run = {}
-    for number, line in read_lines(path):
-        fields = line.split()
-        if not fields:
-            continue
-        if len(fields) != 6:
-            raise DataError(f"{path}:{number}: expected 6 fields 'qid Q0 docid rank score tag', found {len(fields)}")
-        try:
-            score = float(fields[4])
-        except ValueError:
-            raise DataError(f"{path}:{number}: score {fields[4]!r} is not a number") from None
-        add_once(run.setdefault(fields[0], {}), fields[2], score, path, number,
-                  f"document {fields[2]!r} for query {fields[0]!r}")
-    return run
-
 def shard(n_items, rank, world):
     """Contiguous shard of range(n_items) for a rank (sizes differ by at most one; no item twice or lost)."""
     bounds = np.linspace(0, n_items, world + 1).round().astype(int)
     return range(bounds[rank], bounds[rank + 1])
-
-
-# ----------------------------------------------------------------------------------------------
-# 4. Windows: documents -> [CLS] ... [SEP] of at most max_len tokens, with word starts
-# ----------------------------------------------------------------------------------------------
-class Window(NamedTuple):
-    input_ids: list    # [CLS] tokens... [SEP]
-    word_starts: list  # True where a whole word starts; False at [CLS], [SEP] and '##' pieces
-
-
-def _cut_points(word_start, body):
-    """Chunk boundaries: at most `body` tokens each, moved back to the start of the word they would split."""
-    if body < 1:                      # no room between [CLS] and [SEP]: the loop below would never end
-        raise DataError(f"windows need at least one token between [CLS] and [SEP], got {body}")
-    cuts, start, n = [0], 0, len(word_start)
-    while start + body < n:
-        end = start + body
-        while end > start and not word_start[end]:
-            end -= 1
-        if end == start:
-            end = start + body
-        cuts.append(end)
-        start = end
-    return cuts + [n]
-
-
-def _encode_in_chunks(tokenizer, texts, chunk=64):
-    """encode_batch a few documents at a time: the same result, a fraction of the peak memory."""
-    for i in range(0, len(texts), chunk):
-        yield from tokenizer.encode_batch(texts[i:i + chunk], add_special_tokens=False)
-
-
-def make_windows(tokenizer, texts, max_len, min_tokens=8):
-    """Tokenize documents and cut each into windows '[CLS] ... [SEP]' of at most max_len tokens, ending on word
-    boundaries where possible. A last window shorter than min_tokens is dropped unless it is the whole document;
-    a document of no token at all gives no window."""
-    ids = special_ids(tokenizer)
-    body = max_len - 2
-    windows = []
-    for encoding in _encode_in_chunks(tokenizer, texts):
-        word_ids, tokens = encoding.word_ids, encoding.ids
-        if not tokens:
-            continue
-        word_start = [i == 0 or word_ids[i] != word_ids[i - 1] for i in range(len(tokens))]
-        cuts = _cut_points(word_start, body)
-        for a, b in itertools.pairwise(cuts):
-            if b - a < min_tokens and len(cuts) > 2:
-                continue
-            windows.append(Window([ids["cls"]] + tokens[a:b] + [ids["sep"]], [False] + word_start[a:b] + [False]))
-    if not windows:
-        raise DataError("no windows: every document tokenized to nothing")
-    return windows
-
-
-def encode_texts(tokenizer, texts, max_len):
-    """Queries or passages -> padded ('[CLS] text [SEP]', truncated to max_len) ids and mask."""
-    ids = special_ids(tokenizer)
-    encodings = tokenizer.encode_batch(list(texts), add_special_tokens=False)
-    seqs = [[ids["cls"]] + e.ids[:max_len - 2] + [ids["sep"]] for e in encodings]
-    return pad_batch(seqs, ids["pad"])
-
-
-# COSTA's word spans (costa.sample_spans) skip stopwords and words with no letter or digit: which words
-# those are is text machinery, not the paper's math
-def skip_word_mask(input_ids, word_starts, vocab_tokens, tables=None):
-    """True at the start of each word that must not be a word-level span: an English stopword (scikit-learn's
-    list, the whole word) or a word with no letter or digit. Departure (costa-word-punct): the paper filters
-    stopwords only; punctuation makes an equally empty positive. tables: word_tables(vocab_tokens), made once."""
-    skip_alone, is_piece, may_join = tables or word_tables(vocab_tokens)
-    ids, starts = np.asarray(input_ids), np.flatnonzero(word_starts)            # (L,), (W,) word starts
-    ends = np.append(starts[1:], len(ids))                                       # (W,)
-    joined = np.logical_or.reduceat(is_piece[ids], starts) if len(starts) else starts > 0  # (W,) has "##" pieces
-    mask = np.zeros(len(ids), dtype=bool)
-    mask[starts] = skip_alone[ids[starts]] & ~joined                             # one-piece words: the table
-    for start, end in zip(*(x[joined & may_join[ids[starts]]].tolist() for x in (starts, ends))):
-        parts = [vocab_tokens[t] for t in input_ids[start:end]]                  # a word of several pieces
-        word = parts[0] + "".join(p[2:] for p in parts[1:] if p.startswith("##"))  # not [SEP]
-        mask[start] = word in stopwords() or not any(ch.isalnum() for ch in word)
-    return mask
-
-
-@functools.cache
-def stopwords():
-    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS  # here: sklearn takes seconds to import
-    return ENGLISH_STOP_WORDS
-
-
-def word_tables(vocab_tokens):
-    """skip_word_mask's tables, (V,) bool each: skip_alone (the entry, as a whole word, is skipped); is_piece
-    (a "##" piece); may_join (a word that starts with it may join its pieces into a skipped word: it has no
-    letter or digit, or it begins a stopword that is no entry, WordPiece taking the longest prefix first)."""
-    index = {token: i for i, token in enumerate(vocab_tokens)}
-    no_alnum = np.array([not any(ch.isalnum() for ch in t) for t in vocab_tokens], dtype=bool)
-    skip_alone = no_alnum | np.array([t in stopwords() for t in vocab_tokens], dtype=bool)
-    may_join = no_alnum.copy()
-    for word in stopwords() - index.keys():
-        prefix = next((word[:k] for k in range(len(word) - 1, 0, -1) if word[:k] in index), None)
-        if prefix:
-            may_join[index[prefix]] = True
-    return skip_alone, np.array([t.startswith("##") for t in vocab_tokens], dtype=bool), may_join
-
-

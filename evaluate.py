@@ -628,6 +628,24 @@ def trec_tag(tag):
     return "-".join(str(tag).split()) or "run"
 
 
+def read_run(path):
+    """TREC run file 'qid Q0 docid rank score tag' -> {qid: {docid: score}}."""
+    ranking = {}
+    for number, line in data.read_lines(path):
+        fields = line.split()
+        if not fields:
+            continue
+        if len(fields) != 6:
+            raise data.DataError(f"{path}:{number}: expected 6 fields 'qid Q0 docid rank score tag', found {len(fields)}")
+        try:
+            score = float(fields[4])
+        except ValueError:
+            raise data.DataError(f"{path}:{number}: score {fields[4]!r} is not a number") from None
+        data.add_once(ranking.setdefault(fields[0], {}), fields[2], score, path, number,
+                       f"document {fields[2]!r} for query {fields[0]!r}")
+    return ranking
+
+
 def write_run(path, ranking, tag="dense"):
     """Write {qid: {docid: score}} as a TREC run file, each query ranked by score (atomic)."""
     lines = []
@@ -645,7 +663,7 @@ def save_and_score(ranking, qrels, out_dir, tag, info=None):
 
     def write_and_score(tmp):
         write_run(tmp, ranking, tag)
-        scored.extend(compute_metrics(data.read_run(tmp), qrels))
+        scored.extend(compute_metrics(read_run(tmp), qrels))
         run.files.atomic_write_json(out_dir / "metrics.json", {"tag": tag, "n_queries": len(scored[1]), "metrics": scored[0],
                                                           "info": info or {}, "per_query": scored[1]})
     try:
@@ -788,7 +806,7 @@ def git_state(folder=data.HERE):
         except FileNotFoundError:
             return None
         return r.stdout.strip() if r.returncode == 0 else None
-    changed = git("status", "--porcelain", "--", "*.py", ":(exclude)test_*.py", ":(exclude)conftest.py")
+    changed = git("status", "--porcelain", "--", "*.py", ":(exclude)test_*.py", ":(exclude)conftest.py", ":(exclude)tests/")
     return git("rev-parse", "HEAD") or "unknown", bool(changed)
 
 
@@ -904,7 +922,7 @@ def compare_command(c):
     if len(paths) != 2:
         raise ValueError(f"--compare expects two run files 'A.trec,B.trec', got {c.compare!r}")
     qrels = load_qrels_only(c)
-    run_a, run_b = (data.read_run(p) for p in paths)
+    run_a, run_b = (read_run(p) for p in paths)
     in_a, in_b = set(run_a) & set(qrels), set(run_b) & set(qrels)          # the judged queries of each run
     shared = in_a & in_b
     if len(shared) < 2:

@@ -633,7 +633,7 @@ def evaluate_folder(c, folder, out_dir, tag):
     """Evaluate a model folder as it is (zero-shot), with c's settings: (means, per_query)."""
     corpus, queries, qrels = evaluate.load_split(c, c.eval_split, c.eval_queries, c.eval_qrels)
     if (Path(out_dir) / "metrics.json").is_file() and c.resume:       # done before a crash: reuse it
-        return evaluate.compute_metrics(data.read_run(Path(out_dir) / "run.trec"), qrels)
+        return evaluate.compute_metrics(evaluate.read_run(Path(out_dir) / "run.trec"), qrels)
     encoder = evaluate.load_encoder(folder, c)
     return evaluate.evaluate_encoder(encoder, data.load_tokenizer(run.run_vocab(c)), corpus,
                                      queries, qrels, out_dir, c, setup_distributed()[2], tag=tag)

@@ -29,10 +29,8 @@ lives only in {out_dir}/state.pt (the training state). Figure 5 for it and an ML
 import contextlib
 import datetime
 import os
-import sys
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -204,12 +202,12 @@ def mlm_loss(hidden, labels, head):
 
         L_MLM = - sum_{x^ in m(x)} log p(x^ | x without m(x)),   m(x) = the masked positions
 
-    Departure (mlm-mean): the papers write this sum; we take the mean over the masked tokens, as BERT's and SEED's
-    code do, so that a loss weight (lambda) does not depend on how many tokens a batch masks. Only the masked
-    positions go through `head`. hidden (B, L, H), labels (B, L) -100 = none, head: MLMHead -> (loss, n_correct,
-    n_masked). Under torchrun the mean is over this rank's masked tokens; DDP averages the ranks."""
+    hidden (B, L, H), labels (B, L) -100 = not masked, head: the MLMHead, which only the masked positions go
+    through -> (loss, n_correct, n_masked)."""
+    # Departure (mlm-mean): the mean over the masked tokens where the papers sum (as BERT's and SEED's code do), so a
+    # loss weight does not depend on how many tokens a batch masks; under torchrun, over this rank's tokens.
     chosen = labels != -100                                     # (B, L)
-    if not chosen.any():     # nothing masked: a zero loss that still reaches the head (DDP needs it)
+    if not chosen.any():     # nothing masked: a zero loss that still reaches every head parameter
         return head(hidden[:1, 0]).sum() * 0.0, 0, 0
     logits = head(hidden[chosen]).float()                       # (M, V) fp32 for the softmax
     targets = labels[chosen]                                    # (M,)
@@ -219,15 +217,13 @@ def mlm_loss(hidden, labels, head):
 
 
 def decoder_loss(states, weight, targets, reduction="mean"):
-    """Weak-decoder reconstruction loss, eq. 9, the function training runs (compiled with --compile; eager,
-    chunked_decoder_loss calls it one chunk of positions at a time):
+    """The weak decoder's reconstruction loss (eq. 9), the softmax over the tied token embedding E:
 
         L_dec = - sum_t log P(x_t | x_{t-k..t-1}, h0),   P(. | ...) = softmax(s_t E^T)
 
-    states (..., H): the decoder's outputs s_t; weight (V, H): the token embedding E (the encoder's, tied);
-    targets (...): x_t, -100 = none (padding). The matmul runs in autocast's dtype, as the MLM head's, the softmax
-    in fp32. Departure (seed-dec-mean): the mean over the target tokens where eq. 9 sums over t (as the authors'
-    code does); reduction "sum" gives eq. 9's sum. Returns (loss, n_correct: targets that are the top-1 logit)."""
+    states (..., H): the decoder's outputs s_t; weight (V, H): E, the encoder's embedding; targets (...): x_t,
+    -100 = none (padding). -> (loss, n_correct: targets that are the top-1 logit); the softmax in fp32."""
+    # Departure (seed-dec-mean): the mean over the target tokens where eq. 9 sums (as the authors' code); "sum": eq. 9.
     targets = targets.reshape(-1)                                                   # (N,)
     logits = (states.reshape(-1, states.shape[-1]) @ weight.T).float()              # (N, V) s_t E^T
     total = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")      # () sum of -log P
@@ -260,6 +256,7 @@ class PretrainModel(nn.Module):
         self.config, self.encoder = c, encoder
         self.decoder = WeakDecoder(c, encoder.embeddings.word)
         self.frequent_token = frequent_token   # the corpus' most frequent token: the unigram baseline
+        self.decoder_loss = decoder_loss       # eq. 9 (train() wraps it: --compile)
 
     def new_parameters(self):
         """What the checkpoint did not bring (--head_warmup trains these first): the weak decoder, and the MLM
@@ -278,10 +275,7 @@ class PretrainModel(nn.Module):
         states = self.decoder(batch["decoder_input"], h0)                        # (B, L-1, H)
         kept = batch["decoder_targets"] != -100                                  # (B, L-1) every real token
         targets = batch["decoder_targets"][kept]                                 # (N,)
-        # N varies per batch: padded up to a multiple of 1/8 of its most, so that only a few shapes recur
-        padded, padded_targets = run.speed.pad_rows(states[kept], targets, -(-c.batch_size * (c.max_len - 1) // 8))
-        dec, dec_correct = run.speed.fused(decoder_loss, c, lambda *a: chunked_decoder_loss(*a, c.dec_chunk))(
-            padded, self.decoder.word_embedding[0].weight, padded_targets)      # eq. 9 (decoder_loss)
+        dec, dec_correct = self.decoder_loss(states[kept], self.decoder.word_embedding[0].weight, targets)  # eq. 9
         # Eq. 10 as the paper writes it, weights 1:1 (the authors' 0.5:0.5 only halves the gradient; AdamW undoes it)
         # Departure (option-seed-dec-weight): off by default; --dec_weight w weighs L_dec w times L_MLM.
         terms = {"L_MLM": mlm, "L_dec": dec} if c.dec_weight == 1 else {"L_MLM": mlm, "w L_dec": c.dec_weight * dec}
@@ -337,6 +331,10 @@ def train(c):
     windows = run.load_windows(c, rank)                          # the token cache, built once by rank 0
     c = run.resolve_schedule(c, world, len(windows))             # --epochs -> steps
     model = PretrainModel(c, encoder, data.most_frequent_token(windows)).to(device)
+    # Eq. 9 as training runs it: compiled (--compile; else dec_chunk positions at a time, the same values), its rows
+    # padded to a multiple of 1/8 of their most, so that the compiled kernel sees a few shapes, not one per batch.
+    eq9 = run.speed.fused(decoder_loss, c, lambda *a: chunked_decoder_loss(*a, c.dec_chunk))
+    model.decoder_loss = run.speed.padded_rows(eq9, bucket=-(-c.batch_size * (c.max_len - 1) // 8))
     optimizer, scheduler = run.make_optimizer(model, c, eps=1e-6)    # SEED 4.1: Adam's epsilon 1e-6
     training = run.TrainingRun(c, model, optimizer, scheduler, device, windows)  # resume, run folder, log
     # Each rank trains on its own slice of every global batch (data.batch_indices); DDP averages the

@@ -9,6 +9,7 @@ indices, in float64 where the comparison is numerical.
 import ast
 import dataclasses
 import importlib
+import inspect
 import itertools
 import math
 from functools import partial
@@ -26,6 +27,8 @@ import cpdae
 import data
 import run
 import seed
+
+ROOT = Path(__file__).resolve().parent
 
 torch.set_num_threads(1)
 
@@ -110,7 +113,8 @@ def _gwc_worker(rank, world, tmp_path, text, spans, tau):
     n = text.shape[0] // world
     local_text = text[rank * n:(rank + 1) * n].clone().requires_grad_(True)  # different inputs on each rank
     local_spans = spans[rank * n:(rank + 1) * n].clone().requires_grad_(True)
-    loss, accuracy = costa.gwc_loss(local_text, local_spans, tau)
+    gwc_loss = run.across_ranks(costa.gwc_loss, costa.gather_across_ranks)     # as costa.train() wraps it
+    loss, accuracy = gwc_loss(local_text, local_spans, tau)
     loss.backward()
     torch.save({"loss": loss.detach(), "accuracy": accuracy, "text_grad": local_text.grad,
                 "span_grad": local_spans.grad}, tmp_path / f"rank{rank}.pt")
@@ -366,7 +370,7 @@ def test_gwc_logits_stay_fp32_under_bf16_autocast():
     text, spans = random_group(N=8, S=5, H=64, dtype=torch.float32)
     text, spans = 3 * text, 3 * spans
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = costa.gwc_loss(text, spans, 0.1)[0]
+        loss = run.in_fp32(costa.gwc_loss)(text, spans, 0.1)[0]                # as costa.train() wraps it
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss, costa.gwc_loss(text, spans, 0.1)[0], rtol=1e-6, atol=1e-6)
 
@@ -607,16 +611,17 @@ def test_js_contrastive_gradient_matches_float64():
 
 
 def _contrastive_worker(rank, world, tmp_path, inputs):
+    contrastive_loss = run.across_ranks(cpdae.contrastive_loss, cpdae.gather_across_ranks)   # as cpdae.train() wraps it
     result = {}
     for mode, (full1, full2) in inputs.items():
         m = full1.shape[0] // world
         x1 = full1[rank * m:(rank + 1) * m].clone().requires_grad_()
         x2 = full2[rank * m:(rank + 1) * m].clone().requires_grad_()
         if mode == "js":
-            loss, _ = cpdae.contrastive_loss(cpdae.word_distribution(x1), cpdae.word_distribution(x2),
-                                                run.speed.in_row_chunks(cpdae.js_similarity, 2))
+            loss, _ = contrastive_loss(cpdae.word_distribution(x1), cpdae.word_distribution(x2),
+                                       run.speed.in_row_chunks(cpdae.js_similarity, 2))
         else:
-            loss, _ = cpdae.contrastive_loss(x1, x2, partial(cpdae.cosine_similarity, temperature=0.1))
+            loss, _ = contrastive_loss(x1, x2, partial(cpdae.cosine_similarity, temperature=0.1))
         loss.backward()
         result[mode] = {"loss": loss.detach(), "g1": x1.grad, "g2": x2.grad}
     torch.save(result, tmp_path / f"rank{rank}.pt")
@@ -1100,7 +1105,7 @@ def test_progress_prints_the_heads_lr_while_the_encoder_waits(tmp_path, capsys):
     progress = run.Progress(model.config, 0, True)
     progress.add({"mlm": 1.0}, 10)
     progress.report(1, lr, "cpu", head_lr)
-    assert f"| lr 0.00e+00 | heads' lr {head_lr:.2e} |" in capsys.readouterr().out
+    assert f"| encoder frozen (--head_warmup) | heads' lr {head_lr:.2e} |" in capsys.readouterr().out
     optimizer, scheduler = run.make_optimizer(model, dataclasses.replace(model.config, head_warmup=0, head_lr=1.0))
     assert run.encoder_and_head_lr(optimizer, scheduler) == (scheduler.get_last_lr()[0], None)   # one lr: printed once
 
@@ -1475,3 +1480,29 @@ def test_walkthrough_runs_and_its_exercises_match_the_methods(capsys):
     torch.testing.assert_close(mine.float(), cpdae.contrastive_loss(view1, view2, lambda a, b: a @ b.T)[0])  # fp32
     for length, k in itertools.product(range(1, 9), range(1, 5)):                # 3: eq. 9's window
         assert torch.equal(walkthrough.window(length, k), seed.window_mask(length, k)), (length, k)
+
+
+@pytest.mark.parametrize("name", run.METHODS)
+def test_no_method_piece_is_rebound_at_module_level_and_train_wraps_what_the_benchmark_wraps(name):
+    """The loss a reader reads is the one that runs: no function or class of a method file is reassigned at module
+    level, no autocast or torch.distributed code comes before `def train`, and the pieces train() wraps (model.X = ...)
+    are the ones research.benchmark.as_trained wraps, so the benchmark times training's step."""
+    from research import benchmark
+    source = (ROOT / f"{name}.py").read_text()
+    tree = ast.parse(source)
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    for node in tree.body:
+        targets = [t for n in ast.walk(node) if isinstance(n, ast.Assign) for t in n.targets] if not isinstance(
+            node, (ast.FunctionDef, ast.ClassDef)) else []
+        for target in targets:
+            base = target.value if isinstance(target, ast.Attribute) else target
+            assert not (isinstance(base, ast.Name) and base.id in defined), (name, ast.unparse(target))
+    before_train = source[:source.index("\ndef train(")]
+    for code in ("autocast", "dist.", "rank_and_world", "gather_across_ranks", "DistributedDataParallel"):
+        assert code not in before_train, (name, code)
+    train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    wrapped = lambda fn: {ast.unparse(t) for n in ast.walk(fn) if isinstance(n, ast.Assign) for t in n.targets
+                          if isinstance(t, ast.Attribute) and ast.unparse(t).startswith("model.")}
+    helper = ast.parse(inspect.getsource(benchmark.as_trained))
+    branch = next(n for n in ast.walk(helper) if isinstance(n, ast.If) and f"'{name}'" in ast.unparse(n.test))
+    assert wrapped(train) == wrapped(ast.Module(body=branch.body, type_ignores=[])) != set()

@@ -240,6 +240,27 @@ def hf_model(c):
                                labels=batch["labels"]).loss, model
 
 
+def as_trained(module, model, c):
+    """The wrappers module.train() puts on its PretrainModel's pieces, one process (across_ranks is the identity):
+    the same attribute names as train() assigns (a test compares them), so a step here is training's step."""
+    name = module.__name__
+    if name == "costa":
+        model.span_vectors = run.in_fp32(module.span_vectors)
+        model.gwc_loss = run.across_ranks(run.in_fp32(module.gwc_loss), module.gather_across_ranks)
+        if model.projector:
+            model.projector.forward = run.in_fp32(model.projector.forward)
+    elif name == "cpdae":
+        model.decoder.out.forward = run.in_fp32(model.decoder.out.forward)
+        model.cosine_similarity = run.in_fp32(module.cosine_similarity)
+        model.js_similarity = run.speed.fused(module.js_similarity, c, run.speed.in_row_chunks(
+            module.js_similarity, c.js_chunk), sweep_per_input=True)
+        model.contrastive_loss = run.across_ranks(module.contrastive_loss, module.gather_across_ranks)
+    elif name == "seed":
+        eq9 = run.speed.fused(module.decoder_loss, c, lambda *a: module.chunked_decoder_loss(*a, c.dec_chunk))
+        model.decoder_loss = run.speed.padded_rows(eq9, bucket=-(-c.batch_size * (c.max_len - 1) // 8))
+    return model
+
+
 def pretrain_step(module, c, batches, device=None, hf=False):
     """A closure running one full pre-training step (forward, backward, AdamW) on the next batch, cycling;
     with hf, of transformers' BertForMaskedLM on the same batches. step.model is the model."""
@@ -247,7 +268,7 @@ def pretrain_step(module, c, batches, device=None, hf=False):
     if hf:
         forward, model = hf_model(c)
     else:
-        model = module.PretrainModel(c, module.Encoder(c))
+        model = as_trained(module, module.PretrainModel(c, module.Encoder(c)), c)
         forward = lambda batch: model(batch)[0]
     model.to(device).train()
     optimizer, _ = run.make_optimizer(model, c, eps=1e-6 if module.__name__ == "seed" else 1e-8)   # as train()

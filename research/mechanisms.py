@@ -1171,7 +1171,7 @@ def tsne_command(c, split, device):
         name = "".join(tag.split()).replace("/", "--")           # the tag without spaces: the TREC tag and folder
         folder = out_dir if len(models) == 1 else out_dir / name
         result = evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, folder, m, device, name, c.depth)
-        evaluated.append((m, encoder, tokenizer, data.read_run(folder / "run.trec") if result else None, result))
+        evaluated.append((m, encoder, tokenizer, evaluate.read_run(folder / "run.trec") if result else None, result))
     if rank_and_world()[0] != 0:
         return None
     qid = pick_tsne_query([run for *_, run, _ in evaluated], qrels) if c.tsne == "auto" else c.tsne

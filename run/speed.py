@@ -103,3 +103,14 @@ def pad_rows(rows, targets, bucket, ignore_index=-100):
         return rows, targets
     return (torch.cat([rows, rows.new_zeros(extra, *rows.shape[1:])]),
             torch.cat([targets, targets.new_full((extra,), ignore_index)]))
+
+
+
+def padded_rows(loss, bucket):
+    """loss(rows, weight, targets) on rows and targets padded to a multiple of `bucket` (pad_rows): the same values
+    for a loss that ignores -100 targets and averages over the rest, a few shapes for a compiled kernel."""
+    @functools.wraps(loss)
+    def padded(rows, weight, targets):
+        rows, targets = pad_rows(rows, targets, bucket)
+        return loss(rows, weight, targets)
+    return padded

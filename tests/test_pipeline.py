@@ -370,10 +370,10 @@ def test_run_files_round_trip_atomically(tmp_path):
     evaluate.write_run(path, run, tag="test")
     lines = path.read_text().splitlines()
     assert lines[0] == "q1 Q0 d2 1 1.500000 test" and lines[1] == "q1 Q0 d1 2 0.500000 test"
-    assert data.read_run(path) == run
+    assert evaluate.read_run(path) == run
     assert [p.name for p in tmp_path.iterdir()] == ["run.trec"]               # no temporary left over
     with pytest.raises(data.DataError, match=r"bad\.trec:1: expected 6 fields"):
-        data.read_run(write(tmp_path / "bad.trec", "q1 Q0 d1 1 0.5\n"))
+        evaluate.read_run(write(tmp_path / "bad.trec", "q1 Q0 d1 1 0.5\n"))
 
 
 def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path):
@@ -824,7 +824,7 @@ def test_every_departure_in_the_code_is_listed_in_the_docs():
     """`Departure (key):` in any .py file (docstring or comment) <-> one `- `key`:` line in docs/departures.md's
     departure list, both ways; a departure without a key would escape the list, so none may exist."""
     in_code = {}
-    for path in sorted(HERE.glob("*.py")):
+    for path in sorted([*HERE.glob("*.py"), *HERE.glob("run/*.py"), *HERE.glob("research/*.py")]):
         if path.name.startswith("test_"):
             continue
         text = path.read_text()
@@ -898,11 +898,12 @@ def test_data_imports_no_module_of_ours_and_run_only_data():
         assert imported & ours <= allowed, (name, imported & ours)
 
 
-@pytest.mark.parametrize("script", [*METHOD_FILES, "finetune.py", "evaluate.py", "mechanisms.py"])
+@pytest.mark.parametrize("script", [*METHOD_FILES, "finetune.py", "evaluate.py", "research/mechanisms.py"])
 def test_help_prints_the_docstring_and_every_field(script):
-    result = subprocess.run([PY, str(HERE / script), "--help"], capture_output=True, text=True, timeout=120)
+    name = script.removesuffix(".py").replace("/", ".")
+    result = subprocess.run([PY, "-m", name, "--help"], cwd=HERE, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    module = importlib.import_module(script.removesuffix(".py"))
+    module = importlib.import_module(name)
     assert "class Config" in result.stdout                      # a method's own fields, then run.TrainConfig's
     missing = [f for f in module.Config.__dataclass_fields__ if f"    {f}: " not in result.stdout]
     assert not missing, f"{script} --help leaves out {missing}"
@@ -1805,7 +1806,7 @@ def test_word_shares_of_a_decoder_that_knows_nothing_is_the_uniform_level(tmp_pa
     assert row["representative"] == pytest.approx(row["representative_uniform"]) and row["representative"] > 0
     assert {"the", ",", "."} <= set(row["common_words"]) and len(row["common_words"]) == 10
     assert (row["method"], row["arm"], row["seed"], row["n_texts"], row["held_out"]) == ("cpdae", "cl on", 0, 8, False)
-    assert row["command"].startswith("python mechanisms.py --model ") and "--word_shares --n_texts 8" in row["command"]
+    assert row["command"].startswith("python -m research.mechanisms --model ") and "--word_shares --n_texts 8" in row["command"]
     assert json.loads((tmp_path / "out" / "word_shares-cl-on-seed0.json").read_text()) == row
     with pytest.raises(data.DataError, match="not the encoder of a cpdae.py run"):
         mechanisms.main(mechanisms.Config(model=_tiny_init(tmp_path / "plain"), word_shares=True, corpus=str(corpus)))
@@ -2291,7 +2292,7 @@ def test_discrimination_command_one_row_per_model(tmp_path):
     assert rows[0]["auc"] == rows[1]["auc"]                           # the same weights: the same numbers
     assert (tmp_path / "out" / "discrimination-costa.json").is_file()
     assert mechanisms.command_line(mechanisms.Config(model="m", discrimination=True, n_texts=5)) == \
-        "python mechanisms.py --model m --discrimination --n_texts 5"
+        "python -m research.mechanisms --model m --discrimination --n_texts 5"
 
 
 def test_compare_command_and_one_line_errors(tmp_path, capsys):
@@ -2754,14 +2755,16 @@ def test_study_code_hash_stays_for_every_other_arm_when_a_method_is_added(tmp_pa
     from research import study
 
     for name in study.SCRIPTS:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(HERE / name, tmp_path / name)
     monkeypatch.setattr(study, "HERE", tmp_path)
     before = {arm: study.code_hash(study.scripts_of(arm)) for arm in study.ARMS}
-    text = (tmp_path / "run.py").read_text()
+    run_py = tmp_path / "run" / "__init__.py"
+    text = run_py.read_text()
     assert text.count("\nMETHODS = (") == 1
-    (tmp_path / "run.py").write_text(text.replace("\nMETHODS = (", '\nMETHODS = ("costa2", '))
+    run_py.write_text(text.replace("\nMETHODS = (", '\nMETHODS = ("costa2", '))
     assert {arm: study.code_hash(study.scripts_of(arm)) for arm in study.ARMS} == before
-    (tmp_path / "run.py").write_text(text + "\n# an edit\n")
+    run_py.write_text(text + "\n# an edit\n")
     assert all(study.code_hash(study.scripts_of(arm)) != before[arm] for arm in study.ARMS)
 
 
@@ -2862,7 +2865,7 @@ def test_choice_flags_and_batch_arithmetic_fail_before_the_token_cache(tmp_path,
                            "--out_dir", tmp_path / "ft"], tmp_path)
     assert (code, err) == (1, "error: --index must be a faiss index_factory string, got 'bogus'")
     assert not (tmp_path / "ft").exists()
-    code, err = main_error([HERE / "study.py", "--arms", "none,bogus", "--out_dir", tmp_path / "st"], tmp_path)
+    code, err = main_error([HERE / "research" / "study.py", "--arms", "none,bogus", "--out_dir", tmp_path / "st"], tmp_path)
     arms = ", ".join(["none", "mlm", *run.METHODS])
     assert (code, err) == (1, f"error: --arms must be names from {{{arms}}}, got 'none,bogus'")
 
@@ -3288,8 +3291,8 @@ def test_a_run_folder_in_use_refuses_a_second_run_and_kill_9_frees_it(tmp_path, 
         for script, flags in (("costa.py", ["--corpus", str(small_corpus), *TINY_ARGS, "--steps", "2", "--out_dir",
                                             str(out), "--overwrite"]),
                               ("finetune.py", ["--init", "minilm", "--out_dir", str(out), "--overwrite"]),
-                              ("study.py", ["--results_dir", str(out), "--report_only"])):
-            result = subprocess.run([PY, script, *flags], cwd=HERE, capture_output=True, text=True, timeout=300)
+                              ("-m research.study", ["--results_dir", str(out), "--report_only"])):
+            result = subprocess.run([PY, *script.split(), *flags], cwd=HERE, capture_output=True, text=True, timeout=300)
             assert result.returncode == 1, (script, result.stderr)
             assert result.stderr.strip() == f"error: {out} is in use by another run; wait for it to end, or give another --out_dir", script
             assert not list(out.iterdir())                                       # nothing touched
@@ -3899,9 +3902,9 @@ def test_a_tag_with_spaces_is_one_word_in_the_run_file_and_a_failed_evaluation_k
         assert lines and {line.split(" ")[5] for line in lines} == {written}, tag   # 6 fields, the tag one word
         saved = json.loads((out / "metrics.json").read_text())
         assert saved["tag"] == written and saved["metrics"] == means
-        assert evaluate.compute_metrics(data.read_run(out / "run.trec"), data.read_qrels(beir / "qrels" / "test.tsv"))[0] == means
+        assert evaluate.compute_metrics(evaluate.read_run(out / "run.trec"), data.read_qrels(beir / "qrels" / "test.tsv"))[0] == means
     before = folder_bytes(out)
-    monkeypatch.setattr(data, "read_run", lambda path: (_ for _ in ()).throw(data.DataError(f"{path}: unreadable")))
+    monkeypatch.setattr(evaluate, "read_run", lambda path: (_ for _ in ()).throw(data.DataError(f"{path}: unreadable")))
     with pytest.raises(data.DataError, match="unreadable"):
         evaluate.main(evaluate.Config(**flags, tag="other"))
     assert folder_bytes(out) == before and sorted(p.name for p in out.iterdir()) == ["metrics.json", "run.trec"]
@@ -4072,7 +4075,7 @@ def test_evaluate_full_disk_is_one_line_and_keeps_the_previous_files(tmp_path, m
                         r"free\); its run.trec and metrics.json are the previous ones; free some space, or give another "
                         r"--out_dir", stopped.value.code)
     assert line, stopped.value.code
-    evaluate.write_run(tmp_path / "new.trec", data.read_run(out / "run.trec"), "new")      # what the write needed
+    evaluate.write_run(tmp_path / "new.trec", evaluate.read_run(out / "run.trec"), "new")      # what the write needed
     assert (tmp_path / "new.trec").stat().st_size <= int(line[1]) <= 1.1 * (tmp_path / "new.trec").stat().st_size
     assert folder_bytes(out) == before
     # The corpus vectors (--vectors_dir): their space is reserved before the mapping is written (a full
