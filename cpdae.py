@@ -121,7 +121,7 @@ class Decoder(nn.Module):
     @classmethod
     def from_pretrained(cls, folder):
         """The decoder that save_checkpoint wrote beside the encoder (folder/decoder.safetensors)."""
-        state = run.files.load_tensors(Path(folder) / "decoder.safetensors")
+        state = run.load_tensors(Path(folder) / "decoder.safetensors")
         eps = json.loads((Path(folder) / "config.json").read_text()).get("layer_norm_eps", 1e-12)
         decoder = cls(state["out.weight"].shape[1], state["out.weight"].shape[0], eps)
         decoder.load_state_dict(state)
@@ -328,9 +328,9 @@ def cached_idf(windows, vocab_size, rank, chunk=1 << 16):
             df += document_frequency(windows.tokens[positions].astype(np.int64), offsets, vocab_size)
         for token in (windows.special["cls"], windows.special["sep"]):   # once in every window
             df[token] = len(windows)
-        run.files.atomic_save_npy(path, df)
+        run.atomic_save_npy(path, df)
 
-    run.cache.rank0_builds(path.is_file, build, rank, str(path))
+    run.rank0_builds(path.is_file, build, rank, str(path))
     return idf_from_df(np.load(path), len(windows))
 
 
@@ -382,7 +382,7 @@ def train(c):
                                           sweep_per_input=True)
     model.contrastive_loss = run.across_ranks(contrastive_loss, gather_across_ranks)
     optimizer, scheduler = run.make_optimizer(model, c, eps=1e-8)    # Adam's eps: torch's (the paper gives none)
-    save_decoder = lambda folder: run.files.save_tensors(Path(folder) / "decoder.safetensors", model.decoder.state_dict())
+    save_decoder = lambda folder: run.save_tensors(Path(folder) / "decoder.safetensors", model.decoder.state_dict())
     training = run.TrainingRun(c, model, optimizer, scheduler, device, windows, save_decoder)  # resume, folder, log
     # Each rank trains on its own slice of every global batch (data.batch_indices); DDP averages the
     # gradients over the ranks, and eq. 5 sees every rank's views (gather_across_ranks).
