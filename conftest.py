@@ -14,7 +14,7 @@ import data
 import run
 
 # The suite is the CPU suite that CI runs, and it runs the same on a GPU machine: its torchrun tests start
-# 2 processes, which NCCL would refuse on one GPU. The GPU path is measured by benchmark.py --gpu.
+# 2 processes, which NCCL would refuse on one GPU. The GPU path is measured by python -m research.benchmark --gpu.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 # Every test under a bound: a hang is a failed test with the traceback of where it waited, not a suite that

@@ -13,7 +13,7 @@ papers' BERT/MLM baseline. The paper's equations, in order, and the function tha
 
 Top to bottom: config, model, loss, data, the training loop (train); then the blocks every method file owns a
 copy of (the BERT encoder, the distributed gather) and what train() wraps around the method (fp32, all ranks'
-negatives). The run machinery (run folder, resume, checkpoints, progress, Ctrl-C) is in run.py, one call each
+negatives). The run machinery (run folder, resume, checkpoints, progress, Ctrl-C) is in run/, one call each
 from train(). Each departure from the paper is said where it happens, tagged; docs/departures.md lists them.
 
     python costa.py --preset lab                     # first: its head learns, on a CPU (docs/lab.md)
@@ -205,7 +205,7 @@ class PretrainModel(nn.Module):
 
     def terms(self, batch):
         """Eq. 10 term by term, {name: weighted scalar}, and what to log: each accuracy X_acc with its
-        trivial baseline X_chance (study.py measures each term's gradient on the encoder)."""
+        trivial baseline X_chance (research/study.py measures each term's gradient on the encoder)."""
         c = self.config
         hidden = self.encoder(batch["input_ids"], batch["attention_mask"])       # (B, L, H)
         mlm, n_correct, n_masked = mlm_loss(hidden, batch["labels"], self.encoder.mlm_head)
@@ -326,7 +326,7 @@ class Batches(torch.utils.data.Dataset):
 # ==============================================================================================
 def train(c):
     """Pre-train with COSTA. Every check comes first (flags when parsed; here the run folder, --init, the
-    vocabulary, the batch arithmetic, the corpus), then the steps. Run machinery: one call each into run.py."""
+    vocabulary, the batch arithmetic, the corpus), then the steps. Run machinery: one call each into run/."""
     rank, world, device = setup_distributed(c.dist_timeout)      # torchrun: one process per device
     torch.manual_seed(c.seed)                                    # the encoder's and the heads' init
     c = run.start_run(c, world)                                  # --init found, run folder free, batch split

@@ -13,7 +13,7 @@ the two views' word distributions. The paper's equations, in order, and the func
     eq. 7     the similarity s = -JS(z_tilde', z_tilde'')              js_similarity (CPDAE_R: cosine_similarity)
 
 It has costa.py's skeleton section for section, COSTA's own parts swapped for CPDAE's (`diff costa.py
-cpdae.py`). The run machinery (run folder, resume, checkpoints, progress, Ctrl-C) is in run.py, one call each
+cpdae.py`). The run machinery (run folder, resume, checkpoints, progress, Ctrl-C) is in run/, one call each
 from train(). Each departure from the paper is said where it happens, tagged; docs/departures.md lists them.
 
     python cpdae.py --preset lab                     # first: its head learns, on a CPU (docs/lab.md)
@@ -252,7 +252,7 @@ class PretrainModel(nn.Module):
 
     def terms(self, batch):
         """Eq. 6 term by term, {name: weighted scalar}, and what to log: each accuracy X_acc with its
-        trivial baseline X_chance (study.py measures each term's gradient on the encoder)."""
+        trivial baseline X_chance (research/study.py measures each term's gradient on the encoder)."""
         c = self.config
         attention_mask = batch["attention_mask"].repeat(2, 1)                    # (2B, L) views share padding
         hidden = self.encoder(batch["input_ids"], attention_mask)                # (2B, L, H) [d'; d'']
@@ -363,7 +363,7 @@ class Batches(torch.utils.data.Dataset):
 # ==============================================================================================
 def train(c):
     """Pre-train with CPDAE. Every check comes first (flags when parsed; here the run folder, --init, the
-    vocabulary, the batch arithmetic, the corpus), then the steps. Run machinery: one call each into run.py."""
+    vocabulary, the batch arithmetic, the corpus), then the steps. Run machinery: one call each into run/."""
     rank, world, device = setup_distributed(c.dist_timeout)      # torchrun: one process per device
     torch.manual_seed(c.seed)                                    # the encoder's and the decoder's init
     c = run.start_run(c, world)                                  # --init found, run folder free, batch split

@@ -38,7 +38,7 @@ import run
 # ==============================================================================================
 @dataclass
 class Config:
-    model: str = ""               # BERT folder to evaluate (ours, any BERT or sentence-transformers one), hub id, or "minilm"; several, comma-separated, in mechanisms.py (a path that exists is one model, commas and all)
+    model: str = ""               # BERT folder to evaluate (ours, any BERT or sentence-transformers one), hub id, or "minilm"; several, comma-separated, in research.mechanisms (a path that exists is one model, commas and all)
     bm25: bool = False            # evaluate BM25 instead of a model
     dataset: str = str(data.SCIFACT)  # BEIR folder: corpus.jsonl, queries.jsonl, qrels/{split}.tsv ('.gz' ok)
     split: str = "test"           # qrels/{split}.tsv; several, comma-separated (dev,test): one encoding of the corpus, split s in {out_dir}/eval-{s}
@@ -770,7 +770,7 @@ def format_pairs(rows, names, metrics=("NDCG@10", "Recall@100")):
 
 
 # ---------------------------------------------------------------------------------------------
-# Figures and provenance, for the scripts that report (study.py, benchmark.py, mechanisms.py)
+# Figures and provenance, for the scripts that report (research: study, benchmark, mechanisms)
 # ---------------------------------------------------------------------------------------------
 def _pyplot():
     import matplotlib
@@ -950,7 +950,7 @@ def main(c):
     if c.bm25 and c.vocab:
         raise ValueError(f"--vocab {c.vocab} is not used by --bm25 (it splits words itself); drop --vocab")
     if c.model:
-        model_list(c)   # one model: several go with mechanisms.py's figures and measurements
+        model_list(c)   # one model: several go with research.mechanisms' figures and measurements
     rank, _, device = setup_distributed()
     out_dirs = [split_out_dir(c, name, len(names) > 1) for name in names]   # before 'minilm' becomes a folder
     new = sorted({p for f in out_dirs for p in (f, *f.absolute().parents) if not p.exists()}, key=lambda p: -len(p.parts))
@@ -1000,11 +1000,11 @@ def run_commands(c, names, out_dirs, rank, device):
 
 def model_list(c, several=False):
     """--model and --tag as [(model, tag)]: one model when the whole is a path that exists, else comma-separated
-    (several: mechanisms.py). No --tag: each folder's parent name or the model id; the paths where those clash."""
+    (several: research.mechanisms). No --tag: each folder's parent name or the model id; the paths where those clash."""
     models = [c.model] if Path(c.model).exists() else [m.strip() for m in c.model.split(",") if m.strip()]
     if len(models) > 1 and not several:
         raise ValueError(f"--model {c.model}: several models go with --tsne or --cls_by_length (or --word_shares, "
-                         f"--decoder_reliance, --discrimination, --heads) of mechanisms.py only")
+                         f"--decoder_reliance, --discrimination, --heads) of research.mechanisms only")
     names = [Path(m).resolve().parent.name if Path(m).is_dir() else m for m in models]
     tags = c.tag.split(",") if c.tag else names if len(set(names)) == len(names) else models
     if len(tags) != len(models) or len(set(tags)) < len(tags):

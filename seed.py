@@ -9,10 +9,10 @@ has to carry the text. The paper's equations and the functions:
               the restricted span and the shifted text                 window_mask, decoder_inputs_and_targets,
               the decoder that reads only [CLS]                        WeakDecoder
     eq. 10    L = L_MLM + L_dec                                        PretrainModel.terms (L_MLM: mlm_loss)
-    Figure 5  [CLS] cosine of random text pairs by length               mechanisms.py --cls_by_length
+    Figure 5  [CLS] cosine of random text pairs by length               research.mechanisms --cls_by_length
 
 It has costa.py's skeleton section for section, COSTA's own parts swapped for the weak decoder (`diff costa.py
-seed.py`). The run machinery (run folder, resume, checkpoints, progress, Ctrl-C) is in run.py, one call each from
+seed.py`). The run machinery (run folder, resume, checkpoints, progress, Ctrl-C) is in run/, one call each from
 train(). Each departure from the paper is said where it happens, tagged with its key; docs/departures.md lists them.
 
     python seed.py --preset lab                      # first: its head learns, on a CPU (docs/lab.md)
@@ -24,7 +24,7 @@ train(). Each departure from the paper is said where it happens, tagged with its
 
 The encoder is written to {out_dir}/encoder as a Hugging Face BERT folder for finetune.py; the decoder
 lives only in {out_dir}/state.pt (the training state). Figure 5 for it and an MLM-only encoder
-(`python costa.py --gwc_weight 0`): `python mechanisms.py --model A,B --cls_by_length`.
+(`python costa.py --gwc_weight 0`): `python -m research.mechanisms --model A,B --cls_by_length`.
 """
 import contextlib
 import datetime
@@ -322,7 +322,7 @@ class Batches(torch.utils.data.Dataset):
 # ==============================================================================================
 def train(c):
     """Pre-train with SEED-Encoder. Every check comes first (flags when parsed; here the run folder, --init, the
-    vocabulary, the batch arithmetic, the corpus), then the steps. Run machinery: one call each into run.py."""
+    vocabulary, the batch arithmetic, the corpus), then the steps. Run machinery: one call each into run/."""
     rank, world, device = setup_distributed(c.dist_timeout)      # torchrun: one process per device
     torch.manual_seed(c.seed)                                    # the encoder's and the decoder's init
     c = run.start_run(c, world)                                  # --init found, run folder free, batch split

@@ -1461,9 +1461,9 @@ def test_each_piece_copies_alone_into_a_torch_only_file(module, piece, run_piece
 
 
 # ==============================================================================================
-# walkthrough.py: its steps run, and its exercises are graded against the methods' own code
+# walkthrough.py: its steps run, and its helpers match the methods' own code (lab.check grades the exercises)
 # ==============================================================================================
-def test_walkthrough_runs_and_its_exercises_match_the_methods(capsys):
+def test_walkthrough_runs_and_its_helpers_match_the_methods(capsys):
     import walkthrough
     walkthrough.costa_step(), walkthrough.cpdae_step(), walkthrough.seed_step()
     printed = capsys.readouterr().out
@@ -1478,8 +1478,6 @@ def test_walkthrough_runs_and_its_exercises_match_the_methods(capsys):
     scores = (view1 @ torch.cat([view1, view2]).T).masked_fill(walkthrough.self_mask(5), float("-inf"))
     mine = F.cross_entropy(scores, 5 + torch.arange(5))
     torch.testing.assert_close(mine.float(), cpdae.contrastive_loss(view1, view2, lambda a, b: a @ b.T)[0])  # fp32
-    for length, k in itertools.product(range(1, 9), range(1, 5)):                # 3: eq. 9's window
-        assert torch.equal(walkthrough.window(length, k), seed.window_mask(length, k)), (length, k)
 
 
 @pytest.mark.parametrize("name", run.METHODS)

@@ -36,8 +36,8 @@ from run import cache, cli, files, folders, hub, ranks, speed  # noqa: F401 (run
 from run.cache import rank0_builds  # noqa: F401  (CPDAE's IDF: built once by rank 0, beneath)
 from run.files import atomic_save_npy, load_tensors, save_tensors  # noqa: F401  (CPDAE's decoder file, beneath)
 
-# The methods, each a file <name>.py with a Config, a train() and a main(): finetune.py --pretrain,
-# study.py, benchmark.py and the tests read this list, so a new method is its file plus one entry here.
+# The methods, each a file <name>.py with a Config, a train() and a main(): finetune.py --pretrain, research's
+# study and benchmark, and the tests read this list, so a new method is its file plus one entry here.
 METHODS = ("seed", "cpdae", "costa")
 
 

@@ -66,7 +66,7 @@ def stops_cleanly(where):
         what = "terminated (SIGTERM)" if kind is cli.Terminated else "interrupted"
         raise kind(f"{what} at step {step}; {last}; continue with --resume") from None
     finally:
-        restore()   # the caller's own handlers again (a test, a notebook, study.py)
+        restore()   # the caller's own handlers again (a test, a notebook, research/study.py)
 
 
 def _all_ranks_agree(flag, device):

@@ -424,28 +424,25 @@ def test_encoder_equals_transformers_bert(tmp_path):
         assert n > 0 and abs(mlm - reference(input_ids=ids, attention_mask=mask, labels=labels).loss) < 1e-5
 
 
-def test_cpu_dropout_rate_scale_and_seed():
-    """The CPU dropout (costa.drop_mask, numpy's PCG64 seeded from torch): each element dropped with
-    probability p (within 5 sigma over 4M draws), the rest scaled by 1 / (1 - p), the same mask for the
-    same torch seed, a different one otherwise, nothing in eval mode; and training-mode attention with
-    p = 0 equals SDPA's."""
-    p, shape = 0.1, (64, 256, 256)
-    torch.manual_seed(3)
-    drop = costa.drop_mask(shape, p)
-    n = drop.numel()
-    assert abs(drop.float().mean().item() - p) < 5 * (p * (1 - p) / n) ** 0.5
-    torch.manual_seed(3)
-    assert torch.equal(costa.drop_mask(shape, p), drop)
-    assert not torch.equal(costa.drop_mask(shape, p), drop)
-    x = torch.randn(1000, 100)
-    y = costa.dropout(x, p, True)
-    assert torch.allclose(y[y != 0], x[y != 0] / (1 - p)) and costa.dropout(x, p, False) is x
-    attn = costa.SelfAttention(tiny_config(dropout=0.0))
-    x, attend = torch.randn(3, 7, attn.query.in_features), torch.ones(3, 1, 1, 7, dtype=torch.bool)
+def test_the_plain_attention_is_sdpa_and_the_former_encoder_computes_the_same_function():
+    """The shared encoder is plain torch: attention as its formula equals SDPA (a hidden key gets weight 0), dropout
+    is torch's (the same mask for the same seed, 1 / (1 - p) on the rest); the benchmark's former encoder (PCG64
+    masks, a CPU attention path) computes the same function with dropout off, so its row times the same step."""
+    from research import benchmark
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 7, 4, generator=g) for _ in range(3))
+    attend = torch.ones(3, 1, 1, 7, dtype=torch.bool)
     attend[0, ..., 4:] = False
-    manual = attn(x, attend)                             # training path (gradients on)
-    with torch.no_grad():
-        assert (attn(x, attend) - manual).abs().max() < 1e-5   # SDPA
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=attend)
+    torch.testing.assert_close(costa.attention(q, k, v, attend), sdpa)
+    torch.testing.assert_close(benchmark._former_attention(q, k, v, attend), sdpa)
+    torch.manual_seed(3)
+    dropped = costa.attention(q, k, v, attend, 0.5)
+    torch.manual_seed(3)
+    assert torch.equal(costa.attention(q, k, v, attend, 0.5), dropped) and not torch.allclose(dropped, sdpa)
+    x = torch.randn(1000, 100)
+    y = benchmark._former_dropout(x, 0.1)
+    assert torch.allclose(y[y != 0], x[y != 0] / 0.9) and abs((y == 0).float().mean().item() - 0.1) < 0.01
 
 
 def test_hf_folder_round_trip_and_bin_checkpoints(tmp_path):
