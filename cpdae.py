@@ -60,7 +60,7 @@ class Config(run.TrainConfig):
     cl_tau: float = 1.0           # eq. 5's similarity is -JS / cl_tau (1 = the paper's; -JS alone keeps L_CL near ln(2m-1))
     rec_reduction: str = "sum"    # eq. 4 over the vocabulary: "sum" (the paper's) or "mean" (/|V|, as DupMAE's BoW loss)
 
-    compile: bool = True          # eq. 5 fused (run.fused): the step 2.01x as fast on a CPU (results/speed/benchmark-intel.md)
+    compile: bool = True          # eq. 5 fused (run.speed.fused): the step 2.01x as fast on a CPU (results/speed/benchmark-intel.md)
     out_dir: str = "runs/cpdae"   # checkpoints, config.json and log.jsonl go here
 
 
@@ -74,7 +74,7 @@ PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072,
 LAB_PRESET = dict(run.LAB_PRESET, rec_reduction="mean", cl_tau=0.02)
 
 
-# The domain of each of CPDAE's flags, checked by run.parse_config before any work (with TrainConfig's).
+# The domain of each of CPDAE's flags, checked by run.cli.parse_config before any work (with TrainConfig's).
 FLAG_RULES = {
     "cl_weight": ">= 0", "cls_temperature": "> 0", "js_chunk": ">= 1", "cl_mode": "one of {js, cls}",
     "cl_tau": "> 0", "rec_reduction": "one of {sum, mean}",
@@ -495,7 +495,8 @@ class MLMHead(nn.Module):
 
 class Encoder(nn.Module):
     """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler. forward returns
-    the last hidden states. Hugging Face folders: run.load_pretrained(Encoder, folder, c), run.save_pretrained."""
+    the last hidden states. Hugging Face folders: run.hub.load_pretrained(Encoder, folder, c), run.hub.save_pretrained.
+    """
 
     def __init__(self, c):
         super().__init__()

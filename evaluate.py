@@ -66,7 +66,7 @@ class Config:
     dev_queries: int = 0          # with --split dev: the fixed sample of this many train queries that finetune.py --dev_queries holds out
 
 
-# The domain of each numeric or choice flag, checked by run.parse_config before any work.
+# The domain of each numeric or choice flag, checked by run.cli.parse_config before any work.
 FLAG_RULES = {"query_len": "0 or >= 3", "passage_len": "0 or >= 3", "depth": ">= 1", "encode_batch": ">= 1",
               "k1": ">= 0", "b": "in [0, 1]", "nprobe": ">= 0", "ef_search": ">= 0", "index_train": ">= 1",
               "index": "a faiss index_factory string", "pooling": "one of {cls, mean} or empty",
@@ -1139,7 +1139,8 @@ class MLMHead(nn.Module):
 
 class Encoder(nn.Module):
     """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler. forward returns
-    the last hidden states. Hugging Face folders: run.load_pretrained(Encoder, folder, c), run.save_pretrained."""
+    the last hidden states. Hugging Face folders: run.hub.load_pretrained(Encoder, folder, c), run.hub.save_pretrained.
+    """
 
     def __init__(self, c):
         super().__init__()

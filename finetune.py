@@ -135,7 +135,7 @@ PAPER_PRESET = dict(lr=5e-6, batch_size=64, epochs=3.0, hard_epochs=2.0, n_negat
                     workers=4, log_every=100, save_every=1000)   # the run's: batches built ahead, checkpoints
 
 
-# The domain of each numeric or choice flag, checked by run.parse_config before any work.
+# The domain of each numeric or choice flag, checked by run.cli.parse_config before any work.
 FLAG_RULES = {
     "query_len": ">= 3", "passage_len": ">= 3", "n_queries": ">= 0", "dev_queries": ">= 0",  # lengths: [CLS], a token, [SEP]
     "vocab_size": ">= 1", "hidden_size": ">= 1", "num_layers": ">= 1", "num_heads": ">= 1", "ffn_size": ">= 1",
@@ -344,7 +344,7 @@ def write_negatives(path, negatives, doc_ids):
 # ==============================================================================================
 def bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, path, device, is_rank0):
     """Stage-1 pools: BM25's top bm25_depth for each training query minus its positives. Every rank searches its
-    share of the queries, exchanged through files (run.share_through_files), rank 0 caches them in `path` for
+    share of the queries, exchanged through files (run.ranks.share_through_files), rank 0 caches them in `path` for
     --resume. --bm25_negatives reads the pools instead (MS MARCO: Tevatron's)."""
     if c.bm25_negatives:
         ranked = read_negatives(c.bm25_negatives, doc_index)
@@ -587,7 +587,8 @@ def save_final_encoder(encoder, out, c):
 
 
 def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved):
-    """The stage's encoder (save_encoder's folder) and training state, switched together (run.save_checkpoint)."""
+    """The stage's encoder (save_encoder's folder) and training state, switched together (save_checkpoint of
+    run/folders.py)."""
     def settings(folder):   # the retriever's pooling and similarity, beside the encoder (save_encoder's)
         evaluate.write_retriever_settings(folder, c.pooling, c.similarity, c.query_len, c.passage_len)
     run.folders.save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved, settings,
@@ -623,7 +624,7 @@ def pretrain_config(c):
 
 
 def check_pretraining(c):
-    """Before any work: --pretrain_args parse, and the token cache has a place (data.token_cache_folder)."""
+    """Before any work: --pretrain_args parse, and the token cache has a place (run.cache.token_cache_folder)."""
     _, _, pc = pretrain_config(c)
     run.cache.token_cache_folder(pc.corpus, run.run_vocab(pc), pc.cache_dir, pc.max_len,
                             flag='--pretrain_args "--cache_dir DIR"')
@@ -687,7 +688,7 @@ def main(argv):
         run.folders.release_run_folder(c.out_dir)
         return
     train(c)
-    run.ranks.barrier()   # every rank is past its last collective before the group ends (run.leave_distributed)
+    run.ranks.barrier()   # every rank is past its last collective before the group ends (run.cli.leave_distributed)
     run.folders.release_run_folder(c.out_dir)
 
 

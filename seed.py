@@ -52,7 +52,7 @@ class Config(run.TrainConfig):
     dec_span: int = 2             # self-attention span k of eq. 9 (paper: 2); 0 = full causal, the "strong decoder"
     dec_weight: float = 1.0       # weight of L_dec in eq. 10 (paper: 1, L_MLM + L_dec)
     dec_chunk: int = 2048         # decoder positions per chunk of vocabulary logits (peak ~ chunk x |V| fp32); 0 = all
-    compile: bool = True          # eq. 9 fused (run.fused): the step 1.85x as fast on a CPU (results/speed/benchmark-intel.md)
+    compile: bool = True          # eq. 9 fused (run.speed.fused): the step 1.85x as fast on a CPU (results/speed/benchmark-intel.md)
     out_dir: str = "runs/seed"    # checkpoints, config.json and log.jsonl go here
 
 
@@ -68,7 +68,7 @@ PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072,
 LAB_PRESET = dict(run.LAB_PRESET, dec_weight=8.0, steps=100, batch_size=16, compile=False)
 
 
-# The domain of each of SEED's flags, checked by run.parse_config before any work (with TrainConfig's).
+# The domain of each of SEED's flags, checked by run.cli.parse_config before any work (with TrainConfig's).
 FLAG_RULES = {"dec_layers": ">= 1", "dec_span": ">= 0", "dec_chunk": ">= 0", "dec_weight": "> 0"}
 
 
@@ -448,7 +448,8 @@ class MLMHead(nn.Module):
 
 class Encoder(nn.Module):
     """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler. forward returns
-    the last hidden states. Hugging Face folders: run.load_pretrained(Encoder, folder, c), run.save_pretrained."""
+    the last hidden states. Hugging Face folders: run.hub.load_pretrained(Encoder, folder, c), run.hub.save_pretrained.
+    """
 
     def __init__(self, c):
         super().__init__()

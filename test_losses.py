@@ -1269,7 +1269,7 @@ def test_string_flags_are_checked_against_their_choices(name, flag):
 
 
 # ==============================================================================================
-# --compile (run.fused): the compiled losses equal the eager ones; a compiler failure leaves the run eager
+# --compile (run.speed.fused): the compiled losses equal the eager ones; a compiler failure leaves the run eager
 # ==============================================================================================
 def _contrastive_and_decoder(js, dec, dist_logits, states, weight, targets):
     """Eq. 5 with similarity js and eq. 9 by dec: (values (L_CL, L_dec, n_correct), their summed loss's gradients)."""
@@ -1279,7 +1279,7 @@ def _contrastive_and_decoder(js, dec, dist_logits, states, weight, targets):
 
 
 def test_compiled_losses_equal_eager_values_and_gradients(monkeypatch, capsys):
-    """run.fused with --compile (torch.compile): eq. 5's -JS in a contrastive loss and eq. 9's decoder loss
+    """run.speed.fused with --compile (torch.compile): eq. 5's -JS in a contrastive loss and eq. 9's decoder loss
     give the eager values and gradients within the tolerances above (fp32; fp64 is checked eager)."""
     monkeypatch.setattr(run.speed, "_FUSED", {})   # compiled here, not by an earlier test's run (--compile is the default)
     torch.manual_seed(0)
@@ -1320,7 +1320,7 @@ def test_a_compiler_failure_is_one_line_and_the_loss_runs_eager(monkeypatch, cap
 
 
 def test_a_compiler_failure_in_the_backward_alone_is_one_line_and_the_gradient_eager(monkeypatch, capsys):
-    """CPDAE's compiled backward (run.compiled_per_input) compiles at the first backward, after the forward
+    """CPDAE's compiled backward (run.speed.compiled_per_input) compiles at the first backward, after the forward
     compiled: a failure there says so once per input and the gradients come from the eager vector-Jacobian
     product, equal to autograd's of the plain loss."""
     def compile_all_but_the_backward(fn):
@@ -1345,7 +1345,7 @@ def test_a_compiler_failure_in_the_backward_alone_is_one_line_and_the_gradient_e
 
 
 def test_padding_the_kept_decoder_positions_leaves_the_loss():
-    """seed.py pads the N kept decoder positions to a multiple of a bucket (run.pad_rows): a few shapes recur,
+    """seed.py pads the N kept decoder positions to a multiple of a bucket (run.speed.pad_rows): a few shapes recur,
     and eq. 9's mean, its correct count and its gradients are those of the N positions alone."""
     torch.manual_seed(0)
     states, weight = torch.randn(13, 8, requires_grad=True), torch.randn(SMALL_VOCAB, 8)

@@ -64,8 +64,8 @@ VARIANTS = {
 }
 MINILM = {"hidden_size": 384, "num_layers": 6, "num_heads": 12, "ffn_size": 1536}   # all-MiniLM-L6-v2's sizes
 BERT_BASE = {"hidden_size": 768, "num_layers": 12, "num_heads": 12, "ffn_size": 3072}
-COMPILED = ("cpdae", "seed")
-FORMER = "costa-mlm, former encoder"   # the speed table's row of the encoder before it became plain torch   # the methods whose vocabulary-sized loss --compile compiles (run.fused)
+COMPILED = ("cpdae", "seed")   # the methods whose vocabulary-sized loss --compile compiles (run.speed.fused)
+FORMER = "costa-mlm, former encoder"   # the speed table's row of the encoder before it became plain torch
 GOALS = {"encoder": 0.40, "st_speed": 1.5, "method_vs_flops": 1.1, "st_rss": 0.5, "plain_encoder": 1.15}   # the goals table's
 ST_NDCG_RESULTS = ROOT / "results" / "st-ndcg"   # st_ndcg.py's rows there (committed): the goals table reads them
 
@@ -383,7 +383,7 @@ def with_former_encoder(module, step):
 # The default run: the speed table, the goals, the per-variant table -------------------------------
 def speed_variants(quick=False):
     """(name, size, step closure, analytic FLOPs or None) for every row of the speed table: each method eager
-    and with --compile (run.fused: its vocabulary-sized loss compiled), against MLM-only. quick: the methods
+    and with --compile (run.speed.fused: its vocabulary-sized loss compiled), against MLM-only. quick: the methods
     at 4 x 256 only (no encoder, 6 x 384 or finetune rows)."""
     import costa
     rows = []
@@ -580,7 +580,7 @@ def cuda_matmul_rate(m, k, n, reps=20):
 
 def gpu_row(variant, batch, length, steps, warmup, compile=False, device="cuda", overrides=None):
     """(seconds per step, tokens per step, peak bytes, FLOPs per step, first step's seconds) of one variant at
-    BERT-base size; compile: --compile (run.fused), its compile in the first step."""
+    BERT-base size; compile: --compile (run.speed.fused), its compile in the first step."""
     module_name, fixed = VARIANTS[variant]
     module = importlib.import_module(module_name)
     c = module.Config(**{**fixed, **BERT_BASE, **(overrides or {}), "max_len": length, "batch_size": batch,

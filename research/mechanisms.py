@@ -101,10 +101,10 @@ class Config(evaluate.Config):
     cl_positive: str = "own"      # --frozen cpdae: a view's positive, its text's other view or "other": the control arm
     confirm: bool = False         # --frozen: the confirmatory round's measures too (rank AUCs, entropy, per text; no-[SEP] slopes)
     device: str = "cpu"           # --frozen: where the decoder trains ("cuda", "cuda:1"); the encoder's vectors: on the CPU
-    compile: bool = False         # --frozen seed: eq. 9 compiled (run.fused); equal to eager to fp tolerance, not bit for bit
+    compile: bool = False         # --frozen seed: eq. 9 compiled (run.speed.fused); equal to eager to fp tolerance, not bit for bit
 
 
-# The domain of each numeric flag of its own, checked by run.parse_config before any work (evaluate.py's too).
+# The domain of each numeric flag of its own, checked by run.cli.parse_config before any work (evaluate.py's too).
 FLAG_RULES = {**evaluate.FLAG_RULES, "n_texts": ">= 2", "n_common": ">= 1", "frozen": "one of {cpdae, seed} or empty",
               "max_len": ">= 8", "steps": ">= 1", "eval_every": ">= 1", "batch_size": ">= 2", "lr": "> 0",
               "cl_weight": ">= 0", "cl_tau": "> 0", "rec_reduction": "one of {sum, mean}", "dec_span": ">= 0",

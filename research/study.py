@@ -694,7 +694,7 @@ def quick_setup(c):
         for name, qr in (("train", train), ("test", test)):
             (beir / "qrels" / f"{name}.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
                 f"{q}\t{d}\t{g}\n" for q, docs in qr.items() for d, g in docs.items()))
-        make_init = ("import sys, torch, run, finetune; torch.manual_seed(0); run.save_pretrained(finetune.Encoder("
+        make_init = ("import sys, torch, run, finetune; torch.manual_seed(0); run.hub.save_pretrained(finetune.Encoder("
                      "finetune.Config(hidden_size=32, num_layers=2, num_heads=2, ffn_size=64, dropout=0.0)), sys.argv[1])")
         run_stage([sys.executable, "-c", make_init, str(init)], root / "tiny-bert.log", c.stage_hours)
     return dataclasses.replace(c, **QUICK, init=str(init), dataset=str(beir))

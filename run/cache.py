@@ -1,7 +1,7 @@
 """The token cache, beneath run/__init__.py (load_windows calls token_windows): a corpus tokenized once, by rank 0
 and a pool of workers, into memory-mapped arrays (tokens, word starts, document offsets) that every later run, rank
 and --resume maps; a manifest of sizes and CRC-32s vouches for them, and a changed corpus or a damaged file is one
-line. Also `python -m run.cache CORPUS OUT_VOCAB [SIZE]`: a WordPiece vocabulary trained on a corpus."""
+line."""
 import contextlib
 import itertools
 import json
@@ -9,7 +9,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import sys
 import time
 import zlib
 from pathlib import Path
@@ -18,20 +17,6 @@ import numpy as np
 
 import data
 from run import files
-
-
-def train_wordpiece(texts, out_path, vocab_size=30522, min_frequency=2):
-    """Train a new uncased WordPiece vocabulary on an iterable of texts; write it as vocab.txt."""
-    from tokenizers import Tokenizer, trainers
-    from tokenizers.models import WordPiece
-    tokenizer = data._bert_pipeline(Tokenizer(WordPiece(unk_token="[UNK]")))
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                        special_tokens=data.SPECIAL_TOKENS)
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    files.atomic_write_text(out_path, "".join(token + "\n" for token, _ in vocab))
-    return data.load_tokenizer(out_path)
-
 
 # ----------------------------------------------------------------------------------------------
 # Token cache: a corpus tokenized once into memory-mapped arrays, windows cut from them
@@ -470,19 +455,3 @@ def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbo
     rank0_builds(lambda: _is_ready(_windows_problem(folder, max_len), folder, "cutting the windows again", rank == 0),
                  lambda: _write_windows(folder, max_len), rank, str(folder / f"windows-L{max_len}.npy"))
     return TokenWindows(folder, max_len, data.special_ids(data.load_tokenizer(vocab)))
-
-
-def main(argv):
-    """python -m run.cache CORPUS OUT_VOCAB [SIZE]: an uncased WordPiece vocabulary of at most SIZE entries (30,522)
-    trained on a corpus, for a model trained from scratch (pass it with --vocab and --vocab_size)."""
-    if len(argv) not in (2, 3) or (len(argv) == 3 and not argv[2].isdigit()):
-        sys.exit("usage: python -m run.cache CORPUS OUT_VOCAB [SIZE]")
-    try:
-        tokenizer = train_wordpiece(data.iter_pretraining_texts(argv[0]), argv[1], *map(int, argv[2:]))
-    except (data.DataError, OSError) as e:
-        sys.exit(f"error: {e}")
-    print(f"{argv[1]}: {tokenizer.get_vocab_size():,} entries, trained on {argv[0]}")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

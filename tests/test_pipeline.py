@@ -36,6 +36,7 @@ import data
 import evaluate
 import finetune
 import run
+import run.vocab
 from research import mechanisms
 
 HERE = Path(__file__).resolve().parent.parent   # the repository root
@@ -63,19 +64,19 @@ def test_tokenizer_is_bert_uncased(tokenizer):
 
 
 def test_train_wordpiece_on_a_small_corpus(tmp_path, wiki_texts):
-    new = run.cache.train_wordpiece(wiki_texts, tmp_path / "vocab.txt", vocab_size=2000)
+    new = run.vocab.train_wordpiece(wiki_texts, tmp_path / "vocab.txt", vocab_size=2000)
     assert 1000 < new.get_vocab_size() <= 2000
     assert data.special_ids(new)["pad"] == 0
     assert len(new.encode("the political philosophy").ids) >= 3
 
 
 def test_data_py_trains_a_vocabulary_from_the_command_line(tmp_path, small_corpus):
-    out = subprocess.run([PY, "-m", "run.cache", str(small_corpus), str(tmp_path / "v.txt"), "1000"],
+    out = subprocess.run([PY, "-m", "run.vocab", str(small_corpus), str(tmp_path / "v.txt"), "1000"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     n = data.vocab_size_of(tmp_path / "v.txt")
     assert 500 < n <= 1000 and out.stdout.strip() == f"{tmp_path / 'v.txt'}: {n:,} entries, trained on {small_corpus}"
-    bad = subprocess.run([PY, "-m", "run.cache", str(tmp_path / "missing.txt"), str(tmp_path / "w.txt")],
+    bad = subprocess.run([PY, "-m", "run.vocab", str(tmp_path / "missing.txt"), str(tmp_path / "w.txt")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1 and "missing.txt" in bad.stderr
     assert not (tmp_path / "w.txt").exists()
@@ -1376,11 +1377,13 @@ def _four_rank_worker(rank, world, tmp_path, text, spans, view1, view2):
     cpdae, out = importlib.import_module("cpdae"), {}
     n, m = text.shape[0] // world, view1.shape[0] // world
     local = [t[rank * n:(rank + 1) * n].clone().requires_grad_() for t in (text, spans)]
-    loss, _ = costa.gwc_loss(*local, 0.1)                   # as training runs it: across_ranks
+    gwc_loss = run.across_ranks(run.in_fp32(costa.gwc_loss), costa.gather_across_ranks)   # as costa.train() wraps it
+    loss, _ = gwc_loss(*local, 0.1)
     loss.backward()
     out["costa"] = (loss.detach(), local[0].grad, local[1].grad)
     local = [v[rank * m:(rank + 1) * m].clone().requires_grad_() for v in (view1, view2)]
-    loss, _ = cpdae.contrastive_loss(*map(cpdae.word_distribution, local), cpdae.js_similarity)
+    contrastive_loss = run.across_ranks(cpdae.contrastive_loss, cpdae.gather_across_ranks)   # as cpdae.train() wraps it
+    loss, _ = contrastive_loss(*map(cpdae.word_distribution, local), cpdae.js_similarity)
     loss.backward()
     out["cpdae"] = (loss.detach(), local[0].grad, local[1].grad)
     model = _tiny_bi_encoder("softmax")
@@ -1402,7 +1405,7 @@ def test_four_processes_equal_one_process_for_every_gathered_loss(tmp_path, run_
     view2 = view1 + 0.5 * torch.randn(8, 30, generator=g, dtype=torch.float64)
     ranks = run_on_ranks(4, _four_rank_worker, tmp_path, text, spans, view1, view2)
     one = {}
-    gwc_loss, contrastive_loss = costa.gwc_loss.__wrapped__, cpdae.contrastive_loss.__wrapped__   # eq. 8, eq. 5 alone
+    gwc_loss, contrastive_loss = costa.gwc_loss, cpdae.contrastive_loss   # eq. 8, eq. 5 alone: one process
     for name, (a, b), fn in (("costa", (text, spans), lambda a, b: gwc_loss(a, b, 0.1)[0]),
                              ("cpdae", (view1, view2), lambda a, b: contrastive_loss(
                                  cpdae.word_distribution(a), cpdae.word_distribution(b), cpdae.js_similarity)[0])):
@@ -2460,7 +2463,7 @@ def test_class3_duplicate_ids_and_judgments_are_refused(tmp_path):
 
 def test_class4_init_vocabulary_and_mismatched_state(tmp_path, small_corpus):
     # An --init folder with its own (smaller) vocabulary: pre-training uses the folder's vocab.txt.
-    new = run.cache.train_wordpiece(data.read_pretraining_texts(small_corpus), tmp_path / "v.txt", vocab_size=1000)
+    new = run.vocab.train_wordpiece(data.read_pretraining_texts(small_corpus), tmp_path / "v.txt", vocab_size=1000)
     torch.manual_seed(0)
     run.hub.save_pretrained(costa.Encoder(tiny_config(vocab_size=new.get_vocab_size())), tmp_path / "init", tmp_path / "v.txt")
     common = ["--corpus", small_corpus, *TINY_ARGS, "--steps", "1", "--init", tmp_path / "init"]
@@ -2911,8 +2914,8 @@ def test_a_full_disk_keeps_the_last_checkpoint_whole_and_says_so(tmp_path, small
     if fails == "encoder":
         monkeypatch.setattr(run.files, "save_tensors", full)
     else:   # torch.save reports a full disk as "RuntimeError: [enforce fail at inline_container.cc] unexpected pos"
-        monkeypatch.setattr(data.torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("unexpected pos")))
-        monkeypatch.setattr(data.shutil, "disk_usage", lambda folder: shutil_usage(free=0))
+        monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("unexpected pos")))
+        monkeypatch.setattr(shutil, "disk_usage", lambda folder: shutil_usage(free=0))
     with pytest.raises(data.DataError) as caught:
         run.folders.save_checkpoint(c, model, optimizer, scheduler, 4, True, 2)
     target = out / ("encoder" if fails == "encoder" else "state.pt")
@@ -3012,11 +3015,11 @@ def test_leave_distributed_ends_a_gloo_process_at_once_with_its_output_flushed(t
     # gloo's teardown aborted a rank now and then (SIGABRT): the process leaves with os._exit(code) instead,
     # after flushing what it printed; outside torchrun leave_distributed does nothing
     script = ("import datetime, sys, torch.distributed as dist, run\n"
-              "run.leave_distributed(5)\n"
+              "run.cli.leave_distributed(5)\n"
               "dist.init_process_group('gloo', init_method=sys.argv[1], rank=0, world_size=1,"
               " timeout=datetime.timedelta(seconds=60))\n"
               "print('written', end='')\n"
-              "run.leave_distributed(7)\n"
+              "run.cli.leave_distributed(7)\n"
               "print('never')\n")
     result = subprocess.run([PY, "-c", script, f"file://{tmp_path}/rendezvous"], cwd=HERE, capture_output=True,
                             text=True, timeout=120)
@@ -3096,7 +3099,7 @@ def test_bad_files_give_one_line_not_a_traceback(tmp_path):
 
 def test_a_sigterm_while_an_error_is_cleaned_up_ends_the_process_without_a_traceback(tmp_path):
     """torchrun stops the other ranks (SIGTERM) once one fails; a rank that is itself cleaning up after the same
-    error (run_command_line's finally) must then end by the signal, not with a traceback of run.Terminated (seen
+    error (run_command_line's finally) must then end by the signal, not with a traceback of run.cli.Terminated (seen
     in a loaded .ci/run: the torchrun test below, flaky). Here the SIGTERM comes exactly then, every time."""
     script = tmp_path / "late_sigterm.py"
     script.write_text(textwrap.dedent(f"""
@@ -3108,7 +3111,7 @@ def test_a_sigterm_while_an_error_is_cleaned_up_ends_the_process_without_a_trace
 
         def bad_flag():
             raise ValueError("bad flag")
-        run.run_command_line(bad_flag)
+        run.cli.run_command_line(bad_flag)
     """))
     result = subprocess.run([PY, str(script)], capture_output=True, text=True, timeout=120)
     assert "Traceback" not in result.stderr and result.returncode == -signal.SIGTERM, result.stderr
@@ -3195,7 +3198,7 @@ def test_benchmark_peak_rss_counts_the_steps_not_the_setup():
 def _results_script(path):
     """A script under results/ (a folder, not a package), imported by its path."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location(Path(path).stem, Path(__file__).parent / path)
+    spec = importlib.util.spec_from_file_location(Path(path).stem, HERE / path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -3292,7 +3295,7 @@ def test_benchmark_levers_change_the_arithmetic_only():
 # ----------------------------------------------------------------------------------------------
 def _held_by_another_process(folder):
     """A process that takes the run folder's lock and keeps it until killed."""
-    script = ("import sys, time, run; run.lock_run_folder(sys.argv[1], create=True); print('locked', flush=True); "
+    script = ("import sys, time, run; run.folders.lock_run_folder(sys.argv[1], create=True); print('locked', flush=True); "
               "time.sleep(600)")
     holder = subprocess.Popen([PY, "-c", script, str(folder)], cwd=HERE, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "locked"
@@ -3676,11 +3679,11 @@ def test_ctrl_c_to_the_process_group_during_the_token_cache_build_prints_one_lin
     (the parent stops them), so the run prints its one line and no worker's traceback."""
     import signal
     started = tmp_path / "started"
-    code = ("import pathlib, runpy, sys, time, data\n"                  # a worker that is surely mid-chunk
+    code = ("import pathlib, runpy, sys, time, data, run\n"                # a worker that is surely mid-chunk
             "def slow(texts):\n"
             f"    pathlib.Path({str(started)!r}).touch()\n"
             "    time.sleep(600)\n"
-            "data._tokenize_chunk = slow\n"
+            "run.cache._tokenize_chunk = slow\n"
             "sys.argv = ['costa.py', *sys.argv[1:]]\n"
             "runpy.run_path('costa.py', run_name='__main__')\n")
     proc = subprocess.Popen([PY, "-c", code, "--corpus", str(small_corpus), "--cache_dir", str(tmp_path / "cache"),
@@ -3711,7 +3714,7 @@ def _signal_masks(pid):
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads signal masks from Linux's /proc")
 def test_token_cache_workers_die_on_sigterm_and_ignore_ctrl_c_whatever_the_parent_installed():
-    """Every script installs run.catch_stop_signals before it builds a cache, and a forked worker inherits
+    """Every script installs run.cli.catch_stop_signals before it builds a cache, and a forked worker inherits
     Python handlers: a SIGTERM that came while the worker started was lost in them, and pool.terminate()
     then waited without end (command 1 hung so). A worker runs neither handler: SIGTERM is at its default,
     SIGINT ignored, both blocked from the fork until they are."""
@@ -3737,13 +3740,13 @@ def test_token_cache_workers_die_on_sigterm_and_ignore_ctrl_c_whatever_the_paren
 
 POOL_CYCLES = """
 import sys, tempfile, torch, data, run
-run.catch_stop_signals()                                # what every script installs first
+run.cli.catch_stop_signals()                                # what every script installs first
 torch.ones(8, 8) @ torch.ones(8, 8)                     # torch's threads started, as in a run
 for _ in range(150):
-    data._pool(data.VOCAB, 2).terminate()               # workers still starting when SIGTERM comes
+    run.cache._pool(data.VOCAB, 2).terminate()               # workers still starting when SIGTERM comes
 with tempfile.TemporaryDirectory() as tmp:
     for i in range(10):
-        data.build_token_cache(sys.argv[1], data.VOCAB, f"{tmp}/{i}", workers=2, verbose=False)
+        run.cache.build_token_cache(sys.argv[1], data.VOCAB, f"{tmp}/{i}", workers=2, verbose=False)
 """
 
 
@@ -3837,11 +3840,11 @@ def test_a_stop_during_the_token_cache_build_inside_finetune_is_one_line_and_kee
     Pool.terminate() then waited for that lock for ever."""
     import signal
     beir, started = _scifact_subset(tmp_path / "beir", n_train=8, n_test=4, n_other=20), tmp_path / "started"
-    code_text = ("import pathlib, runpy, sys, time, data\n"                   # a worker that is surely mid-chunk
+    code_text = ("import pathlib, runpy, sys, time, data, run\n"                 # a worker that is surely mid-chunk
                  "def slow(texts):\n"
                  f"    pathlib.Path({str(started)!r}).touch()\n"
                  "    time.sleep(600)\n"
-                 "data._tokenize_chunk = slow\n"
+                 "run.cache._tokenize_chunk = slow\n"
                  "sys.argv = ['finetune.py', *sys.argv[1:]]\n"
                  "runpy.run_path('finetune.py', run_name='__main__')\n")
     flags = ["--pretrain", "costa", "--pretrain_steps", "1", "--init", _tiny_init(tmp_path / "tiny"), "--baseline",
@@ -3871,13 +3874,13 @@ def test_the_next_build_removes_the_temporaries_of_a_killed_build(tmp_path, wiki
     corpus = write(tmp_path / "wiki.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in wiki_texts))
     folder = run.cache.token_cache_folder(corpus, data.VOCAB)
     # A build that hangs after its first documents (so it is surely mid-write), then is killed with -9.
-    code = ("import sys, time, data\n"
+    code = ("import sys, time, data, run.cache\n"
             "real = data.iter_pretraining_texts\n"
             "def texts(*args):\n"
             "    yield from real(*args)\n"
             "    time.sleep(600)\n"
             "data.iter_pretraining_texts = texts\n"
-            "data.build_token_cache(sys.argv[1], data.VOCAB, sys.argv[2], workers=1, chunk_chars=2000)\n")
+            "run.cache.build_token_cache(sys.argv[1], data.VOCAB, sys.argv[2], workers=1, chunk_chars=2000)\n")
     build = subprocess.Popen([PY, "-c", code, str(corpus), str(folder)], cwd=HERE, start_new_session=True)
     try:
         deadline = time.time() + 60
@@ -4274,7 +4277,7 @@ def test_pretrain_on_a_read_only_corpus_stops_before_any_work_naming_a_flag_that
 # vocabularies, a rank that stops answering
 # ----------------------------------------------------------------------------------------------
 def _one_line_failure(call):
-    """The line run.run_command_line prints for call()'s failure (exit code 1)."""
+    """The line run.cli.run_command_line prints for call()'s failure (exit code 1)."""
     with pytest.raises(SystemExit) as stopped:
         run.cli.run_command_line(call)
     assert isinstance(stopped.value.code, str) and "\n" not in stopped.value.code
@@ -4423,9 +4426,9 @@ def work():
     torch.distributed.all_reduce(torch.ones(1))                 # both ranks are past gloo's connect (see below)
     if os.environ["RANK"] == "0":
         os.kill(os.getpid(), signal.SIGSTOP)                    # rank 0 stops answering
-    with run.stops_cleanly(lambda: (6, 5, "runs/x")):
+    with run.folders.stops_cleanly(lambda: (6, 5, "runs/x")):
         torch.distributed.all_reduce(torch.ones(1))
-run.run_command_line(work)
+run.cli.run_command_line(work)
 """
 
 

@@ -89,7 +89,7 @@ declare -A FLAGS=([costa]="--gwc_sim cos" [mlm]="--gwc_weight 0" [seed]="")
 
 step_of() {   # the step of a run folder's checkpoint (0 without one)
     [ -f "$1/state.pt" ] || { echo 0; return; }
-    "$PY" -c "import sys, run; print(run.load_training_state(sys.argv[1])['step'])" "$1/state.pt"
+    "$PY" -c "import sys, run; print(run.folders.load_training_state(sys.argv[1])['step'])" "$1/state.pt"
 }
 
 pretrain() {   # pretrain ARM SEED STEPS [HALT [PREFIX]]: the run, continued from its checkpoint if it has one
@@ -125,7 +125,7 @@ import json, sys, data, evaluate
 ft, arm, seed, row = sys.argv[1:5]
 commit, dirty = evaluate.git_state()
 means = {split: json.load(open(f'{ft}/eval-{split}/metrics.json'))['metrics'] for split in ('dev', 'test')}
-data.atomic_write_json(row, {'measure': 'finetune', 'arm': arm, 'seed': int(seed), 'commit': commit, 'dirty': dirty,
+run.files.atomic_write_json(row, {'measure': 'finetune', 'arm': arm, 'seed': int(seed), 'commit': commit, 'dirty': dirty,
     'command': f'python finetune.py --init {sys.argv[5]} --lr 2e-4 --dev_queries 150 --seed {seed}', **means})
 " "$ft" "$1" "$2" "$row" "$RUNS/enc-$1-seed$2/encoder"
 }

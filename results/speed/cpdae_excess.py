@@ -1,6 +1,6 @@
 """Where CPDAE's compiled step spends the time its FLOPs do not count: MLM-only's step, CPDAE's `--compile` step,
 and, at the step's own shapes (32 anchors against 64 views, |V| = 30,522, fp32), eq. 5's -JS as `--compile` runs
-it (run.compiled_per_input: forward + backward) and its compiled forward alone (one sweep over the (a, b, |V|)
+it (run.speed.compiled_per_input: forward + backward) and its compiled forward alone (one sweep over the (a, b, |V|)
 mixture), all round-robin in one process (median of --reps), at 4 x 256 and 6 x 384 (batch 32 x 128, bf16 where
 the CPU has it). It prints each step's time over MLM-only's, over their FLOP ratio (research.benchmark's goal <= 1.1),
 as measured, less the eq. 5 call's time (-JS is elementwise work over m x 2m x |V| terms, which the FLOP count of

@@ -176,7 +176,7 @@ def main():
     if not args.reps:
         return
     variants = {"as shipped (seed.decoder_loss, eager)": frozen_step(seed.decoder_loss),
-                "--compile (run.fused(seed.decoder_loss))": frozen_step(run.speed.fused(seed.decoder_loss,
+                "--compile (run.speed.fused(seed.decoder_loss))": frozen_step(run.speed.fused(seed.decoder_loss,
                                                                                   argparse.Namespace(compile=True))),
                 "logits kept in bf16 (no fp32 copy)": frozen_step(bf16_logits_loss),
                 "128 positions at a time, checkpointed (seed.chunked_decoder_loss)": frozen_step(chunked(128)),

@@ -1,7 +1,7 @@
 """CPDAE's eq. 5 similarity (cpdae.js_similarity, -JS over (a, b, |V|)) forward + backward at the default run's
 batch (32 anchors against 64 views, |V| = 30,522, fp32), three ways: eager as `--compile false` runs it (chunks
 of --js_chunk anchors, checkpointed), torch.compile's own forward and backward, and with the backward one compiled
-sweep per input (run.compiled_per_input, as `--compile` runs it). Times: the three ways round-robin in one process
+sweep per input (run.speed.compiled_per_input, as `--compile` runs it). Times: the three ways round-robin in one process
 (so that load on the machine slows each alike), the median of `--steps` passes after two untimed calls each.
 Memory: each way in a fresh process, its peak RSS over two calls above what it held before them (the (a, b, V)
 intermediates it allocates). Gradients against the fp64 eager ones. What it prints is written to
@@ -29,7 +29,7 @@ WAYS = {"eager (--compile false)": "eager", "torch.compile's backward": "compile
 
 
 def similarity(way, js_chunk):
-    """One way's js_similarity (not run.fused's: it keeps one compiled form per loss and process)."""
+    """One way's js_similarity (not run.speed.fused's: it keeps one compiled form per loss and process)."""
     if way == "eager":
         return run.speed.in_row_chunks(cpdae.js_similarity, js_chunk)
     return torch.compile(cpdae.js_similarity) if way == "compile" else run.speed.compiled_per_input(cpdae.js_similarity)

@@ -1,6 +1,6 @@
 """oneDNN primitives created per step of seed.py's default (4 x 256) pre-training step on its own batches: with the
-decoder's kept positions padded by run.pad_rows to a multiple of one eighth of their most, as seed.py does, against
-the kept positions unpadded (their count changes with every batch), and against the MLM head's masked positions
+decoder's kept positions padded by run.speed.pad_rows to a multiple of one eighth of their most, as seed.py does,
+against the kept positions unpadded (their count changes with every batch), and against the MLM head's masked positions
 padded as well (a multiple of 64). On a CPU with AMX (or AVX512) oneDNN builds a
 kernel for each new matmul shape (a primitive cache miss, printed by its verbose mode on creation) and then reuses
 it; a step that builds none runs on kernels it has. Each variant runs in a fresh process (the primitive cache is
@@ -26,14 +26,14 @@ import run
 import seed
 from research import benchmark
 
-VARIANTS = {"padded": "run.pad_rows as seed.py calls it (multiples of 1/8 of the most kept positions)",
-            "unpadded": "run.pad_rows a no-op: the kept positions as they are",
-            "mlm padded": "padded, and the MLM head's masked positions too (run.pad_rows, multiples of 64)"}
+VARIANTS = {"padded": "run.speed.pad_rows as seed.py calls it (multiples of 1/8 of the most kept positions)",
+            "unpadded": "run.speed.pad_rows a no-op: the kept positions as they are",
+            "mlm padded": "padded, and the MLM head's masked positions too (run.speed.pad_rows, multiples of 64)"}
 MLM_BUCKET = 64
 
 
 def padded_mlm_loss(hidden, labels, head):
-    """seed.mlm_loss with the masked positions padded by run.pad_rows to a multiple of MLM_BUCKET before the head
+    """seed.mlm_loss with the masked positions padded by run.speed.pad_rows to a multiple of MLM_BUCKET before the head
     (zero rows, target -100: the same loss; the head's matmuls see a few shapes, not one per batch)."""
     chosen = labels != -100                                                         # (B, L)
     rows, targets = run.speed.pad_rows(hidden[chosen], labels[chosen], MLM_BUCKET)        # (M', H), (M',)

@@ -61,7 +61,7 @@ for name, lines, keep in (('train', bundled, lambda i: i % 5 != 4), ('dev', new,
     path = f'{sys.argv[1]}/wiki-{name}.jsonl'
     open(path, 'w').writelines(l for i, l in enumerate(lines) if keep(i))
     print(name, sum(keep(i) for i in range(len(lines))), 'articles,',
-          len(data.token_windows(path, data.VOCAB, 128, 0, '')), 'windows of 128 tokens')" "$RUNS"
+          len(run.cache.token_windows(path, data.VOCAB, 128, 0, '')), 'windows of 128 tokens')" "$RUNS"
 }
 
 frozen() {   # frozen KIND ARM SEED: one decoder trial's row (skipped when it is there), judged at step 600
@@ -81,7 +81,7 @@ declare -A FLAGS=([mlm]="--gwc_weight 0" [seed]="")
 
 step_of() {   # the step of a run folder's checkpoint (0 without one)
     [ -f "$1/state.pt" ] || { echo 0; return; }
-    "$PY" -c "import sys, run; print(run.load_training_state(sys.argv[1])['step'])" "$1/state.pt"
+    "$PY" -c "import sys, run; print(run.folders.load_training_state(sys.argv[1])['step'])" "$1/state.pt"
 }
 
 pretrain() {   # pretrain ARM SEED: command 1's settings, the schedule of 200 steps stopped at step 100 (plan.md)
