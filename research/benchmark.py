@@ -406,10 +406,10 @@ def speed_variants(quick=False):
                 c = module.Config(**{**fixed, **fields}, compile=compiled)
                 c.steps = 10 ** 6
                 name = variant + (" --compile" if compiled else "")
-                rows.append((name, size, pretrain_step(module, c, load_batches(module, c, 4)), None))
+                batches = load_batches(module, c, 4)
+                rows.append((name, size, pretrain_step(module, c, batches), None))
                 if variant == "costa-mlm" and size == "4x256":   # the same step, the encoder as it was
-                    former = with_former_encoder(module, pretrain_step(module, c, load_batches(module, c, 4)))
-                    rows.append((FORMER, size, former, None))
+                    rows.append((FORMER, size, with_former_encoder(module, pretrain_step(module, c, batches)), None))
     if not quick:
         ft_batches, *_ = finetune_batches(4)
         rows.append(("finetune", "6x384", finetune_step(ft_batches), None))
