@@ -11,9 +11,9 @@ papers' BERT/MLM baseline. The paper's equations, in order, and the function tha
     eq. 9     masked language modelling                                mlm_loss
     eq. 10    L = lambda L_GWC + L_MLM                                 PretrainModel.terms
 
-Top to bottom: config, model, loss, data, the training loop (train); then the blocks every method file owns a
-copy of (the BERT encoder, the distributed gather) and what train() wraps around the method (fp32, all ranks'
-negatives). The run machinery (run folder, resume, checkpoints, progress, Ctrl-C) is in run/, one call each
+Top to bottom: config, model, loss, data, the training loop (train), which wraps the method's pieces from
+outside (fp32, every rank's negatives); then the blocks every method file owns a copy of (the BERT encoder, the
+distributed gather). The run machinery (run folder, resume, checkpoints, progress, Ctrl-C) is in run/, one call each
 from train(). Each departure from the paper is said where it happens, tagged; docs/departures.md lists them.
 
     python costa.py --preset lab                     # first: its head learns, on a CPU (docs/lab.md)
@@ -191,7 +191,7 @@ class PretrainModel(nn.Module):
     def __init__(self, c, encoder, frequent_token=None, world=1):
         super().__init__()
         self.config, self.encoder = c, encoder
-        # no projector in the MLM-only baseline: DDP rejects parameters that get no gradient
+        # no projector in the MLM-only baseline: under torchrun every parameter must get a gradient
         self.projector = Projector(c.hidden_size, c.projector) if c.gwc_weight else None
         self.frequent_token = frequent_token   # the corpus' most frequent token: MLM's trivial baseline
         self.span_vectors, self.gwc_loss = span_vectors, gwc_loss   # eq. 7 and 8 (train() wraps them: fp32, ranks)

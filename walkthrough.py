@@ -171,14 +171,14 @@ def cpdae_words_figure(plt):
     rows of results/mechanisms (a frozen MiniLM, its decoder trained 600 steps; seed 0), or None if absent."""
     if not all((ROWS / name).is_file() for name in CPDAE_ROWS.values()):
         return None
-    points = {arm: json.loads((ROWS / name).read_text())["curve"][-1] for arm, name in CPDAE_ROWS.items()}
-    shares = {arm: {word: p for word, p, _ in point["table4_words"]} for arm, point in points.items()}
-    words = sorted(shares["with CL"], key=lambda w: -max(shares[arm][w] for arm in shares))[:15][::-1]
+    points = {variant: json.loads((ROWS / name).read_text())["curve"][-1] for variant, name in CPDAE_ROWS.items()}
+    shares = {variant: {word: p for word, p, _ in point["table4_words"]} for variant, point in points.items()}
+    words = sorted(shares["with CL"], key=lambda w: -max(shares[variant][w] for variant in shares))[:15][::-1]
     fig, ax = plt.subplots(figsize=(8, 6), layout="constrained")
-    for offset, (arm, share) in zip((0.2, -0.2), shares.items()):
-        common = points[arm]["test"]["common"]
+    for offset, (variant, share) in zip((0.2, -0.2), shares.items()):
+        common = points[variant]["test"]["common"]
         ax.barh(np.arange(len(words)) + offset, [share[w] for w in words], height=0.4,
-                label=f"{arm}: {common:.1%} of z~ on the 100 commonest tokens (test windows)")
+                label=f"{variant}: {common:.1%} of z~ on the 100 commonest tokens (test windows)")
     ax.set(yticks=range(len(words)), yticklabels=words, xlabel="z~ of the word (its pieces summed)",
            title="CPDAE z~ on the Table 4 text's 15 likeliest words\n(results/mechanisms/rows, seed 0, step 600)")
     ax.legend(loc="lower right", fontsize=8)

@@ -206,17 +206,10 @@ def counted_flops(fn, *args, **kwargs):
 
 
 def eager_flops(step):
-    """counted_flops of step(optimize=False) with its model's --compile off for the count: inside a compiled
-    loss the counter sees no op, and the compiled step computes the same matmuls."""
-    config = getattr(getattr(step, "model", None), "config", None)
-    compiled = getattr(config, "compile", False)
-    if compiled:
-        config.compile = False
-    try:
-        return counted_flops(step, optimize=False)
-    finally:
-        if compiled:
-            config.compile = True
+    """counted_flops of step(optimize=False), of its eager twin where it has one (step.eager: the same model and
+    batches with --compile off): inside a compiled loss the counter sees no op, and the compiled step computes the
+    same matmuls."""
+    return counted_flops(step.eager() if hasattr(step, "eager") else step, optimize=False)
 
 
 def load_batches(module, c, n_batches, n_texts=40):
@@ -284,6 +277,8 @@ def pretrain_step(module, c, batches, device=None, hf=False):
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     step.model = model
+    if getattr(c, "compile", False) and not hf:   # the FLOP count's twin: --compile's wrappers are bound at build
+        step.eager = lambda: pretrain_step(module, dataclasses.replace(c, compile=False), batches, device)
     return step
 
 
