@@ -1504,3 +1504,14 @@ def test_no_method_piece_is_rebound_at_module_level_and_train_wraps_what_the_ben
     helper = ast.parse(inspect.getsource(benchmark.as_trained))
     branch = next(n for n in ast.walk(helper) if isinstance(n, ast.If) and f"'{name}'" in ast.unparse(n.test))
     assert wrapped(train) == wrapped(ast.Module(body=branch.body, type_ignores=[])) != set()
+
+
+@pytest.mark.parametrize("name", run.METHODS)
+def test_every_docstring_of_a_method_file_fits_a_slide(name):
+    """Each loss's and each module's docstring is at most 8 lines (the equation, the shapes, one line of why); the
+    departures and the speed notes live in docs/departures.md and docs/speed.md, their tags where they happen."""
+    tree = ast.parse((ROOT / f"{name}.py").read_text())
+    long = [(node.name, len(ast.get_docstring(node, clean=False).splitlines())) for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(node, clean=False)
+            and len(ast.get_docstring(node, clean=False).splitlines()) > 8]
+    assert not long, long
