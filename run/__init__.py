@@ -205,7 +205,7 @@ def make_optimizer(model, c, eps=1e-8):
     to 0. Departure (optimizer-decay): COSTA and CPDAE say only "Adam with warm-up"; weight decay and linear decay
     are BERT's and SEED's recipe, kept for every method. Heads new to the checkpoint (model.new_parameters()) learn
     alone for the first --head_warmup steps at --head_lr times the lr (Kumar et al., ICLR 2022): the encoder's
-    groups get lr factor 0 (frozen, yet in the optimizer: torchrun sees every parameter), then their own warm-up and decay."""
+    groups get lr factor 0 (frozen, yet in the optimizer), then their own warm-up and decay."""
     head_warmup, head_lr = getattr(c, "head_warmup", 0), getattr(c, "head_lr", 1.0)
     if head_warmup >= c.steps:
         raise ValueError(f"--head_warmup {head_warmup} leaves none of the {c.steps} steps to the encoder")
