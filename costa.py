@@ -76,7 +76,7 @@ PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072,
 LAB_PRESET = dict(run.LAB_PRESET, gwc_sim="cos")
 
 
-# The domain of each of COSTA's flags, checked by run.cli.parse_config before any work (with TrainConfig's).
+# The domain of each of COSTA's flags, checked when the flags are parsed, before any work (with TrainConfig's).
 FLAG_RULES = {
     "gwc_weight": ">= 0", "tau": "> 0", "span_T": ">= 1", "span_alpha": "> 0", "span_beta": "> 0",
     "projector": "one of {nonlinear, linear, none}", "granularities": "names from {word, phrase, sentence, paragraph}",
@@ -454,7 +454,7 @@ class MLMHead(nn.Module):
 
 class Encoder(nn.Module):
     """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler. forward returns
-    the last hidden states. Hugging Face folders: run.hub.load_pretrained(Encoder, folder, c), run.hub.save_pretrained.
+    the last hidden states. As a Hugging Face BERT folder: load_pretrained and save_pretrained in run/hub.py.
     """
 
     def __init__(self, c):

@@ -74,7 +74,7 @@ PAPER_PRESET = dict(hidden_size=768, num_layers=12, num_heads=12, ffn_size=3072,
 LAB_PRESET = dict(run.LAB_PRESET, rec_reduction="mean", cl_tau=0.02)
 
 
-# The domain of each of CPDAE's flags, checked by run.cli.parse_config before any work (with TrainConfig's).
+# The domain of each of CPDAE's flags, checked when the flags are parsed, before any work (with TrainConfig's).
 FLAG_RULES = {
     "cl_weight": ">= 0", "cls_temperature": "> 0", "js_chunk": ">= 1", "cl_mode": "one of {js, cls}",
     "cl_tau": "> 0", "rec_reduction": "one of {sum, mean}",
@@ -495,7 +495,7 @@ class MLMHead(nn.Module):
 
 class Encoder(nn.Module):
     """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler. forward returns
-    the last hidden states. Hugging Face folders: run.hub.load_pretrained(Encoder, folder, c), run.hub.save_pretrained.
+    the last hidden states. As a Hugging Face BERT folder: load_pretrained and save_pretrained in run/hub.py.
     """
 
     def __init__(self, c):

@@ -1139,7 +1139,7 @@ class MLMHead(nn.Module):
 
 class Encoder(nn.Module):
     """BERT: embeddings, N post-LN blocks, an MLM head tied to the input embeddings; no pooler. forward returns
-    the last hidden states. Hugging Face folders: run.hub.load_pretrained(Encoder, folder, c), run.hub.save_pretrained.
+    the last hidden states. As a Hugging Face BERT folder: load_pretrained and save_pretrained in run/hub.py.
     """
 
     def __init__(self, c):
