@@ -9,7 +9,7 @@ method file uses from it, in its reading order (run.load_windows maps the window
   skip_word_mask, word_tables  COSTA's word spans: which words are stopwords or punctuation
   most_frequent_accuracy   an accuracy's chance: how often always predicting the most frequent token is right
   DataError                bad input in one line, 'file:line: what is wrong'
-Then the readers (pre-training text, BEIR, MS MARCO, TREC qrels and runs), each bad line one DataError.
+Then the readers (pre-training text, BEIR, MS MARCO, TREC qrels), each bad line one DataError.
 """
 import functools
 import gzip
@@ -268,7 +268,7 @@ def word_tables(vocab_tokens):
 
 
 # ----------------------------------------------------------------------------------------------
-# 4. Readers: pre-training text, BEIR, MS MARCO, TREC qrels and run files; a rank's share of a list
+# 4. Readers: pre-training text, BEIR, MS MARCO, TREC qrels; a rank's share of a list
 # ----------------------------------------------------------------------------------------------
 def read_lines(path, bad_bytes="stop"):
     """Yield (line_number, line) of a text file ('.gz' gunzipped), '\\r\\n' read as '\\n'. A byte not UTF-8 stops
