@@ -587,8 +587,7 @@ def save_final_encoder(encoder, out, c):
 
 
 def save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved):
-    """The stage's encoder (save_encoder's folder) and training state, switched together (save_checkpoint of
-    run/folders.py)."""
+    """The stage's encoder (save_encoder's folder) and training state, switched together (run/folders.py)."""
     def settings(folder):   # the retriever's pooling and similarity, beside the encoder (save_encoder's)
         evaluate.write_retriever_settings(folder, c.pooling, c.similarity, c.query_len, c.passage_len)
     run.folders.save_checkpoint(c, model, optimizer, scheduler, step, is_rank0, last_saved, settings,
