@@ -26,6 +26,7 @@ JSON rows, one file a row (write_rows), each with the command that remakes it. T
 (its Config, for the models' pooling, lengths and the split) and the ones below.
 """
 import dataclasses
+import hashlib
 import importlib
 import math
 import shlex
@@ -98,7 +99,8 @@ class Config(evaluate.Config):
     dec_span: int = 2             # --frozen seed: the decoder's attention span (2 = the paper's weak one; 0 = full causal)
     dec_layers: int = 3           # --frozen seed: decoder blocks (the paper's 3)
     mask_seed: int = 0            # --frozen: the draw of every window's two masked views (0: the first round's one draw)
-    cl_positive: str = "own"      # --frozen cpdae: a view's positive, its text's other view or "other": the control arm
+    cl_positive: str = "own"      # --frozen cpdae: a view's positive: its text's other view, "other" (the confirmatory
+    #                               control) or "matched" (the matched control: the next window of the same batch)
     confirm: bool = False         # --frozen: the confirmatory round's measures too (rank AUCs, entropy, per text; no-[SEP] slopes)
     device: str = "cpu"           # --frozen: where the decoder trains ("cuda", "cuda:1"); the encoder's vectors: on the CPU
     compile: bool = False         # --frozen seed: eq. 9 compiled (run.speed.fused); equal to eager to fp tolerance, not bit for bit
@@ -108,7 +110,7 @@ class Config(evaluate.Config):
 FLAG_RULES = {**evaluate.FLAG_RULES, "n_texts": ">= 2", "n_common": ">= 1", "frozen": "one of {cpdae, seed} or empty",
               "max_len": ">= 8", "steps": ">= 1", "eval_every": ">= 1", "batch_size": ">= 2", "lr": "> 0",
               "cl_weight": ">= 0", "cl_tau": "> 0", "rec_reduction": "one of {sum, mean}", "dec_span": ">= 0",
-              "dec_layers": ">= 1", "mask_seed": ">= 0", "cl_positive": "one of {own, other}"}
+              "dec_layers": ">= 1", "mask_seed": ">= 0", "cl_positive": "one of {own, other, matched}"}
 FIGURES = ("tsne", "words", "cls_by_length")   # the figures' flags (MECHANISMS: the measurements')
 
 
@@ -775,14 +777,36 @@ def df_log_odds(ids, vocab_size, special):
     return torch.log(p) - torch.log1p(-p), df
 
 
+def matched_contrastive_loss(view1, view2, similarity):
+    """The matched control's eq. 5: the views of the CL arm's own batch, but anchor i's positive is the second
+    view of window i + 1 (mod M) and its own second view is left out of its candidates (neither positive nor
+    negative), so L_CL pulls and spreads z~ as in the CL arm but cannot reward or punish a text's two views for
+    being alike. view1, view2 (M, D). -> (loss, accuracy: chance 1 / (2M - 2))."""
+    M = view1.shape[0]
+    sim = similarity(view1, torch.cat([view1, view2])).float()                   # (M, 2M) s(z'_i, z_k)
+    rows = torch.arange(M, device=sim.device)                                    # (M,)
+    own = F.one_hot(rows, 2 * M).bool() | F.one_hot(M + rows, 2 * M).bool()      # (M, 2M) z'_i itself and z''_i
+    sim = sim.masked_fill(own, float("-inf"))
+    positive = M + (rows + 1) % M                                                # (M,) z''_{i+1}
+    accuracy = (sim.argmax(dim=1) == positive).float().mean()
+    return F.cross_entropy(sim, positive), accuracy
+
+
+def arm_contrastive_loss(c):
+    """Eq. 5 as the arm trains it (and as its pull gate measures it): each view's positive its text's other view,
+    or with --cl_positive matched matched_contrastive_loss's pairing. -> f(view1, view2, similarity)."""
+    return matched_contrastive_loss if c.cl_positive == "matched" else cpdae.contrastive_loss
+
+
 def cpdae_step(decoder, view1, view2, bag, c):
     """Eq. 6 without L_MLM (the encoder is frozen: L_MLM is a constant): L_REC of both views' word
-    distributions against the text's bag of words, + lambda L_CL between the views (eq. 5, s = -JS / tau).
-    view1, view2 (m, H); bag (m, V). -> (loss, {"rec", "cl", "cl_acc"}, logits (2m, V))."""
+    distributions against the text's bag of words, + lambda L_CL between the views (eq. 5, s = -JS / tau; the
+    matched control's pairing with --cl_positive matched). view1, view2 (m, H); bag (m, V).
+    -> (loss, {"rec", "cl", "cl_acc"}, logits (2m, V))."""
     logits = decoder(torch.cat([view1, view2]))                                                # (2m, V) eq. 2
     rec = cpdae.reconstruction_loss(logits, bag.repeat(2, 1), None, c.rec_reduction)           # eq. 4
     similarity = partial(run.speed.in_row_chunks(cpdae.js_similarity, 8), tau=c.cl_tau)
-    cl, accuracy = cpdae.contrastive_loss(*cpdae.word_distribution(logits).chunk(2), similarity)  # eq. 5
+    cl, accuracy = arm_contrastive_loss(c)(*cpdae.word_distribution(logits).chunk(2), similarity)  # eq. 5
     loss = rec + c.cl_weight * cl if c.cl_weight else rec                                      # eq. 6
     return loss, {"rec": rec, "cl": cl, "cl_acc": accuracy}, logits
 
@@ -790,10 +814,11 @@ def cpdae_step(decoder, view1, view2, bag, c):
 def cpdae_gradient_ratio(logits, bag, c):
     """How hard L_CL pulls against L_REC where both act, the decoder's output z: |dL_CL/dz| / |dL_REC/dz|
     (Frobenius norms; L_REC with --rec_reduction, L_CL with --cl_tau, unweighted: lambda times it is the
-    contrastive term's push on z against the reconstruction's). logits (2m, V) [views 1; views 2], bag (m, V)."""
+    contrastive term's push on z against the reconstruction's), on the arm's own training pairs
+    (arm_contrastive_loss). logits (2m, V) [views 1; views 2], bag (m, V)."""
     z = logits.detach().requires_grad_()                                                       # (2m, V)
     rec = cpdae.reconstruction_loss(z, bag.repeat(2, 1), None, c.rec_reduction)
-    cl, _ = cpdae.contrastive_loss(*cpdae.word_distribution(z).chunk(2),
+    cl, _ = arm_contrastive_loss(c)(*cpdae.word_distribution(z).chunk(2),
                                    partial(run.speed.in_row_chunks(cpdae.js_similarity, 8), tau=c.cl_tau))
     return float(torch.autograd.grad(cl, z)[0].norm() / torch.autograd.grad(rec, z)[0].norm())
 
@@ -1014,6 +1039,7 @@ def frozen_trial(c, encoder, tokenizer, train, held):
     held = {split: {name: tensor.to(device) for name, tensor in vectors.items()} for split, vectors in held.items()}
     torch.manual_seed(c.seed)
     order = np.random.default_rng(c.seed)
+    seen, drawn = torch.zeros(len(train["ids"]), dtype=torch.bool), hashlib.sha256()   # the windows trained on
     special, vocab = list(data.special_ids(tokenizer).values()), encoder.config.vocab_size
     if c.frozen == "cpdae":
         constant, df = df_log_odds(train["ids"], vocab, special)
@@ -1027,8 +1053,9 @@ def frozen_trial(c, encoder, tokenizer, train, held):
         def step_loss(rows):
             bag = bag_of_words(train["ids"][rows], vocab, special)                             # (m, V)
             if c.cl_positive == "other":   # the control arm: the second views are m other texts'
-                return cpdae_control_step(decoder, train, rows, other_texts(order, len(train["ids"]), rows), bag,
-                                          vocab, special, c)
+                other = other_texts(order, len(train["ids"]), rows)
+                seen[other] = True
+                return cpdae_control_step(decoder, train, rows, other, bag, vocab, special, c)
             return cpdae_step(decoder, train["view1"][rows], train["view2"][rows], bag, c)[0]
 
         def measure(split):
@@ -1058,8 +1085,11 @@ def frozen_trial(c, encoder, tokenizer, train, held):
         decoder.train()
         for group in optimizer.param_groups:
             group["lr"] = c.lr * min(1.0, step / WARMUP_STEPS)
+        rows = torch.as_tensor(order.choice(len(train["ids"]), c.batch_size, replace=False))
+        seen[rows] = True
+        drawn.update(rows.numpy().tobytes())
         with run.autocast_bf16(device):
-            loss = step_loss(torch.as_tensor(order.choice(len(train["ids"]), c.batch_size, replace=False)))
+            loss = step_loss(rows)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -1076,6 +1106,8 @@ def frozen_trial(c, encoder, tokenizer, train, held):
             decoder.eval()
             probs = cpdae.word_distribution(decoder(pool(encoder(ids, mask), mask, c.pooling).to(device)))[0]
         curve[-1]["table4_words"] = word_probabilities(probs.cpu().numpy(), TABLE4_TEXT, tokenizer)
+    # what it trained on: two arms with the same digest drew the same windows in the same order
+    curve[-1]["windows"] = {"distinct": int(seen.sum()), "of": len(seen), "batches_sha256": drawn.hexdigest()}
     return curve
 
 

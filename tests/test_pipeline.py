@@ -2182,6 +2182,34 @@ def test_cpdae_control_arm_pairs_each_view_with_another_texts_and_seeds_draw_the
     assert torch.equal(draws[0]["plain"], draws[1]["plain"]) and not torch.equal(draws[0]["view1"], draws[1]["view1"])
 
 
+def test_matched_control_trains_on_the_cl_arms_windows_with_another_windows_positive(tmp_path, wiki_texts):
+    """The matched control's eq. 5 (written out here as a loop): anchor i's positive is window i+1's second view,
+    its own second view neither positive nor negative; a trial of it draws the CL arm's windows in the CL arm's
+    order (same count of distinct windows, same digest) and measures L_CL and its pull on its own pairs."""
+    import cpdae
+
+    torch.manual_seed(0)
+    m = 5
+    view1, view2 = torch.rand(m, 7).softmax(-1), torch.rand(m, 7).softmax(-1)
+    loss, _ = mechanisms.matched_contrastive_loss(view1, view2, cpdae.js_similarity)
+    z = torch.cat([view1, view2])
+    terms = []
+    for i in range(m):
+        candidates = [k for k in range(2 * m) if k not in (i, m + i)]
+        scores = torch.stack([cpdae.js_similarity(view1[i:i + 1], z[k:k + 1])[0, 0] for k in candidates])
+        terms.append(-(scores[candidates.index(m + (i + 1) % m)] - scores.logsumexp(0)))
+    assert loss.item() == pytest.approx(torch.stack(terms).mean().item(), rel=1e-5)
+    corpora = _frozen_corpora(tmp_path, [text[:700] for text in wiki_texts])
+    flags = dict(model=_tiny_init(tmp_path / "enc"), frozen="cpdae", max_len=32, batch_size=4, n_texts=8, steps=3,
+                 eval_every=3, frozen_cache=str(tmp_path / "cache"), out_dir=str(tmp_path / "rows"), confirm=True,
+                 cl_weight=0.5, mask_seed=11, seed=11, **corpora)
+    rows = {arm: mechanisms.main(mechanisms.Config(tag=arm, cl_positive=positive, **flags))[0]["curve"][-1]
+            for arm, positive in (("cl", "own"), ("matched", "matched"))}
+    assert rows["cl"]["windows"] == rows["matched"]["windows"] and 4 <= rows["cl"]["windows"]["distinct"] <= 12
+    assert rows["cl"]["dev"]["cl"] != rows["matched"]["dev"]["cl"]              # each measured on its own pairs
+    assert rows["cl"]["dev"]["grad_cl_over_rec"] != rows["matched"]["dev"]["grad_cl_over_rec"]
+
+
 def test_seed_confirm_measures_leave_the_sep_target_out_of_the_slopes_only():
     """seed_confirm_measures gives seed_measures' numbers, and slopes without each window's final [SEP] target:
     on full windows ending in [SEP] the no-[SEP] curves are one position shorter; the per-text gaps average to

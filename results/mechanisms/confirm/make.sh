@@ -53,7 +53,7 @@ prepare() {   # wiki-train as the first round's (the bundled slice's i % 5 != 4)
     [ -f "$RUNS/wiki-test.jsonl" ] && return
     mkdir -p "$RUNS"
     "$PY" -c "
-import gzip, sys, data
+import gzip, sys, data, run
 bundled = gzip.open('data/wiki.jsonl.gz', 'rt', encoding='utf-8').read().splitlines(keepends=True)
 new = gzip.open('data/wiki-confirm.jsonl.gz', 'rt', encoding='utf-8').read().splitlines(keepends=True)
 for name, lines, keep in (('train', bundled, lambda i: i % 5 != 4), ('dev', new, lambda k: k % 3 == 0),
