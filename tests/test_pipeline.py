@@ -2049,7 +2049,8 @@ def test_confirm_report_judges_by_its_plan_with_every_seed_the_control_beaten_an
     """results/mechanisms/confirm/report.py: with every planned row in, the 8 tests are judged, Holm's adjustment
     over those 8 only; a test waits for every seed of its arms and gates (a missing control row leaves CPDAE's
     tests and the Holm column pending); CPDAE's claim needs the control beaten as well as no-CL; a threshold
-    edited in plan.md changes the gate (the report reads the plan); edited after the rows, it is refused."""
+    edited in plan.md changes the gate (the report reads the plan); edited after the rows, it is refused, while
+    corrections under "## Corrections after the rows" bind nothing."""
     report = _confirm_report()
     plan, sha = _confirm_rows(tmp_path, report)
     results, gates = report.judge(tmp_path, plan)
@@ -2082,6 +2083,8 @@ def test_confirm_report_judges_by_its_plan_with_every_seed_the_control_beaten_an
     assert results[7]["verdict"] != "pending" and results[0]["verdict"] == "shown"
 
     plan_md = tmp_path / "plan.md"
+    plan_md.write_text(plan_md.read_text() + "\n## Corrections after the rows\n\nWording only.\n")
+    assert report.check_binding(tmp_path, report.read_plan(tmp_path)[1]) == sha       # what follows binds nothing
     plan_md.write_text(plan_md.read_text().replace('"op": "<=", "threshold": 0.99}', '"op": "<=", "threshold": 0.5}'))
     spec, new_sha = report.read_plan(tmp_path)
     assert report.gates(tmp_path, spec)[0][3] is False                                 # read from plan.md itself
@@ -2108,7 +2111,7 @@ def test_confirm_make_sh_with_every_row_only_reprints_and_stops_on_an_edited_pla
     assert (folder / "table.md").is_file() and (folder / "cpdae_lambda.png").is_file()
     assert (folder / "cpdae_arms.png").read_bytes()[:4] == b"\x89PNG"
     assert not (folder / "output.txt").exists() and not (tmp_path / "runs").exists()
-    (folder / "plan.md").write_text((folder / "plan.md").read_text() + "\nan edit\n")
+    (folder / "plan.md").write_text((folder / "plan.md").read_text().replace("## Seeds", "## Seeds\n\nan edit"))
     stopped = run_make()
     assert stopped.returncode == 1 and stopped.stderr.strip().count("\n") == 0
     assert "plan.md: edited after its rows" in stopped.stderr

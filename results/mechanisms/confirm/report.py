@@ -35,12 +35,17 @@ class PlanError(Exception):
     """plan.md or the rows' stamp does not allow a judgement; its message is the one line printed."""
 
 
+AFTER_ROWS = b"\n## Corrections after the rows"   # what follows this heading in plan.md binds nothing
+
+
 def read_plan(folder):
-    """plan.md's JSON block (the plan that binds) and the file's sha256. -> (spec, sha256 hex)."""
+    """plan.md's JSON block (the plan that binds) and the sha256 of the plan's binding text: the file up to a
+    heading "## Corrections after the rows", under which wording corrections are appended once rows exist
+    (they change no gate, test or threshold: the JSON block sits above it). -> (spec, sha256 hex)."""
     path = Path(folder) / "plan.md"
     if not path.is_file():
         raise PlanError(f"{path}: no plan")
-    text = path.read_bytes()
+    text = path.read_bytes().split(AFTER_ROWS)[0]
     block = re.search(r"```json\n(.*?)\n```", text.decode("utf-8"), re.DOTALL)
     if not block:
         raise PlanError(f"{path}: no ```json block (the plan that binds)")
@@ -190,6 +195,29 @@ def per_text_test(folder, spec, test):
     return float(diffs.mean()), len(diffs), float(p)
 
 
+def first_sha(path, commit):
+    """The sha256 of plan.md's binding text as `commit` held it (git), or None outside a clone."""
+    try:
+        out = subprocess.run(["git", "show", f"{commit}:./{Path(path).name}"], cwd=Path(path).parent,
+                             capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return hashlib.sha256(out.stdout.split(AFTER_ROWS)[0]).hexdigest() if out.returncode == 0 else None
+
+
+def plan_provenance(path, sha):
+    """table.md's words on the plan's hash: the one the rows were made under, and its first commit's where the
+    wording corrections made before any row changed it."""
+    commit = first_commit(path)
+    if not commit:
+        return f"plan.md sha256 `{sha}`"
+    first = first_sha(path, commit)
+    if first in (None, sha):
+        return f"plan.md sha256 `{sha}` (first commit {commit})"
+    return (f"plan.md sha256 `{sha}`; its first commit {commit} held sha256 `{first[:12]}…`, and the wording "
+            f"corrections appended before any row (its JSON block unchanged) made `{sha[:12]}…`")
+
+
 def first_commit(path):
     """The short hash of the commit that added `path` (git), or None outside a clone."""
     try:
@@ -231,12 +259,11 @@ def table(folder, spec, sha, made_under):
     results, gate_rows = judge(folder, spec)
     n, alpha, family = len(spec["seeds"]), spec["alpha"], len(spec["tests"])
     strict, loose = (FIRST.detectable(n, 1.0, a, spec["power"]) for a in (alpha / family, alpha))
-    commit = first_commit(Path(folder) / "plan.md")
     lines = ["# Mechanisms, the confirmatory round: each claim under a plan fixed before its rows", "",
-             f"Written by `python results/mechanisms/confirm/report.py results/mechanisms/confirm` from `rows/`, which "
-             f"`bash results/mechanisms/confirm/make.sh` wrote. The gates, thresholds, tests and family are "
-             f"[plan.md](plan.md)'s JSON block, read by this script: plan.md sha256 `{sha}`"
-             + (f" (first commit {commit})" if commit else "") + "; the rows were made under "
+             "Written by `python results/mechanisms/confirm/report.py results/mechanisms/confirm` from `rows/`, which "
+             "`bash results/mechanisms/confirm/make.sh` wrote. The gates, thresholds, tests and family are "
+             "[plan.md](plan.md)'s JSON block, read by this script: "
+             + plan_provenance(Path(folder) / "plan.md", sha) + "; the rows were made under "
              + ("the same plan (rows/PLAN.sha256)." if made_under else "no plan yet (no rows)."),
              (f"Seeds {', '.join(map(str, spec['seeds']))}; values: mean ± sd over them; a difference is arm - "
              f"ablation, paired by seed."), "",
@@ -282,28 +309,49 @@ def table(folder, spec, sha, made_under):
             lines.append(f"| {r['test']['id']} | {across[0]:.4g} | {across[1]} | {across[2]:.4g} |")
     series = spec["lambda_series"]["seeds"]
     lines += ["", (f"CPDAE's lambda series (seeds {', '.join(map(str, series))}; eq. 4 averaged; lambda 0.003 "
-                   "weighs L_CL about 900x the paper's weights against L_REC), beside the control arm:"), "",
-              ("| lambda | seeds | auc_text | auc_common | common share | text's share | entropy | sum of sigmoids "
-               "| L_REC |"), "|---|---|---|---|---|---|---|---|---|"]
+                   "weighs L_CL about 900x the paper's weights against L_REC), beside the control arm. A point whose "
+                   "decoder fails the plan's reconstruction gate (dev L_REC / the constant predictor's <= 0.99) is not "
+                   "in the regime the claims are judged in:"), "",
+              ("| lambda | seeds | dev L_REC / constant (gate <= 0.99) | auc_text | auc_common | common share | text's "
+               "share | entropy | sum of sigmoids | L_REC |"), "|---|---|---|---|---|---|---|---|---|---|"]
     for label, arm in [*spec["lambda_series"]["arms"].items(), ("control (0.003)", "cpdae-control")]:
         cells = [{s: v for s, v in term_values(folder, spec, f"{arm}:{k}", spec["test_split"]).items() if s in series}
                  for k in ("auc_text", "auc_common", "common", "representative", "entropy", "sigmoid_sum", "rec")]
-        lines.append(f"| {label} | {len(cells[0])} | " + " | ".join(FIRST.mean_sd(v.values()) for v in cells) + " |")
+        ratio = reconstruction_ratio(folder, spec, arm)
+        gate = f"{ratio:.4g} ({'holds' if ratio <= RECONSTRUCTION_GATE else '**fails**'})"
+        lines.append(f"| {label} | {len(cells[0])} | {gate} | " + " | ".join(FIRST.mean_sd(v.values()) for v in cells)
+                     + " |")
     return "\n".join(lines) + "\n"
+
+
+RECONSTRUCTION_GATE = 0.99   # the plan's CPDAE gate: dev L_REC / the constant predictor's
+
+
+def reconstruction_ratio(folder, spec, arm):
+    """The reconstruction gate's value for an arm of the lambda series: its dev L_REC / the constant predictor's,
+    the mean over the series' seeds."""
+    values = expression_values(folder, spec, f"{arm}:rec / {arm}:rec_constant", spec["gate_split"])
+    return float(np.mean([v for s, v in values.items() if s in spec["lambda_series"]["seeds"]]))
 
 
 def draw_lambda_series(folder, spec, path, plt):
     """The dose-response: each AUC against lambda (mean ± sd over the series' seeds), the control arm's and
-    chance (0.5) as reference levels."""
+    chance (0.5) as reference levels; a point whose decoder fails the reconstruction gate is drawn hollow."""
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for ax, key in zip(axes, ("auc_text", "auc_common")):
-        xs, means, sds = [], [], []
+        xs, means, sds, fails = [], [], [], []
         for label, arm in spec["lambda_series"]["arms"].items():
             values = [v for s, v in term_values(folder, spec, f"{arm}:{key}", spec["test_split"]).items()
                       if s in spec["lambda_series"]["seeds"]]
             if values:
                 xs.append(float(label) or 3e-4), means.append(np.mean(values)), sds.append(np.std(values))
-        ax.errorbar(xs, means, yerr=sds, marker="o", label="CL arm (lambda 0 drawn at 3e-4)")
+                fails.append(reconstruction_ratio(folder, spec, arm) > RECONSTRUCTION_GATE)
+        line = ax.errorbar(xs, means, yerr=sds, label="CL arm (lambda 0 drawn at 3e-4)")[0]
+        for fail, label in ((False, "reconstruction gate holds"), (True, "fails it (dev L_REC / constant > 0.99)")):
+            points = [i for i, f in enumerate(fails) if f == fail]
+            if points:
+                ax.plot([xs[i] for i in points], [means[i] for i in points], "o", color=line.get_color(),
+                        markerfacecolor="white" if fail else line.get_color(), label=label)
         control = list(term_values(folder, spec, f"cpdae-control:{key}", spec["test_split"]).values())
         if control:
             ax.axhline(np.mean(control), color="grey", linestyle="--", label="control, lambda 0.003")
