@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import time
 from pathlib import Path
 
@@ -27,13 +28,14 @@ def save_tensors(path, tensors):
     write_checked(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
 
 
-def load_tensors(path, fix="the weights cannot be used"):
-    """A safetensors file as {name: tensor}, trusted only once checked: its checksum (check_checksum), its format
-    (a damaged, truncated or empty file is one line naming it) and every value finite (check_finite)."""
+def load_tensors(path, fix="the weights cannot be used", pinned=False):
+    """A safetensors file as {name: tensor}, trusted only once checked: its checksum (check_checksum; pinned: checked
+    otherwise, as MiniLM's), its format (a damaged, truncated or empty file is one line naming it) and every value
+    finite (check_finite)."""
     from safetensors.torch import load_file
     if not Path(path).is_file():
         raise data.DataError(f"{path}: not found")
-    check_checksum(path, fix)
+    check_checksum(path, fix, pinned)
     try:
         tensors = load_file(str(path))
     except Exception as e:  # noqa: BLE001 -- SafetensorError, OSError, ...: one line, not a traceback
@@ -65,20 +67,65 @@ def _named_tensors(tree, prefix=""):
 
 # Checksums: every weight file the project writes (model.safetensors, decoder.safetensors, state.pt) has its
 # sha256 beside it, in NAME.sha256 (the format of sha256sum: `sha256sum -c` checks it), written once the file is
-# whole; a file without one (a hub or MiniLM folder, a run of an older version) is read unchecked.
+# whole. A file without one (a hub folder, a run of an older version) is read unchecked, saying so in one line; one
+# that is there but cannot be read as a list of digests is refused, never taken for none.
 def checksum_file(path):
     return Path(path).with_name(Path(path).name + ".sha256")
 
 
+def entry_problem(path, folder=False):
+    """'' where path is a readable regular file (folder: a folder), through a link too, or is not there in any form;
+    else what is there instead: a link that leads nowhere (a disk not mounted), a folder, a device, no permission."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        return ""
+    link = f"a link to {os.readlink(path)}" if path.is_symlink() else ""
+    if not path.exists():
+        return f"{link} that leads nowhere (a disk not mounted?)"
+    mode = path.stat().st_mode
+    if folder:
+        kind = "" if stat.S_ISDIR(mode) else "a file"
+    else:
+        kind = ("" if stat.S_ISREG(mode) else "a folder" if stat.S_ISDIR(mode) else
+                "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else
+                "a pipe" if stat.S_ISFIFO(mode) else "not a regular file")
+    if not kind and not os.access(path, os.R_OK | (os.X_OK if folder else 0)):
+        kind = "not readable (permission denied)"
+    return ", ".join(p for p in (link, kind) if p) if kind else ""
+
+
 def listed_checksums(path):
-    sidecar = checksum_file(path)
-    return [line.split()[0] for line in sidecar.read_text().splitlines() if line.strip()] if sidecar.is_file() else []
+    """The digests path's checksum file lists; [] where it is not there in any form. One that is there but is no
+    list of digests (not a readable file, not UTF-8, empty, malformed) is one line naming it and what to do."""
+    sidecar, name = checksum_file(path), Path(path).name
+    if not os.path.lexists(sidecar):
+        return []
+    lines, why = [], entry_problem(sidecar)
+    try:
+        text = "" if why else sidecar.read_bytes().decode("utf-8")
+        lines = [(i, line.split()[0]) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
+    except UnicodeDecodeError:
+        why = "not UTF-8 text"
+    why = why or ("empty (no digest)" if not lines else next(
+        (f"line {i} does not start with a sha256 digest (64 hex digits)" for i, digest in lines
+         if not re.fullmatch(r"[0-9a-fA-F]{64}", digest)), ""))
+    if why:
+        raise data.DataError(f"{sidecar}: {why}, not a checksum of {name}; if {name} is known good, recompute it "
+                             f"({_recompute(path)}), or move it aside to read {name} unchecked")
+    return [digest.lower() for _, digest in lines]
+
+
+def _recompute(path):
+    name = Path(path).name
+    return f"sha256sum {name} > {name}.sha256, in {Path(path).parent}"
 
 
 def replace_checked(source, path):
     """os.replace(source, path), path's checksum file listing the new (and, until the rename, the old) digest."""
     path, digest = Path(path), sha256_of(source)
-    old = listed_checksums(path)[:1] if path.is_file() else []
+    old = []
+    with contextlib.suppress(data.DataError):      # an unusable old checksum file: the new one replaces it
+        old = listed_checksums(path)[:1] if path.is_file() else []
     write_checksums = lambda digests: atomic_write_text(checksum_file(path), "".join(
         f"{d}  {path.name}\n" for d in digests))
     write_checksums([digest, *old])
@@ -100,12 +147,17 @@ def write_checked(path, write):
         tmp.unlink(missing_ok=True)
 
 
-def check_checksum(path, fix):
-    """A file whose checksum file lists another digest is damaged: one line. Without one it is not checked."""
-    listed = listed_checksums(path)
+def check_checksum(path, fix, pinned=False):
+    """A file whose checksum file lists another digest is one line: the file, or the checksum file, is damaged.
+    Without one it is read unchecked, saying so once (pinned: its digest was checked otherwise, silently)."""
+    listed, sidecar = listed_checksums(path), checksum_file(path).name
+    if not listed and not pinned:
+        data.say_once(f"warning: {path}: no {sidecar} beside it (a folder from elsewhere, or of an older version): "
+                      f"read unchecked")
     if listed and (digest := sha256_of(path)) not in listed:
-        raise data.DataError(f"{path}: sha256 {digest[:16]}... is not the {listed[0][:16]}... that "
-                             f"{checksum_file(path).name} recorded when it was written: the file is damaged; {fix}")
+        raise data.DataError(f"{path}: sha256 {digest[:16]}... is not the {listed[0][:16]}... that {sidecar} recorded "
+                             f"when it was written: the file is damaged, or its checksum file is; {fix}; if "
+                             f"{Path(path).name} is known good, recompute {sidecar} ({_recompute(path)})")
 
 
 def sha256_of(path):

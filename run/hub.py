@@ -3,8 +3,10 @@ BertForMaskedLM's names, config.json <-> Config, save_pretrained / load_pretrain
 a folder: a local one, "minilm" (the offline pip package, sha256-checked) or a hub id."""
 import dataclasses
 import functools
+import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -48,11 +50,13 @@ def from_hf_name(name):
 
 
 def save_encoder_folder(folder, hf_state_dict, hf_config, vocab=data.VOCAB):
-    """A Hugging Face BERT folder (config.json, model.safetensors, vocab.txt, tokenizer_config.json)."""
+    """A Hugging Face BERT folder (config.json, model.safetensors, vocab.txt, tokenizer_config.json); config.json
+    records the vocabulary's sha256 (vocab_sha256), which every reader of the folder compares (check_vocab)."""
     folder = Path(folder)
     if data.vocab_size_of(vocab) != hf_config["vocab_size"]:
         raise data.DataError(f"{vocab}: {data.vocab_size_of(vocab)} entries, but the model has "
                              f"vocab_size {hf_config['vocab_size']}")
+    hf_config = {**hf_config, "vocab_sha256": vocab_sha256(vocab)}
     files.save_tensors(folder / "model.safetensors", hf_state_dict)
     files.atomic_write_json(folder / "config.json", hf_config)
     files.atomic_write(folder / "vocab.txt", lambda tmp: shutil.copyfile(vocab, tmp))
@@ -83,7 +87,7 @@ def load_encoder_folder(folder):
         raise data.DataError(f"{folder / 'config.json'}:{e.lineno}: malformed JSON ({e.msg})") from None
     check_hf_config(hf_config, folder / "config.json")
     if (folder / "model.safetensors").is_file():
-        state = files.load_tensors(folder / "model.safetensors")
+        state = files.load_tensors(folder / "model.safetensors", pinned=_is_minilm(folder))
     elif (folder / "pytorch_model.bin").is_file():
         state = load_bin(folder / "pytorch_model.bin")
     else:
@@ -97,6 +101,7 @@ def load_encoder_folder(folder):
 
 def load_bin(path):
     """A pytorch_model.bin read with weights_only=True (no pickled code runs), checked as load_tensors checks."""
+    files.check_checksum(path, "the checkpoint cannot be used")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 -- EOFError, RuntimeError, UnpicklingError, ...
@@ -126,19 +131,110 @@ def load_pretrained(Encoder, folder, config):
     hf, hf_state = load_encoder_folder(folder)
     sizes = {ours: hf[theirs] for ours, theirs in HF_CONFIG_KEYS.items() if theirs in hf}
     model = Encoder(dataclasses.replace(config, **sizes))
-    state = {from_hf_name(k): v for k, v in hf_state.items()}
+    state = check_tensors(model.state_dict(), hf_state, weights_file(folder), model.config.num_layers)
     ours = model.state_dict()
-    for name, tensor in state.items():
-        if name in ours and ours[name].shape != tensor.shape:
-            raise data.DataError(f"{folder}: {to_hf_name(name)} has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(ours[name].shape)}")
-    state = {k: v for k, v in state.items() if k in ours}       # drop pooler, NSP head, buffers
     missing = [k for k in ours if k not in state]
     if [k for k in missing if not k.startswith("mlm_head.")]:
         raise data.DataError(f"{folder}: missing encoder weights, e.g. {to_hf_name(missing[0])}")
     model.load_state_dict(state, strict=False)                  # a bare BertModel has no MLM head
     model.new_mlm_head = bool(missing)    # then it keeps its fresh init, decoder tied to the embeddings
+    whole = len(missing) == sum(k.startswith("mlm_head.") for k in ours)    # init_encoder's line names what is new
+    model.new_head_line = ("no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings"
+                           if whole else f"the checkpoint's MLM head lacks {', '.join(map(to_hf_name, missing))}: a "
+                           f"new one for it, the rest of the head from the checkpoint")
     return model
+
+
+# What a BERT checkpoint may hold that this encoder does not use (its names as from_hf_name gives them): left out,
+# in one line. Any other tensor the model does not declare is refused.
+UNUSED = {"bert.pooler.": "the pooler", "cls.seq_relationship.": "the NSP head",
+          "cls.predictions.decoder.": "the MLM decoder, tied to the word embeddings here",
+          "bert.embeddings.position_ids": "position_ids", "bert.embeddings.token_type_ids": "token_type_ids"}
+
+
+def check_tensors(ours, hf_state, path, num_layers):
+    """hf_state in our names, as the model declares them (ours: its state_dict): every tensor one it declares, of its
+    shape, floating point (fp16, bf16 and fp64 upcast, said in one line); what UNUSED lists is left out in one line.
+    Else one line naming the tensor: a layer beyond config.json's num_hidden_layers, an integer tensor, ..."""
+    state, left_out, upcast = {}, {}, {}
+    for theirs, tensor in hf_state.items():
+        name = from_hf_name(theirs)
+        if unused := next((what for prefix, what in UNUSED.items() if name.startswith(prefix)), None):
+            left_out[unused] = left_out.get(unused, 0) + 1
+            continue
+        layer = re.match(r"blocks\.(\d+)\.", name)
+        if layer and int(layer[1]) >= num_layers:
+            raise data.DataError(f"{path}: {theirs} is a layer beyond the {num_layers} of config.json's "
+                                 f"num_hidden_layers; the weights and config.json disagree")
+        if name not in ours:
+            raise data.DataError(f"{path}: {theirs} is not a tensor of the BERT encoder config.json describes; the "
+                                 f"weights and config.json disagree, or they are another model's")
+        if ours[name].shape != tensor.shape:
+            raise data.DataError(f"{path}: {theirs} has shape {tuple(tensor.shape)}, the model expects "
+                                 f"{tuple(ours[name].shape)}")
+        if not tensor.is_floating_point():
+            raise data.DataError(f"{path}: {theirs} is {tensor.dtype}, not floating point; the weights are damaged or "
+                                 f"not a model's")
+        if tensor.dtype != torch.float32:
+            upcast[str(tensor.dtype)] = upcast.get(str(tensor.dtype), 0) + 1
+        state[name] = tensor.float()
+    if left_out:
+        data.say_once(f"{path}: left out {sum(left_out.values())} tensor(s) this encoder does not use: "
+                      + ", ".join(f"{what} ({left_out[what]})" for what in UNUSED.values() if what in left_out))
+    if upcast:
+        data.say_once(f"{path}: {sum(upcast.values())} tensor(s) in {', '.join(upcast)} upcast to float32")
+    return state
+
+
+def weights_file(folder):
+    """The file load_encoder_folder reads in a model folder: model.safetensors, else pytorch_model.bin."""
+    folder = Path(resolve_model(str(folder)))
+    return folder / "model.safetensors" if (folder / "model.safetensors").is_file() else folder / "pytorch_model.bin"
+
+
+# The vocabulary a model was trained with, by content: its config.json records the sha256 (save_encoder_folder), and
+# every reader of a model (--init, evaluate.py --model, finetune.py) compares the vocabulary it is given with it.
+def vocab_sha256(vocab):
+    """The sha256 of a vocabulary's tokens as WordPiece reads them (one a line, trailing blanks dropped): sha256sum's of
+    a plain vocab.txt. A token on two lines is one line naming both: WordPiece would give the two one id."""
+    seen, tokens = {}, []
+    for number, line in data.read_lines(vocab):
+        token = line.rstrip()
+        if token in seen:
+            raise data.DataError(f"{vocab}:{number}: {token!r} is already on line {seen[token]}; a vocabulary lists "
+                                 f"each token once (WordPiece gives the two lines one id); the file is damaged: use "
+                                 f"the model's own vocab.txt")
+        seen[token] = number
+        tokens.append(token + "\n")
+    return hashlib.sha256("".join(tokens).encode("utf-8")).hexdigest()
+
+
+def check_vocab(vocab, model=""):
+    """Before any work: the vocabulary lists each token once (vocab_sha256) and is the one the model folder records
+    (config.json's vocab_sha256; MiniLM's is pinned), else one line naming both files. A folder without the record
+    (from elsewhere, or of an older version): one warning line, and its own vocab.txt is compared instead."""
+    if not Path(vocab).is_file():
+        return                                                  # (data.load_tokenizer says it is missing)
+    digest = vocab_sha256(vocab)
+    if not model:
+        return
+    folder, own = Path(model), Path(model) / "vocab.txt"
+    config = data.read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
+    if _is_minilm(folder):
+        record, where = MINILM_VOCAB_SHA256, f"MiniLM's package ({own}, pinned)"
+    elif isinstance(config, dict) and "vocab_sha256" in config:
+        record, where = config["vocab_sha256"], folder / "config.json"
+    else:
+        data.say_once(f"warning: {folder / 'config.json'}: no vocab_sha256 (a folder from elsewhere, or of an older "
+                      f"version); the vocabulary is compared with " + ("its vocab.txt" if own.is_file() else "nothing"))
+        if not own.is_file():
+            return
+        record, where = vocab_sha256(own), own
+    if not isinstance(record, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", record):
+        raise data.DataError(f"{where}: \"vocab_sha256\" must be a sha256 digest (64 hex digits), got {record!r}")
+    if digest != record.lower():
+        raise data.DataError(f"{vocab}: not the vocabulary that {where} records for the model (sha256 {digest[:16]}... "
+                             f"against {record[:16]}...); give the model's own vocab.txt (or no --vocab)")
 
 
 # Starting checkpoints: a local folder, the offline MiniLM package, or a Hugging Face hub id.
@@ -146,6 +242,7 @@ MINILM = "minilm"   # short name for all-MiniLM-L6-v2 from the pip package gt-al
 
 
 MINILM_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"  # its model.safetensors
+MINILM_VOCAB_SHA256 = "07eced375cec144d27c900241f3e339478dec958f92fddbc551f295c992038a3"  # its vocab.txt (BERT's)
 
 
 HUB_FILES = ["config.json", "*.safetensors", "pytorch_model.bin", "vocab.txt", "modules.json",
@@ -181,6 +278,11 @@ def _hub_folder(repo_id):
         raise data.DataError(f"{repo_id!r}: not a local folder, and the hub could not provide it "
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no message'}); "
                              f"download it with `hf download {repo_id}` or pass a folder") from None
+
+
+def _is_minilm(folder):
+    """Whether folder is the MiniLM package's, verified by _minilm_folder in this process (its pinned sha256)."""
+    return _minilm_folder.cache_info().currsize > 0 and Path(folder) == _minilm_folder()
 
 
 def resolve_model(name):
