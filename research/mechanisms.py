@@ -1277,11 +1277,15 @@ def main(c):
                          "are evaluate.py's")
     out_dir = default_out_dir(dataclasses.replace(c, model=model_list(c)[0][0]))   # before 'minilm' is a folder
     rank, _, device = evaluate.setup_distributed()
+    new = [p for p in (out_dir, *out_dir.absolute().parents) if not p.exists()]   # made here: gone if left empty
     evaluate.hold_out_dirs([out_dir])
     try:
         return run_commands(c, names[0], out_dir, rank, device)
     finally:
         run.folders.release_run_folder(out_dir)
+        for folder in new if rank == 0 else []:          # a refused run leaves no folder it made (deepest first)
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
 
 
 def run_commands(c, split, out_dir, rank, device):

@@ -1,13 +1,18 @@
 """The run folder, beneath run/__init__.py (TrainingRun calls it): one run at a time in a folder (an exclusive
-flock), never overwritten without --overwrite; --resume's checks (the frozen flags, the process count, the corpus)
-and the training state; checkpoints switched whole (the encoder and state.pt together), a full disk in one line;
-a clean stop on Ctrl-C or SIGTERM, with the step and the last checkpoint named."""
+flock, or a lock file where the file system has no flock), never overwritten without --overwrite; --resume's checks
+(the frozen flags, the process count, the corpus) and the training state; checkpoints switched whole (the encoder
+and state.pt together), a full disk in one line; a clean stop on Ctrl-C or SIGTERM, with the step and the last
+checkpoint named."""
+import atexit
 import contextlib
 import dataclasses
 import errno
+import json
 import os
 import shutil
+import socket
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -116,7 +121,8 @@ def load_checkpoint(c, model, optimizer, scheduler, is_rank0, stream=None):
     """Restore out_dir/state.pt; the step to continue from (0: none yet; batches, masks and dropout are functions of the
     step). Today's flags apply; a changed frozen one, another process count or corpus (check_stream) stops the run."""
     path = Path(c.out_dir) / "state.pt"
-    if not path.is_file():
+    check_resumable(c.out_dir)
+    if not os.path.lexists(path):             # not there in any form: only then is it a run not begun
         if is_rank0:
             print(f"resume: no {path} yet, starting from step 0")
         return 0
@@ -168,7 +174,7 @@ def load_training_state(path):
     checksum) or foreign file, or one whose weights or optimizer state are not finite."""
     if not Path(path).is_file():
         raise data.DataError(f"{path}: no training state to resume from")
-    files.check_checksum(path, "resume from a copy of the run, or start again with --overwrite")
+    files.check_checksum(path, "resume from a copy of the run")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 -- EOFError, RuntimeError, UnpicklingError, ...
@@ -185,7 +191,9 @@ def load_training_state(path):
 # Run folders: one run at a time, never overwritten silently
 # ----------------------------------------------------------------------------------------------
 RUN_FILES = ("state.pt", "log.jsonl", "encoder")     # these show that a folder holds a pre-training run
-_LOCKS = {}                                          # folder -> the open folder this process holds locked
+_LOCKS = {}              # folder -> the open folder this process holds flocked, or the Path of its lock file
+LOCK_FILE = ".run.lock"  # the lock where the file system has no flock (_take_lock_file)
+_LOCK_FILES_SAID = []    # the first lock file this process took (its one line says why)
 
 
 def script_of(c):
@@ -206,13 +214,28 @@ def check_run_folder(c, names=RUN_FILES):
     if owner and owner != script_of(c):
         raise data.DataError(f"{c.out_dir} holds a run of {owner}, not of {script_of(c)}; give another --out_dir "
                              f"(or delete the folder to reuse its name)")
-    held = [name for name in names if (Path(c.out_dir) / name).exists()]
+    held = [name for name in names if os.path.lexists(Path(c.out_dir) / name)]
     if c.resume and c.overwrite:
         raise ValueError("--resume continues the run in out_dir and --overwrite replaces it: give one")
+    if c.resume:
+        check_resumable(c.out_dir)
     if held and not (c.resume or c.overwrite):
         raise data.DataError(f"{c.out_dir} already holds a run ({', '.join(held)}); continue it with --resume "
                              f"or replace it with --overwrite")
     check_writable(c.out_dir)
+
+
+def check_resumable(out_dir):
+    """--resume, before any work: what a run resumes from is of its kind wherever it is there in any form (state.pt,
+    its checksum, log.jsonl: readable files; encoder/: a folder). A link that leads nowhere, /dev/zero or a folder in
+    state.pt's place is one line naming it, never taken for a run not begun (which would start over on top of it)."""
+    for name in ("state.pt", files.checksum_file("state.pt").name, "log.jsonl", "encoder"):
+        path = Path(out_dir) / name
+        if why := files.entry_problem(path, folder=name == "encoder"):
+            need = "a folder" if name == "encoder" else "a readable file"
+            raise data.DataError(f"{path}: {why}, where --resume needs {need}; the run is left as it is: put the "
+                                 f"{'folder' if name == 'encoder' else 'file'} back (mount its disk, or copy it from "
+                                 f"a copy of the run), then --resume again")
 
 
 def check_writable(folder):
@@ -228,7 +251,8 @@ def check_writable(folder):
 
 def lock_run_folder(folder, create=False):
     """Make `folder` this process's alone: an exclusive flock on the folder (no file added) until release_run_folder
-    or the process ends. Rank 0 takes it, every rank hears: a second run is refused in one line; create: mkdir."""
+    or the process ends; where the file system has no flock (NFS, Lustre), a lock file instead (_take_lock_file).
+    Rank 0 takes it, every rank hears: a second run is refused in one line; create: mkdir."""
     import fcntl
     folder = Path(folder).resolve()
     error = ""
@@ -241,6 +265,9 @@ def lock_run_folder(folder, create=False):
         except BlockingIOError:
             os.close(fd)
             error = f"{folder} is in use by another run; wait for it to end, or give another --out_dir"
+        except OSError as e:      # no flock here: NFS (ENOLCK; EBADF, its flock wants a file open for writing),
+            os.close(fd)          # Lustre mounted without flock (ENOSYS), FUSE (EOPNOTSUPP), ...
+            error = _take_lock_file(folder, e)
     if ranks._distributed():
         shared = [error]
         torch.distributed.broadcast_object_list(shared, src=0)   # the other ranks wait on rank 0's check
@@ -249,24 +276,92 @@ def lock_run_folder(folder, create=False):
         raise data.DataError(error)
 
 
+def _take_lock_file(folder, no_flock):
+    """The lock as a file, folder/.run.lock, created with O_EXCL (one creator wins, on a local disk, NFS v3+ and
+    Lustre alike) and holding its run's host, pid and start; release_run_folder removes it. One left by a dead
+    process of this host (kill -9) is taken over with one line; one of another host is refused, since this host
+    cannot tell whether that run is alive. -> '' (held) or the line that refuses."""
+    path = folder / LOCK_FILE
+    if not _LOCK_FILES_SAID:
+        _LOCK_FILES_SAID.append(path)
+        print(f"{folder}: no flock on this file system ({no_flock.strerror}); the run holds the lock file {path} "
+              f"instead, removed when it ends", flush=True)
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _lock_holder(path)
+            if not holder:
+                return (f"{folder} is locked by {path}, which names no run (cut while written?); if no run uses "
+                        f"the folder, delete {path} and start again, else give another --out_dir")
+            who = f"pid {holder['pid']} on {holder['host']}, since {holder['started']}"
+            if holder["host"] != socket.gethostname():
+                return (f"{folder} is locked by {path} ({who}); this host cannot tell whether that run is alive: if "
+                        f"it is not, delete {path} and start again, else give another --out_dir")
+            if files._is_alive(holder["pid"]):
+                return f"{folder} is in use by another run ({who}; {path}); wait for it to end, or give another --out_dir"
+            stale = path.with_name(f"{path.name}.{os.getpid()}.stale")
+            with contextlib.suppress(FileNotFoundError):   # (another run took it over first: try again)
+                os.rename(path, stale)                     # of two runs taking it over, one moves it ...
+                if _lock_holder(stale) != holder:          # ... and it is the dead run's, not one made meanwhile
+                    os.rename(stale, path)
+                    continue
+                stale.unlink()
+                print(f"{path}: left by pid {holder['pid']} on this host since {holder['started']}, which is no "
+                      f"longer running; taking the run folder over", flush=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump({"host": socket.gethostname(), "pid": os.getpid(),
+                       "started": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+        _LOCKS[folder] = path
+        return ""
+    return f"{folder} is in use by another run ({path}); wait for it to end, or give another --out_dir"
+
+
+def _lock_holder(path):
+    """A lock file's {'host', 'pid', 'started'}, or None when it cannot be read as one."""
+    try:
+        holder = json.loads(Path(path).read_text())
+        return holder if isinstance(holder, dict) and {"host", "pid", "started"} <= set(holder) else None
+    except (OSError, ValueError):
+        return None
+
+
 def release_run_folder(folder):
-    fd = _LOCKS.pop(Path(folder).resolve(), None)
-    if fd is not None:
-        os.close(fd)                    # closing it drops the flock
+    held = _LOCKS.pop(Path(folder).resolve(), None)
+    if isinstance(held, Path):
+        held.unlink(missing_ok=True)    # the lock file
+    elif held is not None:
+        os.close(held)                  # closing it drops the flock
+
+
+@atexit.register
+def release_lock_files():
+    """At the process's end, and before os._exit (run.cli): this process's lock files go (a flock goes with the
+    process by itself); only a kill -9 or a crash leaves one, which the next run on this host takes over."""
+    for folder, held in list(_LOCKS.items()):
+        if isinstance(held, Path):
+            release_run_folder(folder)
 
 
 def held_by_another_run(folder):
-    """Whether another process holds folder locked (lock_run_folder), asked with a shared flock let go at once."""
+    """Whether another process holds folder locked (lock_run_folder): its live lock file, or a shared flock
+    refused (asked, then let go at once)."""
     import fcntl
     folder = Path(folder).resolve()
     if folder in _LOCKS or not folder.is_dir():
         return False
+    if (folder / LOCK_FILE).exists():       # a lock file: held unless its run, of this host, is gone
+        holder = _lock_holder(folder / LOCK_FILE)
+        return not holder or holder["host"] != socket.gethostname() or files._is_alive(holder["pid"])
     fd = os.open(folder, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return False
     except BlockingIOError:
         return True
+    except OSError:                 # no flock here, and no lock file: free
+        return False
     finally:
         os.close(fd)                    # closing it drops the shared flock
 
