@@ -9,14 +9,16 @@ import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import time
 import zlib
 from pathlib import Path
 
 import numpy as np
+import torch
 
 import data
-from run import files
+from run import files, ranks
 
 # ----------------------------------------------------------------------------------------------
 # Token cache: a corpus tokenized once into memory-mapped arrays, windows cut from them
@@ -38,6 +40,8 @@ TOKEN_CACHE_VERSION = 2      # 2: the manifest records each file's size, time an
 CACHE_WAIT_S = 6 * 3600      # how long ranks > 0 wait for rank 0 to build a cache before giving up
 WORKER_SILENCE_S = 600       # a tokenizing worker that gives nothing back this long is stuck: named, stopped
 CACHE_STALL_S = 2 * WORKER_SILENCE_S   # ranks > 0 give up when rank 0's cache folder is unchanged this long
+SHARED_WAIT_S = 60           # how long every rank looks for the marker rank 0 leaves in the cache folder (NFS may
+                             # show another node's new file up to its attribute cache's 60 s late)
 TOKEN_FILES = ("tokens.bin", "word_starts.bin", "doc_offsets.npy")   # what the manifest vouches for
 CRC_EVERY_USE_BYTES = 1 << 30   # files up to this total have their CRC-32s checked on every use
 UNOWNED_TEMP_S = 3600        # a temporary whose name has no PID is stale when unwritten this long
@@ -49,12 +53,12 @@ def corpus_signature(corpus, vocab):
     return {"version": TOKEN_CACHE_VERSION, "files": records, "vocab_sha256": files.sha256_of(vocab)}
 
 
-def token_cache_folder(corpus, vocab, cache_dir="", max_len=None, flag="--cache_dir DIR"):
-    """<corpus>.tokens-<vocab hash> next to the corpus, or inside cache_dir. Next to a read-only corpus only a
+def token_cache_folder(corpus, vocab, cache_dir="", max_len=None, flag="--cache_dir DIR", suffix=""):
+    """<corpus>.tokens-<vocab hash><suffix> next to the corpus, or inside cache_dir. Next to a read-only corpus only a
     complete cache (_is_complete, with the windows of max_len) is used as it is; else one line naming `flag`."""
     corpus = Path(corpus)
     parent = Path(cache_dir) if cache_dir else corpus.resolve().parent
-    folder = parent / f"{corpus.name}.tokens-{files.sha256_of(vocab)[:8]}"
+    folder = parent / f"{corpus.name}.tokens-{files.sha256_of(vocab)[:8]}{suffix}"
     if not cache_dir and not os.access(parent, os.W_OK) and not _is_complete(folder, corpus, vocab, max_len):
         raise data.DataError(f"{parent}: cannot write the token cache next to the corpus (read-only), and no complete "
                         f"one is there; pass {flag}")
@@ -258,9 +262,11 @@ def _stuck_line(pool, folder):
             f"tokenizes in one worker)")
 
 
-def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, verbose=True, bad_bytes="stop"):
+def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, verbose=True, bad_bytes="stop",
+                      texts=None):
     """Tokenize the corpus into folder (see above): documents stream through worker processes, their ids appended in
-    order; every file written under a temporary name and renamed, the manifest last."""
+    order; every file written under a temporary name and renamed, the manifest last. texts: the documents, when they
+    are not the corpus's pre-training texts (data.iter_pretraining_texts): fine-tuning's passages (run/passages.py)."""
     folder = Path(folder)
     signature = corpus_signature(corpus, vocab)    # (a missing corpus stops here, before any folder exists)
     created = not folder.exists()
@@ -268,7 +274,7 @@ def build_token_cache(corpus, vocab, folder, workers=0, chunk_chars=1 << 19, ver
     files.remove_dead_temporaries(folder, verbose)
     (folder / "manifest.json").unlink(missing_ok=True)    # first: no rank maps the files while they change
     try:
-        _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, verbose, bad_bytes)
+        _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, verbose, bad_bytes, texts)
     except BaseException as e:
         if created:                                 # a corpus error (or Ctrl-C) leaves no half-built cache
             shutil.rmtree(folder, ignore_errors=True)
@@ -283,7 +289,7 @@ def cache_bytes_needed(corpus, vocab, chars_per_token=4.0):
     return int(corpus_chars(corpus) / chars_per_token * ((2 if data.vocab_size_of(vocab) <= 1 << 16 else 4) + 1))
 
 
-def _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, verbose, bad_bytes="stop"):
+def _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, verbose, bad_bytes="stop", texts=None):
     dtype = np.uint16 if data.vocab_size_of(vocab) <= 1 << 16 else np.uint32
     tmp = {name: files.temporary_name(folder / name) for name in ("tokens.bin", "word_starts.bin")}
     lengths, n_tokens, over_long, t0 = [np.zeros(1, np.int64)], 0, 0, time.time()
@@ -292,7 +298,8 @@ def _build_token_cache(corpus, vocab, folder, signature, workers, chunk_chars, v
         with open(tmp["tokens.bin"], "wb") as tok_f, open(tmp["word_starts.bin"], "wb") as ws_f:
             pool = _pool(vocab, workers)
             try:
-                chunks = _chunks(data.iter_pretraining_texts(corpus, bad_bytes), chunk_chars)
+                texts = data.iter_pretraining_texts(corpus, bad_bytes) if texts is None else texts
+                chunks = _chunks(texts, chunk_chars)
                 for ids, starts, doc_lengths, n_over_long, n_chars in _results(pool, chunks, folder):
                     tok_f.write(ids.astype(dtype).tobytes())
                     ws_f.write(starts.tobytes())
@@ -443,9 +450,40 @@ def _last_change(folder, since):
     return max(times)
 
 
+def check_every_rank_sees(folder):
+    """Under torchrun, before the cache is built or read: the folder rank 0 writes must be the one every rank reads.
+    Rank 0 leaves a marker file in it and every rank looks for it, at most SHARED_WAIT_S; a cache folder that some
+    node cannot see (a node-local --cache_dir, or a corpus on each node's own disk) is one line within a minute,
+    naming the hosts, where their ranks would otherwise wait CACHE_STALL_S for files that never appear."""
+    if not ranks._distributed():
+        return
+    marker = [""]
+    if ranks._rank() == 0:
+        with contextlib.suppress(OSError):   # (a folder rank 0 cannot write: the build says so, in one line)
+            folder.mkdir(parents=True, exist_ok=True)
+            path = files.temporary_name(folder / "rank0-marker")   # '.NAME.PID@HOST.tmp': a killed run's goes
+            path.write_bytes(b"")
+            marker[0] = path.name
+    torch.distributed.broadcast_object_list(marker, src=0)
+    if not marker[0]:
+        return
+    deadline = time.time() + SHARED_WAIT_S
+    while not (seen := (folder / marker[0]).exists()) and time.time() < deadline:
+        time.sleep(1)
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, (seen, socket.gethostname()))
+    if ranks._rank() == 0:
+        (folder / marker[0]).unlink(missing_ok=True)
+    if blind := sorted({host for seen, host in everyone if not seen}):
+        raise data.DataError(f"{folder}: the token cache folder that rank 0 writes on {everyone[0][1]} is not visible "
+                             f"from {', '.join(blind)} (waited {SHARED_WAIT_S} s for a file rank 0 wrote in it); give "
+                             f"--cache_dir a folder on a file system that every node shares")
+
+
 def token_windows(corpus, vocab, max_len, rank=0, cache_dir="", workers=0, verbose=True, bad_bytes="stop"):
     """A corpus's pre-training windows (TokenWindows) from its token cache: built once (rank 0), checked every use."""
     folder = token_cache_folder(corpus, vocab, cache_dir, max_len)
+    check_every_rank_sees(folder)                          # under torchrun: one folder for all nodes
     signature = corpus_signature(corpus, vocab)
     if rank == 0 and folder.is_dir():
         files.remove_dead_temporaries(folder, verbose)

@@ -35,6 +35,7 @@ def parse_config(Config, argv, doc="", preset=None, rules=None, presets=None):
         except BrokenPipeError:                         # `x.py --help | head` stopped reading: fine
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
+    refuse_plain_srun()
     fields = {f.name: f for f in dataclasses.fields(Config)}
     overrides, i = {}, 0
     while i < len(argv):
@@ -70,6 +71,24 @@ def parse_config(Config, argv, doc="", preset=None, rules=None, presets=None):
             exit_with(f"error: --{name} must be {rule}, got {getattr(c, name)!r}", 1)
     say_mps_is_not_used()
     return c
+
+
+def refuse_plain_srun():
+    """`srun python costa.py` starts one copy of the script per Slurm task, each without torchrun's RANK and
+    WORLD_SIZE: as many independent runs, each with its own model, into one --out_dir. Refused in one line, from task
+    0 (every task exits 1), naming the launch that works: one torchrun per node (docs/paper-scale.md). Counted from
+    SLURM_STEP_NUM_TASKS, which srun sets for its tasks; not SLURM_NTASKS, which a batch script's own single process
+    also holds."""
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1)
+    if tasks <= 1 or "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        return
+    if os.environ.get("SLURM_PROCID", "0") != "0":
+        sys.exit(1)
+    script = os.path.basename(sys.argv[0]) or "the script"
+    exit_with(f"error: srun started {script} as {tasks} tasks (SLURM_STEP_NUM_TASKS), each an independent run without "
+              f"torchrun's RANK and WORLD_SIZE; launch one torchrun per node instead: srun --ntasks-per-node=1 bash -c "
+              f"'torchrun --nnodes=$SLURM_NNODES --node_rank=$SLURM_NODEID --nproc_per_node=GPUS --master_addr=FIRST_HOST "
+              f"--master_port=29500 {script} ...' (docs/paper-scale.md, Several nodes)", 1)
 
 
 @functools.cache                                       # once per process
@@ -233,6 +252,7 @@ def run_command_line(run, interrupted="interrupted before the first step; nothin
         if not (isinstance(e, RankTimeout) or timed_out(e)):
             raise
         print(f"error: {e if isinstance(e, RankTimeout) else rank_timeout_line(e)}", file=sys.stderr, flush=True)
+        _release_lock_files()
         os._exit(1)             # no teardown: it would wait on the rank that does not answer
     finally:   # a SIGTERM meanwhile (torchrun stopping this rank after another's error) waits for the restored handler
         late = []
@@ -272,4 +292,11 @@ def leave_distributed(code=0):
         return
     sys.stdout.flush()
     sys.stderr.flush()
+    _release_lock_files()
     os._exit(code)
+
+
+def _release_lock_files():
+    """Before os._exit, which runs no atexit: the run folders' lock files go (run.folders.release_lock_files)."""
+    from run import folders  # (here: run/folders.py imports this module)
+    folders.release_lock_files()
