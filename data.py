@@ -341,13 +341,16 @@ def iter_jsonl(path, bad_bytes="stop"):
 
 
 def iter_tsv(path, n_columns, header=None):
-    """Yield (line_number, fields) of a TSV file of n_columns per line, a header line (first field `header`) skipped."""
+    """Yield (line_number, fields) of a TSV file of n_columns per line (a tuple: the first line's count, if one of them,
+    then that count on every line), a header line (first field `header`) skipped."""
     for number, line in read_lines(path):
         fields = line.rstrip("\r\n").split("\t")
         if not line.strip() or (number == 1 and header is not None and fields[0] == header):
             continue
+        n_columns = len(fields) if isinstance(n_columns, tuple) and len(fields) in n_columns else n_columns
         if len(fields) != n_columns:
-            raise DataError(f"{path}:{number}: expected {n_columns} tab-separated fields, found {len(fields)}")
+            expected = " or ".join(map(str, n_columns)) if isinstance(n_columns, tuple) else n_columns
+            raise DataError(f"{path}:{number}: expected {expected} tab-separated fields, found {len(fields)}")
         yield number, fields
 
 
@@ -482,22 +485,25 @@ def add_once(table, key, value, path, number, what):
     table[key] = value
 
 
+def iter_corpus(path):
+    """Yield (line_number, docid, title, text) of a retrieval corpus: BEIR corpus.jsonl, MS MARCO collection.tsv
+    ('pid<TAB>text') or Tevatron's corpus.tsv ('pid<TAB>title<TAB>text'; the first line decides which)."""
+    if ".jsonl" not in Path(path).suffixes:
+        for number, fields in iter_tsv(path, (2, 3)):
+            yield number, fields[0], fields[1] if len(fields) == 3 else "", fields[-1]
+        return
+    for number, obj in iter_jsonl(path):
+        if "_id" not in obj or not isinstance(obj.get("text"), str) or not isinstance(obj.get("title") or "", str):
+            raise DataError(f"{path}:{number}: a corpus line needs \"_id\", a string \"text\" and a string \"title\" or none")
+        yield number, str(obj["_id"]), obj.get("title") or "", obj["text"]
+
+
 def read_corpus(path):
-    """Retrieval corpus {docid: {"title", "text"}} from BEIR corpus.jsonl or MS MARCO collection.tsv."""
+    """Retrieval corpus {docid: {"title", "text"}} from a file iter_corpus reads."""
     corpus, first_empty = {}, 0
-    if ".jsonl" in Path(path).suffixes:
-        for number, obj in iter_jsonl(path):
-            if "_id" not in obj or not isinstance(obj.get("text"), str):
-                raise DataError(f"{path}:{number}: a corpus line needs \"_id\" and a string \"text\"")
-            if not isinstance(obj.get("title") or "", str):
-                raise DataError(f"{path}:{number}: \"title\" must be a string")
-            add_once(corpus, str(obj["_id"]), {"title": obj.get("title") or "", "text": obj["text"]},
-                      path, number, f"document id {str(obj['_id'])!r}")
-            first_empty = first_empty or (number if not (obj["text"].strip() or (obj.get("title") or "").strip()) else 0)
-    else:
-        for number, (docid, text) in iter_tsv(path, 2):
-            add_once(corpus, docid, {"title": "", "text": text}, path, number, f"document id {docid!r}")
-            first_empty = first_empty or (number if not text.strip() else 0)
+    for number, docid, title, text in iter_corpus(path):
+        add_once(corpus, docid, {"title": title, "text": text}, path, number, f"document id {docid!r}")
+        first_empty = first_empty or (number if not (title.strip() or text.strip()) else 0)
     if not corpus:
         raise DataError(f"{path}: empty corpus")
     if first_empty:
@@ -505,10 +511,9 @@ def read_corpus(path):
     return corpus
 
 
-def refuse_empty_query(text, path, number):
-    """An empty query would still be scored (and rank some document first): refuse it."""
-    if not text.strip():
-        raise DataError(f"{path}:{number}: empty query text")
+def passage_text(doc):
+    """A document as one string: title then text (BEIR's and Tevatron's convention)."""
+    return f"{doc['title']} {doc['text']}".strip() if doc.get("title") else doc["text"]
 
 
 def warn_empty_documents(corpus, path, first_line):
@@ -520,18 +525,16 @@ def warn_empty_documents(corpus, path, first_line):
 
 
 def read_queries(path):
-    """Queries {qid: text} from BEIR queries.jsonl or MS MARCO queries.tsv."""
+    """Queries {qid: text} from BEIR queries.jsonl or MS MARCO queries.tsv; an empty query is refused (it would still
+    be scored, and rank some document first)."""
     queries = {}
-    if ".jsonl" in Path(path).suffixes:
-        for number, obj in iter_jsonl(path):
-            if "_id" not in obj or not isinstance(obj.get("text"), str):
-                raise DataError(f"{path}:{number}: a query line needs \"_id\" and a string \"text\"")
-            refuse_empty_query(obj["text"], path, number)
-            add_once(queries, str(obj["_id"]), obj["text"], path, number, f"query id {str(obj['_id'])!r}")
-    else:
-        for number, (qid, text) in iter_tsv(path, 2):
-            refuse_empty_query(text, path, number)
-            add_once(queries, qid, text, path, number, f"query id {qid!r}")
+    for number, row in iter_jsonl(path) if ".jsonl" in Path(path).suffixes else iter_tsv(path, 2):
+        if isinstance(row, dict) and ("_id" not in row or not isinstance(row.get("text"), str)):
+            raise DataError(f"{path}:{number}: a query line needs \"_id\" and a string \"text\"")
+        qid, text = (str(row["_id"]), row["text"]) if isinstance(row, dict) else row
+        if not text.strip():
+            raise DataError(f"{path}:{number}: empty query text")
+        add_once(queries, qid, text, path, number, f"query id {qid!r}")
     if not queries:
         raise DataError(f"{path}: no queries")
     return queries

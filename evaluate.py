@@ -127,9 +127,7 @@ def load_encoder(folder, c=None):
     return encoder
 
 
-def passage_text(doc):
-    """A BEIR document as one string: title then text (BEIR's and Tevatron's convention)."""
-    return f"{doc['title']} {doc['text']}".strip() if doc.get("title") else doc["text"]
+passage_text = data.passage_text   # a document as one string, title then text: the one the passage cache holds too
 
 
 def load_split(c, split, explicit_queries="", explicit_qrels="", corpus=None):
@@ -385,11 +383,14 @@ def torch_exact_search(query_vecs, doc_vecs, k, device, chunk=65536, batch=4096)
 
 
 @torch.no_grad()
-def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16=True, similarity="dot", path=""):
-    """(len(texts), H) float32 numpy vectors (unit length for "cos"), encoded sorted by length. With a path, into an
-    fp16 .npy memmap there instead (atomic), returned opened read-only: a corpus never held in memory."""
+def encode(encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16=True, similarity="dot", path="",
+           workers=0):
+    """(len(texts), H) float32 numpy vectors (unit length for "cos"), encoded sorted by length. texts: strings, or a
+    passage cache's Passages (run/passages.py: read, not tokenized). With a path, into an fp16 .npy memmap there
+    instead (atomic), returned opened read-only: a corpus never held in memory. workers: loader processes that build
+    the batches ahead (EncodeBatches) while this one runs the encoder."""
     shape = (len(texts), encoder.config.hidden_size)
-    args = (encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16, similarity)
+    args = (encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16, similarity, workers)
     if not path:
         return _encode_into(np.zeros(shape, dtype=np.float32), *args)
 
@@ -425,17 +426,16 @@ def reserve_space(path, start=0, chunk=1 << 24):
 
 
 @torch.no_grad()
-def _encode_into(out, encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16, similarity):
+def _encode_into(out, encoder, pooling, tokenizer, texts, max_len, batch_size, device, bf16, similarity, workers=0):
     """Fill out (N, H) row by row with encode()'s vectors, in its dtype; returns out."""
     was_training = encoder.training
     encoder.eval()
     autocast = run.autocast_bf16(device, bf16)
-    order = np.argsort([len(t) for t in texts], kind="stable")
+    batches = EncodeBatches(texts, tokenizer, max_len, batch_size)
     progress = run.files.ProgressLine("encoding:", len(texts), "texts")
-    for start in range(0, len(texts), batch_size):
-        rows = order[start:start + batch_size]
-        ids, mask = data.encode_texts(tokenizer, [texts[i] for i in rows], max_len)          # (b, L)
-        ids, mask = ids.to(device), mask.to(device)
+    for rows, ids, mask in run.batches(batches, workers, range(len(batches))):              # (b,), (b, L), (b, L)
+        rows = rows.numpy()
+        ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
         with autocast:
             vecs = text_vectors(encoder(ids, mask), mask, pooling, similarity)                 # (b, H)
         check_finite(vecs, encoder, rows, texts)
@@ -450,9 +450,35 @@ def check_finite(vecs, encoder, rows, texts):
     bad = (~torch.isfinite(vecs)).any(1).nonzero()
     if len(bad):
         i = int(rows[int(bad[0])])
+        what = texts.label(i) if isinstance(texts, run.passages.Passages) else repr(texts[i][:40])
         raise data.DataError(f"{getattr(encoder, 'source', 'the encoder')}: the model gives a non-finite vector "
-                             f"(NaN or inf) for text {i} of {len(texts)} ({texts[i][:40]!r}); its weights hold NaN "
+                             f"(NaN or inf) for text {i} of {len(texts)} ({what}); its weights hold NaN "
                              f"or inf (a damaged or diverged checkpoint?)")
+
+
+class EncodeBatches(torch.utils.data.Dataset):
+    """encode()'s batch b, built in a loader worker: (rows, ids, mask) of the texts at rows order[b*size:(b+1)*size],
+    the texts sorted by length (each batch pads the least)."""
+
+    def __init__(self, texts, tokenizer, max_len, batch_size):
+        self.texts, self.tokenizer, self.max_len, self.size = texts, tokenizer, max_len, batch_size
+        lengths = texts.chars if isinstance(texts, run.passages.Passages) else [len(t) for t in texts]
+        self.order = np.argsort(lengths, kind="stable")                                     # (N,)
+
+    def __len__(self):
+        return (len(self.order) + self.size - 1) // self.size
+
+    def __getitem__(self, b):
+        rows = self.order[b * self.size:(b + 1) * self.size]                                 # (b,)
+        return rows, *passage_batch(self.texts, rows, self.tokenizer, self.max_len)
+
+
+def passage_batch(texts, rows, tokenizer, max_len):
+    """Padded '[CLS] text [SEP]' ids and mask (B, L) of texts[rows]: a passage cache's Passages read as it was
+    tokenized, strings tokenized now (data.encode_texts); the same ids either way."""
+    if isinstance(texts, run.passages.Passages):
+        return texts.batch(rows, max_len)
+    return data.encode_texts(tokenizer, [texts[i] for i in rows], max_len)
 
 
 def _all_gather(t, device):
@@ -483,8 +509,8 @@ def encode_corpus_shard(encoder, tokenizer, doc_texts, c, device):
     rank, world = rank_and_world()
     shard = data.shard(len(doc_texts), rank, world)
     path = Path(c.vectors_dir) / f"docs-{rank}-of-{world}.npy" if c.vectors_dir else ""
-    return encode(encoder, c.pooling, tokenizer, [doc_texts[i] for i in shard], c.passage_len,
-                  c.encode_batch, device, c.bf16, c.similarity, path)                      # (n, H)
+    return encode(encoder, c.pooling, tokenizer, doc_texts[shard.start:shard.stop], c.passage_len,
+                  c.encode_batch, device, c.bf16, c.similarity, path, getattr(c, "workers", 0))   # (n, H)
 
 
 def retrieve(encoder, tokenizer, doc_texts, query_texts, k, c, device, timings=None, doc_vecs=None):
@@ -503,8 +529,8 @@ def retrieve(encoder, tokenizer, doc_texts, query_texts, k, c, device, timings=N
     elif len(doc_vecs) != len(shard):
         raise ValueError(f"doc_vecs has {len(doc_vecs)} rows but this rank's shard of the corpus has {len(shard)}")
     t1 = time.time()
-    query_vecs = encode(encoder, c.pooling, tokenizer, list(query_texts), c.query_len,
-                        c.encode_batch, device, c.bf16, c.similarity)                      # (Q, H)
+    query_vecs = encode(encoder, c.pooling, tokenizer, list(query_texts), c.query_len, c.encode_batch, device,
+                        c.bf16, c.similarity, workers=getattr(c, "workers", 0))            # (Q, H)
     t2 = time.time()
     if len(shard):
         if device.type == "cuda" and c.index == "Flat":
@@ -702,8 +728,7 @@ def evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c, dev
     ranks None. doc_vecs: this rank's corpus shard already encoded (evaluate_splits). Every rank calls this."""
     rank, world = rank_and_world()
     tag = trec_tag(tag)                            # the run file's, in the printouts too
-    doc_ids = list(corpus)
-    doc_texts = [passage_text(corpus[d]) for d in doc_ids]
+    doc_texts, doc_ids = corpus_texts(corpus)
     qids = sorted(qrels)
     timings = {}
     t0 = time.time()
@@ -724,20 +749,31 @@ def evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c, dev
     return means, per_query
 
 
+def corpus_texts(corpus):
+    """(what retrieve() reads of a corpus, its doc ids by row): a passage cache's Passages (run/passages.py) as they
+    are, a dict {docid: {"title", "text"}} as lists of its passage texts and ids."""
+    if isinstance(corpus, run.passages.Passages):
+        return corpus, corpus.doc_ids
+    doc_ids = list(corpus)
+    return [passage_text(corpus[d]) for d in doc_ids], doc_ids
+
+
+def same_corpus(a, b):
+    """Whether corpus a is b, or (dicts) has the same ids in the same order and the same texts: encoded once."""
+    return b is not None and (a is b or (isinstance(a, dict) and isinstance(b, dict) and list(a) == list(b) and a == b))
+
+
 def evaluate_splits(encoder, tokenizer, splits, c, device, tag="dense", depth=1000):
     """evaluate_encoder on each (corpus, queries, qrels, out_dir), a shared corpus encoded once; every rank calls it."""
     results, encoded = [], (None, None)                    # (the corpus, this rank's shard vectors)
     for corpus, queries, qrels, out_dir in splits:
-        doc_ids = list(corpus)
-        same = encoded[0] is not None and (corpus is encoded[0] or (doc_ids == list(encoded[0]) and corpus == encoded[0]))
-        if not same:                                                       # same ids, in the same order, same texts
+        if not same_corpus(corpus, encoded[0]):
             t0 = time.time()
-            encoded = (corpus, encode_corpus_shard(encoder, tokenizer, [passage_text(corpus[d]) for d in doc_ids],
-                                                   c, device))
+            encoded = (corpus, encode_corpus_shard(encoder, tokenizer, corpus_texts(corpus)[0], c, device))
             rank, world = rank_and_world()
             if rank == 0:
                 seconds = time.time() - t0
-                print(f"{tag}: encoded {len(doc_ids):,} passages in {seconds:.1f}s ({len(doc_ids) / max(seconds, 1e-9):,.0f} "
+                print(f"{tag}: encoded {len(corpus):,} passages in {seconds:.1f}s ({len(corpus) / max(seconds, 1e-9):,.0f} "
                       f"docs/s over {world} process(es))", flush=True)
         results.append(evaluate_encoder(encoder, tokenizer, corpus, queries, qrels, out_dir, c, device, tag,
                                         depth=depth, doc_vecs=encoded[1]))
@@ -1025,6 +1061,7 @@ def load_model(c, device):
     if Path(vocab).is_file() and data.vocab_size_of(vocab) != encoder.config.vocab_size:   # (missing: load_tokenizer)
         raise data.DataError(f"{vocab}: {data.vocab_size_of(vocab)} entries, but the model {c.model} has vocab_size "
                              f"{encoder.config.vocab_size}")
+    run.hub.check_vocab(vocab, c.model)          # each token once, and the one the model folder records
     return encoder, data.load_tokenizer(vocab)
 
 

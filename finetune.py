@@ -16,11 +16,14 @@ shared encoder), training loop, checkpoint, pipeline.
     python finetune.py --init X --overwrite               # start again in an out_dir that holds a run (else refused)
 
 Stage 1: each epoch, every query's negatives are sampled from BM25's top `bm25_depth` minus its positives
-(`--epochs 0` skips it: COSTA and CPDAE fine-tune documents from the passage-tuned model, mining twice).
+(`--epochs 0` skips it: COSTA and CPDAE fine-tune documents from the passage-tuned model, mining twice);
+--bm25_negatives reads the rankings instead (MS MARCO: Tevatron's file; its queries without a line are dropped).
 Stage 2 (`rounds` times): hard negatives mined ONCE per round from the current model (top `hard_depth`, the
 first `hard_skip` skipped, positives removed), trained with a fresh optimizer and warm-up (Tevatron's recipe).
-Outputs in out_dir: stage1/, stage2/, ... (encoder/, state.pt, log.jsonl, config.json each), the negatives
-files, the final encoder/ and eval-{split}/ (see evaluate.py).
+--preset paper: the papers' recipe (docs/paper-scale.md's table), 64 queries a step over all ranks whatever their
+number (--global_batch; --batch_size is per rank). The corpus is tokenized once into a passage cache that every rank
+and loader worker maps (run/passages.py). Outputs in out_dir: stage1/, stage2/, ... (encoder/, state.pt, log.jsonl,
+config.json each), the negatives files, the final encoder/ and eval-{split}/ (see evaluate.py).
 """
 import contextlib
 import dataclasses
@@ -88,7 +91,8 @@ class Config:
     n_negatives: int = 1          # sampled negatives per query, besides the in-batch ones (papers: 7)
     # --- negatives
     bm25_depth: int = 100         # stage 1 samples negatives from BM25's top-k minus the positives
-    bm25_negatives: str = ""      # TSV 'qid<TAB>docid,docid,...' to use instead of computing BM25 (e.g. MS MARCO's)
+    bm25_negatives: str = ""      # negatives to use instead of computing BM25: TSV 'qid<TAB>docid,docid,...' in ranking order (Tevatron's MS MARCO file: random order), or a TREC run file (ranked by score)
+    missing_negatives: str = "drop"  # training queries with no line in --bm25_negatives: "drop" them (Tevatron's training set is the file's lines; one line counts them) or fill them from "bm25" over the corpus
     k1: float = 1.2               # BM25 term-frequency saturation (Elasticsearch / BEIR)
     b: float = 0.75               # BM25 document-length normalisation
     rounds: int = 0               # hard-negative rounds after stage 1 (papers: passages 1, documents 2; 0 = BM25 only)
@@ -99,10 +103,11 @@ class Config:
     epochs: float = 2.0           # stage-1 epochs over the training queries (papers: 3)
     hard_epochs: float = 1.0      # epochs of each hard-negative round (papers: 2-3 passages, 1 documents)
     steps: int = 0                # optimizer steps per stage; 0 = from epochs (set per stage, then saved)
-    batch_size: int = 32          # queries per rank per micro-step, each with 1 + n_negatives passages (papers: 64)
+    batch_size: int = 32          # queries per rank per micro-step, each with 1 + n_negatives passages; set by --global_batch when that is > 0
+    global_batch: int = 0         # > 0: queries per optimizer step over all ranks (papers: 64), whatever the process count: batch_size = global_batch / (ranks x grad_accum), or one error if it does not divide
     grad_accum: int = 1           # micro-steps per optimizer step (adds NO in-batch negatives: those come from one micro-step)
     lr: float = 1e-4              # peak learning rate (papers: 5e-6 from BERT-base; MiniLM on SciFact: measured best of 2e-5, 5e-5, 1e-4)
-    weight_decay: float = 0.01    # AdamW weight decay (not on biases and LayerNorm)
+    weight_decay: float = 0.01    # AdamW weight decay (not on biases and LayerNorm; papers: Adam, so 0 under --preset paper)
     warmup: float = 0.1           # fraction of steps of linear warm-up, then linear decay to 0 (papers: 10%)
     clip: float = 1.0             # max gradient norm
     seed: int = 0                 # query sample, data order, negative sampling, random init
@@ -114,6 +119,7 @@ class Config:
     ef_search: int = 0            # HNSW indexes: candidate list size per query (0 = faiss's default, 16)
     index_train: int = 100000     # corpus vectors sampled to train an index that needs it (IVF, PQ)
     vectors_dir: str = ""         # folder for the corpus vectors as fp16 .npy memmaps, one per rank, searched in chunks; "" = float32 in memory
+    cache_dir: str = ""           # where the corpus's passage cache goes (tokenized once, mapped by every rank); "" = next to the corpus
     # --- bookkeeping
     out_dir: str = "runs/finetune"  # stages, negatives, final encoder/ and eval-{split}/ go here
     log_every: int = 10           # steps between progress lines
@@ -128,11 +134,13 @@ class Config:
     RESUMABLE: ClassVar[tuple] = ("steps", "epochs", "hard_epochs", "lr", "weight_decay", "warmup", "clip", "bf16",
                                   "workers", "log_every", "save_every", "encode_batch", "preset", "eval_split",
                                   "eval_queries", "eval_qrels", "index", "nprobe", "ef_search", "index_train",
-                                  "vectors_dir", "out_dir")
+                                  "vectors_dir", "cache_dir", "out_dir")
 
 
-PAPER_PRESET = dict(lr=5e-6, batch_size=64, epochs=3.0, hard_epochs=2.0, n_negatives=7, rounds=1, query_len=32,
-                    workers=4, log_every=100, save_every=1000)   # the run's: batches built ahead, checkpoints
+# COSTA 4.5.2, CPDAE 4.1.3 (docs/paper-scale.md's table, row by row): Adam (no weight decay, Tevatron's default),
+# 64 queries a step over all ranks, 7 negatives, 3 epochs on BM25 negatives, one mined round of 2 epochs
+PAPER_PRESET = dict(lr=5e-6, weight_decay=0.0, global_batch=64, epochs=3.0, hard_epochs=2.0, n_negatives=7, rounds=1,
+                    query_len=32, workers=4, log_every=100, save_every=1000)   # the run's: batches built ahead, checkpoints
 
 
 # The domain of each numeric or choice flag, checked by run.cli.parse_config before any work.
@@ -142,11 +150,11 @@ FLAG_RULES = {
     "max_position": ">= 1", "type_vocab_size": ">= 1", "dropout": "in [0, 1)", "layer_norm_eps": "> 0",
     "pretrain_steps": ">= 0", "n_negatives": ">= 0", "bm25_depth": ">= 1", "k1": ">= 0", "b": "in [0, 1]",
     "rounds": ">= 0", "hard_depth": ">= 1", "hard_skip": ">= 0", "epochs": ">= 0", "hard_epochs": "> 0",
-    "steps": ">= 0", "batch_size": ">= 1", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
+    "steps": ">= 0", "batch_size": ">= 1", "global_batch": ">= 0", "grad_accum": ">= 1", "lr": "> 0", "weight_decay": ">= 0",
     "warmup": "in [0, 1]", "clip": "> 0", "workers": ">= 0", "encode_batch": ">= 1", "log_every": ">= 1",
     "nprobe": ">= 0", "ef_search": ">= 0", "index_train": ">= 1",
     "save_every": ">= 1", "halt_at": ">= 0",
-    "index": "a faiss index_factory string", "loss": "one of {softmax, hinge}",
+    "index": "a faiss index_factory string", "loss": "one of {softmax, hinge}", "missing_negatives": "one of {drop, bm25}",
     "pooling": "one of {cls, mean} or empty", "similarity": "one of {dot, cos} or empty",
     "pretrain": f"one of {{{', '.join(run.METHODS)}}} or empty",
 }
@@ -291,7 +299,8 @@ def sample_negatives(pool, positives, n, n_docs, rng):
 
 class TrainBatches(torch.utils.data.Dataset):
     """Item m is this rank's batch at micro-step m, a pure function of (seed, rank, m): each epoch draws a fresh
-    positive and fresh negatives per query; a resumed run sees exactly the same batches."""
+    positive and fresh negatives per query; a resumed run sees exactly the same batches. doc_texts: the corpus's
+    passage cache (run/passages.py: the passages read as tokenized, in whichever loader worker), or its texts."""
 
     def __init__(self, c, examples, doc_texts, tokenizer, rank, world):
         self.c, self.examples, self.doc_texts, self.tokenizer = c, examples, doc_texts, tokenizer
@@ -313,7 +322,7 @@ class TrainBatches(torch.utils.data.Dataset):
             docs += [positive] + sample_negatives(ex.negatives, ex.positives, c.n_negatives, len(self.doc_texts), rng)
             queries.append(ex.query)
         q_ids, q_mask = data.encode_texts(self.tokenizer, queries, c.query_len)          # (B, Lq)
-        p_ids, p_mask = data.encode_texts(self.tokenizer, [self.doc_texts[d] for d in docs], c.passage_len)
+        p_ids, p_mask = evaluate.passage_batch(self.doc_texts, docs, self.tokenizer, c.passage_len)  # (B*(1+n), Lp)
         width = max(len(self.examples[i].positives) for i in rows)
         q_pos = torch.full((len(rows), width), -1, dtype=torch.long)                    # (B, P)
         for r, i in enumerate(rows):
@@ -322,15 +331,35 @@ class TrainBatches(torch.utils.data.Dataset):
                 "p_doc": torch.tensor(docs, dtype=torch.long), "q_pos": q_pos}
 
 
-def read_negatives(path, doc_index):
-    """{qid: [corpus index]} from a TSV 'qid<TAB>docid,docid,...' (what this script writes)."""
+def read_negatives(path, doc_index, depth=0):
+    """{qid: (k,) int64 corpus indices}, each query's first `depth` (0: all) in the file's ranking order: a TSV
+    'qid<TAB>docid,docid,...' as listed (this script writes them best first; Tevatron's MS MARCO file lists BM25's top
+    1,000 in random order), or a TREC run file 'qid Q0 docid rank score tag' by score, best first (trec_eval's)."""
+    if _is_run_file(path):
+        lines = ((None, q, [d for d, _ in evaluate.trec_order(docs)]) for q, docs in evaluate.read_run(path).items())
+    else:
+        lines = ((number, qid, [d for d in docids.split(",") if d]) for number, (qid, docids) in data.iter_tsv(path, 2))
     out = {}
-    for number, (qid, docids) in data.iter_tsv(path, 2):
+    for number, qid, docids in lines:
+        where = f"{path}:{number}" if number else f"{path} (query {qid!r})"
         try:
-            data.add_once(out, qid, [doc_index[d] for d in docids.split(",") if d], path, number, f"query id {qid!r}")
+            rows = _rows(doc_index, docids[:depth or None])
         except KeyError as e:
-            raise data.DataError(f"{path}:{number}: document id {e.args[0]!r} is not in the corpus") from None
+            raise data.DataError(f"{where}: document id {e.args[0]!r} is not in the corpus") from None
+        data.add_once(out, qid, rows, path, number, f"query id {qid!r}")
     return out
+
+
+def _is_run_file(path):
+    """A TREC run file's lines have 6 fields ('qid Q0 docid rank score tag'); a negatives TSV's have 2."""
+    return len(next((line for _, line in data.read_lines(path) if line.strip()), "").split()) == 6
+
+
+def _rows(doc_index, docids):
+    """(k,) int64 corpus indices of these doc ids: a passage cache's index looks them up at once (run/passages.py)."""
+    if isinstance(doc_index, run.passages.DocIndex):
+        return doc_index.rows(docids)
+    return np.array([doc_index[d] for d in docids], dtype=np.int64)
 
 
 def write_negatives(path, negatives, doc_ids):
@@ -343,26 +372,57 @@ def write_negatives(path, negatives, doc_ids):
 # Mining: negatives from BM25 and from the current model (evaluate.py's retrieval layer)
 # ==============================================================================================
 def bm25_negative_pools(c, examples, doc_texts, doc_ids, doc_index, path, device, is_rank0):
-    """Stage-1 pools: BM25's top bm25_depth for each training query minus its positives. Every rank searches its
-    share of the queries, exchanged through files (run.ranks.share_through_files), rank 0 caches them in `path` for
-    --resume. --bm25_negatives reads the pools instead (MS MARCO: Tevatron's)."""
+    """Stage-1 pools: BM25's top bm25_depth for each training query minus its positives. --bm25_negatives reads the
+    rankings instead (MS MARCO: Tevatron's), and the queries it has no line for are dropped, as Tevatron trains on the
+    file's lines (--missing_negatives drop; one line counts them), or searched with BM25 (bm25). Returns the
+    examples that train, each with its pool."""
+    ranked, search = {}, examples
     if c.bm25_negatives:
-        ranked = read_negatives(c.bm25_negatives, doc_index)
-    elif run.ranks.broadcast_rank0_choice(c.resume and path.is_file(), device):
-        ranked = read_negatives(path, doc_index)
-    else:
-        rank, world = rank_and_world()
-        tag = run.ranks.broadcast_rank0_int(int(time.time() * 1000) % 2**40, device)   # this run's part files
-        t0 = time.time()
-        mine = [examples[i] for i in data.shard(len(examples), rank, world)]
-        _, ids = evaluate.BM25(doc_texts, c.k1, c.b).search([ex.query for ex in mine], c.bm25_depth)
-        ranked = {ex.qid: row.tolist() for ex, row in zip(mine, ids)}
-        if world > 1:
-            ranked = run.ranks.share_through_files(path, ranked, tag, 2 * (time.time() - t0) + 600)
-        if is_rank0:
-            write_negatives(path, ranked, doc_ids)
-    return [ex._replace(negatives=negatives_from_ranking(ranked.get(ex.qid, [])[:c.bm25_depth], ex.positives))
-            for ex in examples]
+        ranked = read_negatives(c.bm25_negatives, doc_index, c.bm25_depth)
+        search = [ex for ex in examples if ex.qid not in ranked]
+        say_missing_negatives(c, search, len(examples), is_rank0)
+        if c.missing_negatives == "drop":
+            examples, search = [ex for ex in examples if ex.qid in ranked], []
+    if search:
+        ranked.update(bm25_rankings(c, search, doc_texts, doc_ids, doc_index, path, device, is_rank0))
+    return [ex._replace(negatives=negative_pool(ranked.get(ex.qid, [])[:c.bm25_depth], ex.positives)) for ex in examples]
+
+
+def say_missing_negatives(c, missing, n_examples, is_rank0):
+    """One line: how many training queries --bm25_negatives has no line for, and what becomes of them."""
+    if len(missing) == n_examples and c.missing_negatives == "drop":
+        raise data.DataError(f"{c.bm25_negatives}: no line for any of the {n_examples} training queries (are its query "
+                             f"ids those of --qrels?); --missing_negatives bm25 searches BM25 for them")
+    if missing and is_rank0:
+        fate = ("their negatives come from BM25 over the corpus (--missing_negatives bm25)" if c.missing_negatives ==
+                "bm25" else "left out of training, as Tevatron does (--missing_negatives bm25 searches BM25 for them)")
+        print(f"negatives: {len(missing):,} of {n_examples:,} training queries have no line in {c.bm25_negatives}; "
+              f"{fate}", flush=True)
+
+
+def bm25_rankings(c, examples, doc_texts, doc_ids, doc_index, path, device, is_rank0):
+    """{qid: corpus indices}: BM25's top bm25_depth for these queries. Every rank searches its share of them, exchanged
+    through files (run.ranks.share_through_files); rank 0 caches them in `path` for --resume. BM25 indexes the texts
+    (a passage cache streams them from the corpus file)."""
+    if run.ranks.broadcast_rank0_choice(c.resume and path.is_file(), device):
+        return read_negatives(path, doc_index)
+    rank, world = rank_and_world()
+    tag = run.ranks.broadcast_rank0_int(int(time.time() * 1000) % 2**40, device)   # this run's part files
+    t0 = time.time()
+    mine = [examples[i] for i in data.shard(len(examples), rank, world)]
+    texts = doc_texts.texts() if isinstance(doc_texts, run.passages.Passages) else doc_texts
+    _, ids = evaluate.BM25(texts, c.k1, c.b).search([ex.query for ex in mine], c.bm25_depth)
+    ranked = {ex.qid: row.tolist() for ex, row in zip(mine, ids)}
+    if world > 1:
+        ranked = run.ranks.share_through_files(path, ranked, tag, 2 * (time.time() - t0) + 600)
+    if is_rank0:
+        write_negatives(path, ranked, doc_ids)
+    return ranked
+
+
+def negative_pool(ranked, positives, skip=0):
+    """A query's pool (negatives_from_ranking) as an int32 array: 4 bytes an entry, where a list takes about 36."""
+    return np.array(negatives_from_ranking(ranked, positives, skip), dtype=np.int32)
 
 
 def hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc_index, path, device, is_rank0):
@@ -379,8 +439,7 @@ def hard_negative_pools(c, encoder, tokenizer, examples, doc_texts, doc_ids, doc
             write_negatives(path, ranked, doc_ids)
             print(f"mined: top-{c.hard_depth} of {len(examples)} queries over {len(doc_texts):,} passages "
                   f"in {run.files.format_seconds(time.time() - t0)} -> {path}", flush=True)
-    return [ex._replace(negatives=negatives_from_ranking(ranked.get(ex.qid, [])[:c.hard_depth], ex.positives,
-                                                         c.hard_skip))
+    return [ex._replace(negatives=negative_pool(ranked.get(ex.qid, [])[:c.hard_depth], ex.positives, c.hard_skip))
             for ex in examples]
 
 
@@ -482,19 +541,21 @@ def train(c, name=""):
     run.folders.lock_run_folder(c.out_dir)               # one run at a time in a run folder (if it exists yet)
     name = name or (Path(c.init).parent.name if Path(c.init).is_dir() else c.init) or "random init"  # for the printouts
     c = retriever_settings(dataclasses.replace(c, init=run.hub.resolve_model(c.init)))
+    c = run.resolve_batch(c, world)             # --global_batch: this rank's batch_size, or one line if it does not divide
     tokenizer = data.load_tokenizer(run.run_vocab(c))
-    corpus, queries, qrels = evaluate.load_split(c, c.train_split, c.queries, c.qrels)
+    # The corpus, tokenized once into its passage cache (rank 0) and mapped by every rank and loader worker
+    corpus = run.passages.load_passages(corpus_file(c), run.run_vocab(c), rank, c.cache_dir, verbose=is_rank0)
+    _, queries, qrels = evaluate.load_split(c, c.train_split, c.queries, c.qrels, corpus)
     qrels, dev_qrels = evaluate.carve_dev(qrels, c.dev_queries) if c.dev_queries else (qrels, {})
-    # a bad test file stops the run now, not after training; the corpus is read once, here
+    # a bad test file stops the run now, not after training
     test = evaluate.load_split(c, c.eval_split, c.eval_queries, c.eval_qrels, corpus) if evaluates(c) else None
-    doc_ids = list(corpus)
-    doc_index = {d: i for i, d in enumerate(doc_ids)}
-    doc_texts = [evaluate.passage_text(corpus[d]) for d in doc_ids]
+    doc_texts, doc_ids, doc_index = corpus, corpus.doc_ids, corpus.index
     examples = make_examples(queries, qrels, doc_index, c.n_queries, c.seed)
     encoder = evaluate.load_encoder(c.init, c) if c.init else _random_encoder(c)
     if encoder.config.vocab_size != tokenizer.get_vocab_size():
         raise data.DataError(f"{run.run_vocab(c)}: {tokenizer.get_vocab_size()} entries but the encoder "
                              f"has vocab_size {encoder.config.vocab_size}")
+    run.hub.check_vocab(run.run_vocab(c), c.init)     # each token once, and the one the --init folder records
     c = encoder.config                          # --init brings the checkpoint's model sizes
     evaluate.new_index(c.index, c.hidden_size)  # an --index these vectors cannot use fails now, not after stage 1
     evaluate.check_lengths(c, c.max_position, c.init)
@@ -539,6 +600,11 @@ def train(c, name=""):
         splits.append((*test, out / f"eval-{c.eval_split}"))
     results = evaluate.evaluate_splits(encoder, tokenizer, splits, c, device, tag=f"finetune-{name.replace(' ', '-')}")
     return results[-1] if evaluates(c) else None      # one encoding of the corpus when they share it
+
+
+def corpus_file(c):
+    """The retrieval corpus: --corpus, else the --dataset folder's corpus.jsonl."""
+    return c.corpus or data.find_file(c.dataset, "corpus.jsonl")
 
 
 def evaluates(c):
@@ -623,10 +689,12 @@ def pretrain_config(c):
 
 
 def check_pretraining(c):
-    """Before any work: --pretrain_args parse, and the token cache has a place (run.cache.token_cache_folder)."""
+    """Before any work: --pretrain_args parse, and the token cache has a place (run.cache.token_cache_folder), and so
+    has fine-tuning's passage cache."""
     _, _, pc = pretrain_config(c)
     run.cache.token_cache_folder(pc.corpus, run.run_vocab(pc), pc.cache_dir, pc.max_len,
                             flag='--pretrain_args "--cache_dir DIR"')
+    run.passages.passage_cache_folder(corpus_file(c), run.run_vocab(c), c.cache_dir)
 
 
 def evaluate_folder(c, folder, out_dir, tag):
@@ -661,6 +729,7 @@ def pipeline(c):
     run.folders.lock_run_folder(c.out_dir)               # one run at a time in a run folder (if it exists yet)
     out, name = Path(c.out_dir), Path(c.init).name if Path(c.init).is_dir() else c.init
     c = retriever_settings(dataclasses.replace(c, init=run.hub.resolve_model(c.init)))
+    run.hub.check_vocab(run.run_vocab(c), c.init)     # before the zero-shot evaluation
     check_pretraining(c)
     run.folders.lock_run_folder(out, create=True)       # a new folder is locked as it is made
     rows = {f"{name} zero-shot": evaluate_folder(c, c.init, out / f"zero-shot/eval-{c.eval_split}", f"{name}-zero-shot")}

@@ -1,8 +1,8 @@
 """The run: what a method's train() calls around its method, in train()'s order. Beneath it (a student never
 needs to open them): run/folders.py (run folder, resume, checkpoints, a clean stop), run/files.py (checksums,
-atomic writes), run/hub.py (Hugging Face folders, --init), run/cache.py (the token cache), run/speed.py (--compile's
-wrappers), run/cli.py (flags, signals, exit lines), run/ranks.py (torchrun's ranks). It imports data.py, never a
-method file.
+atomic writes), run/hub.py (Hugging Face folders, --init), run/cache.py (the token cache), run/passages.py
+(fine-tuning's corpus in it), run/speed.py (--compile's wrappers), run/cli.py (flags, signals, exit lines),
+run/ranks.py (torchrun's ranks). It imports data.py, never a method file.
 
   TrainConfig, PAPER_RUN, LAB_PRESET  the flags every method shares, and what --preset paper / lab add to them
   start_run          before any work: --init found, the run folder free and locked, the batch split
@@ -32,7 +32,7 @@ from typing import ClassVar
 import torch
 
 import data
-from run import cache, cli, files, folders, hub, ranks, speed  # noqa: F401 (run.speed, run.cli for callers)
+from run import cache, cli, files, folders, hub, passages, ranks, speed  # noqa: F401 (run.speed, ... for callers)
 from run.cache import rank0_builds  # noqa: F401  (CPDAE's IDF: built once by rank 0, beneath)
 from run.files import atomic_save_npy, load_tensors, save_tensors  # noqa: F401  (CPDAE's decoder file, beneath)
 
@@ -77,7 +77,7 @@ class TrainConfig:
     mask_prob: float = 0.15       # MLM: fraction of tokens chosen
     seed: int = 0                 # model init, data order and masks
     bf16: bool = True             # bf16 autocast on GPU and on CPUs with native bf16 (AVX512-BF16, AMX)
-    compile: bool = False         # torch.compile the method's vocabulary-sized loss into fused kernels (run.fused)
+    compile: bool = False         # torch.compile the encoder and the method's vocabulary-sized loss (run.speed)
     workers: int = 0              # data-loader worker processes building batches
     cache_dir: str = ""           # token cache folder ("" = next to the corpus; see token_windows)
     prep_workers: int = 0         # processes tokenizing the corpus into the cache, first run only (0 = all cores)
@@ -104,7 +104,8 @@ class TrainConfig:
 
 # What every method's --preset paper adds for a multi-GPU run (docs/paper-scale.md): 4 loader processes per GPU;
 # a log line and a host sync every 100 steps; a checkpoint every 30 minutes or 20,000 steps, the 2 before it kept;
-# the vocabulary-sized losses compiled (--compile: on one H200 CPDAE's step 1.11x, SEED's 1.31x, results/gpu).
+# the encoder and the vocabulary-sized losses compiled (--compile: on one H200 the losses alone made CPDAE's step
+# 1.11x, SEED's 1.31x as fast, results/gpu).
 PAPER_RUN = dict(workers=4, log_every=100, save_every=20_000, save_minutes=30.0, keep_last=3, compile=True)
 
 
@@ -158,7 +159,7 @@ def init_encoder(Encoder, c):
         return Encoder(c)
     encoder = hub.load_pretrained(Encoder, c.init, c)
     if ranks._rank() == 0 and encoder.new_mlm_head:
-        print(f"{c.init}: no MLM head in the checkpoint; training a new one, its decoder tied to the word embeddings")
+        print(f"{c.init}: {encoder.new_head_line}")    # the whole head, or the tensors of it the checkpoint lacks
     return encoder
 
 
@@ -169,6 +170,7 @@ def resolve_vocab(c):
     model = f"the --init model {c.init}" if c.init else "the model"
     if n != c.vocab_size:
         raise data.DataError(f"{c.vocab}: {n} entries, but {model} has vocab_size {c.vocab_size}")
+    hub.check_vocab(c.vocab, c.init)         # each token once, and the one the --init folder records
     if c.max_len > c.max_position:
         raise ValueError(f"--max_len {c.max_len} is more than the {c.max_position} positions of {model} (max_position)")
     return c
