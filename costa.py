@@ -341,6 +341,7 @@ def train(c):
     model.gwc_loss = run.across_ranks(run.in_fp32(gwc_loss), gather_across_ranks)
     if model.projector:
         model.projector.forward = run.in_fp32(model.projector.forward)
+    model.encoder.forward = run.speed.compiled_encoder(model.encoder, c)   # --compile: its elementwise work fused
     optimizer, scheduler = run.make_optimizer(model, c, eps=1e-8)    # Adam's eps: torch's (the paper gives none)
     training = run.TrainingRun(c, model, optimizer, scheduler, device, windows)  # resume, run folder, log
     # Each rank trains on its own slice of every global batch (data.batch_indices); DDP averages the

@@ -60,7 +60,7 @@ class Config(run.TrainConfig):
     cl_tau: float = 1.0           # eq. 5's similarity is -JS / cl_tau (1 = the paper's; -JS alone keeps L_CL near ln(2m-1))
     rec_reduction: str = "sum"    # eq. 4 over the vocabulary: "sum" (the paper's) or "mean" (/|V|, as DupMAE's BoW loss)
 
-    compile: bool = True          # eq. 5 fused (run.speed.fused): the step 2.01x as fast on a CPU (results/speed/benchmark-intel.md)
+    compile: bool = True          # eq. 5 fused, the encoder compiled: 1.92x on a CPU (results/speed/compile-encoder.md)
     out_dir: str = "runs/cpdae"   # checkpoints, config.json and log.jsonl go here
 
 
@@ -381,6 +381,7 @@ def train(c):
     model.js_similarity = run.speed.fused(js_similarity, c, run.speed.in_row_chunks(js_similarity, c.js_chunk),
                                           sweep_per_input=True)
     model.contrastive_loss = run.across_ranks(contrastive_loss, gather_across_ranks)
+    model.encoder.forward = run.speed.compiled_encoder(model.encoder, c)   # --compile: its elementwise work fused
     optimizer, scheduler = run.make_optimizer(model, c, eps=1e-8)    # Adam's eps: torch's (the paper gives none)
     save_decoder = lambda folder: run.save_tensors(Path(folder) / "decoder.safetensors", model.decoder.state_dict())
     training = run.TrainingRun(c, model, optimizer, scheduler, device, windows, save_decoder)  # resume, folder, log

@@ -52,7 +52,7 @@ class Config(run.TrainConfig):
     dec_span: int = 2             # self-attention span k of eq. 9 (paper: 2); 0 = full causal, the "strong decoder"
     dec_weight: float = 1.0       # weight of L_dec in eq. 10 (paper: 1, L_MLM + L_dec)
     dec_chunk: int = 2048         # decoder positions per chunk of vocabulary logits (peak ~ chunk x |V| fp32); 0 = all
-    compile: bool = True          # eq. 9 fused (run.speed.fused): the step 1.85x as fast on a CPU (results/speed/benchmark-intel.md)
+    compile: bool = True          # eq. 9 fused, the encoder compiled: 1.68x on a CPU (results/speed/compile-encoder.md)
     out_dir: str = "runs/seed"    # checkpoints, config.json and log.jsonl go here
 
 
@@ -335,6 +335,7 @@ def train(c):
     # padded to a multiple of 1/8 of their most, so that the compiled kernel sees a few shapes, not one per batch.
     eq9 = run.speed.fused(decoder_loss, c, lambda *a: chunked_decoder_loss(*a, c.dec_chunk))
     model.decoder_loss = run.speed.padded_rows(eq9, bucket=-(-c.batch_size * (c.max_len - 1) // 8))
+    model.encoder.forward = run.speed.compiled_encoder(model.encoder, c)   # --compile: its elementwise work fused
     optimizer, scheduler = run.make_optimizer(model, c, eps=1e-6)    # SEED 4.1: Adam's epsilon 1e-6
     training = run.TrainingRun(c, model, optimizer, scheduler, device, windows)  # resume, run folder, log
     # Each rank trains on its own slice of every global batch (data.batch_indices); DDP averages the

@@ -1,7 +1,8 @@
-"""Speed and memory wrappers a method's train() puts around a loss, beneath run/__init__.py; the loss itself stays
-the plain function its file shows. fused: --compile's torch.compile (with its backward one sweep per input where
-torch's own would write a (a, b, V) gradient out), eager on a failed compile in one line; in_row_chunks: the same
-values computed a chunk of rows at a time under checkpointing; pad_rows: a few fixed shapes for a varying count."""
+"""Speed and memory wrappers a method's train() puts around a loss or the encoder, beneath run/__init__.py; the loss
+itself stays the plain function its file shows. fused: --compile's torch.compile (with its backward one sweep per input
+where torch's own would write a (a, b, V) gradient out), eager on a failed compile in one line; compiled_encoder: the
+same for the encoder's forward; in_row_chunks: the same values computed a chunk of rows at a time under
+checkpointing; pad_rows: a few fixed shapes for a varying count."""
 import functools
 import time
 
@@ -51,10 +52,24 @@ def compiled_per_input(loss):
     return lambda *inputs, **kwargs: SweepPerInput.apply(kwargs, *inputs)
 
 
-def _compiled_or_eager(loss, eager, compile):
+def compiled_encoder(encoder, c):
+    """encoder.forward as training runs it. With --compile: torch.compile(encoder.forward), each block's elementwise
+    work (dropout, GELU, LayerNorm, the attention's mask and softmax) fused beside its matmuls, forward and backward.
+    The module stays itself, only its forward is replaced, so its state_dict keys (checkpoints, resume, the Hugging
+    Face folder) are eager's; a second batch length compiles once more, that length dynamic (dynamo's default), and
+    none after; a failed compile: one line, eager. Without --compile: its own forward."""
+    if not c.compile:
+        return encoder.forward
+    # fallback_random: dropout masks from torch's generator, as eager draws them (not inductor's in-kernel one), so
+    # that a compiled step is eager's step and dropout stays a function of the step's seed (exact resume)
+    compile = functools.partial(torch.compile, options={"fallback_random": True})
+    return _compiled_or_eager(encoder.forward, encoder.forward, compile, name="the encoder")
+
+
+def _compiled_or_eager(loss, eager, compile, name=None):
     """compile(loss), timing its first call (its compile; torch.compile's own backward compiles at the first
     backward); any error there (no C++ compiler, an unsupported platform) -> one line, and eager from then on."""
-    compiled, state = compile(loss), {"first": True, "failed": False}
+    compiled, state, name = compile(loss), {"first": True, "failed": False}, name or loss.__name__
 
     @functools.wraps(loss)
     def call(*args, **kwargs):
@@ -67,11 +82,11 @@ def _compiled_or_eager(loss, eager, compile):
             out = compiled(*args, **kwargs)
         except Exception as e:   # noqa: BLE001 (any compiler failure: the run goes on eager)
             state["failed"] = True
-            say = f"--compile: {loss.__name__} not compiled ({type(e).__name__}: {str(e).splitlines()[0][:160]}); eager"
+            say = f"--compile: {name} not compiled ({type(e).__name__}: {str(e).splitlines()[0][:160]}); eager"
             ranks._rank() == 0 and print(say, flush=True)
             return eager(*args, **kwargs)
         state["first"] = False
-        ranks._rank() == 0 and print(f"--compile: {loss.__name__} compiled in {time.perf_counter() - t0:.1f} s "
+        ranks._rank() == 0 and print(f"--compile: {name} compiled in {time.perf_counter() - t0:.1f} s "
                                f"(its first call; later shapes may compile once more)", flush=True)
         return out
     return call
