@@ -780,7 +780,7 @@ def test_docs_study_table_is_results_study_table():
 
 
 def test_results_mechanisms_reprint_from_their_rows_and_the_pages_quote_them(tmp_path):
-    """results/mechanisms/report.py (and from-scratch/report.py, confirm/report.py) train and measure nothing: from
+    """results/mechanisms/report.py (and from-scratch/, confirm/, matched/report.py) train and measure nothing: from
     a copy of the committed rows each writes its table.md as committed (the same figures' names beside it); every
     table row and every verdict line that the README's figures section and docs/mechanisms.md give is a line of a
     table.md."""
@@ -798,7 +798,16 @@ def test_results_mechanisms_reprint_from_their_rows_and_the_pages_quote_them(tmp
     shutil.copy(confirm / "plan.md", copy)
     subprocess.run([PY, str(confirm / "report.py"), str(copy)], check=True, capture_output=True, timeout=300)
     tables.append((confirm / "table.md").read_text())
-    assert (copy / "table.md").read_text() == re.sub(r" \(first commit \w+\)", "", tables[-1])
+    outside_git = r"`; its first commit \w+ held sha256 `\w+…`, and the wording corrections .*? made `\w+…"
+    assert (copy / "table.md").read_text() == re.sub(outside_git, "", tables[-1])
+    matched = HERE / "results" / "mechanisms" / "matched"   # judged beside the confirmatory round's verdicts
+    shutil.copytree(matched / "rows", tmp_path / "matched" / "rows")
+    shutil.copy(matched / "plan.md", tmp_path / "matched")
+    subprocess.run([PY, str(matched / "report.py"), str(tmp_path / "matched")], check=True, capture_output=True,
+                   timeout=300)
+    tables.append((matched / "table.md").read_text())
+    assert (tmp_path / "matched" / "table.md").read_text() == re.sub(
+        r", committed in \w+ before any of this round's code or rows", "", tables[-1])
     table = "\n".join(tables)
     readme = (HERE / "README.md").read_text()
     figures = readme[readme.index("## Figures"):readme.index("## The study, in brief")]
@@ -2520,8 +2529,9 @@ def test_class4_init_vocabulary_and_mismatched_state(tmp_path, small_corpus):
     (tmp_path / "a" / "state.pt").write_bytes(state[:len(state) // 2])
     code, err = main_error([HERE / "cpdae.py", *common, "--out_dir", tmp_path / "a", "--resume"], tmp_path)
     assert code == 1 and err.startswith(f"error: {tmp_path / 'a' / 'state.pt'}: sha256 ") and err.endswith(
-        "that state.pt.sha256 recorded when it was written: the file is damaged; resume from a copy of the run, or "
-        "start again with --overwrite")                                  # its checksum catches it first
+        "that state.pt.sha256 recorded when it was written: the file is damaged, or its checksum file is; resume from "
+        "a copy of the run; if state.pt is known good, recompute state.pt.sha256 (sha256sum state.pt > "
+        f"state.pt.sha256, in {tmp_path / 'a'})")                        # its checksum catches it first
     sidecar = (tmp_path / "a" / "state.pt.sha256").read_bytes()
     (tmp_path / "a" / "state.pt.sha256").unlink()                      # ... and without one, torch.load does
     code, err = main_error([HERE / "cpdae.py", *common, "--out_dir", tmp_path / "a", "--resume"], tmp_path)
@@ -4300,7 +4310,11 @@ def test_pretrain_on_a_read_only_corpus_stops_before_any_work_naming_a_flag_that
                                                  r'"--cache_dir DIR"$'):
             finetune.main(flags + ["--pretrain_args", "--batch_size 4 --max_len 64"])
         assert not out.exists()                                          # no zero-shot row, no fine-tuning
-        finetune.main(flags + ["--pretrain_args", f"--batch_size 4 --max_len 64 --cache_dir {tmp_path / 'cache'}"])
+        with pytest.raises(data.DataError, match=r"read-only\), and no complete one is there; pass --cache_dir DIR$"):
+            finetune.main(flags + ["--pretrain_args", f"--batch_size 4 --max_len 64 --cache_dir {tmp_path / 'cache'}"])
+        assert not out.exists()                                          # fine-tuning's passage cache: its own flag
+        finetune.main(flags + ["--pretrain_args", f"--batch_size 4 --max_len 64 --cache_dir {tmp_path / 'cache'}",
+                               "--cache_dir", str(tmp_path / "cache")])
     assert (out / "pretrain" / "done.json").is_file() and list((tmp_path / "cache").glob("corpus.jsonl.gz.tokens-*"))
     assert folder_bytes(beir) == before
 
