@@ -30,7 +30,6 @@ import dataclasses
 import importlib
 import os
 import shlex
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -619,9 +618,9 @@ RUN_FILES = ("config.json", "encoder", "stage1")
 def clear_stale_outputs(out):
     """A fresh run removes an older run's finished stages, checkpoints, mined negatives and evaluations (rank 0)."""
     for path in [*out.glob("stage*/done.json"), *out.glob("stage*/state.pt"), *out.glob("negatives_*.tsv")]:
-        path.unlink()
+        run.folders.remove_entry(path)
     for folder in out.glob("eval-*"):
-        shutil.rmtree(folder)
+        run.folders.remove_entry(folder)
 
 
 def _random_encoder(c):

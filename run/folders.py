@@ -368,16 +368,22 @@ def held_by_another_run(folder):
 
 def prepare_run_folder(c):
     """Rank 0, after the last check: killed writes' temporaries go, a cut checkpoint switch is finished, and with
-    --overwrite the replaced run's checkpoint goes (Progress trims its log)."""
+    --overwrite the replaced run's checkpoint and log go."""
     out = Path(c.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files.remove_dead_temporaries(out, locked=True)
     finish_checkpoint_switch(out)           # a save cut short by a kill: complete it or drop it
-    if c.overwrite:
-        (out / "state.pt").unlink(missing_ok=True)
-        files.checksum_file(out / "state.pt").unlink(missing_ok=True)
-        shutil.rmtree(out / "encoder", ignore_errors=True)
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)     # --keep_last's older ones
+    if c.overwrite:     # each entry goes whatever its form (a folder in state.pt's place, a file in encoder's)
+        for name in ("state.pt", files.checksum_file("state.pt").name, "log.jsonl", "encoder", "checkpoints"):
+            remove_entry(out / name)                                    # checkpoints: --keep_last's older ones
+
+
+def remove_entry(path):
+    """Remove a file, a link (never what it leads to) or a folder; nothing there is fine."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -93,6 +93,22 @@ def test_resume_refuses_an_encoder_log_or_checksum_file_of_the_wrong_kind(traine
         assert folder_bytes(out) == before
 
 
+def test_overwrite_replaces_run_entries_of_any_form_before_training(trained_run, tmp_path):
+    """--overwrite takes a folder in state.pt's or log.jsonl's place and a file in encoder's: the new run trains and
+    saves where they were (once unlink met the folder, or the first save met the file, after the work)."""
+    folder, command = trained_run
+    out = tmp_path / "run"
+    shutil.copytree(folder, out)
+    for name in ("state.pt", "log.jsonl"):
+        (out / name).unlink()
+        (out / name / "inside").mkdir(parents=True)
+    shutil.rmtree(out / "encoder")
+    (out / "encoder").write_text("not a folder")
+    main_run(command + ["--out_dir", str(out), "--overwrite"], tmp_path)
+    assert (out / "state.pt").is_file() and (out / "encoder" / "config.json").is_file()
+    assert [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()] == [1, 2]
+
+
 def test_resume_without_any_state_pt_still_starts_from_step_0(tmp_path):
     c = costa.Config(out_dir=str(tmp_path / "none"), resume=True)
     assert run.folders.load_checkpoint(c, None, None, None, False) == 0     # nothing there in any form: a new run
