@@ -523,8 +523,8 @@ def retrieve(encoder, tokenizer, doc_texts, query_texts, k, c, device, timings=N
     k = min(k, len(doc_texts))
     new_index(c.index, encoder.config.hidden_size)  # a bad --index fails now, not after encoding the corpus
     shard = data.shard(len(doc_texts), rank, world)
-    t0 = time.time()
-    if doc_vecs is None:
+    t0, encodes_corpus = time.time(), doc_vecs is None
+    if encodes_corpus:
         doc_vecs = encode_corpus_shard(encoder, tokenizer, doc_texts, c, device)          # (n, H)
     elif len(doc_vecs) != len(shard):
         raise ValueError(f"doc_vecs has {len(doc_vecs)} rows but this rank's shard of the corpus has {len(shard)}")
@@ -544,9 +544,10 @@ def retrieve(encoder, tokenizer, doc_texts, query_texts, k, c, device, timings=N
     if world > 1:
         scores, ids = merge_topk_across_ranks(scores, ids, k, device)
     say_short_rankings(ids, k, c.index, rank)
-    if timings is not None:
-        timings.update(encode_docs_s=t1 - t0, docs_per_s_per_rank=len(shard) / max(t1 - t0, 1e-9),
-                       encode_queries_s=t2 - t1, search_s=t3 - t2, merge_s=time.time() - t3)
+    if timings is not None:     # vectors the caller encoded (evaluate_splits) have no encoding time here
+        if encodes_corpus:
+            timings.update(encode_docs_s=t1 - t0, docs_per_s_per_rank=len(shard) / max(t1 - t0, 1e-9))
+        timings.update(encode_queries_s=t2 - t1, search_s=t3 - t2, merge_s=time.time() - t3)
     return scores, ids
 
 

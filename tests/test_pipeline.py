@@ -1565,6 +1565,8 @@ def test_several_splits_share_one_encoding_of_the_corpus(tmp_path, monkeypatch):
         alone = evaluate.main(evaluate.Config(split=split, out_dir=str(tmp_path / split), **flags))
         assert alone[0] == both[split][0] and len(alone[1]) == (4 if split == "dev" else 16)
         assert (tmp_path / "both" / f"eval-{split}" / "run.trec").read_bytes() == (tmp_path / split / "run.trec").read_bytes()
+        timed = set(data.read_json(tmp_path / "both" / f"eval-{split}" / "metrics.json")["info"])  # shared vectors:
+        assert "encode_docs_s" not in timed and "encode_queries_s" in timed       # no encoding time of their own
     assert len(calls) == 3
     for module, bad in ((mechanisms, dict(split="dev,test", tsne="auto")), (evaluate, dict(split=" , "))):
         with pytest.raises(ValueError, match="--split"):
