@@ -5,7 +5,7 @@
 # query's top 100 of the ranked list, enough to score MRR@10, Recall@100 and nDCG@10 again).
 # The run folder is finetune.py's default, runs/finetune, which must not exist yet (model weights stay there).
 #
-#     bash results/quickstart/run.sh          # from the repository root; output.txt records 1,102 s (18 min) on 2 shared cores
+#     bash results/quickstart/run.sh          # from the repository root; output.txt records 702 s (12 min) on 2 quiet cores
 set -euo pipefail
 export PYTHONUNBUFFERED=1   # output.txt keeps the order in which lines were printed
 cd "$(dirname "$0")/../.."
